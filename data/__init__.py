@@ -1,0 +1,1 @@
+"""The data side of the OLMo 3 recipe."""
