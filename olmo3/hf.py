@@ -1,0 +1,256 @@
+"""Hugging Face `Olmo3ForCausalLM` <-> `olmo3.OLMo3`, tensor by tensor.
+
+HF names (DESIGN §2): `model.embed_tokens.weight` [V, d]; `model.layers.N.self_attn.{q,k,v,o}_proj
+.weight`, `...self_attn.{q,k}_norm.weight`, `model.layers.N.mlp.{gate,up,down}_proj.weight`,
+`model.layers.N.{post_attention,post_feedforward}_layernorm.weight`, `model.norm.weight`,
+`lm_head.weight` [V, d]. torch's Linear stores [out, in]; we store [in, out], hence the transposes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Mapping, Optional, Union
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmo3.config import Config, YaRN
+from olmo3.model import Layer, OLMo3
+
+# (our Layer field, HF suffix under model.layers.N., transpose?)
+LAYER_MAP = (
+    ("q_proj", "self_attn.q_proj.weight", True),
+    ("k_proj", "self_attn.k_proj.weight", True),
+    ("v_proj", "self_attn.v_proj.weight", True),
+    ("o_proj", "self_attn.o_proj.weight", True),
+    ("q_norm", "self_attn.q_norm.weight", False),
+    ("k_norm", "self_attn.k_norm.weight", False),
+    ("gate_proj", "mlp.gate_proj.weight", True),
+    ("up_proj", "mlp.up_proj.weight", True),
+    ("down_proj", "mlp.down_proj.weight", True),
+    ("post_attention_norm", "post_attention_layernorm.weight", False),
+    ("post_feedforward_norm", "post_feedforward_layernorm.weight", False),
+)
+EOS_ID, PAD_ID = 100257, 100277  # dolma2 (DESIGN §2)
+
+
+# ---- config ---------------------------------------------------------------------------------
+def _pattern(layer_types: list[str], n_layers: int) -> tuple[str, ...]:
+    """Shortest repeating pattern of 'sliding'/'full' that tiles the HF `layer_types` list."""
+    short = [{"sliding_attention": "sliding", "full_attention": "full"}.get(t) for t in layer_types]
+    if None in short or len(short) != n_layers:
+        raise ValueError(f"HF config layer_types={layer_types!r}: expected {n_layers} entries of "
+                         "'sliding_attention'/'full_attention'")
+    for p in range(1, n_layers + 1):
+        if n_layers % p == 0 and all(short[i] == short[i % p] for i in range(n_layers)):
+            return tuple(short[:p])
+    raise AssertionError("unreachable")
+
+
+def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
+    """(theta, YaRN or None) from either `rope_parameters` (per layer type) or old `rope_scaling`."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        sliding = dict(params.get("sliding_attention") or {})
+    else:  # old flat format: rope_theta + rope_scaling applied to full layers (transformers)
+        full = dict(params)
+        full.update(hf.get("rope_scaling") or {})
+        sliding = {"rope_type": "default"}
+    theta = float(full.get("rope_theta", hf.get("rope_theta", 500_000.0)))
+    if float(sliding.get("rope_theta", theta)) != theta:
+        raise ValueError("HF config has different rope_theta for sliding and full layers; unsupported")
+    if sliding.get("rope_type", "default") != "default":
+        raise ValueError(f"HF config applies rope_type={sliding['rope_type']!r} to sliding layers; OLMo 3 "
+                         "applies YaRN to full-attention layers only (DESIGN §2)")
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise ValueError(f"HF config rope_type={kind!r} for full layers: only 'default' and 'yarn' supported")
+    return theta, YaRN(factor=float(full["factor"]),
+                       original_max_position=int(full["original_max_position_embeddings"]),
+                       beta_fast=float(full.get("beta_fast") or 32.0),
+                       beta_slow=float(full.get("beta_slow") or 1.0),
+                       attention_factor=full.get("attention_factor"))
+
+
+def config_from_hf(hf: Mapping[str, Any], **overrides) -> Config:
+    """Our Config from an HF Olmo3 `config.json` dict."""
+    archs = hf.get("architectures") or []
+    if hf.get("model_type") != "olmo3" and "Olmo3ForCausalLM" not in archs:
+        raise ValueError(f"HF config is model_type={hf.get('model_type')!r}, architectures={archs}; "
+                         "expected an Olmo3ForCausalLM (model_type 'olmo3') checkpoint")
+    if hf.get("tie_word_embeddings"):
+        raise ValueError("HF config has tie_word_embeddings=true; OLMo 3 has an untied lm_head")
+    n_layers = int(hf["num_hidden_layers"])
+    n_heads = int(hf["num_attention_heads"])
+    theta, yarn = _rope_params(hf)
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
+    kw = dict(
+        vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), n_layers=n_layers,
+        n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // n_heads),
+        mlp_hidden=int(hf["intermediate_size"]), window=int(hf.get("sliding_window") or 4096),
+        layer_pattern=_pattern(list(layer_types), n_layers), rope_theta=theta, yarn=yarn,
+        max_position_embeddings=int(hf.get("max_position_embeddings", 65536)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+    kw.update(overrides)
+    return Config(**kw)
+
+
+def config_to_hf(c: Config) -> dict:
+    """An HF Olmo3 `config.json` dict for our Config."""
+    full = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.yarn is not None:
+        full = {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": c.yarn.factor,
+                "original_max_position_embeddings": c.yarn.original_max_position,
+                "beta_fast": c.yarn.beta_fast, "beta_slow": c.yarn.beta_slow,
+                "attention_factor": c.yarn.mscale}
+    return {
+        "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
+        "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.mlp_hidden,
+        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norm_eps,
+        "sliding_window": c.window, "attention_bias": False, "attention_dropout": 0.0,
+        "layer_types": [f"{t}_attention" for t in c.layer_types()],
+        "rope_parameters": {"full_attention": full,
+                            "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_theta}},
+        "tie_word_embeddings": False, "bos_token_id": None, "dtype": c.param_dtype,
+        # dolma2 ids; a research vocabulary too small to hold them gets none
+        "eos_token_id": EOS_ID if EOS_ID < c.vocab_size else None,
+        "pad_token_id": PAD_ID if PAD_ID < c.vocab_size else None,
+    }
+
+
+# ---- tensors --------------------------------------------------------------------------------
+def _to_numpy(t) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    if hasattr(t, "detach"):  # torch tensor; bf16 has no numpy dtype, go through float32
+        import torch
+        t = t.detach().cpu()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    return np.asarray(t)
+
+
+class _SafetensorsDir(Mapping):
+    """Lazy name -> numpy view over the *.safetensors files of an HF directory."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"No *.safetensors files in {path!r}; expected an HF model directory")
+        self._where, self._handles = {}, {}
+        for f in files:
+            try:
+                h = safe_open(os.path.join(path, f), framework="numpy")
+                keys = list(h.keys())
+            except Exception as e:  # corrupt header, truncated file...
+                raise ValueError(f"Cannot read safetensors file {os.path.join(path, f)!r}: {e}") from e
+            self._handles[f] = h
+            for k in keys:
+                self._where[k] = f
+
+    def __getitem__(self, name):
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self):
+        return len(self._where)
+
+
+def _take(sd: Mapping, name: str, shape: tuple, transpose: bool) -> np.ndarray:
+    if name not in sd:
+        raise KeyError(f"HF checkpoint has no tensor {name!r}")
+    a = _to_numpy(sd[name])
+    want = shape[::-1] if transpose else shape
+    if tuple(a.shape) != tuple(want):
+        raise ValueError(f"HF tensor {name!r} has shape {tuple(a.shape)}, but the config expects "
+                         f"{tuple(want)}; check that config.json matches the weights")
+    return a.T if transpose else a
+
+
+def from_hf(path_or_state_dict: Union[str, os.PathLike, Mapping[str, Any]], config: Optional[Config] = None,
+            **overrides) -> OLMo3:
+    """Load an HF Olmo3 checkpoint (a directory with config.json + safetensors, or a state dict)."""
+    if isinstance(path_or_state_dict, (str, os.PathLike)):
+        path = os.fspath(path_or_state_dict)
+        if config is None:
+            cfg_path = os.path.join(path, "config.json")
+            try:
+                with open(cfg_path) as f:
+                    config = config_from_hf(json.load(f), **overrides)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{cfg_path!r} not found: from_hf needs an HF model directory") from None
+        sd: Mapping = _SafetensorsDir(path)
+    else:
+        sd = path_or_state_dict
+        if config is None:
+            raise ValueError("from_hf(state_dict) needs config=olmo3.Config(...) (or pass an HF directory)")
+    c = config
+    dt = c.pdtype
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.{suffix}" for i in range(c.n_layers) for _, suffix, _ in LAYER_MAP}
+    extra = sorted(k for k in sd if k not in expected and "rotary_emb" not in k)
+    if extra:
+        raise ValueError(f"HF checkpoint has {len(extra)} tensors the config does not expect, e.g. "
+                         f"{extra[:3]}; is n_layers={c.n_layers} right?")
+
+    abstract = eqx.filter_eval_shape(OLMo3, c, jax.random.key(0))
+    stacked = {}
+    for field, suffix, transpose in LAYER_MAP:
+        shape = getattr(abstract.layers, field).shape[1:]
+        stacked[field] = jnp.asarray(np.stack(
+            [_take(sd, f"model.layers.{i}.{suffix}", shape, transpose) for i in range(c.n_layers)]), dt)
+    model = eqx.tree_at(
+        lambda m: (m.embed, m.layers, m.norm, m.lm_head), abstract,
+        (jnp.asarray(_take(sd, "model.embed_tokens.weight", abstract.embed.shape, False), dt),
+         Layer(**stacked),
+         jnp.asarray(_take(sd, "model.norm.weight", abstract.norm.shape, False), dt),
+         jnp.asarray(_take(sd, "lm_head.weight", abstract.lm_head.shape, True), dt)))
+    return model
+
+
+def state_dict(model: OLMo3) -> dict[str, np.ndarray]:
+    """HF-named numpy tensors ([out, in] layout) for our model."""
+    sd = {"model.embed_tokens.weight": np.asarray(model.embed),
+          "model.norm.weight": np.asarray(model.norm),
+          "lm_head.weight": np.asarray(model.lm_head).T}
+    for field, suffix, transpose in LAYER_MAP:
+        w = np.asarray(getattr(model.layers, field))
+        for i in range(model.config.n_layers):
+            sd[f"model.layers.{i}.{suffix}"] = w[i].T if transpose else w[i]
+    return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+
+def to_hf(model: OLMo3, path: Union[str, os.PathLike]) -> None:
+    """Write an HF directory (config.json + model.safetensors) that `from_pretrained` loads.
+
+    Written into a temporary sibling directory and renamed into place, so a crash never leaves
+    a half-written checkpoint at `path`.
+    """
+    from safetensors.numpy import save_file
+    path = os.fspath(path)
+    if os.path.exists(path) and os.listdir(path):
+        raise FileExistsError(f"to_hf: {path!r} exists and is not empty; choose a new directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+    sd = state_dict(model)
+    if model.config.param_dtype == "bfloat16":  # safetensors' numpy API has no bf16: store fp32
+        sd = {k: v.astype(np.float32) for k, v in sd.items()}
+    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config_to_hf(model.config), f, indent=2)
+    if os.path.exists(path):
+        os.rmdir(path)
+    os.rename(tmp, path)

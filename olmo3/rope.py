@@ -1,0 +1,64 @@
+"""Rotary position embeddings: plain RoPE and YaRN, rotate-half layout.
+
+OLMo 3 uses theta 5e5 and rotate-half (not interleaved) RoPE. Stage 3 extends the context with
+YaRN (Peng et al. 2023, arXiv:2309.00071) on the full-attention layers only; sliding layers keep
+plain RoPE (OLMo-core; transformers' per-layer-type `rope_parameters`). Frequencies are computed
+in float32 on the host, like transformers' `_compute_yarn_parameters`, including its
+floor/ceil-truncated correction range.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, jaxtyped
+from beartype import beartype
+
+from olmo3.config import YaRN
+
+
+def inv_frequencies(head_dim: int, theta: float, yarn: Optional[YaRN] = None) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale (YaRN's mscale)."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    pos_freqs = np.float32(theta) ** exponents
+    inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if yarn is None:
+        return inv_freq, 1.0
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose wavelength makes `num_rotations` turns over the original context.
+        return (head_dim * math.log(yarn.original_max_position / (num_rotations * 2 * math.pi))
+                / (2 * math.log(theta)))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = (1 - ramp).astype(np.float32)  # 1: keep the original frequency (high freq)
+    interp = (np.float32(1.0) / (np.float32(yarn.factor) * pos_freqs)).astype(np.float32)
+    inv_freq = interp * (1 - extrapolate) + inv_freq * extrapolate
+    return inv_freq.astype(np.float32), yarn.mscale
+
+
+@jaxtyped(typechecker=beartype)
+def cos_sin(positions: Int[Array, " seq"], head_dim: int, theta: float,
+            yarn: Optional[YaRN] = None) -> tuple[Float[Array, "seq head_dim"], Float[Array, "seq head_dim"]]:
+    """cos and sin tables in float32 for the given positions, already scaled by YaRN's mscale."""
+    inv_freq, scale = inv_frequencies(head_dim, theta, yarn)
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # (T, hd/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)                                   # (T, hd)
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+@jaxtyped(typechecker=beartype)
+def apply_rope(x: Float[Array, "seq heads head_dim"], cos: Float[Array, "seq head_dim"],
+               sin: Float[Array, "seq head_dim"]) -> Float[Array, "seq heads head_dim"]:
+    """x * cos + rotate_half(x) * sin, computed in float32 and cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    out = xf * cos[:, None, :] + rotated * sin[:, None, :]
+    return out.astype(x.dtype)

@@ -1,0 +1,487 @@
+"""Hand-written Pallas "Splash" attention for TPU: block-sparse causal / sliding-window, fwd + bwd.
+
+Why a kernel: OLMo 3 7B trains at seq 8192 with a 4096-token sliding window in 3 of every 4
+layers (DESIGN.md §2). A dense kernel computes all seq^2 scores and masks most of them away;
+this one cuts the score matrix into (block_q x block_kv) tiles, classifies every tile on the
+host as EMPTY (fully masked), PARTIAL (needs the mask) or FULL (no masked entry), and runs a
+grid that visits only the non-empty tiles of each row. FULL tiles skip the mask arithmetic.
+The MaxText reproduction of OLMo 3 used Splash attention with 2048-token blocks (DESIGN.md §6);
+those are the defaults here.
+
+How (the flash-attention recipe, written for Mosaic TPU Pallas):
+  forward   grid (head, q block, t): t walks the row's non-empty kv blocks, read from a
+            scalar-prefetched table by the k/v index maps. Online softmax in fp32 (running max m,
+            running sum l, fp32 accumulator); writes o and the logsumexp m + log(l).
+  dq        grid (head, q block, t) on the same table; p = exp(s - lse) is recomputed,
+            ds = p * (dO v^T - D) with D = rowsum(dO * o), dq = scale * ds k.
+  dk, dv    grid (kv head, kv block, head in group, t) on the transposed table: t walks the
+            q blocks that see this kv block; the tile is computed transposed (keys on rows) so
+            lse and D arrive lane-dense, and GQA heads of one group accumulate in VMEM.
+
+Mask semantics (identical to transformers' Olmo3 and olmo3.attention.reference_attention):
+query i sees key j iff j <= i, and i - j < window when window is set (a query sees itself and
+window - 1 keys before it), and segment_ids[i] == segment_ids[j] when segment ids are given.
+Segment ids are data, so with them every non-empty tile is treated as PARTIAL.
+
+Mosaic tiling (checked before lowering, see `_check_shapes`): a vreg is 8 sublanes x 128 lanes.
+Both block sizes end up on the lane axis of some tile (s is [bq, bkv] in forward/dq, [bkv, bq]
+in dk/dv and the lse/D rows are [1, bq]), so both must be multiples of 128; head_dim is the lane
+axis of q/k/v tiles: a multiple of 128, or 64 (padded in-register, as JAX's flash kernel allows).
+Plain interpret mode (`interpret=True`, the CPU path of the model) emulates generic Pallas and
+only needs blocks that divide seq and are multiples of 8, so tiny CPU models can use it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import Array, Float, Int, Int8
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+LANES, SUBLANES = 128, 8          # TPU vreg shape (Mosaic tiling unit)
+TPU_HEAD_DIMS = "a multiple of 128, or 64"
+# Finite "minus infinity" for masked scores: exp(MASK - m) underflows to 0 without producing
+# inf - inf = nan when a whole tile row is masked (same trick as JAX's own TPU kernels).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+NT = (((1,), (1,)), ((), ()))      # a @ b.T  (contract the last dims)
+NN = (((1,), (0,)), ((), ()))      # a @ b
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side block table
+# ---------------------------------------------------------------------------------------------
+
+def block_kinds(seq: int, block_q: int, block_kv: int, window: Optional[int] = None,
+                segmented: bool = False) -> Int8[np.ndarray, "q_blocks kv_blocks"]:
+    """EMPTY / PARTIAL / FULL for every (q block, kv block) tile of the causal(-window) mask.
+
+    From interval bounds, not a dense mask, so it is O(blocks) even at seq 65536.
+    Tile (i, j) holds queries [q0, q1] and keys [k0, k1] (inclusive); key k is visible from q iff
+    k <= q and q - k < window. FULL: the most distant pair (q1, k0) is visible and the nearest
+    (q0, k1) is causal. EMPTY: even the nearest pair is out (k0 > q1, or q0 - k1 >= window).
+    With segment ids (data-dependent) no tile can be proven FULL, so FULL becomes PARTIAL.
+    """
+    nq, nk = seq // block_q, seq // block_kv
+    q0 = (np.arange(nq) * block_q)[:, None]
+    q1 = q0 + block_q - 1
+    k0 = (np.arange(nk) * block_kv)[None, :]
+    k1 = k0 + block_kv - 1
+    w = seq if window is None else window
+    empty = (k0 > q1) | (q0 - k1 >= w)
+    full = (k1 <= q0) & (q1 - k0 < w)
+    kinds = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+    if segmented:
+        kinds[kinds == FULL] = PARTIAL
+    return kinds
+
+
+def computed_block_fraction(seq: int, window: Optional[int], block_q: int,
+                            block_kv: int) -> float:
+    """Share of the seq x seq score tiles the kernel computes (non-empty / all)."""
+    kinds = block_kinds(seq, block_q, block_kv, window)
+    return float(np.count_nonzero(kinds)) / kinds.size
+
+
+def _visit_lists(kinds: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per row of `kinds`, the column indices of its non-empty tiles, ascending, padded.
+
+    Returns flat int32 (index, kind) tables of shape [rows * width] and the width (the longest
+    row). Padding repeats the row's last index (so the pipeline issues no new DMA) with kind
+    EMPTY (so the kernel skips compute). Every row has >= 1 tile: each query sees itself.
+    """
+    rows, _ = kinds.shape
+    width = int(max(np.count_nonzero(kinds, axis=1).max(), 1))
+    index = np.zeros((rows, width), np.int32)
+    kind = np.zeros((rows, width), np.int32)
+    for r in range(rows):
+        cols = np.flatnonzero(kinds[r])
+        index[r, :len(cols)] = cols
+        index[r, len(cols):] = cols[-1] if len(cols) else 0
+        kind[r, :len(cols)] = kinds[r, cols]
+    return index.reshape(-1), kind.reshape(-1), width
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one call: shapes, blocks, mask and the host-side tables."""
+    heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+    block_q: int
+    block_kv: int
+    window: Optional[int]
+    segmented: bool
+    interpret: object
+    # forward / dq: per q block, its kv blocks.   dk/dv: per kv block, its q blocks.
+    fwd_index: np.ndarray = dataclasses.field(repr=False, compare=False)
+    fwd_kind: np.ndarray = dataclasses.field(repr=False, compare=False)
+    fwd_width: int = 0
+    bwd_index: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
+    bwd_kind: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
+    bwd_width: int = 0
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# In-kernel mask
+# ---------------------------------------------------------------------------------------------
+
+def _tile_mask(q_start, k_start, shape, window, keys_on_rows, q_seg=None, k_seg=None):
+    """Boolean visibility of a tile; `keys_on_rows` for the transposed dk/dv tile [bkv, bq]."""
+    rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = lax.broadcasted_iota(jnp.int32, shape, 1)
+    if keys_on_rows:
+        k_pos, q_pos = k_start + rows, q_start + cols
+    else:
+        q_pos, k_pos = q_start + rows, k_start + cols
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask = mask & (q_pos - k_pos < window)
+    if q_seg is not None:
+        mask = mask & (q_seg == k_seg)
+    return mask
+
+
+def _run_tile(kind, body):
+    """Run body(masked) for PARTIAL tiles and body(unmasked) for FULL ones; skip EMPTY padding."""
+    pl.when(kind == FULL)(lambda: body(False))
+    pl.when(kind == PARTIAL)(lambda: body(True))
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward kernel
+# ---------------------------------------------------------------------------------------------
+
+def _fwd_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
+    if plan.segmented:
+        qseg_ref, kseg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
+    else:
+        o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
+    i, t = pl.program_id(1), pl.program_id(2)
+    step = i * plan.fwd_width + t
+
+    @pl.when(t == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, MASK_VALUE, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    def body(masked):
+        q, k, v = q_ref[...], k_ref[...], v_ref[...]
+        s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * plan.scale
+        if masked:                                                        # s: [bq, bkv]
+            mask = _tile_mask(i * plan.block_q, index_ref[step] * plan.block_kv, s.shape,
+                              plan.window, False,
+                              *((qseg_ref[:, :1], kseg_ref[:1, :]) if plan.segmented else ()))
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_prev = m_scr[...]                                               # [bq, 128], lanes equal
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        alpha = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - m_next[:, :1])
+        if masked:
+            p = jnp.where(mask, p, 0.0)  # exact zeros even for a tile row that is all masked
+        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_scr[...] = m_next
+        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
+        acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
+
+    _run_tile(kind_ref[step], body)
+
+    @pl.when(t == plan.fwd_width - 1)
+    def _finish():
+        l = l_scr[...]
+        o_ref[...] = (acc_scr[...] / l[:, :1]).astype(o_ref.dtype)
+        lse_ref[...] = m_scr[...] + jnp.log(l)
+
+
+def _segment_operands(segment_ids, seq):
+    """Segment ids twice: as columns [seq, 128] (tile rows) and as rows [8, seq] (tile columns)."""
+    seg = segment_ids.astype(jnp.int32)
+    return (jnp.broadcast_to(seg[:, None], (seq, LANES)),
+            jnp.broadcast_to(seg[None, :], (SUBLANES, seq)))
+
+
+def _forward(plan: _Plan, q, k, v, segment_ids):
+    bq, bkv, d, g = plan.block_q, plan.block_kv, plan.head_dim, plan.group
+    w = plan.fwd_width
+    # Index maps get the grid indices, then the prefetched tables. lax.div, not //: floor
+    # division lowers through `sign`, which Mosaic cannot lower without a TPU attached.
+    q_map = lambda h, i, t, idx, kind: (h, i, 0)
+    kv_map = lambda h, i, t, idx, kind: (lax.div(h, g), idx[i * w + t], 0)
+    in_specs = [pl.BlockSpec((None, bq, d), q_map), pl.BlockSpec((None, bkv, d), kv_map),
+                pl.BlockSpec((None, bkv, d), kv_map)]
+    operands = [q, k, v]
+    if plan.segmented:
+        seg_cols, seg_rows = _segment_operands(segment_ids, plan.seq)
+        in_specs += [pl.BlockSpec((bq, LANES), lambda h, i, t, idx, kind: (i, 0)),
+                     pl.BlockSpec((SUBLANES, bkv), lambda h, i, t, idx, kind: (0, idx[i * w + t]))]
+        operands += [seg_cols, seg_rows]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(plan.heads, plan.seq // bq, w),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, bq, d), q_map), pl.BlockSpec((None, bq, LANES), q_map)],
+        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),   # running max m
+                        pltpu.VMEM((bq, LANES), jnp.float32),   # running sum l
+                        pltpu.VMEM((bq, d), jnp.float32)],      # fp32 output accumulator
+    )
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, plan=plan),
+        grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   # lane-broadcast lse: a [bq, 1] column would pad to 128 lanes anyway
+                   jax.ShapeDtypeStruct((plan.heads, plan.seq, LANES), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=plan.interpret,
+        name="splash_fwd",
+    )(jnp.asarray(plan.fwd_index), jnp.asarray(plan.fwd_kind), *operands)
+    return o, lse[..., 0]                                                # lse: [heads, seq]
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward kernels
+# ---------------------------------------------------------------------------------------------
+
+def _dq_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
+               plan: _Plan):
+    if plan.segmented:
+        qseg_ref, kseg_ref, dq_ref, acc_scr = refs
+    else:
+        dq_ref, acc_scr = refs
+    i, t = pl.program_id(1), pl.program_id(2)
+    step = i * plan.fwd_width + t
+
+    @pl.when(t == 0)
+    def _init():
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    def body(masked):
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        lse = jnp.expand_dims(lse_ref[0], -1)                            # [bq, 1]
+        di = jnp.expand_dims(di_ref[0], -1)                              # [bq, 1]
+        s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * plan.scale
+        p = jnp.exp(s - lse)                                             # [bq, bkv]
+        if masked:
+            mask = _tile_mask(i * plan.block_q, index_ref[step] * plan.block_kv, s.shape,
+                              plan.window, False,
+                              *((qseg_ref[:, :1], kseg_ref[:1, :]) if plan.segmented else ()))
+            p = jnp.where(mask, p, 0.0)
+        dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
+        ds = p * (dp - di)
+        acc_scr[...] += lax.dot_general(ds.astype(k.dtype), k, NN,
+                                        preferred_element_type=jnp.float32)
+
+    _run_tile(kind_ref[step], body)
+
+    @pl.when(t == plan.fwd_width - 1)
+    def _finish():
+        dq_ref[...] = (acc_scr[...] * plan.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
+                plan: _Plan):
+    if plan.segmented:
+        kseg_ref, qseg_ref, dk_ref, dv_ref, dk_scr, dv_scr = refs
+    else:
+        dk_ref, dv_ref, dk_scr, dv_scr = refs
+    j, r, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    step = j * plan.bwd_width + t
+
+    @pl.when((r == 0) & (t == 0))
+    def _init():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    def body(masked):
+        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+        s_t = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * plan.scale
+        p_t = jnp.exp(s_t - lse_ref[...])                                # [bkv, bq]
+        if masked:
+            mask = _tile_mask(index_ref[step] * plan.block_q, j * plan.block_kv, s_t.shape,
+                              plan.window, True,
+                              *((qseg_ref[:1, :], kseg_ref[:, :1]) if plan.segmented else ()))
+            p_t = jnp.where(mask, p_t, 0.0)
+        dv_scr[...] += lax.dot_general(p_t.astype(do.dtype), do, NN,
+                                       preferred_element_type=jnp.float32)
+        dp_t = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+        ds_t = p_t * (dp_t - di_ref[...])
+        dk_scr[...] += lax.dot_general(ds_t.astype(q.dtype), q, NN,
+                                       preferred_element_type=jnp.float32)
+
+    _run_tile(kind_ref[step], body)
+
+    @pl.when((r == plan.group - 1) & (t == plan.bwd_width - 1))
+    def _finish():
+        dk_ref[...] = (dk_scr[...] * plan.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
+    bq, bkv, d, g = plan.block_q, plan.block_kv, plan.head_dim, plan.group
+    # D_i = rowsum(dO * o): the softmax-Jacobian term, cheap in XLA, fp32.
+    di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    lse_rows, di_rows = lse[:, None, :], di[:, None, :]                # [heads, 1, seq]
+    if plan.segmented:
+        seg_cols, seg_rows = _segment_operands(segment_ids, plan.seq)
+    params = pltpu.CompilerParams
+
+    # dq: same grid and table as the forward.
+    w = plan.fwd_width
+    kv_map = lambda h, i, t, idx, kind: (lax.div(h, g), idx[i * w + t], 0)
+    q_map = lambda h, i, t, idx, kind: (h, i, 0)
+    row_map = lambda h, i, t, idx, kind: (h, 0, i)
+    in_specs = [pl.BlockSpec((None, bq, d), q_map), pl.BlockSpec((None, bkv, d), kv_map),
+                pl.BlockSpec((None, bkv, d), kv_map), pl.BlockSpec((None, bq, d), q_map),
+                pl.BlockSpec((None, 1, bq), row_map), pl.BlockSpec((None, 1, bq), row_map)]
+    operands = [q, k, v, do, lse_rows, di_rows]
+    if plan.segmented:
+        in_specs += [pl.BlockSpec((bq, LANES), lambda h, i, t, idx, kind: (i, 0)),
+                     pl.BlockSpec((SUBLANES, bkv), lambda h, i, t, idx, kind: (0, idx[i * w + t]))]
+        operands += [seg_cols, seg_rows]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, plan=plan),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(plan.heads, plan.seq // bq, w), in_specs=in_specs,
+            out_specs=pl.BlockSpec((None, bq, d), q_map),
+            scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=plan.interpret,
+        name="splash_dq",
+    )(jnp.asarray(plan.fwd_index), jnp.asarray(plan.fwd_kind), *operands)
+
+    # dk, dv: per (kv head, kv block), loop over the group's q heads and the visiting q blocks.
+    w = plan.bwd_width
+    q_map = lambda kh, j, r, t, idx, kind: (kh * g + r, idx[j * w + t], 0)
+    kv_map = lambda kh, j, r, t, idx, kind: (kh, j, 0)
+    row_map = lambda kh, j, r, t, idx, kind: (kh * g + r, 0, idx[j * w + t])
+    in_specs = [pl.BlockSpec((None, bq, d), q_map), pl.BlockSpec((None, bkv, d), kv_map),
+                pl.BlockSpec((None, bkv, d), kv_map), pl.BlockSpec((None, bq, d), q_map),
+                pl.BlockSpec((None, 1, bq), row_map), pl.BlockSpec((None, 1, bq), row_map)]
+    operands = [q, k, v, do, lse_rows, di_rows]
+    if plan.segmented:
+        in_specs += [pl.BlockSpec((bkv, LANES), lambda kh, j, r, t, idx, kind: (j, 0)),
+                     pl.BlockSpec((SUBLANES, bq),
+                                  lambda kh, j, r, t, idx, kind: (0, idx[j * w + t]))]
+        operands += [seg_cols, seg_rows]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, plan=plan),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(plan.kv_heads, plan.seq // bkv, g, w),
+            in_specs=in_specs,
+            out_specs=[pl.BlockSpec((None, bkv, d), kv_map), pl.BlockSpec((None, bkv, d), kv_map)],
+            scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)]),
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params(
+            dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+        interpret=plan.interpret,
+        name="splash_dkv",
+    )(jnp.asarray(plan.bwd_index), jnp.asarray(plan.bwd_kind), *operands)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_vjp wiring and the public entry point
+# ---------------------------------------------------------------------------------------------
+
+def _attention_fn(plan: _Plan):
+    """A custom_vjp (q, k, v, segment_ids) -> o closed over the static plan."""
+
+    @jax.custom_vjp
+    def attend(q, k, v, segment_ids):
+        return _forward(plan, q, k, v, segment_ids)[0]
+
+    def fwd(q, k, v, segment_ids):
+        o, lse = _forward(plan, q, k, v, segment_ids)
+        return o, (q, k, v, segment_ids, o, lse)
+
+    def bwd(res, do):
+        q, k, v, segment_ids, o, lse = res
+        dq, dk, dv = _backward(plan, q, k, v, segment_ids, o, lse, do)
+        return dq, dk, dv, None  # segment ids are integers: no cotangent
+
+    attend.defvjp(fwd, bwd)
+    return attend
+
+
+def _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu):
+    """Raise a ValueError naming the violated constraint (before any lowering)."""
+    if heads % kv_heads:
+        raise ValueError(f"splash_attention: heads ({heads}) must be a multiple of kv_heads "
+                         f"({kv_heads}) for grouped-query attention")
+    if window is not None and window < 1:
+        raise ValueError(f"splash_attention: window={window} must be >= 1 (or None for causal)")
+    unit = LANES if tpu else SUBLANES
+    why = ("Mosaic TPU tiling: both block sizes become the 128-lane axis of a score tile"
+           if tpu else "interpret mode needs sublane-aligned blocks")
+    for name, b in (("block_q", block_q), ("block_kv", block_kv)):
+        if b <= 0 or b % unit:
+            raise ValueError(f"splash_attention: {name}={b} must be a positive multiple of "
+                             f"{unit} ({why}); pass e.g. {name}={max(unit, b - b % unit)}")
+        if seq % b:
+            raise ValueError(f"splash_attention: seq={seq} must be a multiple of {name}={b}; "
+                             f"pad the sequence or pick a block size that divides it")
+    if tpu and not (head_dim % LANES == 0 or head_dim == 64):
+        raise ValueError(f"splash_attention: head_dim={head_dim} must be {TPU_HEAD_DIMS} "
+                         f"(Mosaic TPU tiling: head_dim is the 128-lane axis of q/k/v tiles)")
+
+
+def splash_attention(
+    q: Float[Array, "heads seq head_dim"],
+    k: Float[Array, "kv_heads seq head_dim"],
+    v: Float[Array, "kv_heads seq head_dim"],
+    *,
+    window: Optional[int] = None,
+    segment_ids: Optional[Int[Array, "seq"]] = None,
+    block_q: int = 2048,
+    block_kv: int = 2048,
+    interpret: Union[bool, pltpu.InterpretParams] = False,
+) -> Float[Array, "heads seq head_dim"]:
+    """Causal (sliding-window) attention of one sequence, block-sparse, with a Pallas backward.
+
+    softmax(q k^T * head_dim**-0.5 + mask) v; head h reads kv head h // (heads // kv_heads).
+    window=None is plain causal; otherwise query i sees keys i - window + 1 .. i. segment_ids
+    (int [seq]) additionally restricts attention to keys of the same segment (document).
+    Block sizes are clipped to seq (default 2048 = the write-up's Splash blocks). Batch with
+    jax.vmap. interpret: False on TPU; True (plain) or pltpu.InterpretParams() (TPU semantics)
+    to run on CPU.
+    """
+    heads, seq, head_dim = q.shape
+    kv_heads = k.shape[0]
+    if k.shape != v.shape or k.shape[1:] != q.shape[1:]:
+        raise ValueError(f"splash_attention: expected q [heads, seq, head_dim] and k, v "
+                         f"[kv_heads, seq, head_dim]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if segment_ids is not None and segment_ids.shape != (seq,):
+        raise ValueError(f"splash_attention: segment_ids must be int [seq={seq}], "
+                         f"got {segment_ids.shape}")
+    block_q, block_kv = min(block_q, seq), min(block_kv, seq)
+    tpu = interpret is not True
+    _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu)
+    window = None if window is not None and window >= seq else window    # same mask as causal
+    kinds = block_kinds(seq, block_q, block_kv, window, segmented=segment_ids is not None)
+    fwd_index, fwd_kind, fwd_width = _visit_lists(kinds)
+    bwd_index, bwd_kind, bwd_width = _visit_lists(kinds.T)
+    plan = _Plan(heads=heads, kv_heads=kv_heads, seq=seq, head_dim=head_dim, block_q=block_q,
+                 block_kv=block_kv, window=window, segmented=segment_ids is not None,
+                 interpret=interpret, fwd_index=fwd_index, fwd_kind=fwd_kind,
+                 fwd_width=fwd_width, bwd_index=bwd_index, bwd_kind=bwd_kind,
+                 bwd_width=bwd_width)
+    return _attention_fn(plan)(q, k, v, segment_ids)

@@ -1,0 +1,146 @@
+"""Parity of olmo3.OLMo3 with transformers' Olmo3ForCausalLM (the independent reference)."""
+import json
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import olmo3
+from olmo3 import hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# (name, HF config overrides, sequence length)
+CASES = [
+    ("mha_window_lt_seq", dict(num_attention_heads=4, num_key_value_heads=4), 48),
+    ("gqa", dict(num_attention_heads=6, num_key_value_heads=2), 40),
+    ("seq_shorter_than_window", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=64), 33),
+    ("yarn_full_layers", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters={
+        "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                           "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}), 64),
+    ("odd_sizes", dict(hidden_size=40, intermediate_size=72, num_attention_heads=5, num_key_value_heads=1,
+                       head_dim=12, sliding_window=5, num_hidden_layers=8), 23),
+]
+
+
+def hf_config(**over):
+    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                rms_norm_eps=1e-6, sliding_window=7, pad_token_id=None, eos_token_id=None,
+                tie_word_embeddings=False)
+    base.update(over)
+    return transformers.Olmo3Config(**base)
+
+
+def random_hf_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    m = transformers.Olmo3ForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms at 1 would hide a swapped norm weight: randomize them too
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+    return m
+
+
+def kl_and_top1(ref_logits, our_logits):
+    p = jax.nn.log_softmax(jnp.asarray(ref_logits, jnp.float64 if jax.config.x64_enabled else jnp.float32))
+    q = jax.nn.log_softmax(jnp.asarray(our_logits, p.dtype))
+    kl = np.asarray(jnp.sum(jnp.exp(p) * (p - q), axis=-1))
+    top1 = float(np.mean(np.argmax(ref_logits, -1) == np.argmax(our_logits, -1)))
+    return kl, top1
+
+
+@pytest.mark.parametrize("name,over,seq", CASES, ids=[c[0] for c in CASES])
+def test_parity_with_transformers_fp32(name, over, seq):
+    cfg = hf_config(**over)
+    ref = random_hf_model(cfg)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, seq))
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor(tokens)).logits.float().numpy()
+    model = hf.from_hf({k: v for k, v in ref.state_dict().items()}, hf.config_from_hf(cfg.to_dict()))
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(tokens, jnp.int32)))
+    kl, top1 = kl_and_top1(ref_logits, ours)
+    assert kl.max() < 1e-6, f"{name}: max KL {kl.max():.3g}"
+    assert top1 == 1.0
+    np.testing.assert_allclose(ours, ref_logits, atol=2e-4, rtol=1e-4)
+
+
+def test_parity_bf16_compute_reported(capsys):
+    cfg = hf_config(num_attention_heads=4, num_key_value_heads=4)
+    ref = random_hf_model(cfg)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(2, 48))
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor(tokens)).logits.float().numpy()
+    model = hf.from_hf(dict(ref.state_dict()), hf.config_from_hf(cfg.to_dict(), compute_dtype="bfloat16"))
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(tokens, jnp.int32)))
+    kl, top1 = kl_and_top1(ref_logits, ours)
+    print(f"bf16 compute vs fp32 HF: mean KL {kl.mean():.3g}, max KL {kl.max():.3g}, top-1 {top1:.4f}")
+    # bf16 has 8 mantissa bits; a wrong kernel gives KL ~ 1, rounding gives ~1e-3 or less.
+    assert kl.mean() < 5e-3 and top1 > 0.9
+
+
+def test_to_hf_round_trip(tmp_path):
+    c = olmo3.Config.tiny(vocab_size=101, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=48,
+                          n_layers=4, window=5)
+    model = olmo3.OLMo3(c, jax.random.key(3))
+    model = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(4), a.shape) if a.ndim <= 2 and
+                         a.shape[-1] == c.d_model else a, model)  # non-trivial norms
+    hf.to_hf(model, tmp_path / "hf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = np.random.default_rng(5).integers(0, c.vocab_size, size=(1, 20))
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor(tokens)).logits.numpy()[0]
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens[0], jnp.int32))), ref_logits,
+                               atol=1e-5, rtol=1e-5)
+    back = hf.from_hf(tmp_path / "hf")
+    assert back.config == model.config
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_7b_preset_numbers():
+    c = olmo3.Config.olmo3_7b()
+    assert c.num_params() == 7_298_011_136
+    assert c.params_per_layer() == 202_391_552
+    abstract = eqx.filter_eval_shape(olmo3.OLMo3, c, jax.random.key(0))
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == 7_298_011_136
+    tflop = c.train_flops_per_token(8192, "writeup") * 512 * 8192 / 128 / 1e12
+    assert abs(tflop - 1565) / 1565 < 0.005
+    assert c.train_flops_per_token(8192, "sliding") < c.train_flops_per_token(8192, "writeup")
+    wide = olmo3.Config.olmo3_7b_16x256()
+    assert wide.num_params() == c.num_params()
+    assert wide.train_flops_per_token(8192) == c.train_flops_per_token(8192)
+    assert olmo3.Config.olmo3_7b_long().yarn.mscale == pytest.approx(1.2079, abs=1e-4)
+
+
+def test_sliding_flops_match_dense_mask_count():
+    c = olmo3.Config.tiny(window=5, n_layers=4)
+    T = 12
+    i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+    sliding_keys = ((j <= i) & (i - j < 5)).sum() / T
+    full_keys = (j <= i).sum() / T
+    attn = 12 * c.q_dim * (3 * sliding_keys + full_keys)
+    assert c.train_flops_per_token(T, "sliding") == pytest.approx(6 * c.num_params(False) + attn)
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(ValueError, match="multiple of the layer pattern"):
+        olmo3.Config.tiny(n_layers=6)
+    cfg = hf_config()
+    with pytest.raises(ValueError, match="expected an Olmo3ForCausalLM"):
+        hf.config_from_hf({**cfg.to_dict(), "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    ref = random_hf_model(cfg)
+    sd = dict(ref.state_dict())
+    wrong = hf.config_from_hf(cfg.to_dict(), d_model=32, head_dim=8)
+    with pytest.raises(ValueError, match="has shape .* config expects"):
+        hf.from_hf(sd, wrong)
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        hf.from_hf(sd, hf.config_from_hf(cfg.to_dict()))
