@@ -1,0 +1,218 @@
+"""Skip-step AdamW vs a plain-numpy (float64) re-implementation of OLMo-core's SkipStepAdamW:
+`optim/skip_step_optimizer.py` (lists capped at 129, decide once len >= 64, mean/std(ddof=1) over
+all but the latest) and `optim/adamw.py::adamw_step` (decoupled decay times lr, step += factor),
+with torch-style grad clipping."""
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from olmo3.optim import OptState, SkipStepAdamW, global_norm, no_decay_on
+from olmo3.schedules import linear_schedule
+
+
+class Tiny(eqx.Module):
+    embed: jax.Array
+    w: jax.Array
+    norm: jax.Array
+    buf: jax.Array                  # int array: not a parameter
+    act: Callable = jax.nn.relu     # non-array leaf
+    n: int = eqx.field(static=True, default=3)
+
+
+def tiny(dtype=jnp.float32, seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return Tiny(embed=jax.random.normal(k1, (5, 4), dtype), w=jax.random.normal(k2, (4, 3), dtype),
+                norm=jnp.ones((3,), dtype), buf=jnp.arange(3))
+
+
+NAMES = ("embed", "w", "norm")
+MASK = {"embed": 0.0, "w": 1.0, "norm": 1.0}      # embedding not decayed, norms decayed
+
+
+class NumpySkipStepAdamW:
+    """OLMo-core semantics, float64, dict of named arrays."""
+
+    def __init__(self, params, lr_fn, wd=0.1, b1=0.9, b2=0.95, eps=1e-8, max_norm=1.0,
+                 interval=128, sigma=6):
+        self.p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+        self.m = {k: np.zeros_like(v) for k, v in self.p.items()}
+        self.v = {k: np.zeros_like(v) for k, v in self.p.items()}
+        self.step_t = 0.0           # OLMo-core per-param state["step"]
+        self.global_step = 0
+        self.losses, self.norms = [], []
+        self.lr_fn, self.wd, self.b1, self.b2, self.eps = lr_fn, wd, b1, b2, eps
+        self.max_norm, self.interval, self.sigma = max_norm, interval, sigma
+
+    def step(self, grads, loss):
+        g = {k: np.asarray(v, np.float64) for k, v in grads.items()}
+        norm = np.sqrt(sum(np.sum(x * x) for x in g.values()))
+        coef = min(1.0, self.max_norm / (norm + 1e-6))
+        g = {k: x * coef for k, x in g.items()}
+        self.losses.append(loss)
+        self.norms.append(norm)
+        self.losses = self.losses[-(self.interval + 1):]
+        self.norms = self.norms[-(self.interval + 1):]
+        factor = 1.0
+        if len(self.losses) >= max(2, self.interval // 2):
+            lp, gp = np.array(self.losses[:-1]), np.array(self.norms[:-1])
+            ok = (loss - lp.mean() <= self.sigma * lp.std(ddof=1)
+                  and norm - gp.mean() <= self.sigma * gp.std(ddof=1))
+            factor = 1.0 if ok else 0.0
+        lr = self.lr_fn(self.global_step)
+        self.global_step += 1
+        for k in self.p:
+            self.p[k] *= 1 - factor * lr * self.wd * MASK[k]
+            self.m[k] += factor * (1 - self.b1) * (g[k] - self.m[k])
+            self.v[k] = self.v[k] * (1 - factor * (1 - self.b2)) + factor * (1 - self.b2) * g[k] ** 2
+            bc1 = 1 - self.b1 ** (self.step_t + 1)
+            bc2 = 1 - self.b2 ** (self.step_t + 1)
+            denom = np.sqrt(self.v[k]) / np.sqrt(bc2) + self.eps
+            self.p[k] += factor * (-lr / bc1) * self.m[k] / denom
+        self.step_t += factor
+        return factor == 0.0, norm
+
+
+def named(tree):
+    return {k: getattr(tree, k) for k in NAMES}
+
+
+def make_opt(**kw):
+    return SkipStepAdamW(linear_schedule(peak=1e-2, warmup=10, total=400),
+                         decay_mask=no_decay_on(lambda m: m.embed), **kw)
+
+
+def scripted(T=230, seed=1):
+    """Loss/grad-norm sequences with spikes before and after the window fills."""
+    rng = np.random.default_rng(seed)
+    loss = 3.0 - 0.002 * np.arange(T) + 0.02 * rng.standard_normal(T)
+    gnorm = 0.8 + 0.05 * rng.standard_normal(T)
+    loss[20] += 2.0      # before 64 values: cannot be skipped
+    gnorm[40] *= 6.0     # before 64 values: cannot be skipped (and gets clipped)
+    loss[62] += 2.0      # the 63rd value: len(_losses) = 63 < 64, not skipped
+    loss[63] += 6.0      # the 64th value: first step that can be skipped
+    loss[100] += 8.0     # loss spike
+    gnorm[150] *= 5.0    # grad-norm spike alone
+    loss[199] = -5.0     # a DROP is never skipped (one-sided test)
+    loss[220] += 1.0; gnorm[220] *= 4.0
+    return loss, gnorm, rng
+
+
+def test_skip_step_and_adamw_match_numpy_oracle():
+    loss, gnorm, rng = scripted()
+    model = tiny()
+    opt = make_opt()
+    state = opt.init(model)
+    ref = NumpySkipStepAdamW(named(model), lambda s: float(linear_schedule(1e-2, 10, 400)(s)))
+    upd = eqx.filter_jit(opt.update)
+    skipped = []
+    for t in range(len(loss)):
+        d = {k: rng.standard_normal(getattr(model, k).shape) for k in NAMES}
+        scale = gnorm[t] / np.sqrt(sum(np.sum(x * x) for x in d.values()))
+        grads = Tiny(**{k: jnp.asarray(d[k] * scale, jnp.float32) for k in NAMES},
+                     buf=jnp.zeros(3, jnp.int32))
+        before = (model, state)
+        model, state, met = upd(grads, state, model, jnp.float32(loss[t]))
+        ref_skip, ref_norm = ref.step({k: np.asarray(getattr(grads, k)) for k in NAMES}, float(loss[t]))
+        assert bool(met["optim/step_skipped"]) == ref_skip, t
+        np.testing.assert_allclose(float(met["optim/grad_norm"]), ref_norm, rtol=1e-5)
+        if ref_skip:
+            skipped.append(t)
+            # A skipped step changes neither params nor moments nor the Adam count...
+            for a, b in zip(jax.tree.leaves(before[0]), jax.tree.leaves(model)):
+                assert np.array_equal(np.asarray(a), np.asarray(b))
+            for f in ("mu", "nu", "count"):
+                for a, b in zip(jax.tree.leaves(getattr(before[1], f)),
+                                jax.tree.leaves(getattr(state, f))):
+                    assert np.array_equal(np.asarray(a), np.asarray(b)), f
+        # ...but the schedule step and the windows always advance.
+        assert int(state.step) == t + 1 and int(state.n_seen) == t + 1
+    assert skipped == [63, 100, 150, 220]
+    assert int(state.count) == len(loss) - len(skipped)
+    for k in NAMES:
+        np.testing.assert_allclose(np.asarray(getattr(model, k)), ref.p[k], rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(getattr(state.mu, k)), ref.m[k], rtol=2e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(getattr(state.nu, k)), ref.v[k], rtol=2e-5, atol=1e-9)
+    assert np.array_equal(np.asarray(model.buf), np.arange(3)) and model.act is jax.nn.relu
+
+
+def test_weight_decay_mask_and_lr_coupling():
+    """Zero gradients: Adam's update is 0, so p -> p * (1 - lr * wd) except the embedding."""
+    model = tiny()
+    opt = SkipStepAdamW(lambda s: jnp.float32(0.5), weight_decay=0.1,
+                        decay_mask=no_decay_on(lambda m: m.embed))
+    zeros = jax.tree.map(lambda x: jnp.zeros_like(x) if eqx.is_inexact_array(x) else x, model)
+    new, _, met = opt.update(zeros, opt.init(model), model, jnp.float32(1.0))
+    np.testing.assert_array_equal(np.asarray(new.embed), np.asarray(model.embed))
+    for k in ("w", "norm"):
+        np.testing.assert_allclose(np.asarray(getattr(new, k)),
+                                   np.asarray(getattr(model, k)) * (1 - 0.5 * 0.1), rtol=1e-6)
+    assert float(met["optim/lr"]) == 0.5
+
+
+def test_fp32_moments_with_bf16_params():
+    model = tiny(jnp.bfloat16)
+    opt = make_opt()
+    state = opt.init(model)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((state.mu, state.nu)))
+    g = jax.tree.map(lambda x: (x * 1.37 + 0.001).astype(jnp.bfloat16) if eqx.is_inexact_array(x)
+                     else x, model)
+    new, state, _ = eqx.filter_jit(opt.update)(g, state, model, jnp.float32(2.0))
+    assert all(getattr(new, k).dtype == jnp.bfloat16 for k in NAMES)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((state.mu, state.nu)))
+    gn = float(np.sqrt(sum(np.sum(np.asarray(getattr(g, k), np.float64) ** 2) for k in NAMES)))
+    c = min(1.0, 1.0 / (gn + 1e-6))
+    for k in NAMES:
+        g64 = np.asarray(getattr(g, k), np.float64) * c
+        # bf16 moments would be off by ~4e-3 relative; fp32 ones match to 1e-6.
+        np.testing.assert_allclose(np.asarray(getattr(state.mu, k)), 0.1 * g64, rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(getattr(state.nu, k)), 0.05 * g64 ** 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("norm,clipped", [(10.0, True), (0.5, False)])
+def test_clip(norm, clipped):
+    model = tiny()
+    opt = make_opt()
+    d = jax.tree.map(lambda x: jnp.ones_like(x) if eqx.is_inexact_array(x) else x, model)
+    n0 = float(global_norm(eqx.filter(d, eqx.is_inexact_array)))
+    g = jax.tree.map(lambda x: x * (norm / n0) if eqx.is_inexact_array(x) else x, d)
+    _, state, met = opt.update(g, opt.init(model), model, jnp.float32(1.0))
+    assert float(met["optim/grad_norm"]) == pytest.approx(norm, rel=1e-6)   # pre-clip
+    assert bool(met["optim/clipped"]) == clipped
+    want_g = (norm / n0) * (1.0 / (norm + 1e-6) if clipped else 1.0)       # torch clip_grad_norm_
+    np.testing.assert_allclose(np.asarray(state.mu.w), 0.1 * want_g, rtol=1e-6)
+
+
+def test_nonfinite_is_skipped_even_early():
+    model = tiny()
+    opt = make_opt()
+    g = jax.tree.map(lambda x: jnp.ones_like(x) if eqx.is_inexact_array(x) else x, model)
+    new, state, met = opt.update(g, opt.init(model), model, jnp.float32(np.nan))
+    assert float(met["optim/step_skipped"]) == 1.0 and int(state.count) == 0
+    np.testing.assert_array_equal(np.asarray(new.w), np.asarray(model.w))
+
+
+def test_warm_start_keeps_moments_resets_step_and_window():
+    model = tiny()
+    opt = make_opt()
+    state = opt.init(model)
+    g = jax.tree.map(lambda x: jnp.full_like(x, 0.1) if eqx.is_inexact_array(x) else x, model)
+    for i in range(5):
+        model, state, _ = opt.update(g, state, model, jnp.float32(3.0 + i))
+    warm = opt.warm_start(state)
+    assert int(warm.step) == 0 and int(warm.n_seen) == 0
+    assert not np.any(np.asarray(warm.loss_window)) and not np.any(np.asarray(warm.gnorm_window))
+    assert int(warm.count) == 5
+    for a, b in zip(jax.tree.leaves((state.mu, state.nu)), jax.tree.leaves((warm.mu, warm.nu))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert isinstance(warm, OptState)
+
+
+def test_bad_decay_mask_is_a_clear_error():
+    model = tiny()
+    opt = SkipStepAdamW(lambda s: jnp.float32(0.1), decay_mask={"embed": False})
+    with pytest.raises(ValueError, match="decay_mask"):
+        opt.update(model, opt.init(model), model, jnp.float32(1.0))
