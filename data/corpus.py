@@ -1,0 +1,145 @@
+"""Document sources: the embedded standard-library corpus and user corpus directories.
+
+A source is a deterministic stream of `Document`s (name, text, domain). The train / held-out
+split is decided per document from a hash of its name alone, so the same document lands on the
+same side on every machine and in every mixture, and a held-out document is never trained on.
+
+Built-in corpus "stdlib" (present wherever Python is):
+  code  every .py file of the standard library (site-packages excluded), named by its path
+        relative to the stdlib root, so the split does not depend on the install location;
+  docs  the prose of `pydoc_data.topics` (the Python reference documentation), one document per
+        topic.
+"""
+import dataclasses
+import gzip
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+
+# Fraction of documents held out from training (a hash threshold, not a count).
+HELDOUT_FRACTION = 0.1
+# pydoc_data.topics is only 79 long documents (~106k tokens): hold out a quarter so the docs
+# domain keeps a usable held-out set (17 documents, ~21k tokens).
+DOMAIN_HELDOUT_FRACTION = {"docs": 0.25}
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    name: str  # stable identifier: decides the split, and names the document in errors
+    text: str
+    domain: str  # held-out documents are kept per domain (multi-domain perplexity)
+
+
+def is_heldout(name: str, fraction: float = HELDOUT_FRACTION) -> bool:
+    """Document-level split: the first 8 bytes of sha256(name) as a uniform number in [0, 1)."""
+    h = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+    return h / 2.0**64 < fraction
+
+
+def split_of(doc: Document, fraction: float | None = None) -> str:
+    """"train" or "heldout/<domain>". `fraction=None` uses the per-domain defaults above."""
+    if fraction is None:
+        fraction = DOMAIN_HELDOUT_FRACTION.get(doc.domain, HELDOUT_FRACTION)
+    return f"heldout/{doc.domain}" if is_heldout(doc.name, fraction) else "train"
+
+
+def stdlib_root() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def stdlib_documents() -> Iterator[Document]:
+    """The standard library's .py sources (domain "code"), then pydoc topics (domain "docs")."""
+    root = stdlib_root()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for fn in sorted(filenames):
+            if fn.endswith(".py"):
+                path = os.path.join(dirpath, fn)
+                rel = os.path.relpath(path, root).replace(os.sep, "/")
+                with open(path, "rb") as f:
+                    # A few test files are deliberately not UTF-8; replacement keeps it deterministic.
+                    text = f.read().decode("utf-8", errors="replace")
+                yield Document(f"stdlib/{rel}", text, "code")
+    from pydoc_data import topics
+
+    for key in sorted(topics.topics):
+        yield Document(f"pydoc_data.topics/{key}", topics.topics[key], "docs")
+
+
+def stdlib_description() -> dict:
+    """What makes the embedded corpus of this interpreter what it is (recorded in the manifest)."""
+    return {"python": sys.version.split()[0], "implementation": sys.implementation.name}
+
+
+def directory_documents(root: str, domain: str | None = None) -> Iterator[Document]:
+    """A user corpus: every .txt file (one document) and every line of .jsonl / .jsonl.gz files
+    (one document per line, from its "text" field), walked in sorted order."""
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"corpus directory {root!r} does not exist; pass a directory of .txt/.jsonl/.jsonl.gz files or 'stdlib'")
+    domain = domain or os.path.basename(os.path.normpath(root)) or "user"
+    found = False
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for fn in sorted(filenames):
+            path = os.path.join(dirpath, fn)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            if fn.endswith(".txt"):
+                found = True
+                with open(path, "rb") as f:
+                    yield Document(f"{domain}/{rel}", f.read().decode("utf-8", errors="replace"), domain)
+            elif fn.endswith(".jsonl") or fn.endswith(".jsonl.gz"):
+                found = True
+                opener = gzip.open if fn.endswith(".gz") else open
+                with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+                    for lineno, line in enumerate(f, 1):
+                        if not line.strip():
+                            continue
+                        try:
+                            text = json.loads(line)["text"]
+                        except (json.JSONDecodeError, KeyError, TypeError) as e:
+                            raise ValueError(f"{path}:{lineno}: expected a JSON object with a string 'text' field ({e})") from e
+                        if not isinstance(text, str):
+                            raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {type(text).__name__}")
+                        yield Document(f"{domain}/{rel}:{lineno}", text, domain)
+    if not found:
+        raise ValueError(f"corpus directory {root!r} holds no .txt, .jsonl or .jsonl.gz files")
+
+
+def documents(source: str) -> Iterator[Document]:
+    """Documents of a named source: "stdlib", "stdlib-code", "stdlib-docs", or a directory path."""
+    if source == "stdlib":
+        return stdlib_documents()
+    if source in ("stdlib-code", "stdlib-docs"):
+        domain = source.split("-")[1]
+        return (d for d in stdlib_documents() if d.domain == domain)
+    return directory_documents(source)
+
+
+def parse_mixture(spec: str) -> list[tuple[str, float]]:
+    """"stdlib-code:0.7,/data/web:0.3" -> [(source, weight)]; a lone source has weight 1."""
+    out = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        source, sep, w = part.rpartition(":")
+        if not sep or not _is_float(w):
+            source, w = part, "1"
+        weight = float(w)
+        if not weight > 0:
+            raise ValueError(f"mixture {spec!r}: weight of {source!r} must be > 0, got {w}")
+        out.append((source, weight))
+    if not out:
+        raise ValueError(f"mixture {spec!r} names no source")
+    return out
+
+
+def _is_float(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,192 @@
+"""The training data loader: batches for consecutive global steps, prefetched in the background.
+
+The batch of global step s is `get_batch(dataset, global_batch, seed, s, rank, num_ranks)`, a
+pure function; workers only compute it ahead of time and batches are handed out strictly in step
+order, so the worker count and the history of the loader cannot change what a step sees (DESIGN
+§4, bug 3). The loader's state is just the next step to deliver plus what identifies the data
+(seed, fingerprint, batch shape): a small JSON value saved atomically with the model state.
+Restoring state N gives batch N next, exactly the batch an uninterrupted run would see at N.
+"""
+import collections
+import concurrent.futures
+import logging
+
+import numpy as np
+from jaxtyping import Bool, Int32, UInt32
+
+from data.dataset import FSLDataset
+from data.filters import repetition_mask
+from data.order import batch_indices, steps_per_epoch
+
+
+def segment_ids(tokens: UInt32[np.ndarray, "batch seq"] | Int32[np.ndarray, "batch seq"], eos_id: int) -> Int32[np.ndarray, "batch seq"]:
+    """Index of the document each token belongs to, counted from 0 within the instance.
+    An eos belongs to the document it ends; the token after it starts the next one."""
+    is_eos = (tokens == eos_id).astype(np.int32)
+    return np.cumsum(is_eos, axis=1, dtype=np.int32) - is_eos
+
+
+def get_batch(
+    dataset: FSLDataset,
+    global_batch: int,
+    seed: int,
+    step: int,
+    rank: int = 0,
+    num_ranks: int = 1,
+    repetition_filter: bool = False,
+) -> dict:
+    """Rank `rank`'s share of global batch `step` (0-based, counted across epochs).
+
+    Returns numpy arrays: `tokens` int32 [local_batch, seq_len]; `instance_mask` bool [local_batch]
+    (False = masked by the repetition filter; all True when the filter is off); `segment_ids`
+    int32 [local_batch, seq_len]; and `step` (int).
+    """
+    spe = steps_per_epoch(len(dataset), global_batch)
+    epoch = step // spe
+    idx = batch_indices(len(dataset), global_batch, seed, epoch, step % spe, rank, num_ranks)
+    raw = np.stack([dataset[i] for i in idx])  # (local_batch, seq_len) uint32
+    if repetition_filter:
+        mask = repetition_mask(raw)
+    else:
+        mask = np.ones(len(idx), dtype=bool)
+    return {
+        "tokens": raw.astype(np.int32),  # ids < 100278 fit; int32 is what the model embeds
+        "instance_mask": mask,
+        "segment_ids": segment_ids(raw, dataset.eos_id),
+        "step": int(step),
+    }
+
+
+class Loader:
+    """Iterates batches for steps start_step, start_step + 1, ... forever (epochs roll over)."""
+
+    def __init__(
+        self,
+        dataset: FSLDataset,
+        global_batch: int,
+        seed: int,
+        rank: int = 0,
+        num_ranks: int = 1,
+        workers: int = 2,
+        prefetch: int = 4,
+        repetition_filter: bool = False,
+        start_step: int = 0,
+    ):
+        if num_ranks < 1 or global_batch % num_ranks:
+            raise ValueError(f"num_ranks={num_ranks} must divide global_batch={global_batch}")
+        if not 0 <= rank < num_ranks:
+            raise ValueError(f"rank={rank} out of range for num_ranks={num_ranks}")
+        if workers < 0 or prefetch < 1:
+            raise ValueError(f"need workers >= 0 and prefetch >= 1, got workers={workers}, prefetch={prefetch}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        self.dataset = dataset
+        self.global_batch = int(global_batch)
+        self.seed = int(seed)
+        self.rank, self.num_ranks = int(rank), int(num_ranks)
+        self.workers, self.prefetch = int(workers), int(prefetch)
+        self.repetition_filter = bool(repetition_filter)
+        self.steps_per_epoch = steps_per_epoch(len(dataset), self.global_batch)
+        self._next_step = int(start_step)  # the step of the next batch __next__ returns
+        self._pool = None
+        self._pending = collections.deque()  # (step, future) for steps _next_step, _next_step + 1, ...
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.num_ranks
+
+    @property
+    def step(self) -> int:
+        """The global step of the next batch to be delivered."""
+        return self._next_step
+
+    @property
+    def epoch(self) -> int:
+        return self._next_step // self.steps_per_epoch
+
+    def batch(self, step: int) -> dict:
+        """This rank's batch of global step `step` (no prefetch, no state change)."""
+        return get_batch(self.dataset, self.global_batch, self.seed, step, self.rank, self.num_ranks,
+                         self.repetition_filter)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        step = self._next_step
+        if self.workers == 0:
+            out = self.batch(step)
+        else:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="data-loader")
+            # Keep steps step .. step + prefetch - 1 in flight; results are taken strictly in order.
+            nxt = self._pending[-1][0] + 1 if self._pending else step
+            while len(self._pending) < self.prefetch:
+                self._pending.append((nxt, self._pool.submit(self.batch, nxt)))
+                nxt += 1
+            pending_step, fut = self._pending.popleft()
+            assert pending_step == step, (pending_step, step)
+            out = fut.result()
+        self._next_step = step + 1
+        return out
+
+    def state(self) -> dict:
+        """JSON-able loader state; `step` is the next batch to deliver."""
+        return {
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "step": self._next_step,
+            "fingerprint": self.dataset.fingerprint,
+            "global_batch": self.global_batch,
+            "seq_len": self.dataset.seq_len,
+        }
+
+    @classmethod
+    def from_state(
+        cls,
+        dataset: FSLDataset,
+        state: dict,
+        rank: int = 0,
+        num_ranks: int = 1,
+        workers: int = 2,
+        prefetch: int = 4,
+        repetition_filter: bool = False,
+        allow_fingerprint_mismatch: bool = False,
+    ) -> "Loader":
+        """Resume at `state["step"]`. A different dataset fingerprint or batch shape is an error:
+        silently training on other data after a restart is a real failure mode (DESIGN §4)."""
+        missing = {"seed", "step", "fingerprint", "global_batch", "seq_len"} - set(state)
+        if missing:
+            raise ValueError(f"loader state lacks {sorted(missing)}; it is not a data.Loader.state() value")
+        if state["seq_len"] != dataset.seq_len:
+            raise ValueError(f"loader state has seq_len={state['seq_len']} but the dataset has seq_len={dataset.seq_len}")
+        if state["fingerprint"] != dataset.fingerprint:
+            msg = (f"dataset fingerprint {dataset.fingerprint[:16]}... differs from the checkpoint's "
+                   f"{str(state['fingerprint'])[:16]}...: the token files changed since the checkpoint was "
+                   "written, so the data order would differ. Point the run at the original files, or pass "
+                   "allow_fingerprint_mismatch=True to continue on the new data deliberately.")
+            if not allow_fingerprint_mismatch:
+                raise ValueError(msg)
+            logging.warning(msg)
+        return cls(dataset, state["global_batch"], state["seed"], rank=rank, num_ranks=num_ranks, workers=workers,
+                   prefetch=prefetch, repetition_filter=repetition_filter, start_step=state["step"])
+
+    def close(self):
+        for _, fut in self._pending:
+            fut.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

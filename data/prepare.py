@@ -1,0 +1,486 @@
+"""Documents -> OLMo-core token files + a JSON manifest.
+
+    python -m data.prepare --source=stdlib --out_dir=runs/corpus
+    python -m data.prepare --source=/data/my_corpus --out_dir=runs/my_corpus
+    python -m data.prepare --source="stdlib-code:0.3,/data/web:0.7" --out_dir=runs/mix
+
+Output format (OLMo-core `NumpyFSLDataset` input): headerless uint32 token files (the `.npy` name
+is OLMo-core's convention; they are raw memmaps, not NumPy files), one eos (100257) after every
+document, at most `max_tokens_per_file` tokens per file (a single longer document gets a file of
+its own), one directory per split: `train/`, `heldout/<domain>/`. `manifest.json` records the
+tokenizer, the inputs' digest, and per split and file the document and token counts and sha256.
+
+Determinism: documents are read in a fixed order, encoded in parallel processes but written in
+input order, and the manifest holds no timestamps, so identical inputs give byte-identical
+files. Every file is written under a temporary name and renamed when complete; the manifest is
+written last and is the commit point (a directory without a valid manifest is rebuilt).
+
+A mixture "a:w1,b:w2" tokenizes each source on its own (under `sources/<i>/`), then builds
+`train/` from whole documents of each source's train split so that source i supplies a fraction
+w_i / sum(w) of the train tokens; by default the total is the largest that repeats no source,
+`--mixture_tokens` sets it (a source that must supply more than it has is repeated from its
+start, as OLMo-core upsamples). Held-out splits stay per domain and are never mixed into train.
+"""
+import concurrent.futures
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from data import corpus as corpus_lib
+from data.dataset import FSLDataset
+from data.tokenizer import CL100K_SHA256, EOS_ID, PAD_ID, VOCAB_SIZE, dolma2
+
+MANIFEST = "manifest.json"
+FORMAT = "olmo-core-fsl-uint32/v1"
+DEFAULT_MAX_TOKENS_PER_FILE = 2**28  # 1 GiB of uint32 per file
+_CHUNK_CHARS = 1 << 20  # documents are sent to workers in chunks of about this many characters
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding, in parallel processes, results in input order
+
+
+def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Worker: a list of documents -> (all tokens with an eos after each document, per-document lengths)."""
+    enc = dolma2()
+    # No special token is allowed or refused: a literal "<|endoftext|>" inside a document is encoded
+    # as text (same ids as encode_ordinary), so only prepare places eos tokens.
+    ids = [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+    lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
+    ends = np.cumsum(lengths)
+    out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.uint32)
+    for x, end in zip(ids, ends):
+        out[end - 1 - len(x) : end - 1] = x
+    out[ends - 1] = EOS_ID
+    return out, lengths
+
+
+def _chunks(docs: Iterable[corpus_lib.Document]) -> Iterator[list[corpus_lib.Document]]:
+    chunk, chars = [], 0
+    for d in docs:
+        chunk.append(d)
+        chars += len(d.text)
+        if chars >= _CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def encode_documents(docs: Iterable[corpus_lib.Document], workers: int) -> Iterator[tuple[list[corpus_lib.Document], np.ndarray, np.ndarray]]:
+    """Yield (documents, tokens, lengths) per chunk, in input order, encoding in `workers` processes."""
+    if workers <= 1:
+        for chunk in _chunks(docs):
+            yield (chunk, *_encode_chunk([d.text for d in chunk]))
+        return
+    # spawn, not fork: the parent may be running JAX threads.
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        pending = []
+        for chunk in _chunks(docs):
+            pending.append((chunk, pool.submit(_encode_chunk, [d.text for d in chunk])))
+            if len(pending) >= 2 * workers:
+                chunk0, fut = pending.pop(0)
+                yield (chunk0, *fut.result())
+        for chunk0, fut in pending:
+            yield (chunk0, *fut.result())
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing token files
+
+
+class _Progress:
+    """A one-line progress report with tokens/s on stderr."""
+
+    def __init__(self, label: str, enabled: bool):
+        self.label, self.enabled = label, enabled
+        self.t0 = self.last = time.perf_counter()
+        self.tokens = self.docs = 0
+
+    def update(self, tokens: int, docs: int):
+        self.tokens += tokens
+        self.docs += docs
+        now = time.perf_counter()
+        if self.enabled and now - self.last > 0.5:
+            self.last = now
+            self._print("\r")
+
+    def _print(self, end: str):
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        sys.stderr.write(f"{end}{self.label}: {self.docs:,} docs, {self.tokens / 1e6:.2f}M tokens, "
+                         f"{self.tokens / dt / 1e6:.2f}M tokens/s   ")
+        sys.stderr.flush()
+
+    def done(self):
+        if self.enabled:
+            self._print("\r")
+            sys.stderr.write("\n")
+
+
+class _SplitWriter:
+    """Appends whole documents to `<out>/<split>/<split>-NNNNN.npy`, starting a new file before one
+    would exceed `max_tokens` tokens."""
+
+    def __init__(self, out_dir: str, split: str, max_tokens: int, created: list[str]):
+        self.out_dir, self.split, self.max_tokens = out_dir, split, max_tokens
+        self.files: list[dict] = []
+        self._created = created  # temporary files to delete if the build fails
+        self._f = None
+
+    def _open(self):
+        k = len(self.files)
+        rel = f"{self.split}/{self.split.replace('/', '-')}-{k:05d}.npy"
+        path = os.path.join(self.out_dir, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        self._created.append(tmp)
+        self._f = open(tmp, "wb")
+        self._cur = {"path": rel, "tokens": 0, "documents": 0, "sha256": hashlib.sha256(), "_tmp": tmp}
+
+    def _close_file(self):
+        if self._f is None:
+            return
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        self._f = None
+        cur = self._cur
+        os.replace(cur.pop("_tmp"), os.path.join(self.out_dir, cur["path"]))
+        cur["sha256"] = cur["sha256"].hexdigest()
+        self.files.append(cur)
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray):
+        """Append documents: `tokens` is their concatenation, `lengths[i]` the length of document i."""
+        ends = np.cumsum(lengths)
+        i, n = 0, len(lengths)
+        while i < n:
+            if self._f is None:
+                self._open()
+            base = int(ends[i - 1]) if i else 0
+            room = self.max_tokens - self._cur["tokens"]
+            k = int(np.searchsorted(ends[i:] - base, room, side="right"))  # documents that fit
+            if k == 0:
+                if self._cur["tokens"]:
+                    self._close_file()
+                    continue
+                k = 1  # a document longer than the bound gets a file of its own
+            block = tokens[base : int(ends[i + k - 1])]
+            data = block.tobytes()
+            self._f.write(data)
+            self._cur["sha256"].update(data)
+            self._cur["tokens"] += len(block)
+            self._cur["documents"] += k
+            i += k
+            if self._cur["tokens"] >= self.max_tokens:
+                self._close_file()
+
+    def close(self) -> dict:
+        self._close_file()
+        return {
+            "documents": sum(f["documents"] for f in self.files),
+            "tokens": sum(f["tokens"] for f in self.files),
+            "files": self.files,
+        }
+
+
+def _write_json_atomic(path: str, obj) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _remove_temporaries(created: list[str]):
+    for p in created:
+        if os.path.exists(p):
+            os.remove(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources -> splits
+
+
+def _effective_heldout(fraction: float | None) -> dict:
+    if fraction is not None:
+        return {"default": fraction}
+    return {"default": corpus_lib.HELDOUT_FRACTION, **corpus_lib.DOMAIN_HELDOUT_FRACTION}
+
+
+def inputs_digest(source: str) -> str:
+    """sha256 over every document's name and text, in order: what the token files are built from."""
+    h = hashlib.sha256()
+    for d in corpus_lib.documents(source):
+        h.update(d.name.encode("utf-8") + b"\0" + d.text.encode("utf-8", errors="replace") + b"\0")
+    return h.hexdigest()
+
+
+def _tokenize_source(source: str, out_dir: str, prefix: str, workers: int, max_tokens: int,
+                     heldout_fraction: float | None, progress: bool, created: list[str]) -> tuple[dict, str]:
+    writers: dict[str, _SplitWriter] = {}
+    digest = hashlib.sha256()
+    bar = _Progress(f"prepare {source}", progress)
+
+    def hashed(docs):
+        for d in docs:
+            digest.update(d.name.encode("utf-8") + b"\0" + d.text.encode("utf-8", errors="replace") + b"\0")
+            yield d
+
+    for chunk, tokens, lengths in encode_documents(hashed(corpus_lib.documents(source)), workers):
+        # Route each document to its split; consecutive documents of one split are written together.
+        splits = [corpus_lib.split_of(d, heldout_fraction) for d in chunk]
+        ends = np.concatenate([[0], np.cumsum(lengths)])
+        i = 0
+        while i < len(chunk):
+            j = i
+            while j < len(chunk) and splits[j] == splits[i]:
+                j += 1
+            name = prefix + splits[i]
+            if name not in writers:
+                writers[name] = _SplitWriter(out_dir, name, max_tokens, created)
+            writers[name].add(tokens[ends[i] : ends[j]], lengths[i:j])
+            i = j
+        bar.update(len(tokens), len(chunk))
+    bar.done()
+    return {name: w.close() for name, w in sorted(writers.items())}, digest.hexdigest()
+
+
+def _doc_blocks(out_dir: str, split: dict) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Whole documents of a written split, one (tokens, lengths) block per file."""
+    for f in split["files"]:
+        tokens = np.fromfile(os.path.join(out_dir, f["path"]), dtype=np.uint32)
+        ends = np.flatnonzero(tokens == EOS_ID) + 1
+        yield tokens, np.diff(ends, prepend=0)
+
+
+def _mix(out_dir: str, parts: list[tuple[dict, float]], total: int | None, max_tokens: int,
+         created: list[str]) -> tuple[dict, list[dict]]:
+    """Train split from whole documents of each source's train split, token shares ~ weights."""
+    weights = np.array([w for _, w in parts], dtype=np.float64)
+    frac = weights / weights.sum()
+    available = [p["tokens"] for p, _ in parts]
+    if any(a == 0 for a in available):
+        raise ValueError("a mixture source has no train documents; lower --heldout_fraction or drop the source")
+    if total is None:
+        total = int(min(a / f for a, f in zip(available, frac)))
+    writer = _SplitWriter(out_dir, "train", max_tokens, created)
+    report = []
+    for (split, w), f, avail in zip(parts, frac, available):
+        target = int(round(f * total))
+        taken = 0
+        while taken < target:  # cycle through the source (upsampling) until it has supplied its share
+            for tokens, lengths in _doc_blocks(out_dir, split):
+                ends = np.cumsum(lengths)
+                k = min(int(np.searchsorted(ends, target - taken, side="left")) + 1, len(lengths))
+                writer.add(tokens[: int(ends[k - 1])], lengths[:k])
+                taken += int(ends[k - 1])
+                if taken >= target:
+                    break
+        report.append({"weight": w, "train_tokens_available": avail, "train_tokens_taken": taken})
+    return writer.close(), report
+
+
+def prepare(
+    source: str,
+    out_dir: str,
+    *,
+    workers: int | None = None,
+    max_tokens_per_file: int = DEFAULT_MAX_TOKENS_PER_FILE,
+    heldout_fraction: float | None = None,
+    mixture_tokens: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Tokenize `source` ("stdlib", a directory, or a mixture "a:w,b:w") into `out_dir`; returns the manifest."""
+    if max_tokens_per_file < 1:
+        raise ValueError(f"max_tokens_per_file must be >= 1, got {max_tokens_per_file}")
+    if heldout_fraction is not None and not 0 <= heldout_fraction < 1:
+        raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    sources = corpus_lib.parse_mixture(source)
+    os.makedirs(out_dir, exist_ok=True)
+    manifest_path = os.path.join(out_dir, MANIFEST)
+    if os.path.exists(manifest_path):
+        os.remove(manifest_path)  # the old commit point goes first: a crash below leaves no stale manifest
+    created: list[str] = []
+    try:
+        if len(sources) == 1:
+            splits, digest = _tokenize_source(sources[0][0], out_dir, "", workers, max_tokens_per_file,
+                                              heldout_fraction, progress, created)
+            inputs = [{"source": sources[0][0], "sha256": digest}]
+            mixture = None
+        else:
+            splits, inputs, parts = {}, [], []
+            for i, (src, w) in enumerate(sources):
+                sub, digest = _tokenize_source(src, out_dir, f"sources/{i}/", workers, max_tokens_per_file,
+                                               heldout_fraction, progress, created)
+                inputs.append({"source": src, "sha256": digest})
+                parts.append((sub.get(f"sources/{i}/train", {"tokens": 0, "documents": 0, "files": []}), w))
+                for name, split in sub.items():  # held-out splits per domain, across sources
+                    if name != f"sources/{i}/train":
+                        dom = name.split("/", 2)[2]
+                        merged = splits.setdefault(dom, {"documents": 0, "tokens": 0, "files": []})
+                        for key in ("documents", "tokens"):
+                            merged[key] += split[key]
+                        merged["files"] += split["files"]
+            splits["train"], mixture = _mix(out_dir, parts, mixture_tokens, max_tokens_per_file, created)
+            for entry, (src, _) in zip(mixture, sources):
+                entry["source"] = src
+    except BaseException:
+        _remove_temporaries(created)
+        raise
+    manifest = {
+        "format": FORMAT,
+        "tokenizer": {"name": "dolma2", "cl100k_sha256": CL100K_SHA256, "vocab_size": VOCAB_SIZE,
+                      "eos_id": EOS_ID, "pad_id": PAD_ID},
+        "source": source,
+        "inputs": inputs,
+        "heldout_fraction": _effective_heldout(heldout_fraction),
+        "max_tokens_per_file": max_tokens_per_file,
+        "mixture": mixture,
+        "mixture_tokens": mixture_tokens,
+        "splits": dict(sorted(splits.items())),
+    }
+    if any(s in ("stdlib", "stdlib-code", "stdlib-docs") for s, _ in sources):
+        manifest["stdlib"] = corpus_lib.stdlib_description()
+    _write_json_atomic(manifest_path, manifest)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading back
+
+
+def load_manifest(out_dir: str) -> dict:
+    """The manifest of a prepared directory, or a clear error naming the file."""
+    path = os.path.join(out_dir, MANIFEST)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist; build it with `python -m data.prepare --out_dir={out_dir}`")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if manifest["format"] != FORMAT:
+            raise ValueError(f"format {manifest['format']!r}, expected {FORMAT!r}")
+        for split in manifest["splits"].values():
+            for entry in split["files"]:
+                _ = entry["path"], int(entry["tokens"]), entry["sha256"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{path}: unreadable manifest ({type(e).__name__}: {e}); delete it and rebuild "
+                         f"with `python -m data.prepare --out_dir={out_dir}`") from e
+    return manifest
+
+
+def verify(out_dir: str, check_sha256: bool = True) -> dict:
+    """Check every file against the manifest (existence, size, sha256); returns the manifest."""
+    manifest = load_manifest(out_dir)
+    if manifest["tokenizer"].get("cl100k_sha256") != CL100K_SHA256:
+        raise ValueError(f"{os.path.join(out_dir, MANIFEST)}: built with another tokenizer; rebuild it")
+    for split in manifest["splits"].values():
+        for entry in split["files"]:
+            path = os.path.join(out_dir, entry["path"])
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"token file {path} listed in the manifest is missing; rebuild with `python -m data.prepare`")
+            size = os.path.getsize(path)
+            if size != 4 * entry["tokens"]:
+                raise ValueError(f"token file {path} has {size} bytes, the manifest says {4 * entry['tokens']}: "
+                                 "it is truncated or was replaced; rebuild with `python -m data.prepare`")
+            if check_sha256:
+                h = hashlib.sha256()
+                with open(path, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 24), b""):
+                        h.update(block)
+                if h.hexdigest() != entry["sha256"]:
+                    raise ValueError(f"token file {path}: sha256 differs from the manifest; it is corrupt, rebuild it")
+    return manifest
+
+
+def split_paths(out_dir: str, manifest: dict) -> dict[str, list[str]]:
+    return {name: [os.path.join(out_dir, f["path"]) for f in split["files"]]
+            for name, split in manifest["splits"].items()}
+
+
+def open_split(out_dir: str, split: str, seq_len: int) -> FSLDataset:
+    """An FSLDataset over one split, with file sizes checked against the manifest."""
+    manifest = load_manifest(out_dir)
+    if split not in manifest["splits"]:
+        raise KeyError(f"{out_dir}: no split {split!r}; it has {sorted(manifest['splits'])}")
+    files = manifest["splits"][split]["files"]
+    return FSLDataset([os.path.join(out_dir, f["path"]) for f in files], seq_len,
+                      expected_tokens=[f["tokens"] for f in files])
+
+
+def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dict[str, list[str]]:
+    """Token files of `corpus` under `out_dir`, built only if missing or stale: {split: [paths]}.
+
+    The existing build is reused when its manifest is readable, names the same source, was built
+    from identical inputs (digest of every document) with the same tokenizer, and every file
+    matches its recorded size and sha256; otherwise it is rebuilt.
+    """
+    try:
+        manifest = verify(out_dir)
+        current = [{"source": s, "sha256": inputs_digest(s)} for s, _ in corpus_lib.parse_mixture(corpus)]
+        stale = (manifest["source"] != corpus or manifest["inputs"] != current
+                 or manifest["heldout_fraction"] != _effective_heldout(prepare_kwargs.get("heldout_fraction"))
+                 or manifest["max_tokens_per_file"] != prepare_kwargs.get("max_tokens_per_file", DEFAULT_MAX_TOKENS_PER_FILE)
+                 or manifest["mixture_tokens"] != prepare_kwargs.get("mixture_tokens"))
+    except (OSError, ValueError):
+        stale = True
+    if stale:
+        manifest = prepare(corpus, out_dir, **prepare_kwargs)
+    return split_paths(out_dir, manifest)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+
+
+def main(argv):
+    from absl import flags
+
+    del argv
+    f = flags.FLAGS
+    t0 = time.perf_counter()
+    if f.verify:
+        manifest = verify(f.out_dir)
+    else:
+        manifest = prepare(f.source, f.out_dir, workers=f.workers, max_tokens_per_file=f.max_tokens_per_file,
+                           heldout_fraction=f.heldout_fraction, mixture_tokens=f.mixture_tokens)
+    dt = time.perf_counter() - t0
+    for name, split in manifest["splits"].items():
+        print(f"{name:>24}: {split['documents']:>9,} docs {split['tokens']:>14,} tokens {len(split['files'])} files")
+    total = sum(s["tokens"] for s in manifest["splits"].values())
+    print(f"{'verified' if f.verify else 'wrote'} {os.path.join(f.out_dir, MANIFEST)} in {dt:.1f} s "
+          f"({total / dt / 1e6:.2f}M tokens/s)")
+
+
+def _define_flags():
+    from absl import flags
+
+    flags.DEFINE_string("source", "stdlib", "'stdlib', 'stdlib-code', 'stdlib-docs', a directory of "
+                        ".txt/.jsonl/.jsonl.gz, or a mixture 'src:weight,src:weight'")
+    flags.DEFINE_string("out_dir", None, "where the token files and manifest.json go", required=True)
+    flags.DEFINE_integer("workers", os.cpu_count() or 1, "encoding processes")
+    flags.DEFINE_integer("max_tokens_per_file", DEFAULT_MAX_TOKENS_PER_FILE, "token file size bound")
+    flags.DEFINE_float("heldout_fraction", None, "fraction of documents held out, by name hash "
+                       "(default: 0.1, and 0.25 for the small stdlib docs domain)")
+    flags.DEFINE_integer("mixture_tokens", None, "train tokens of a mixture (default: the most without repeating a source)")
+    flags.DEFINE_bool("verify", False, "only check an existing build against its manifest")
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main)

@@ -1,0 +1,81 @@
+"""The dolma2 tokenizer, offline: cl100k_base BPE plus dolma2's special tokens.
+
+OLMo 3 uses `allenai/dolma2-tokenizer`, which is OpenAI's cl100k_base byte-level BPE with the
+vocabulary grown to 100278 by a `<|pad|>` token at 100277. Nothing is downloaded: the cl100k
+ranks ship inside the `bpe-openai` wheel, and we refuse to run if that file is not byte-for-byte
+the published one (same sha256 that tiktoken checks for cl100k_base).
+"""
+import base64
+import functools
+import gzip
+import hashlib
+import importlib.resources
+
+import tiktoken
+
+# OLMo-core `TokenizerConfig.dolma2()`: vocab_size=100278, eos_token_id=100257, pad_token_id=100277.
+EOS_ID = 100257
+PAD_ID = 100277
+VOCAB_SIZE = 100278
+
+# tiktoken_ext/openai_public.py, cl100k_base: the published hash of `cl100k_base.tiktoken`.
+CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+
+# tiktoken_ext/openai_public.py, cl100k_base: the pre-tokenization regex.
+CL100K_PAT_STR = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+
+# cl100k's own specials (tiktoken_ext/openai_public.py) plus dolma2's pad token
+# (allenai/dolma2-tokenizer tokenizer.json, added_tokens).
+SPECIAL_TOKENS = {
+    "<|endoftext|>": EOS_ID,
+    "<|fim_prefix|>": 100258,
+    "<|fim_middle|>": 100259,
+    "<|fim_suffix|>": 100260,
+    "<|endofprompt|>": 100276,
+    "<|pad|>": PAD_ID,
+}
+
+
+def cl100k_path() -> str:
+    """Path of the gzipped cl100k ranks inside the installed `bpe-openai` wheel."""
+    try:
+        res = importlib.resources.files("bpe_openai") / "data" / "cl100k_base.tiktoken.gz"
+    except ModuleNotFoundError as e:
+        raise RuntimeError("the dolma2 tokenizer needs the `bpe-openai` wheel: pip install bpe-openai") from e
+    if not res.is_file():
+        raise RuntimeError(f"{res} is missing from the bpe-openai wheel; reinstall it: pip install --force-reinstall bpe-openai")
+    return str(res)
+
+
+def _verified_ranks() -> dict[bytes, int]:
+    path = cl100k_path()
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != CL100K_SHA256:
+        raise RuntimeError(
+            f"{path}: sha256 of the unzipped ranks is {digest}, expected {CL100K_SHA256}; "
+            "the wheel is corrupt or not the published cl100k_base, reinstall bpe-openai")
+    # Same format tiktoken.load.load_tiktoken_bpe parses: `<base64 token> <rank>` per line.
+    ranks = {}
+    for line in raw.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+@functools.lru_cache(maxsize=1)
+def dolma2() -> tiktoken.Encoding:
+    """The dolma2 tokenizer as a `tiktoken.Encoding` (built once per process)."""
+    enc = tiktoken.Encoding(
+        name="dolma2",
+        pat_str=CL100K_PAT_STR,
+        mergeable_ranks=_verified_ranks(),
+        special_tokens=SPECIAL_TOKENS,
+    )
+    assert enc.n_vocab == VOCAB_SIZE, enc.n_vocab
+    return enc
