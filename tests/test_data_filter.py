@@ -1,0 +1,115 @@
+"""Repetition filter vs a plain-Python transcription of OLMo-core's row algorithm."""
+import numpy as np
+import pytest
+
+from data.filters import repetition_mask
+
+
+def oracle_keep(x, max_period=13, min_period=1, max_count=32):
+    """OLMo-core `find_periodic_sequences` + `_validate_instance`, written out with plain loops:
+    rows of p tokens, padded with -1; a row 'repeats' when equal to the previous row (row 0 is
+    compared with the last row, as np.roll does); each run of repeating rows is widened by the
+    trailing matches of the row before and the leading matches of the row after."""
+    x = [int(v) for v in x]
+    n = len(x)
+    for p in range(min_period, min(max_period, n // 3) + 1):
+        padded = x + [-1] * (p - n % p)
+        rows = [padded[r * p:(r + 1) * p] for r in range(len(padded) // p)]
+        R = len(rows)
+        eq = [[rows[r][c] == rows[r - 1][c] for c in range(p)] for r in range(R)]
+        full = [all(e) for e in eq]
+        r = 0
+        while r < R:
+            if not full[r]:
+                r += 1
+                continue
+            start_row = r
+            while r + 1 < R and full[r + 1]:
+                r += 1
+            end_row = r
+            trailing = 0
+            while trailing < p and eq[start_row - 1][p - 1 - trailing]:
+                trailing += 1
+            start_offset = trailing if 0 < trailing < p else 0
+            leading = 0
+            while leading < p and eq[end_row + 1][leading]:
+                leading += 1
+            start = (start_row - 1) * p - start_offset
+            end = (end_row + 1) * p + leading
+            times = (end - start) // p
+            if times > 2 and times >= max_count:
+                return False
+            r += 1
+    return True
+
+
+def _check(rows):
+    batch = np.stack(rows)
+    got = repetition_mask(batch)
+    want = np.array([oracle_keep(row) for row in rows])
+    np.testing.assert_array_equal(got, want)
+    return got
+
+
+def _planted(rng, length, period, reps, at, vocab=100278):
+    """Random tokens with `reps` copies of a random `period`-gram (plus partial copies) at `at`."""
+    x = rng.integers(1000, vocab, size=length)
+    gram = rng.integers(0, 1000, size=period)  # disjoint from the background: no accidental extension
+    run = np.tile(gram, int(reps) + 2)[: int(round(reps * period))]
+    x[at: at + len(run)] = run[: length - at]
+    return x
+
+
+def test_random_with_planted_runs_matches_oracle():
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(300):
+        p = int(rng.integers(1, 16))
+        reps = float(rng.choice([30, 31, 31.5, 32, 32.99, 33, 40]))
+        length = 600
+        at = int(rng.integers(0, length))
+        rows.append(_planted(rng, length, p, reps, at))
+    _check(rows)
+
+
+def test_small_vocab_natural_repetition_matches_oracle():
+    rng = np.random.default_rng(1)
+    for vocab, length in ((2, 200), (3, 400), (1, 50), (2, 40)):
+        rows = [rng.integers(0, vocab, size=length) for _ in range(40)]
+        _check(rows)
+
+
+@pytest.mark.parametrize("period", [1, 2, 7, 13])
+def test_exact_threshold(period):
+    rng = np.random.default_rng(period)
+    L = 512
+    mid = (L - 32 * period) // 2  # a 32-repeat run fits with random tokens on both sides
+    cases = {
+        "31 repeats, middle": (_planted(rng, L, period, 31, mid), True),
+        "32 repeats, middle": (_planted(rng, L, period, 32, mid), False),
+        "32 repeats minus one token": (_planted(rng, L, period, 32 - 1 / period, mid), True),
+        "32 repeats at the start": (_planted(rng, L, period, 32, 0), False),
+        "32 repeats ending at the last token": (_planted(rng, L, period, 32, L - 32 * period), False),
+        "31 repeats ending at the last token": (_planted(rng, L, period, 31, L - 31 * period), True),
+        "32 repeats cut by the instance end": (_planted(rng, L, period, 32, L - 32 * period + 1), True),
+    }
+    got = _check([x for x, _ in cases.values()])
+    assert dict(zip(cases, got.tolist())) == {k: v for k, (_, v) in cases.items()}
+
+
+def test_period_14_is_not_filtered_and_short_instances():
+    rng = np.random.default_rng(3)
+    gram14 = rng.permutation(1000)[:14]
+    x = np.concatenate([np.tile(gram14, 40), rng.integers(1000, 5000, size=40)])
+    assert _check([x]).tolist() == [True]
+    # Instances shorter than 32 repeats can never be masked; OLMo-core caps p at len // 3.
+    assert _check([np.zeros(31, dtype=np.int64)]).tolist() == [True]
+    assert _check([np.zeros(32, dtype=np.int64)]).tolist() == [False]
+
+
+def test_uint32_input_and_bad_config():
+    x = np.zeros((2, 64), dtype=np.uint32)
+    x[1] = np.arange(64)
+    assert repetition_mask(x).tolist() == [False, True]
+    with pytest.raises(ValueError, match="max_count"):
+        repetition_mask(x, max_count=2)

@@ -1,0 +1,138 @@
+"""Loader: order independent of worker count, exact resume, fingerprint guard, segment ids."""
+import json
+
+import numpy as np
+import pytest
+
+import data
+
+SEQ, GB = 16, 8
+
+
+@pytest.fixture
+def ds(tmp_path):
+    """Random instances (all distinct) with some eos tokens, over three files with leftovers."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for k, n in enumerate([11 * SEQ + 3, 9 * SEQ, 7 * SEQ + 9]):
+        x = rng.integers(0, 50_000, size=n).astype(np.uint32)
+        x[rng.random(n) < 0.05] = data.EOS_ID
+        p = tmp_path / f"part-{k}.npy"
+        x.tofile(p)
+        paths.append(str(p))
+    return data.FSLDataset(paths, SEQ)  # 27 instances -> 3 steps per epoch at GB=8
+
+
+def _take(loader, n):
+    out = [next(loader) for _ in range(n)]
+    loader.close()
+    return out
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_batch_layout_and_exactly_once_per_epoch(ds):
+    by_bytes = {ds[i].tobytes(): i for i in range(len(ds))}
+    assert len(by_bytes) == len(ds)
+    spe = len(ds) // GB
+    for num_ranks in (1, 2, 4):
+        loaders = [data.Loader(ds, GB, seed=5, rank=r, num_ranks=num_ranks, workers=2) for r in range(num_ranks)]
+        batches = [_take(l, 3 * spe) for l in loaders]
+        for epoch in range(3):
+            seen = []
+            for s in range(epoch * spe, (epoch + 1) * spe):
+                for r in range(num_ranks):
+                    b = batches[r][s]
+                    assert b["step"] == s
+                    assert b["tokens"].dtype == np.int32 and b["tokens"].shape == (GB // num_ranks, SEQ)
+                    assert b["instance_mask"].dtype == bool and b["instance_mask"].all()
+                    assert b["segment_ids"].dtype == np.int32 and b["segment_ids"].shape == b["tokens"].shape
+                    seen += [by_bytes[row.astype(np.uint32).tobytes()] for row in b["tokens"]]
+            assert len(seen) == len(set(seen)) == spe * GB  # each instance at most once, whole batches only
+
+
+def test_same_batches_with_1_and_8_workers(ds):
+    n = 10  # crosses three epoch boundaries
+    ref = [data.get_batch(ds, GB, 3, s, 1, 2, repetition_filter=True) for s in range(n)]
+    for workers, prefetch in ((0, 1), (1, 1), (8, 3), (8, 16)):
+        got = _take(data.Loader(ds, GB, 3, rank=1, num_ranks=2, workers=workers, prefetch=prefetch,
+                                repetition_filter=True), n)
+        for a, b in zip(got, ref):
+            _same(a, b)
+
+
+def test_rank_shares_are_strided_rows_of_the_global_batch(ds):
+    full = data.get_batch(ds, GB, 9, 4, 0, 1)
+    for r in range(4):
+        part = data.get_batch(ds, GB, 9, 4, r, 4)
+        np.testing.assert_array_equal(part["tokens"], full["tokens"][r::4])
+
+
+def test_state_restore_mid_epoch_gives_the_uninterrupted_batches(ds):
+    uninterrupted = _take(data.Loader(ds, GB, 11, workers=2), 8)
+    loader = data.Loader(ds, GB, 11, workers=3, prefetch=5)
+    for _ in range(4):  # stop mid-epoch 1 (3 steps per epoch) with batches still prefetched
+        next(loader)
+    state = json.loads(json.dumps(loader.state()))
+    loader.close()
+    assert state["step"] == 4 and state["epoch"] == 1 and state["seed"] == 11
+    assert state["global_batch"] == GB and state["seq_len"] == SEQ and state["fingerprint"] == ds.fingerprint
+    resumed = _take(data.Loader.from_state(ds, state, workers=1), 4)
+    for a, b in zip(resumed, uninterrupted[4:]):
+        _same(a, b)
+
+
+def test_fingerprint_mismatch_fails_loudly(ds, tmp_path):
+    state = data.Loader(ds, GB, 1).state()
+    other_path = tmp_path / "other.npy"
+    np.arange(40 * SEQ, dtype=np.uint32).tofile(other_path)
+    other = data.FSLDataset([str(other_path)], SEQ)
+    with pytest.raises(ValueError, match="fingerprint"):
+        data.Loader.from_state(other, state)
+    loader = data.Loader.from_state(other, state, allow_fingerprint_mismatch=True, workers=0)
+    assert next(loader)["step"] == 0
+    with pytest.raises(ValueError, match="seq_len"):
+        data.Loader.from_state(data.FSLDataset(ds.paths, SEQ // 2), state)
+
+
+def test_segment_ids_oracle():
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, 5, size=(6, 40)).astype(np.uint32)
+    tokens[tokens == 0] = data.EOS_ID
+    got = data.segment_ids(tokens, data.EOS_ID)
+    for row, seg in zip(tokens, got):
+        doc, want = 0, []
+        for t in row:
+            want.append(doc)
+            if t == data.EOS_ID:  # the eos belongs to the document it ends
+                doc += 1
+        assert seg.tolist() == want
+
+
+def test_repetition_filter_masks_only_repetitive_instances(tmp_path):
+    rng = np.random.default_rng(4)
+    seq = 128
+    x = rng.integers(1000, 50_000, size=(16, seq)).astype(np.uint32)
+    x[3, 10:10 + 64] = 7  # 64 repeats of a 1-gram
+    x[9, 0:2 * 40] = np.tile([5, 6], 40)  # 40 repeats of a 2-gram
+    p = tmp_path / "rep.npy"
+    x.tofile(p)
+    ds = data.FSLDataset([str(p)], seq)
+    b = data.get_batch(ds, 16, 0, 0, repetition_filter=True)
+    masked = {int(np.flatnonzero(np.all(x == row.astype(np.uint32), axis=1))[0])
+              for row, m in zip(b["tokens"], b["instance_mask"]) if not m}
+    assert masked == {3, 9}
+    assert data.get_batch(ds, 16, 0, 0)["instance_mask"].all()  # default off
+
+
+def test_bad_loader_arguments(ds):
+    with pytest.raises(ValueError, match="must divide"):
+        data.Loader(ds, GB, 0, rank=0, num_ranks=3)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        data.Loader(ds, 64, 0)
+    with pytest.raises(ValueError, match="not a data.Loader.state"):
+        data.Loader.from_state(ds, {"step": 3})
