@@ -1,0 +1,197 @@
+"""prepare: OLMo-core token files, deterministic split and bytes, mixtures, idempotent ensure_corpus,
+clear errors and nothing half-written."""
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data
+from data import prepare as prep
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _make_corpus(root, name, n_docs, seed):
+    """A user corpus of .txt, .jsonl and .jsonl.gz files; returns [(document name, text)] in read order."""
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "def", "return", "the", "of", "é", "🙂", "\n", "  ", "42", "x=1;"]
+    texts = [" ".join(rng.choice(words, size=int(rng.integers(5, 120)))) for _ in range(n_docs)]
+    d = root / name
+    os.makedirs(d / "sub")
+    docs = []
+    k = n_docs // 3
+    for i in range(k):  # sorted order within a directory: a/.., b.jsonl, sub/
+        (d / f"a{i:03d}.txt").write_text(texts[i], encoding="utf-8")
+        docs.append((f"{name}/a{i:03d}.txt", texts[i]))
+    with open(d / "b.jsonl", "w", encoding="utf-8") as f:
+        for j, t in enumerate(texts[k:2 * k]):
+            f.write(json.dumps({"text": t, "id": j}) + "\n")
+            docs.append((f"{name}/b.jsonl:{j + 1}", t))
+    with gzip.open(d / "sub" / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        for j, t in enumerate(texts[2 * k:]):
+            f.write(json.dumps({"text": t}) + "\n")
+            docs.append((f"{name}/sub/c.jsonl.gz:{j + 1}", t))
+    return str(d), docs
+
+
+def _heldout(name, fraction=0.1):  # the documented split rule, written out independently
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64 < fraction
+
+
+def _split_tokens(out_dir, manifest, split):
+    return np.concatenate([np.fromfile(os.path.join(out_dir, f["path"]), dtype=np.uint32)
+                           for f in manifest["splits"][split]["files"]])
+
+
+def test_format_split_and_byte_identical_builds(tmp_path):
+    src, docs = _make_corpus(tmp_path, "web", 240, 0)
+    enc = data.dolma2()
+    out1, out2 = str(tmp_path / "o1"), str(tmp_path / "o2")
+    m1 = prep.prepare(src, out1, workers=1, progress=False)
+    m2 = prep.prepare(src, out2, workers=2, progress=False)
+    assert m1 == m2
+    assert sorted(m1["splits"]) == ["heldout/web", "train"]
+    for split, keep in (("train", lambda n: not _heldout(n)), ("heldout/web", _heldout)):
+        chosen = [t for n, t in docs if keep(n)]
+        want = [tok for t in chosen for tok in enc.encode_ordinary(t) + [data.EOS_ID]]
+        np.testing.assert_array_equal(_split_tokens(out1, m1, split), np.array(want, dtype=np.uint32))
+        assert m1["splits"][split]["documents"] == len(chosen) > 0
+        for f in m1["splits"][split]["files"]:
+            b1 = open(os.path.join(out1, f["path"]), "rb").read()
+            assert b1 == open(os.path.join(out2, f["path"]), "rb").read()  # byte-identical
+            assert hashlib.sha256(b1).hexdigest() == f["sha256"] and len(b1) == 4 * f["tokens"]
+            assert int((np.frombuffer(b1, np.uint32) == data.EOS_ID).sum()) == f["documents"]
+    assert open(os.path.join(out1, "manifest.json"), "rb").read() == open(os.path.join(out2, "manifest.json"), "rb").read()
+    assert m1["tokenizer"]["eos_id"] == data.EOS_ID and m1["tokenizer"]["vocab_size"] == data.VOCAB_SIZE
+    assert not [p for p in _all_files(out1) if ".tmp" in p]
+
+
+def _all_files(root):
+    return [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs]
+
+
+def test_bounded_files(tmp_path):
+    src, _ = _make_corpus(tmp_path, "web", 120, 1)
+    whole = prep.prepare(src, str(tmp_path / "whole"), workers=1, progress=False)
+    bounded = prep.prepare(src, str(tmp_path / "bounded"), workers=1, max_tokens_per_file=300, progress=False)
+    files = bounded["splits"]["train"]["files"]
+    assert len(files) > 3
+    assert all(f["tokens"] <= 300 for f in files)
+    np.testing.assert_array_equal(_split_tokens(str(tmp_path / "whole"), whole, "train"),
+                                  _split_tokens(str(tmp_path / "bounded"), bounded, "train"))
+    ds = data.open_split(str(tmp_path / "bounded"), "train", 32)
+    assert len(ds) == sum(f["tokens"] // 32 for f in files)
+
+
+def test_mixture_weights_and_upsampling(tmp_path):
+    a, _ = _make_corpus(tmp_path, "a", 150, 2)
+    b, _ = _make_corpus(tmp_path, "b", 90, 3)
+    out = str(tmp_path / "mix")
+    m = prep.prepare(f"{a}:3,{b}:1", out, workers=1, progress=False)
+    assert sorted(m["splits"]) == ["heldout/a", "heldout/b", "train"]
+    ta, tb = (x["train_tokens_taken"] for x in m["mixture"])
+    avail = [x["train_tokens_available"] for x in m["mixture"]]
+    total = min(avail[0] / 0.75, avail[1] / 0.25)
+    max_doc = 200  # no document here is longer than this many tokens
+    assert abs(ta - 0.75 * total) < max_doc and abs(tb - 0.25 * total) < max_doc
+    assert ta <= avail[0] and tb <= avail[1]
+    train = _split_tokens(out, m, "train")
+    assert len(train) == ta + tb == m["splits"]["train"]["tokens"]
+    # Whole documents, taken from the start of each source's train split.
+    src_a = _split_tokens(out, m, "train") [:ta]
+    a_train = np.concatenate([np.fromfile(os.path.join(out, "sources/0/train", f), np.uint32)
+                              for f in sorted(os.listdir(os.path.join(out, "sources/0/train")))])
+    np.testing.assert_array_equal(src_a, a_train[:ta])
+    assert train[ta - 1] == data.EOS_ID and train[-1] == data.EOS_ID
+    # Asking for more tokens than a source has repeats it from its start (upsampling).
+    up = prep.prepare(f"{a}:1,{b}:1", str(tmp_path / "up"), workers=1, mixture_tokens=4 * sum(avail), progress=False)
+    tb_up = up["mixture"][1]
+    assert tb_up["train_tokens_taken"] > 2 * tb_up["train_tokens_available"]
+
+
+def test_ensure_corpus_is_idempotent_and_repairs(tmp_path):
+    src, _ = _make_corpus(tmp_path, "web", 90, 4)
+    out = str(tmp_path / "out")
+    paths = data.ensure_corpus(out, src, workers=1, progress=False)
+    assert sorted(paths) == ["heldout/web", "train"]
+    f = paths["train"][0]
+    stamp = os.stat(f).st_mtime_ns
+    assert data.ensure_corpus(out, src, workers=1, progress=False) == paths
+    assert os.stat(f).st_mtime_ns == stamp  # reused, not rebuilt
+    good = open(f, "rb").read()
+    # A truncated file is a clear error when opened through the manifest, and ensure_corpus repairs it.
+    with open(f, "r+b") as fh:
+        fh.truncate(len(good) - 64)
+    with pytest.raises(ValueError, match="truncated"):
+        data.open_split(out, "train", 8)
+    with pytest.raises(ValueError, match="truncated"):
+        data.verify(out)
+    data.ensure_corpus(out, src, workers=1, progress=False)
+    assert open(f, "rb").read() == good
+    # An unreadable manifest: a clear error naming it, and ensure_corpus rebuilds.
+    with open(os.path.join(out, "manifest.json"), "w") as fh:
+        fh.write('{"format": "olmo-core-fsl-uint32/v1", "splits": {"train": {"files": [{"pa')
+    with pytest.raises(ValueError, match="manifest.json: unreadable manifest"):
+        data.load_manifest(out)
+    data.ensure_corpus(out, src, workers=1, progress=False)
+    assert data.verify(out)["source"] == src
+    # New inputs make the build stale.
+    with open(os.path.join(src, "zzz.txt"), "w") as fh:
+        fh.write("a new document")
+    data.ensure_corpus(out, src, workers=1, progress=False)
+    assert data.load_manifest(out)["splits"]["train"]["documents"] + data.load_manifest(out)["splits"]["heldout/web"]["documents"] == 91
+
+
+def test_bad_corpus_leaves_nothing_half_written(tmp_path):
+    src, _ = _make_corpus(tmp_path, "web", 60, 5)
+    with open(os.path.join(src, "sub", "d.jsonl"), "w") as f:
+        f.write(json.dumps({"text": "fine"}) + "\n" + '{"txt": "no text field"}\n')
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match=r"d\.jsonl:2.*'text'"):
+        prep.prepare(src, out, workers=1, progress=False)
+    left = _all_files(out)
+    assert not [p for p in left if ".tmp" in p] and "manifest.json" not in map(os.path.basename, left)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        prep.prepare(str(tmp_path / "nope"), out, workers=1, progress=False)
+    os.makedirs(tmp_path / "emptydir")
+    with pytest.raises(ValueError, match="no .txt"):
+        prep.prepare(str(tmp_path / "emptydir"), out, workers=1, progress=False)
+
+
+def test_cli_matches_library(tmp_path):
+    src, _ = _make_corpus(tmp_path, "web", 60, 6)
+    lib = prep.prepare(src, str(tmp_path / "lib"), workers=1, progress=False)
+    out = str(tmp_path / "cli")
+    r = subprocess.run([sys.executable, "-m", "data.prepare", f"--source={src}", f"--out_dir={out}", "--workers=2"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "tokens/s" in r.stdout
+    assert data.load_manifest(out) == lib
+
+
+def test_embedded_docs_corpus(tmp_path):
+    """The small half of the embedded corpus (pydoc topics), with a look at its text."""
+    out = str(tmp_path / "docs")
+    paths = data.ensure_corpus(out, "stdlib-docs", workers=1, progress=False)
+    assert sorted(paths) == ["heldout/docs", "train"]
+    m = data.load_manifest(out)
+    assert m["splits"]["heldout/docs"]["documents"] >= 10 and m["splits"]["train"]["tokens"] > 50_000
+    ds = data.FSLDataset(paths["train"], 256)
+    text = data.dolma2().decode(ds[0].tolist())
+    assert len(text) > 200
+
+
+def test_full_stdlib_corpus(tmp_path):
+    """The real embedded corpus (~7.8M tokens; ~5 s on 2 cores, kept in the default run)."""
+    out = str(tmp_path / "stdlib")
+    paths = data.ensure_corpus(out)
+    assert sorted(paths) == ["heldout/code", "heldout/docs", "train"]
+    m = data.verify(out)
+    total = sum(s["tokens"] for s in m["splits"].values())
+    assert total > 5_000_000
+    assert m["splits"]["heldout/code"]["documents"] > 100
