@@ -1,0 +1,208 @@
+"""Checkpoints: async, keep-N, one atomic step directory per save (orbax-checkpoint).
+
+Layout: `<run_dir>/checkpoints/<N>/` holds
+    state/   every array of the state PyTree (model, optimizer state, ...) as one flat dict keyed
+             by its dotted path ("model.blocks.attn.q_proj.weight", "opt.mu.embed.weight"), so the
+             checkpoint is readable without our classes and errors can name the tensor;
+    extra/   a JSON dict chosen by the caller (data-loader state, data fingerprint, config, stage).
+Orbax writes `<N>.orbax-checkpoint-tmp*` and renames it to `<N>` only when every host has
+finished (commit_success.txt on object stores), so a crash mid-save leaves a tmp dir that
+`latest_step()` never returns, and the previous checkpoint untouched. Stale tmp dirs are removed
+when the next writable manager opens the directory.
+
+Step convention (the whole codebase): a checkpoint labelled N means N optimizer steps are done.
+The next step run is step N+1 (1-based, as logged) and reads batch index N (0-based); its lr is
+schedule(N) (see schedules.py). Save after finishing step N with label N, never N+1.
+
+Restoring takes an abstract state (`eqx.filter_eval_shape(...)`, or jax.ShapeDtypeStruct leaves
+carrying the target shardings, or concrete arrays whose shardings are reused): arrays are read
+straight into the target sharding, so a checkpoint written on 8 devices restores onto 1 or 2,
+or onto another mesh. Non-array leaves (static fields, activation functions) come from the
+abstract state via eqx.combine. Dtypes follow the abstract state (orbax casts).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jaxtyping import PyTree
+
+CHECKPOINTS = "checkpoints"
+
+
+def _is_leaf_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def _key_name(k) -> str:
+    tu = jax.tree_util
+    if isinstance(k, tu.GetAttrKey):
+        return k.name
+    if isinstance(k, tu.DictKey):
+        return str(k.key)
+    if isinstance(k, tu.SequenceKey):
+        return str(k.idx)
+    if isinstance(k, tu.FlattenedIndexKey):
+        return str(k.key)
+    return str(k)
+
+
+def tensor_names(tree: PyTree) -> dict[str, Any]:
+    """Flat {dotted path: array leaf} of every array (or ShapeDtypeStruct) in `tree`."""
+    arrays = eqx.filter(tree, _is_leaf_array)
+    flat: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(arrays)[0]:
+        name = ".".join(_key_name(k) for k in path) or "_root"
+        if "/" in name:
+            raise ValueError(f"state path {name!r} contains '/', which orbax would treat as a "
+                             "directory; rename the dict key")
+        if name in flat:
+            raise ValueError(f"two arrays in the state share the path {name!r}")
+        flat[name] = leaf
+    return flat
+
+
+def _abstract(leaf) -> Any:
+    """ShapeDtypeStruct with a sharding (default: the first local device)."""
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+
+def locate(path: str) -> tuple[str, Optional[int]]:
+    """Resolve a user-given checkpoint path (e.g. --init_from) to (run_dir, step or None=latest).
+
+    Accepts a step directory `<run>/checkpoints/<N>`, a `<run>/checkpoints` directory, or a run
+    directory."""
+    p = os.path.abspath(path.rstrip("/"))
+    base = os.path.basename(p)
+    parent = os.path.dirname(p)
+    if base.isdigit() and os.path.basename(parent) == CHECKPOINTS:
+        if not os.path.isdir(p):
+            raise FileNotFoundError(f"checkpoint {p} does not exist (incomplete saves end in "
+                                    ".orbax-checkpoint-tmp and are not usable)")
+        return os.path.dirname(parent), int(base)
+    if base == CHECKPOINTS and os.path.isdir(p):
+        return parent, None
+    if os.path.isdir(os.path.join(p, CHECKPOINTS)):
+        return p, None
+    raise FileNotFoundError(f"{path}: not a run directory, a {CHECKPOINTS}/ directory or a "
+                            f"{CHECKPOINTS}/<step> directory")
+
+
+class CheckpointManager:
+    """Saves and restores (state PyTree, extra JSON) under `<run_dir>/checkpoints/<step>/`."""
+
+    def __init__(self, run_dir: str, keep: Optional[int] = 3, async_save: bool = True,
+                 read_only: bool = False):
+        self.directory = os.path.join(os.path.abspath(run_dir), CHECKPOINTS)
+        if read_only and not os.path.isdir(self.directory):
+            raise FileNotFoundError(f"no checkpoint directory {self.directory}; pass the run "
+                                    "directory that holds checkpoints/ (or a checkpoints/<step>)")
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
+        # Handlers named up front, so a fresh process can read metadata before any save.
+        self._mgr = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                           "extra": ocp.JsonCheckpointHandler()})
+
+    # -- queries ---------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Complete checkpoints, ascending (tmp dirs of unfinished saves are never listed)."""
+        if self._mgr.is_saving_in_progress():
+            # Our own saves are in flight: re-reading the disk now would confuse orbax's
+            # keep-N bookkeeping; list what it knows and keep only steps already renamed.
+            return sorted(s for s in self._mgr.all_steps()
+                          if os.path.isdir(os.path.join(self.directory, str(s))))
+        self._mgr.reload()      # see saves made by other processes
+        return sorted(self._mgr.all_steps())
+
+    def latest_step(self) -> Optional[int]:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def _resolve(self, step: Optional[int]) -> int:
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise FileNotFoundError(f"no complete checkpoint in {self.directory}; start "
+                                        "without --resume, or point to a run that saved one")
+            return steps[-1]
+        if step not in steps:
+            raise FileNotFoundError(f"no complete checkpoint for step {step} in "
+                                    f"{self.directory}; available: {steps}")
+        return step
+
+    # -- save ------------------------------------------------------------------------------
+    def save(self, step: int, state: PyTree, extra: Optional[dict] = None) -> None:
+        """Start an async save of `state`'s arrays and the JSON `extra` as checkpoint `step`.
+
+        Returns once the arrays are copied off the devices (they may then be donated or
+        deleted); the write and the atomic rename finish in the background (see `wait`)."""
+        extra = {} if extra is None else extra
+        try:
+            json.dumps(extra)
+        except TypeError as e:
+            raise TypeError(f"checkpoint extra must be JSON-serializable: {e}") from None
+        if step in self._mgr.all_steps() or os.path.isdir(os.path.join(self.directory, str(step))):
+            raise FileExistsError(f"checkpoint {self.directory}/{step} already exists; a "
+                                  "checkpoint label is written once (N = steps done)")
+        flat = tensor_names(state)
+        self._mgr.save(int(step), force=True, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(flat), extra=ocp.args.JsonSave(extra)))
+
+    def wait(self) -> None:
+        """Block until every pending save is committed (renamed into place)."""
+        self._mgr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mgr.close()
+
+    # -- restore ---------------------------------------------------------------------------
+    def read_extra(self, step: Optional[int] = None) -> dict:
+        """The JSON `extra` of a checkpoint (cheap: no arrays read)."""
+        step = self._resolve(step)
+        out = self._mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+        return dict(out["extra"] or {})
+
+    def restore(self, step: Optional[int], abstract_state: PyTree) -> tuple[PyTree, dict]:
+        """Read checkpoint `step` (None: the latest) into the structure, shapes, dtypes and
+        shardings of `abstract_state`. Returns (state, extra).
+
+        The checkpoint may hold more tensors than asked for (e.g. restore only {"model": ...}
+        from a {"model", "opt"} checkpoint); every tensor asked for must exist with its shape."""
+        step = self._resolve(step)
+        want = {k: _abstract(v) for k, v in tensor_names(abstract_state).items()}
+        meta = self._mgr.item_metadata(step)["state"]
+        stored = dict(meta.tree if hasattr(meta, "tree") else meta)
+        where = f"{self.directory}/{step}"
+        missing = sorted(set(want) - set(stored))
+        if missing:
+            raise ValueError(f"checkpoint {where} has no tensor(s) {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing; it "
+                             f"holds {len(stored)} tensors, e.g. {sorted(stored)[:4]}). Was it "
+                             "saved without optimizer state, or by another model config?")
+        for name, a in want.items():
+            if tuple(stored[name].shape) != tuple(a.shape):
+                raise ValueError(f"checkpoint {where}: tensor {name!r} has shape "
+                                 f"{tuple(stored[name].shape)} but the model expects "
+                                 f"{tuple(a.shape)}; check the model flags against the "
+                                 "checkpoint's config")
+        restore_args = ocp.checkpoint_utils.construct_restore_args(want)
+        out = self._mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(want, restore_args, partial_restore=True),
+            extra=ocp.args.JsonRestore()))
+        flat = out["state"]
+        arrays, static = eqx.partition(abstract_state, _is_leaf_array)
+        leaves_paths, treedef = jax.tree_util.tree_flatten_with_path(arrays)
+        names = [".".join(_key_name(k) for k in p) or "_root" for p, _ in leaves_paths]
+        restored = jax.tree_util.tree_unflatten(treedef, [flat[n] for n in names])
+        return eqx.combine(restored, static), dict(out["extra"] or {})

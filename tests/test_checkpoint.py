@@ -1,0 +1,201 @@
+"""CheckpointManager: round trip of an Equinox model + optimizer state across device counts,
+keep-N, async-save safety, clear errors, and a process SIGKILLed mid-save."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from olmo3.checkpoint import CheckpointManager, locate, tensor_names
+from olmo3.optim import SkipStepAdamW
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Net(eqx.Module):
+    embed: jax.Array
+    layers: list
+    act: Callable = jax.nn.gelu
+    d: int = eqx.field(static=True, default=8)
+
+
+def make_net(key, d=8, vocab=16):
+    k1, k2, k3 = jax.random.split(key, 3)
+    return Net(embed=jax.random.normal(k1, (vocab, d)),
+               layers=[jax.random.normal(k2, (d, d)), jax.random.normal(k3, (d, d))], d=d)
+
+
+def mesh(n):
+    return Mesh(np.array(jax.devices()[:n]), ("fsdp",))
+
+
+def shard(tree, m):
+    """Row-shard every array over the mesh (scalars and small vectors replicated)."""
+    def put(x):
+        spec = P("fsdp") if x.ndim >= 1 and x.shape[0] % m.size == 0 else P()
+        return jax.device_put(x, NamedSharding(m, spec))
+    return jax.tree.map(lambda x: put(x) if eqx.is_array(x) else x, tree)
+
+
+def abstract_on(tree_fn, m, spec_fn=lambda s: P(None, "fsdp") if len(s.shape) == 2 else P()):
+    shapes = eqx.filter_eval_shape(tree_fn)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                       sharding=NamedSharding(m, spec_fn(s)))
+                        if isinstance(s, jax.ShapeDtypeStruct) else s, shapes)
+
+
+def make_state():
+    net = make_net(jax.random.key(0))
+    opt = SkipStepAdamW(lambda s: jnp.float32(1e-2))
+    st = opt.init(net)
+    g = jax.tree.map(lambda x: jnp.ones_like(x) if eqx.is_inexact_array(x) else x, net)
+    net, st, _ = opt.update(g, st, net, jnp.float32(2.0))
+    return {"model": net, "opt": st}
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array))
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert x.dtype == y.dtype and np.array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("n_restore", [1, 2])
+def test_roundtrip_8_devices_to_fewer(tmp_path, n_restore):
+    state = shard(make_state(), mesh(8))
+    assert len(state["model"].embed.sharding.device_set) == 8
+    mgr = CheckpointManager(str(tmp_path), keep=2)
+    extra = {"loader": {"step": 1, "epoch": 0}, "fingerprint": "abc", "stage": 1}
+    mgr.save(1, state, extra)
+    mgr.wait()
+    assert mgr.latest_step() == 1 and os.path.isdir(tmp_path / "checkpoints" / "1")
+
+    m = mesh(n_restore)
+    abstract = abstract_on(make_state, m)
+    got, got_extra = CheckpointManager(str(tmp_path), read_only=True).restore(None, abstract)
+    leaves_equal(got, state)                       # values AND dtypes, bit for bit
+    assert got_extra == extra
+    assert got["model"].act is jax.nn.gelu and got["model"].d == 8
+    assert got["model"].embed.sharding == NamedSharding(m, P(None, "fsdp"))
+    assert len(got["opt"].mu.embed.sharding.device_set) == n_restore
+    assert isinstance(got["opt"], type(state["opt"]))
+
+
+def test_keep_last_n_and_async_save_is_safe_to_donate(tmp_path):
+    mgr = CheckpointManager(str(tmp_path), keep=2)
+    for step in range(1, 6):
+        x = jnp.full((64, 64), float(step))
+        mgr.save(step, {"x": x}, {"step": step})
+        x.delete()       # train.py donates buffers right after save(): save must have copied them
+    mgr.wait()
+    assert mgr.all_steps() == [4, 5]
+    abstract = {"x": jax.ShapeDtypeStruct((64, 64), jnp.float32)}
+    for step in (4, 5):
+        got, extra = mgr.restore(step, abstract)
+        assert np.all(np.asarray(got["x"]) == step) and extra == {"step": step}
+    assert mgr.read_extra(4) == {"step": 4}
+
+
+def test_partial_restore_and_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+        CheckpointManager(str(tmp_path / "nope"), read_only=True)
+    state = make_state()
+    mgr = CheckpointManager(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        mgr.restore(None, state)
+    mgr.save(3, {"model": state["model"]}, {"stage": 1})      # a model-only checkpoint
+    mgr.wait()
+    with pytest.raises(FileExistsError, match="already exists"):
+        mgr.save(3, state, {})
+    with pytest.raises(TypeError, match="JSON"):
+        mgr.save(4, state, {"bad": object()})
+    with pytest.raises(FileNotFoundError, match=r"available: \[3\]"):
+        mgr.restore(7, state)
+    # Model only: fine. Model + optimizer from a model-only checkpoint: names the tensors.
+    got, _ = mgr.restore(3, {"model": eqx.filter_eval_shape(make_state)["model"]})
+    leaves_equal(got["model"], state["model"])
+    with pytest.raises(ValueError, match=r"no tensor\(s\) \['opt\.count'"):
+        mgr.restore(3, state)
+    # Shape mismatch names the tensor path.
+    wrong = {"model": eqx.filter_eval_shape(lambda: make_net(jax.random.key(0), vocab=32))}
+    with pytest.raises(ValueError, match=r"'model\.embed' has shape \(16, 8\) but the model "
+                                         r"expects \(32, 8\)"):
+        mgr.restore(3, wrong)
+    assert sorted(tensor_names(state["model"])) == ["embed", "layers.0", "layers.1"]
+    assert locate(str(tmp_path)) == (str(tmp_path), None)
+    assert locate(str(tmp_path / "checkpoints" / "3")) == (str(tmp_path), 3)
+    with pytest.raises(FileNotFoundError):
+        locate(str(tmp_path / "checkpoints" / "9"))
+
+
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from olmo3.checkpoint import CheckpointManager
+    m = Mesh(np.array(jax.devices()), ("d",))
+    sh = NamedSharding(m, P("d"))
+    mgr = CheckpointManager(sys.argv[1], keep=3)
+    mgr.save(1, {"w": jax.device_put(jnp.arange(4096.0), sh)}, {"step": 1})
+    mgr.wait()
+    big = jax.device_put(jnp.ones((8, 8 * 1024 * 1024), jnp.float32), sh)   # 256 MiB
+    mgr.save(2, {"w": big}, {"step": 2})
+    print("SAVING", flush=True)
+    time.sleep(120)
+""")
+
+RESTORE_1DEV = textwrap.dedent("""
+    import sys, jax, jax.numpy as jnp, numpy as np
+    from olmo3.checkpoint import CheckpointManager
+    assert jax.device_count() == 1
+    mgr = CheckpointManager(sys.argv[1], read_only=True)
+    got, extra = mgr.restore(None, {"w": jax.ShapeDtypeStruct((4096,), jnp.float32)})
+    print(mgr.latest_step(), float(np.asarray(got["w"]).sum()), extra["step"])
+""")
+
+
+def _env(n_devices):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={n_devices}")
+    return env
+
+
+def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
+    run = str(tmp_path / "run")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, run], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, env=_env(8), text=True)
+    try:
+        line = child.stdout.readline()
+        assert line.strip() == "SAVING", line
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    ckpts = tmp_path / "run" / "checkpoints"
+    # The kill landed mid-save: step 2 exists only as an orbax tmp dir.
+    assert any(".orbax-checkpoint-tmp" in n for n in os.listdir(ckpts)), os.listdir(ckpts)
+    assert not (ckpts / "2").exists()
+    ro = CheckpointManager(run, read_only=True)
+    assert ro.all_steps() == [1] and ro.latest_step() == 1
+    # Restore the 8-device save in a fresh 1-device process.
+    out = subprocess.run([sys.executable, "-c", RESTORE_1DEV, run], capture_output=True,
+                         text=True, env=_env(1), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", str(float(sum(range(4096)))), "1"]
+    # A writable manager clears the stale tmp dir (in the background, done by the next save),
+    # and step 2 can be saved again.
+    mgr = CheckpointManager(run)
+    mgr.save(2, {"w": jnp.zeros(3)}, {"step": 2})
+    mgr.wait()
+    assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(ckpts))
+    assert mgr.all_steps() == [1, 2]
+    assert json.dumps(mgr.read_extra(2)) == '{"step": 2}'
