@@ -1,0 +1,77 @@
+"""Relaunch a training command after a crash, with capped exponential backoff and jitter.
+
+`python train.py ... --resume_until_done` runs the same command with `--resume` in a child
+process and reruns it when it dies (preemption, OOM kill, a lost host), because the checkpoint
+manager makes every restart exact (checkpoint N = N steps done, resume at step N+1).
+
+Why backoff and not a fixed retry budget: the MaxText reproduction's resubmission loop gave up
+inside a long queue outage (DESIGN §4, bug 5). Here the delay doubles per consecutive failure up
+to `max_delay_s`, with "equal jitter" (half fixed, half random) so that many jobs restarting
+together do not stampede the scheduler; a run that lived `reset_after_s` made progress, so the
+failure count starts over; `max_attempts=None` never gives up. Exit codes that a rerun cannot
+fix (2: absl/argparse usage error, bad flags) stop at once.
+"""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from typing import Callable, Iterable, Optional, Sequence
+
+# Exit codes a rerun cannot fix: 2 = usage error (absl.app and argparse exit 2 on bad flags).
+NON_RETRYABLE = frozenset({2})
+
+
+def backoff_delay(failures: int, base_delay_s: float, max_delay_s: float,
+                  rng: random.Random) -> float:
+    """Delay before the rerun after `failures` consecutive failures (>= 1): a cap that doubles
+    per failure, base * 2^(failures-1) up to max_delay_s, and a uniform draw in [cap/2, cap]."""
+    cap = min(max_delay_s, base_delay_s * 2.0 ** (failures - 1))
+    return cap / 2.0 + rng.uniform(0.0, cap / 2.0)
+
+
+def strip_flag(argv: Sequence[str], name: str) -> list[str]:
+    """argv without absl boolean flag `name` in any spelling (--name, --name=..., --noname)."""
+    return [a for a in argv
+            if a not in (f"--{name}", f"--no{name}") and not a.startswith(f"--{name}=")]
+
+
+def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
+                   base_delay_s: float = 30.0, max_delay_s: float = 1800.0, *,
+                   no_retry: Iterable[int] = NON_RETRYABLE, reset_after_s: float = 3600.0,
+                   sleep: Callable[[float], None] = time.sleep,
+                   rng: Optional[random.Random] = None,
+                   log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
+                   ) -> int:
+    """Run `argv` until it exits 0; returns the last exit code.
+
+    Stops on rc 0, on an rc in `no_retry`, or after `max_attempts` consecutive failed attempts
+    (None: never). A child killed by a signal (rc < 0, e.g. SIGKILL from the OOM killer or a
+    preemption) is retried. An attempt that ran at least `reset_after_s` resets the count."""
+    if max_attempts is not None and max_attempts < 1:
+        raise ValueError(f"max_attempts={max_attempts} must be >= 1 (or None for no limit)")
+    no_retry = frozenset(no_retry)
+    rng = rng or random.Random()
+    failures = 0
+    attempt = 0
+    while True:
+        attempt += 1
+        start = time.monotonic()
+        rc = subprocess.run(list(argv)).returncode
+        ran = time.monotonic() - start
+        if rc == 0:
+            if attempt > 1:
+                log(f"[launch] attempt {attempt} succeeded")
+            return 0
+        if rc in no_retry:
+            log(f"[launch] exit code {rc} is not retryable (usage error?); stopping")
+            return rc
+        failures = 1 if ran >= reset_after_s else failures + 1
+        if max_attempts is not None and failures >= max_attempts:
+            log(f"[launch] giving up after {failures} consecutive failed attempts (last rc {rc})")
+            return rc
+        delay = backoff_delay(failures, base_delay_s, max_delay_s, rng)
+        log(f"[launch] attempt {attempt} exited with {rc} after {ran:.0f}s; "
+            f"rerunning in {delay:.1f}s (consecutive failures: {failures})")
+        sleep(delay)

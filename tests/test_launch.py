@@ -1,0 +1,72 @@
+"""run_until_done with real child processes and a scripted failure sequence."""
+import random
+import sys
+import textwrap
+
+import pytest
+
+from olmo3.launch import backoff_delay, run_until_done, strip_flag
+
+# Each run appends a line to the counter file, then exits with codes[run index] (or the last).
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys
+    path, codes = sys.argv[1], [int(c) for c in sys.argv[2].split(",")]
+    with open(path, "a") as f:
+        f.write("x\\n")
+    n = sum(1 for _ in open(path))
+    rc = codes[min(n, len(codes)) - 1]
+    if rc == -9:
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(rc)
+""")
+
+
+def _run(tmp_path, codes, **kw):
+    counter = tmp_path / "runs.txt"
+    delays = []
+    kw.setdefault("base_delay_s", 0.01)
+    kw.setdefault("max_delay_s", 0.04)
+    rc = run_until_done([sys.executable, "-c", SCRIPT, str(counter), codes],
+                        sleep=delays.append, rng=random.Random(0), log=lambda s: None, **kw)
+    runs = len(counter.read_text().splitlines())
+    return rc, runs, delays
+
+
+def test_fails_twice_then_succeeds(tmp_path):
+    rc, runs, delays = _run(tmp_path, "1,-9,0", max_attempts=5)
+    assert (rc, runs) == (0, 3)             # a crash and a SIGKILL are both retried
+    assert len(delays) == 2
+    assert 0.005 <= delays[0] <= 0.01 and 0.01 <= delays[1] <= 0.02
+
+
+def test_usage_error_is_not_retried(tmp_path):
+    assert _run(tmp_path, "2", max_attempts=5)[:2] == (2, 1)
+
+
+def test_gives_up_after_max_attempts(tmp_path):
+    rc, runs, delays = _run(tmp_path, "3", max_attempts=3)
+    assert (rc, runs, len(delays)) == (3, 3, 2)
+
+
+def test_long_runs_reset_the_failure_count(tmp_path):
+    # Every attempt counts as healthy (reset_after_s=0): three failures never exhaust 2 attempts.
+    rc, runs, _ = _run(tmp_path, "1,1,1,0", max_attempts=2, reset_after_s=0.0)
+    assert (rc, runs) == (0, 4)
+
+
+def test_backoff_is_exponential_jittered_and_capped():
+    rng = random.Random(1)
+    for failures in range(1, 12):
+        cap = min(100.0, 1.0 * 2 ** (failures - 1))
+        d = [backoff_delay(failures, 1.0, 100.0, rng) for _ in range(50)]
+        assert all(cap / 2 <= x <= cap for x in d)
+        assert len(set(d)) > 1                                  # jittered
+    assert backoff_delay(30, 1.0, 100.0, rng) <= 100.0          # capped, no overflow
+    with pytest.raises(ValueError):
+        run_until_done(["true"], max_attempts=0)
+
+
+def test_strip_flag():
+    argv = ["--stage=1", "--resume_until_done", "--noresume_until_done", "--resume_until_done=true",
+            "--resume", "--resume_until_done_x"]
+    assert strip_flag(argv, "resume_until_done") == ["--stage=1", "--resume", "--resume_until_done_x"]
