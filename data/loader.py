@@ -12,14 +12,14 @@ import concurrent.futures
 import logging
 
 import numpy as np
-from jaxtyping import Bool, Int32, UInt32
+from jaxtyping import Int32, Integer
 
 from data.dataset import FSLDataset
 from data.filters import repetition_mask
 from data.order import batch_indices, steps_per_epoch
 
 
-def segment_ids(tokens: UInt32[np.ndarray, "batch seq"] | Int32[np.ndarray, "batch seq"], eos_id: int) -> Int32[np.ndarray, "batch seq"]:
+def segment_ids(tokens: Integer[np.ndarray, "batch seq"], eos_id: int) -> Int32[np.ndarray, "batch seq"]:
     """Index of the document each token belongs to, counted from 0 within the instance.
     An eos belongs to the document it ends; the token after it starts the next one."""
     is_eos = (tokens == eos_id).astype(np.int32)

@@ -50,7 +50,8 @@ def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Worker: a list of documents -> (all tokens with an eos after each document, per-document lengths)."""
     enc = dolma2()
     # No special token is allowed or refused: a literal "<|endoftext|>" inside a document is encoded
-    # as text (same ids as encode_ordinary), so only prepare places eos tokens.
+    # as text (same ids as encode_ordinary), so only prepare places eos tokens; AI2's `dolma tokens`
+    # runs likewise pass --tokenizer.encode_special_tokens.
     ids = [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     ends = np.cumsum(lengths)
