@@ -427,7 +427,8 @@ def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dic
 
     The existing build is reused when its manifest is readable, names the same source, was built
     from identical inputs (digest of every document) with the same tokenizer, and every file
-    matches its recorded size and sha256; otherwise it is rebuilt.
+    matches its recorded size and sha256; otherwise it is rebuilt. With several processes, call it
+    from one (process 0) and let the others wait: concurrent rebuilds are identical but redundant.
     """
     try:
         manifest = verify(out_dir)
