@@ -151,7 +151,8 @@ class SkipStepAdamW:
 
     # -- API -----------------------------------------------------------------------------
     def init(self, params: PyTree) -> OptState:
-        """Zero fp32 moments shaped (and, under jit with sharded params, sharded) like params."""
+        """Zero fp32 moments shaped like params. Called eagerly, mu/nu take each param's
+        sharding; under jit, pass out_shardings (XLA does not tie zeros to an input)."""
         zeros = jax.tree.map(jnp.zeros_like, self._f32(params))
         return OptState(step=jnp.zeros((), jnp.int32), count=jnp.zeros((), jnp.int32),
                         mu=zeros, nu=jax.tree.map(jnp.zeros_like, zeros),
@@ -160,7 +161,7 @@ class SkipStepAdamW:
                         n_seen=jnp.zeros((), jnp.int32))
 
     def update(self, grads: PyTree, opt_state: OptState, params: PyTree,
-               loss: Float[Array, ""]) -> tuple[PyTree, OptState, dict[str, Float[Array, ""]]]:
+               loss: Union[float, Float[Array, ""]]) -> tuple[PyTree, OptState, dict[str, Float[Array, ""]]]:
         """One optimizer step. `loss` is the CE loss without z-loss, averaged over all ranks.
 
         Returns (new_params, new_opt_state, metrics); params keep their dtypes."""
