@@ -32,12 +32,28 @@ def nominal_peak_tflops() -> Optional[float]:
     return None
 
 
+def measure_matmul_peak(n: int = 2048, dtype=None, repeats: int = 5) -> float:
+    """FLOP/s of an n x n matmul on the default device, best of `repeats` (a same-run peak)."""
+    import jax.numpy as jnp
+    dtype = dtype or jnp.float32
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n ** 3 / best
+
+
 def peak_flops(flag_tflops: Optional[float]) -> float:
-    """Per-device peak FLOP/s for MFU: the flag, else the device's nominal peak, else NaN."""
+    """Per-device peak FLOP/s for MFU: the flag, else the device's nominal peak, else a matmul
+    peak measured now (CPUs and unknown devices)."""
     if flag_tflops:
         return flag_tflops * 1e12
     nominal = nominal_peak_tflops()
-    return nominal * 1e12 if nominal else float("nan")
+    return nominal * 1e12 if nominal else measure_matmul_peak()
 
 
 def memory_bytes() -> dict:

@@ -1,0 +1,327 @@
+"""Train OLMo 3: the three-stage recipe of AI2's OLMo 3 7B, one readable file.
+
+    python train.py --stage=1 --flagfile=stage1.flags       # pretraining, 5.93T tokens
+    python train.py --stage=2 --flagfile=stage2.flags --init_from=<stage-1 checkpoint>
+    python train.py --stage=3 --flagfile=stage3.flags --init_from=<stage-2 checkpoint>
+    python train.py --flagfile=tiny.flags                   # CPU: tiny OLMo 3 on the stdlib corpus
+
+Recipe numbers come from OLMo-core's `OLMo-3-1025-7B-{pretrain-1,midtrain,long-context}.py`
+(../shared/DESIGN.md §3). Step convention everywhere: a checkpoint labelled N holds the state
+after N optimizer steps; the next step run is number N+1 and reads global batch index N.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from absl import app, flags, logging
+
+# ---------------------------------------------------------------------------------------------
+# §0 Flags. Defaults are the stage-1 7B recipe; the flagfiles spell every number out.
+# ---------------------------------------------------------------------------------------------
+F = flags.FLAGS
+flags.DEFINE_integer("stage", 1, "Recipe stage: 1 pretrain, 2 mid-training anneal, 3 long context.")
+flags.DEFINE_string("run_dir", "runs/default", "Checkpoints, metrics.jsonl and TensorBoard events.")
+flags.DEFINE_integer("max_steps", None, "Stop after this many optimizer steps (default: schedule horizon).")
+flags.DEFINE_integer("save_interval", 1000, "Checkpoint every N steps (and at the end).")
+flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
+flags.DEFINE_integer("eval_interval", 1000, "Held-out loss every N steps (and at every checkpoint).")
+flags.DEFINE_integer("eval_batches", 4, "Held-out batches per domain per evaluation.")
+flags.DEFINE_bool("resume", False, "Continue from the latest complete checkpoint in --run_dir.")
+flags.DEFINE_bool("resume_until_done", False, "Launcher: rerun this command with --resume after a crash.")
+flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many crashes.")
+flags.DEFINE_string("init_from", None, "Stage 2/3: checkpoint dir (a run_dir or one step dir) to warm-start from.")
+flags.DEFINE_integer("seed", 34521, "Data-order seed (stage 1: 34521, stage 2: 1337).")
+flags.DEFINE_integer("model_seed", 0, "Parameter-init seed.")
+# Model: a preset plus per-field overrides (a research variant is a flag, not a fork).
+flags.DEFINE_enum("model", "olmo3_7b", ["olmo3_7b", "olmo3_7b_16x256", "olmo3_7b_long", "tiny"], "Config preset.")
+for _name, _help in [("vocab_size", "embedding rows (HF 100278, OLMo-core pads to 100352)"),
+                     ("d_model", ""), ("n_layers", ""), ("n_heads", ""), ("n_kv_heads", ""),
+                     ("head_dim", ""), ("mlp_hidden", ""), ("window", "sliding window"),
+                     ("splash_block_q", ""), ("splash_block_kv", "")]:
+    flags.DEFINE_integer(_name, None, f"Override the preset's {_name}. {_help}")
+flags.DEFINE_enum("attention", None, ["xla", "splash", "cudnn"], "Attention kernel (default: preset's).")
+flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Rematerialization policy.")
+flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype (moments are fp32 always).")
+flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
+flags.DEFINE_bool("yarn", None, "YaRN on full-attention layers (default: on for stage 3).")
+# Data.
+flags.DEFINE_string("data", "stdlib", "'stdlib' (embedded corpus), a directory of documents, or 'mix:NAME'.")
+flags.DEFINE_string("data_dir", None, "Where prepared token files live (default: <run_dir>/../data/<name>).")
+flags.DEFINE_string("data_root", None, "Root URL of a data mix (with --data=mix:NAME).")
+flags.DEFINE_string("tokenizer", "dolma2", "Tokenizer of the token files.")
+flags.DEFINE_integer("seq_len", 8192, "Tokens per instance.")
+flags.DEFINE_integer("global_batch", 512, "Instances per optimizer step: a recipe constant, never derived from devices.")
+flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: the whole per-device batch).")
+flags.DEFINE_bool("repetition_filter", False, "OLMo-core n-gram repetition filter (off in the official 7B scripts).")
+flags.DEFINE_integer("loader_workers", 2, "Background data workers (never changes the batches).")
+flags.DEFINE_bool("allow_data_change", False, "Resume even if the data fingerprint differs (deliberate data swap).")
+# Optimizer and schedule (OLMo-core SkipStepAdamW).
+flags.DEFINE_float("lr", 3e-4, "Peak learning rate.")
+flags.DEFINE_enum("schedule", None, ["cosine", "linear", "constant"], "Default: cosine (stage 1), linear (2, 3).")
+flags.DEFINE_integer("warmup_steps", 2000, "Linear warmup steps.")
+flags.DEFINE_integer("total_steps", 1_413_814, "Schedule horizon in steps.")
+flags.DEFINE_float("final_lr_ratio", 0.1, "Cosine floor as a fraction of the peak (stage 1: 0.1).")
+flags.DEFINE_integer("joined_at", None, "Stage 1: AI2's joined cosine (pretrain-2 resumed at this step).")
+flags.DEFINE_float("weight_decay", 0.1, "Decoupled weight decay (not on the embedding).")
+flags.DEFINE_float("b1", 0.9, "Adam beta1.")
+flags.DEFINE_float("b2", 0.95, "Adam beta2.")
+flags.DEFINE_float("eps", 1e-8, "Adam epsilon.")
+flags.DEFINE_float("max_grad_norm", 1.0, "Global grad-norm clip.")
+flags.DEFINE_float("z_loss", 1e-5, "z-loss multiplier.")
+flags.DEFINE_bool("skip_steps", True, "Skip-step on loss / grad-norm spikes (> 6 std over the last 128).")
+flags.DEFINE_integer("loss_chunk", 1024, "Tokens per chunk of the lm_head + cross entropy.")
+# Devices.
+flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp:128,data:1' (default: all devices on fsdp).")
+flags.DEFINE_string("coordinator", None, "jax.distributed coordinator host:port (multi-process runs).")
+flags.DEFINE_integer("num_processes", None, "jax.distributed process count.")
+flags.DEFINE_integer("process_id", None, "jax.distributed process index.")
+flags.DEFINE_float("peak_tflops", None, "Per-device peak TFLOP/s for MFU (default: a known device's, or measured).")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    if F.resume_until_done:
+        from olmo3.launch import run_until_done
+        args = [a for a in sys.argv if not a.startswith("--resume_until_done")] + ["--resume"]
+        sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts))
+    check_flags()
+
+    # -----------------------------------------------------------------------------------------
+    # §1 Devices, mesh and processes.
+    # -----------------------------------------------------------------------------------------
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import data
+    import olmo3
+    from olmo3 import checkpoint, metrics as metrics_lib, optim, schedules, sharding
+    from olmo3.model import decay_mask
+    from olmo3.step import make_train_step
+
+    sharding.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
+    mesh = sharding.make_mesh(F.mesh)
+    rank, num_ranks = jax.process_index(), jax.process_count()
+    n_devices = jax.device_count()  # global, across hosts
+    microbatches = sharding.microbatches(F.global_batch, F.micro_batch, mesh)
+    is_main = rank == 0
+
+    # -----------------------------------------------------------------------------------------
+    # §2 Model. Stage 3 switches the full-attention layers to YaRN (factor 8 over 8192).
+    # -----------------------------------------------------------------------------------------
+    overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                            "head_dim", "mlp_hidden", "window", "attention", "remat",
+                                            "param_dtype", "compute_dtype", "splash_block_q",
+                                            "splash_block_kv") if getattr(F, k) is not None}
+    use_yarn = F.yarn if F.yarn is not None else F.stage == 3
+    if use_yarn:
+        overrides["yarn"] = olmo3.YaRN()
+    config = olmo3.Config.preset(F.model, **overrides)
+    if F.seq_len > config.max_position_embeddings:
+        raise app.UsageError(f"--seq_len={F.seq_len} exceeds the model's max_position_embeddings="
+                             f"{config.max_position_embeddings}")
+
+    # -----------------------------------------------------------------------------------------
+    # §3 Data: OLMo-core fixed-length instances, one seeded permutation per epoch, each rank
+    # reading its own rows of each global batch exactly once (DESIGN §4).
+    # -----------------------------------------------------------------------------------------
+    splits = resolve_data()
+    train_set = data.FSLDataset(splits["train"], F.seq_len)
+    heldout = {name.split("/", 1)[1]: data.FSLDataset(paths, F.seq_len)
+               for name, paths in splits.items() if name.startswith("heldout/") and paths}
+    if config.vocab_size < data.VOCAB_SIZE:
+        raise app.UsageError(f"--vocab_size={config.vocab_size} is smaller than the tokenizer's {data.VOCAB_SIZE}")
+
+    # -----------------------------------------------------------------------------------------
+    # §4 Optimizer: skip-step AdamW, fp32 moments, no decay on the embedding; schedule per stage.
+    # -----------------------------------------------------------------------------------------
+    kind = F.schedule or ("cosine" if F.stage == 1 else "linear")
+    if kind == "cosine":
+        schedule = schedules.stage1_schedule(F.lr, F.warmup_steps, F.total_steps, F.final_lr_ratio, F.joined_at)
+    elif kind == "linear":
+        schedule = schedules.linear_schedule(F.lr, F.warmup_steps, F.total_steps)
+    else:
+        schedule = schedules.constant_schedule(F.lr)
+    optimizer = optim.SkipStepAdamW(schedule, b1=F.b1, b2=F.b2, eps=F.eps, weight_decay=F.weight_decay,
+                                    decay_mask=decay_mask, max_grad_norm=F.max_grad_norm,
+                                    skip_steps=F.skip_steps)
+
+    # -----------------------------------------------------------------------------------------
+    # §5 State: fresh, resumed (same run), or warm-started from the previous stage.
+    # -----------------------------------------------------------------------------------------
+    ckpt = checkpoint.CheckpointManager(F.run_dir, keep=F.keep_checkpoints)
+
+    def fresh_state():
+        model = olmo3.OLMo3(config, jax.random.key(F.model_seed))
+        return model, optimizer.init(model)
+
+    abstract = sharding.abstract_state(eqx.filter_eval_shape(fresh_state), mesh)
+    as_dict = lambda s: {"model": s[0], "opt": s[1]}  # noqa: E731  (names tensors "model.*", "opt.*")
+    start = ckpt.latest_step() if F.resume else None
+    loader_state = None
+    if start is not None:  # resume: the checkpoint labelled N means N steps are done
+        state, extra = ckpt.restore(start, as_dict(abstract))
+        model, opt_state = state["model"], state["opt"]
+        check_resume(extra, config, train_set)
+        loader_state = extra["loader"]
+        logging.info("Resumed %s at step %d", F.run_dir, start)
+    elif F.init_from:  # stage 2/3 warm start: params + mu/nu kept, step and schedule reset
+        run, step = checkpoint.locate(F.init_from)
+        source = checkpoint.CheckpointManager(run, read_only=True)
+        try:
+            state, _ = source.restore(step, as_dict(abstract))
+        except ValueError as e:
+            if "no tensor(s) ['opt." in str(e):
+                raise app.UsageError(f"--init_from={F.init_from} holds no optimizer state; the stage-"
+                                     f"{F.stage} warm start needs Adam's moments (a train.py checkpoint)") from e
+            raise
+        model, opt_state = state["model"], optimizer.warm_start(state["opt"])
+        start = 0
+        logging.info("Warm start (params + Adam moments) from %s", F.init_from)
+    else:
+        if F.stage > 1:
+            logging.warning("Stage %d without --init_from: a cold start, not the recipe", F.stage)
+        model, opt_state = sharding.place(fresh_state(), abstract)
+        start = 0
+
+    if loader_state is not None:
+        loader = data.Loader.from_state(train_set, loader_state, rank=rank, num_ranks=num_ranks,
+                                        workers=F.loader_workers, repetition_filter=F.repetition_filter,
+                                        allow_fingerprint_mismatch=F.allow_data_change)
+        if loader.step != start:
+            raise RuntimeError(f"checkpoint {start} holds loader step {loader.step}; expected {start}")
+    else:
+        loader = data.Loader(train_set, F.global_batch, F.seed, rank=rank, num_ranks=num_ranks,
+                             workers=F.loader_workers, repetition_filter=F.repetition_filter, start_step=0)
+
+    # -----------------------------------------------------------------------------------------
+    # §6 The step: gradients under shard_map (FSDP x DP), optimizer update on the sharded state.
+    # -----------------------------------------------------------------------------------------
+    specs = sharding.param_specs(model, mesh)
+    grad_fn = sharding.make_grad_fn(mesh, specs, microbatches=microbatches, chunk=F.loss_chunk,
+                                    z_loss=F.z_loss, use_segments=F.stage == 3)
+    train_step = make_train_step(optimizer, grad_fn=grad_fn)
+    eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=F.stage == 3)
+
+    def evaluate(model):
+        """Mean held-out loss per domain on fixed batches (same batches at every evaluation)."""
+        out = {}
+        for domain, ds in heldout.items():
+            batch_size = min(F.global_batch, max(n_devices, len(ds) // max(F.eval_batches, 1)))
+            batch_size -= batch_size % n_devices
+            if batch_size == 0:
+                continue
+            ce = n = 0.0
+            for b in range(min(F.eval_batches, len(ds) // batch_size)):
+                rows = data.get_batch(ds, batch_size, 0, b, rank, num_ranks)  # seed 0: fixed order
+                s, c = eval_fn(model, sharding.global_batch(rows, mesh))
+                ce, n = ce + float(s), n + float(c)
+            if n:
+                out[f"eval/{domain}/loss"] = ce / n
+        return out
+
+    # -----------------------------------------------------------------------------------------
+    # §7 Checkpoints: model + optimizer + loader state in one atomic step directory.
+    # -----------------------------------------------------------------------------------------
+    def save(step):
+        extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_dict(config),
+                 "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
+        ckpt.save(step, {"model": model, "opt": opt_state}, extra)
+
+    # -----------------------------------------------------------------------------------------
+    # §8 The loop.
+    # -----------------------------------------------------------------------------------------
+    max_steps = F.max_steps if F.max_steps is not None else F.total_steps
+    tokens_per_step = F.global_batch * F.seq_len
+    flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
+    peak = metrics_lib.peak_flops(F.peak_tflops) * n_devices
+    log = metrics_lib.MetricsWriter(F.run_dir, enabled=is_main)
+    if is_main:
+        log.info(f"OLMo 3 stage {F.stage}: {config.num_params():,} params, {n_devices} devices, mesh "
+                 f"{dict(mesh.shape)}, {microbatches} microbatch(es), {tokens_per_step:,} tokens/step, "
+                 f"steps {start + 1}..{max_steps}")
+    step = start
+    t_last, done_since = time.perf_counter(), 0
+    try:
+        while step < max_steps:
+            batch = next(loader)
+            assert batch["step"] == step, (batch["step"], step)  # batch index N for step N+1
+            model, opt_state, m = train_step(model, opt_state, sharding.global_batch(batch, mesh))
+            step += 1
+            m = {k: float(v) for k, v in m.items()}
+            if not math.isfinite(m["train/loss"]):
+                raise FloatingPointError(
+                    f"train/loss is {m['train/loss']} at step {step}; the last good checkpoint is step "
+                    f"{ckpt.latest_step()} in {F.run_dir}/checkpoints. Lower --lr or check the data.")
+            now = time.perf_counter()
+            dt, t_last = now - t_last, now
+            done_since += 1
+            m.update(metrics_lib.perf(dt, tokens_per_step, flops, peak, step))
+            if step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps:
+                m.update(evaluate(model))
+            log.write(step, m, eta_s=dt * (max_steps - step))
+            if step % F.save_interval == 0 or step == max_steps:
+                save(step)
+                t_last = time.perf_counter()  # don't bill the checkpoint to the next step
+    finally:
+        ckpt.wait()
+        loader.close()
+        log.close()
+
+
+def check_flags():
+    """Contradictions a user can cause, caught before any device work."""
+    if F.stage not in (1, 2, 3):
+        raise app.UsageError(f"--stage={F.stage}: choose 1, 2 or 3")
+    if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
+        logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
+    for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps"):
+        if getattr(F, name) <= 0:
+            raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")
+    if F.max_steps is not None and F.max_steps > F.total_steps:
+        raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
+    if F.stage == 3 and F.yarn is False:
+        logging.warning("Stage 3 without YaRN is not the recipe")
+
+
+def resolve_data() -> dict:
+    """Split name -> token files: 'train' and 'heldout/<domain>'."""
+    import data
+    if F.data.startswith("mix:"):
+        from data import mixes
+        name = F.data[4:]
+        files = [url for _, url in mixes.resolve_mix(name, F.data_root, F.tokenizer)]
+        return {"train": files}
+    name = os.path.basename(os.path.normpath(F.data)) if F.data != "stdlib" else "stdlib"
+    out = F.data_dir or os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", name)
+    return data.ensure_corpus(out, F.data)
+
+
+def check_resume(extra: dict, config, train_set) -> None:
+    saved = extra.get("model_config", {})
+    if saved and saved != config_dict(config):
+        diff = {k: (saved.get(k), v) for k, v in config_dict(config).items() if saved.get(k) != v}
+        raise app.UsageError(f"--resume: the checkpoint's model config differs from the flags: {diff}")
+    if extra.get("stage") != F.stage:
+        raise app.UsageError(f"--resume: checkpoint is stage {extra.get('stage')}, flags say --stage={F.stage}")
+
+
+# Fields that change the math of a checkpoint; the kernel, remat and compute dtype may change freely.
+ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
+               "window", "layer_pattern", "rope_theta", "yarn", "norm_eps", "param_dtype")
+
+
+def config_dict(config) -> dict:
+    import dataclasses
+    d = {k: v for k, v in dataclasses.asdict(config).items() if k in ARCH_FIELDS}
+    return json.loads(json.dumps(d, default=str))
+
+
+if __name__ == "__main__":
+    app.run(main)
