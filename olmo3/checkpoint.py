@@ -35,6 +35,15 @@ from jaxtyping import PyTree
 CHECKPOINTS = "checkpoints"
 
 
+class MissingTensorsError(ValueError):
+    """The checkpoint lacks tensors the abstract state asks for (`.missing`: their paths), e.g.
+    a model-only checkpoint given where the optimizer state is needed."""
+
+    def __init__(self, message: str, missing: list[str]):
+        super().__init__(message)
+        self.missing = missing
+
+
 def _is_leaf_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
 
@@ -186,10 +195,10 @@ class CheckpointManager:
         where = f"{self.directory}/{step}"
         missing = sorted(set(want) - set(stored))
         if missing:
-            raise ValueError(f"checkpoint {where} has no tensor(s) {missing[:8]}"
+            raise MissingTensorsError(f"checkpoint {where} has no tensor(s) {missing[:8]}"
                              f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing; it "
                              f"holds {len(stored)} tensors, e.g. {sorted(stored)[:4]}). Was it "
-                             "saved without optimizer state, or by another model config?")
+                             "saved without optimizer state, or by another model config?", missing)
         for name, a in want.items():
             if tuple(stored[name].shape) != tuple(a.shape):
                 raise ValueError(f"checkpoint {where}: tensor {name!r} has shape "

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from olmo3.checkpoint import CheckpointManager, locate, tensor_names
+from olmo3.checkpoint import CheckpointManager, MissingTensorsError, locate, tensor_names
 from olmo3.optim import SkipStepAdamW
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,8 +123,9 @@ def test_partial_restore_and_clear_errors(tmp_path):
     # Model only: fine. Model + optimizer from a model-only checkpoint: names the tensors.
     got, _ = mgr.restore(3, {"model": eqx.filter_eval_shape(make_state)["model"]})
     leaves_equal(got["model"], state["model"])
-    with pytest.raises(ValueError, match=r"no tensor\(s\) \['opt\.count'"):
+    with pytest.raises(MissingTensorsError, match=r"no tensor\(s\) \['opt\.count'") as e:
         mgr.restore(3, state)
+    assert all(n.startswith("opt.") for n in e.value.missing) and "opt.mu.embed" in e.value.missing
     # Shape mismatch names the tensor path.
     wrong = {"model": eqx.filter_eval_shape(lambda: make_net(jax.random.key(0), vocab=32))}
     with pytest.raises(ValueError, match=r"'model\.embed' has shape \(16, 8\) but the model "
