@@ -216,3 +216,19 @@ def test_bad_decay_mask_is_a_clear_error():
     opt = SkipStepAdamW(lambda s: jnp.float32(0.1), decay_mask={"embed": False})
     with pytest.raises(ValueError, match="decay_mask"):
         opt.update(model, opt.init(model), model, jnp.float32(1.0))
+
+
+@pytest.mark.parametrize("z,skipped", [(6.0 * 1.004, False), (6.0 * 1.012, True)])
+def test_threshold_uses_bessel_std_of_previous_values(z, skipped):
+    """63 previous values, then one at z population-stds above their mean: Bessel's std is
+    sqrt(63/62) = 1.008x larger, so 6.024 sigma_pop is kept and 6.072 sigma_pop is skipped."""
+    rng = np.random.default_rng(3)
+    prev = 3.0 + 0.1 * rng.standard_normal(63)
+    losses = list(prev) + [prev.mean() + z * prev.std(ddof=0)]
+    model, opt = tiny(), make_opt()
+    state = opt.init(model)
+    g = jax.tree.map(lambda x: jnp.full_like(x, 0.01) if eqx.is_inexact_array(x) else x, model)
+    upd = eqx.filter_jit(opt.update)
+    for loss in losses:                 # constant grad norm: only the loss can trigger
+        model, state, met = upd(g, state, model, jnp.float32(loss))
+    assert bool(met["optim/step_skipped"]) == skipped
