@@ -194,9 +194,10 @@ def _fwd_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         m_prev = m_scr[...]                                               # [bq, 128], lanes equal
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_next)
+        # Masked scores give p = 0 exactly, except in a tile row that is all masked while the
+        # row has seen nothing yet (m = MASK_VALUE, p = 1): that junk is wiped by alpha = 0 at
+        # the row's first visible key, which always comes (a query sees itself).
         p = jnp.exp(s - m_next[:, :1])
-        if masked:
-            p = jnp.where(mask, p, 0.0)  # exact zeros even for a tile row that is all masked
         l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
         m_scr[...] = m_next
         pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
