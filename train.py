@@ -83,11 +83,19 @@ flags.DEFINE_float("peak_tflops", None, "Per-device peak TFLOP/s for MFU (defaul
 
 
 def main(argv):
+    try:
+        _main(argv)
+    except app.UsageError as e:
+        e.exitcode = 2  # a usage error is never retried by --resume_until_done
+        raise
+
+
+def _main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
     if F.resume_until_done:
-        from olmo3.launch import run_until_done
-        args = [a for a in sys.argv if not a.startswith("--resume_until_done")] + ["--resume"]
+        from olmo3.launch import run_until_done, strip_flag
+        args = strip_flag(strip_flag(sys.argv, "resume_until_done"), "resume") + ["--resume"]
         sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts))
     check_flags()
 
@@ -176,8 +184,8 @@ def main(argv):
         source = checkpoint.CheckpointManager(run, read_only=True)
         try:
             state, _ = source.restore(step, as_dict(abstract))
-        except ValueError as e:
-            if "no tensor(s) ['opt." in str(e):
+        except checkpoint.MissingTensorsError as e:
+            if any(name.startswith("opt.") for name in e.missing):
                 raise app.UsageError(f"--init_from={F.init_from} holds no optimizer state; the stage-"
                                      f"{F.stage} warm start needs Adam's moments (a train.py checkpoint)") from e
             raise

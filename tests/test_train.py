@@ -1,0 +1,141 @@
+"""train.py end to end: exact resume, SIGKILL during an async save, warm-start, bad input.
+
+The reference for a resumed run is the uninterrupted run: losses must be equal bit for bit.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A model small enough that a step is dominated by the real 100k-vocab lm_head.
+SMALL = ["--flagfile=" + os.path.join(ROOT, "tiny.flags"), "--d_model=32", "--n_heads=2",
+         "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--seq_len=64", "--global_batch=4",
+         "--window=16", "--eval_interval=1000", "--eval_batches=1", "--loss_chunk=128",
+         "--total_steps=20", "--warmup_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    """A small corpus of documents (so the tests don't tokenize the whole standard library)."""
+    d = tmp_path_factory.mktemp("docs")
+    rng = np.random.default_rng(0)
+    words = [f"word{i}" for i in range(300)] + ["def", "return", "class", "(", ")", ":"]
+    for i in range(40):
+        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
+    return str(d)
+
+
+def run(args, run_dir, docs, data_dir, check=True, env_extra=None, **kw):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **(env_extra or {})})
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}",
+           f"--data_dir={data_dir}", f"--run_dir={run_dir}", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return p
+
+
+def losses(run_dir):
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            out[m["step"]] = m["train/loss"]  # a rerun after resume supersedes: last one wins
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, docs):
+    base = tmp_path_factory.mktemp("runs")
+    run(["--max_steps=6", "--save_interval=3"], base / "a", docs, base / "data")
+    return base
+
+
+def test_resume_is_bit_exact(uninterrupted, docs):
+    base = uninterrupted
+    run(["--max_steps=3", "--save_interval=3"], base / "b", docs, base / "data")
+    assert sorted(os.listdir(base / "b" / "checkpoints")) == ["3"]
+    run(["--max_steps=6", "--save_interval=3", "--resume"], base / "b", docs, base / "data")
+    a, b = losses(base / "a"), losses(base / "b")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # exact, not approximate
+
+
+def test_sigkill_during_async_save_then_resume(uninterrupted, docs, tmp_path):
+    """Kill the process the moment a checkpoint tmp dir appears; resume must still be exact."""
+    base = uninterrupted
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}",
+           f"--data_dir={base / 'data'}", f"--run_dir={tmp_path}", "--max_steps=6", "--save_interval=1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpts = tmp_path / "checkpoints"
+    caught_tmp = False
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline:
+        names = os.listdir(ckpts) if ckpts.exists() else []
+        if any("tmp" in n for n in names) and any(n.isdigit() for n in names):
+            caught_tmp = True
+            break
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run(["--max_steps=6", "--save_interval=1", "--resume"], tmp_path, docs, base / "data")
+    a, b = losses(base / "a"), losses(tmp_path)
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]
+    assert sorted(int(n) for n in os.listdir(ckpts) if n.isdigit())[-1] == 6
+    print("killed during a save in progress:", caught_tmp)
+
+
+def test_stage2_warm_start(uninterrupted, docs, tmp_path):
+    """Stage 2 keeps params and Adam moments, restarts step and schedule (lr = stage-2 peak)."""
+    base = uninterrupted
+    run(["--stage=2", "--schedule=linear", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
+         "--max_steps=1", "--save_interval=1", f"--init_from={base / 'a' / 'checkpoints' / '6'}"],
+        tmp_path, docs, base / "data")
+    m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert m[0]["step"] == 1
+    assert m[0]["optim/lr"] == pytest.approx(2e-4 * (1 - 1 / 10), rel=1e-6)
+    assert m[0]["optim/adam_count"] == 7.0  # warm Adam: 6 stage-1 updates + this one
+    a = losses(base / "a")
+    assert abs(m[0]["train/loss"] - a[6]) < 1.0  # no cold-start spike
+
+
+def test_bad_inputs(uninterrupted, docs, tmp_path):
+    base = uninterrupted
+    p = run(["--no_such_flag=1"], tmp_path / "x", docs, base / "data", check=False)
+    assert p.returncode != 0 and "no_such_flag" in p.stderr
+    p = run(["--max_steps=100"], tmp_path / "x", docs, base / "data", check=False)
+    assert p.returncode != 0 and "--total_steps" in p.stderr
+    # Resume onto different data: the fingerprint check refuses.
+    other = tmp_path / "other_docs"
+    other.mkdir()
+    for i in range(30):
+        (other / f"o{i}.txt").write_text("other text " * (200 + i))
+    env_run = base / "a"
+    p = run(["--max_steps=6", "--resume"], env_run, str(other), tmp_path / "odata", check=False)
+    assert p.returncode != 0 and "fingerprint" in p.stderr
+    # Non-finite loss: stop with a clear message, keep the last good checkpoint.
+    p = run(["--lr=1e30", "--schedule=constant", "--max_steps=6", "--save_interval=1"],
+            tmp_path / "nan", docs, base / "data", check=False)
+    assert p.returncode != 0 and "train/loss is" in p.stderr and "last good checkpoint" in p.stderr
+    assert "1" in os.listdir(tmp_path / "nan" / "checkpoints")
+    # A stage-2 start from a checkpoint without optimizer state.
+    import jax
+    import olmo3
+    from olmo3 import checkpoint
+    mgr = checkpoint.CheckpointManager(str(tmp_path / "weights_only"), async_save=False)
+    cfg = olmo3.Config.tiny(d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64, window=16)
+    mgr.save(0, {"model": olmo3.OLMo3(cfg, jax.random.key(0))}, {})
+    mgr.wait()
+    p = run(["--stage=2", "--max_steps=1", f"--init_from={tmp_path / 'weights_only'}"], tmp_path / "s2",
+            docs, base / "data", check=False)
+    assert p.returncode != 0 and "no optimizer state" in p.stderr
