@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 from jaxtyping import UInt32
 
+from data import storage
 from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
 
 DTYPE = np.uint32
@@ -71,7 +72,7 @@ class FSLDataset:
         self.paths = paths
         self.seq_len = int(seq_len)
         self.vocab_size, self.eos_id, self.pad_id = int(vocab_size), int(eos_id), int(pad_id)
-        self._files = [_open_token_file(p) for p in paths]
+        self._files = storage.open_token_files(paths, _open_token_file)  # URLs: data/storage.py
         for k, f in enumerate(self._files):
             if f.nbytes == 0:
                 raise ValueError(f"token file {f.path!r} is empty; rebuild it with `python -m data.prepare`")

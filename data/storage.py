@@ -1,0 +1,395 @@
+"""Token files wherever they live: local paths, file://, http(s)://, gs:// and s3://.
+
+The OLMo 3 mixes are thousands of headerless uint32 token files in object storage (OLMo-core
+documents https://olmo-data.org as the public root). Training reads them in place: every instance
+is one byte-range read through a TensorStore kvstore, so nothing is copied to local disk first.
+
+Three things make that safe at scale:
+- Sizes once. A file's size decides how many instances it holds and enters the dataset
+  fingerprint, so it is fetched once per URL (HEAD for http(s), a byte-range search otherwise),
+  in parallel threads, and kept in a small JSON sidecar manifest keyed by URL. Later runs start
+  without a request per file. Validation story: a recorded size is only trusted as far as every
+  read agrees with it — TensorStore checks each response's Content-Range against the request and
+  we check the returned length exactly, so a file that shrank on the server is a clear error
+  naming the URL and the manifest entry, never wrong or missing bytes. Each open also reads the
+  last token of the first remote file, which makes an unreachable root fail in about a second.
+  (A file replaced by different content of the same size cannot be detected from sizes; the
+  fingerprint has the same blind spot, as in OLMo-core.)
+- Retries we control. TensorStore's own retries are switched off (max_retries 0) and each
+  request is retried here with capped exponential backoff and jitter on transient errors only
+  (connection refused/dropped, timeouts, 429, 5xx) — DESIGN §4 bug 5: a fixed small budget dies
+  in a long outage. Permanent errors (missing file, short file, permission) are raised at once.
+- Exact bytes. A read returns exactly `4 * count` bytes or raises; there is no partial result.
+
+Public API: `open_token_files(paths)` -> readers with `.path`, `.nbytes`, `.read(start, stop)`
+(the interface data/dataset.py uses), `RemoteTokenFile.read_tokens(start, count)`, `is_remote`.
+"""
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import os
+import random
+import re
+import socket
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorstore as ts
+from jaxtyping import UInt32
+
+ITEMSIZE = 4  # uint32 tokens (OLMo-core writes dolma2 token ids as uint32)
+REMOTE_SCHEMES = ("http", "https", "gs", "s3")
+
+
+class RemoteFileError(OSError):
+    """A remote token file could not be read correctly; the message names the URL."""
+
+
+class UnreachableError(RemoteFileError):
+    """The data root does not answer (refused, unresolvable, timed out)."""
+
+
+class TruncatedFileError(RemoteFileError):
+    """The server holds fewer bytes than the recorded size: the file changed or was truncated."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Capped exponential backoff with full jitter: try k waits U(0, min(max_delay, initial * 2^k))."""
+
+    attempts: int = 10
+    initial_delay: float = 0.5
+    max_delay: float = 30.0
+    timeout: float = 120.0  # seconds for one request before it counts as a transient failure
+
+    def delay(self, attempt: int) -> float:
+        return random.uniform(0.0, min(self.max_delay, self.initial_delay * 2.0**attempt))
+
+
+DEFAULT_RETRY = RetryPolicy()
+# The open-time reachability check: an unreachable root must fail fast, before any training step.
+FAST_FAIL = RetryPolicy(attempts=3, initial_delay=0.2, max_delay=1.0, timeout=15.0)
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    return urllib.parse.urlsplit(os.fspath(path)).scheme in REMOTE_SCHEMES
+
+
+def local_path(path: str | os.PathLike) -> str:
+    """A plain path for `path` or a file:// URL."""
+    path = os.fspath(path)
+    if path.startswith("file://"):
+        return urllib.parse.unquote(urllib.parse.urlsplit(path).path)
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
+        raise ValueError(f"{path!r}: unsupported scheme; use a local path, file://, or one of "
+                         f"{', '.join(s + '://' for s in REMOTE_SCHEMES)}")
+    return path
+
+
+# --- transient vs permanent --------------------------------------------------------------------
+
+# TensorStore reports errors as ValueError("<ABSL_STATUS_CODE>: ..."); these codes are what a
+# flaky network or an overloaded server produces (curl errors and HTTP 5xx map to UNAVAILABLE).
+_TRANSIENT_CODES = ("UNAVAILABLE", "ABORTED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "INTERNAL", "UNKNOWN")
+_TRANSIENT_HTTP = (408, 425, 429, 500, 502, 503, 504)
+
+
+def _is_transient(e: BaseException) -> bool:
+    if isinstance(e, urllib.error.HTTPError):
+        return e.code in _TRANSIENT_HTTP
+    if isinstance(e, (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout,
+                      http.client.HTTPException, concurrent.futures.TimeoutError)):
+        return True
+    if isinstance(e, ValueError):
+        return str(e).split(":", 1)[0].strip() in _TRANSIENT_CODES
+    return False
+
+
+def _with_retries(what: str, url: str, fn: Callable, policy: RetryPolicy, error: type = RemoteFileError):
+    """fn() with backoff on transient errors; when they persist, `error` naming `url`."""
+    for attempt in range(policy.attempts):
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 -- classified just below
+            if not _is_transient(e):
+                raise
+            if attempt + 1 == policy.attempts:
+                raise error(f"{what} {url} failed {policy.attempts} times, last error: {e}. "
+                          "Check the URL / --data_root and the network; for a mirror pass its root.") from e
+            time.sleep(policy.delay(attempt))
+
+
+# --- kvstores ----------------------------------------------------------------------------------
+
+_CONTEXT = None
+_STORES: dict[tuple, ts.KvStore] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _context() -> ts.Context:
+    global _CONTEXT
+    if _CONTEXT is None:
+        no_retries = {"max_retries": 0}  # retried in _with_retries, where we can see and bound it
+        _CONTEXT = ts.Context({
+            "http_request_retries": no_retries,
+            "gcs_request_retries": no_retries,
+            "s3_request_retries": no_retries,
+        })
+    return _CONTEXT
+
+
+def _store_and_key(url: str) -> tuple[ts.KvStore, str]:
+    """One shared kvstore per origin (scheme, host, query) / bucket; the key is the object path."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme in ("http", "https"):
+        origin = f"{u.scheme}://{u.netloc}" + (f"?{u.query}" if u.query else "")
+        spec, key = {"driver": "http", "base_url": origin}, urllib.parse.unquote(u.path)
+    elif u.scheme == "gs":
+        spec, key = {"driver": "gcs", "bucket": u.netloc}, u.path.lstrip("/")
+    elif u.scheme == "s3":
+        spec, key = {"driver": "s3", "bucket": u.netloc}, u.path.lstrip("/")
+        if os.environ.get("AWS_ENDPOINT_URL"):  # S3-compatible mirrors (R2, MinIO, ...)
+            spec["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
+    else:
+        raise ValueError(f"{url!r}: unsupported scheme {u.scheme!r}; use a local path, file://, "
+                         f"or one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}")
+    if not key or key.endswith("/"):
+        raise ValueError(f"{url!r} names a directory, not a token file")
+    spec_key = tuple(sorted(spec.items()))
+    with _STORES_LOCK:
+        if spec_key not in _STORES:
+            _STORES[spec_key] = ts.KvStore.open(spec, context=_context()).result()
+        return _STORES[spec_key], key
+
+
+def _read_once(url: str, start: int, stop: int, timeout: float) -> bytes:
+    """Bytes [start, stop) of `url`, exactly, or an error naming the URL (one attempt)."""
+    store, key = _store_and_key(url)
+    fut = store.read(key, byte_range=slice(start, stop))
+    try:
+        res = fut.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise
+    except ValueError as e:
+        if str(e).startswith("OUT_OF_RANGE"):
+            raise TruncatedFileError(
+                f"{url} has fewer than {stop} bytes on the server ({e}); it was truncated or replaced "
+                "since its size was recorded. Delete its entry from the size manifest (or pass "
+                "refresh=True) if the new file is intended.") from e
+        if str(e).split(":", 1)[0] in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
+            raise RemoteFileError(f"{url}: access denied ({e}); check credentials for this bucket") from e
+        raise
+    if res.state == "missing":
+        raise FileNotFoundError(f"no token file at {url}: the server answered 'not found'. Check the "
+                                "mix name, --data_root and --tokenizer (the URL must exist under the root).")
+    value = bytes(res.value)
+    if len(value) != stop - start:
+        raise TruncatedFileError(f"{url}: asked for bytes [{start}, {stop}) and got {len(value)} bytes; "
+                                 "the file on the server is shorter than its recorded size.")
+    return value
+
+
+def read_bytes(url: str, start: int, stop: int, policy: RetryPolicy = DEFAULT_RETRY,
+               error: type = RemoteFileError) -> bytes:
+    return _with_retries("reading", url, lambda: _read_once(url, start, stop, policy.timeout), policy, error)
+
+
+# --- sizes -------------------------------------------------------------------------------------
+
+def _head_size(url: str, timeout: float) -> int | None:
+    """Content-Length from an HTTP HEAD, or None when the server gives none (then we probe)."""
+    req = urllib.request.Request(url, method="HEAD", headers={"Accept-Encoding": "identity"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            n = r.headers.get("Content-Length")
+            return int(n) if n is not None and r.headers.get("Content-Encoding", "identity") == "identity" else None
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 410):
+            raise FileNotFoundError(f"no token file at {url} (HTTP {e.code}). Check the mix name, "
+                                    "--data_root and --tokenizer.") from e
+        if e.code in (405, 501):  # HEAD not allowed: fall back to range probing
+            return None
+        raise
+
+
+def _exists(url: str, offset: int, timeout: float) -> bool:
+    try:
+        _read_once(url, offset, offset + 1, timeout)
+        return True
+    except TruncatedFileError:
+        return False
+
+
+def _probe_size(url: str, policy: RetryPolicy, error: type = RemoteFileError) -> int:
+    """Size through byte-range reads alone (gs://, s3://, servers without HEAD): double an offset
+    until it is past the end, bisect to a 64 KiB window, then read the tail: ~30 tiny requests."""
+    def exists(k: int) -> bool:
+        return _with_retries("probing the size of", url, lambda: _exists(url, k, policy.timeout), policy, error)
+    if not exists(0):
+        return 0
+    lo, hi = 0, 1 << 16  # lo: a byte that exists; hi: an offset not yet known to exist
+    while exists(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1 << 16:  # invariant: byte lo exists, byte hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if exists(mid) else (lo, mid)
+    store, key = _store_and_key(url)
+
+    def tail() -> int:
+        return len(store.read(key, byte_range=slice(lo, None)).result(timeout=policy.timeout).value)
+    return lo + _with_retries("reading the tail of", url, tail, policy, error)
+
+
+def fetch_size(url: str, policy: RetryPolicy = DEFAULT_RETRY, error: type = RemoteFileError) -> int:
+    """The size in bytes of the object at `url`, checked with two range reads at its end."""
+    n = None
+    if urllib.parse.urlsplit(url).scheme in ("http", "https"):
+        n = _with_retries("HEAD", url, lambda: _head_size(url, policy.timeout), policy, error)
+    if n is None:
+        n = _probe_size(url, policy, error)
+    if n and n % ITEMSIZE == 0:  # the last token is there, and nothing after it
+        read_bytes(url, n - ITEMSIZE, n, policy, error)
+        if _with_retries("checking the end of", url, lambda: _exists(url, n, policy.timeout), policy, error):
+            raise RemoteFileError(f"{url}: the server reported {n} bytes but holds more; it does not "
+                                  "report sizes reliably (a compressing proxy?). Use another mirror.")
+    return n
+
+
+# --- the sidecar manifest ----------------------------------------------------------------------
+
+MANIFEST_FORMAT = "olmo3-jax remote token file sizes v1"
+
+
+def default_manifest_path() -> str:
+    """$OLMO3_DATA_CACHE/remote_sizes.json, default ~/.cache/olmo3-jax/remote_sizes.json."""
+    root = os.environ.get("OLMO3_DATA_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "olmo3-jax")
+    return os.path.join(root, "remote_sizes.json")
+
+
+def load_manifest(path: str) -> dict[str, int]:
+    """{url: size in bytes}; a missing file is an empty manifest, a corrupt one an error."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        return {str(u): int(e["bytes"]) for u, e in doc["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"size manifest {path} is unreadable ({e}); delete it and it will be rebuilt") from e
+
+
+def save_manifest(path: str, sizes: dict[str, int]):
+    """Merge `sizes` into the manifest at `path`; written to a temp name and renamed."""
+    merged = load_manifest(path)
+    merged.update(sizes)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    doc = {"format": MANIFEST_FORMAT,
+           "files": {u: {"bytes": n} for u, n in sorted(merged.items())}}
+    fd, tmp = tempfile.mkstemp(prefix=".remote_sizes.", dir=os.path.dirname(os.path.abspath(path)))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=0)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# --- readers -----------------------------------------------------------------------------------
+
+class RemoteTokenFile:
+    """A token file behind a URL: `nbytes`, `read(start, stop)` (token indices), `read_tokens`."""
+
+    def __init__(self, url: str, nbytes: int, policy: RetryPolicy | None = None):
+        self.path = url
+        self.nbytes = int(nbytes)
+        self.policy = policy or DEFAULT_RETRY
+
+    @property
+    def num_tokens(self) -> int:
+        return self.nbytes // ITEMSIZE
+
+    def read(self, start: int, stop: int) -> UInt32[np.ndarray, " n"]:
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"tokens [{start}, {stop}) out of range for {self.path} ({self.num_tokens} tokens)")
+        if start == stop:
+            return np.zeros(0, dtype=np.uint32)
+        raw = read_bytes(self.path, ITEMSIZE * start, ITEMSIZE * stop, self.policy)
+        return np.frombuffer(raw, dtype=np.uint32).copy()
+
+    def read_tokens(self, start: int, count: int) -> UInt32[np.ndarray, " n"]:
+        return self.read(start, start + count)
+
+    def __repr__(self) -> str:
+        return f"RemoteTokenFile({self.path!r}, {self.nbytes} bytes)"
+
+
+def open_token_files(
+    paths: Sequence[str],
+    open_local: Callable | None = None,
+    *,
+    manifest: str | None = None,
+    refresh: bool = False,
+    threads: int = 64,
+    policy: RetryPolicy | None = None,
+) -> list:
+    """Readers for `paths`, in order. Local paths and file:// URLs go to `open_local(path)`
+    (data/dataset.py's memmap reader); remote URLs become RemoteTokenFile, their sizes taken from
+    the sidecar `manifest` (default `default_manifest_path()`) or fetched in parallel and recorded.
+    `refresh=True` re-fetches every size. Raises before any read if the root is unreachable, a
+    file is missing, or a size is not a whole number of uint32 tokens."""
+    if open_local is None:
+        from data.dataset import _open_token_file as open_local
+    policy = policy or DEFAULT_RETRY  # read at call time, so a caller (or a test) can set the default
+    remote = list(dict.fromkeys(p for p in paths if is_remote(p)))
+    sizes: dict[str, int] = {}
+    if remote:
+        for u in remote:
+            _store_and_key(u)  # bad scheme / directory URLs fail here, before any request
+        manifest = manifest or default_manifest_path()
+        known = {} if refresh else load_manifest(manifest)
+        sizes = {u: known[u] for u in remote if u in known}
+        todo = [u for u in remote if u not in sizes]
+        first = remote[0]
+        # Fail fast: one request with a short retry budget before anything else.
+        if first in sizes:
+            if sizes[first] >= ITEMSIZE:
+                read_bytes(first, sizes[first] - ITEMSIZE, sizes[first], FAST_FAIL, UnreachableError)
+        else:
+            sizes[first] = fetch_size(first, FAST_FAIL, UnreachableError)
+            todo.remove(first)
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
+            futs = {u: pool.submit(fetch_size, u, policy) for u in todo}
+            missing = []
+            for u, f in futs.items():
+                try:
+                    sizes[u] = f.result()
+                except FileNotFoundError:
+                    missing.append(u)
+        if missing:
+            raise FileNotFoundError(
+                f"{len(missing)} of {len(remote)} token files are not on the server, e.g. "
+                f"{', '.join(missing[:3])}. Check --data_root, --tokenizer and the mix name.")
+        if todo or refresh or first not in known:
+            save_manifest(manifest, {u: sizes[u] for u in remote})
+        for u in remote:
+            if sizes[u] % ITEMSIZE:
+                raise ValueError(f"token file {u} has {sizes[u]} bytes, not a multiple of 4: it is not a "
+                                 "headerless uint32 token file, or the server copy is truncated")
+    out = []
+    for p in paths:
+        if is_remote(p):
+            out.append(RemoteTokenFile(p, sizes[p], policy))
+        else:
+            out.append(open_local(local_path(p)))
+    return out

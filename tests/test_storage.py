@@ -1,0 +1,307 @@
+"""Remote token files (data/storage.py) against a range-capable HTTP server on 127.0.0.1.
+
+The oracle is always the same bytes read from local disk with plain numpy. No internet: the
+server below serves a temporary directory, handles HEAD and `Range: bytes=a-b`, can inject
+faults (503s, dropped connections, bodies cut short), and shuts itself down after a deadline.
+"""
+import http.server
+import os
+import re
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import data
+from data import storage
+
+FAST = storage.RetryPolicy(attempts=40, initial_delay=0.001, max_delay=0.01, timeout=10.0)
+
+
+class RangeHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, as a real object store
+
+    def log_message(self, *args):
+        pass
+
+    def _fault(self) -> bool:
+        """Answer with the server's next scheduled fault, if any. True when a fault was sent."""
+        kind = self.server.next_fault(self.command)
+        if kind is None:
+            return False
+        if kind == "503":
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif kind == "drop":  # connection closed before any response
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+        elif kind == "short":  # headers promise 64 bytes, 5 arrive, then the connection drops
+            self.send_response(206)
+            self.send_header("Content-Range", "bytes 0-63/1000000")
+            self.send_header("Content-Length", "64")
+            self.end_headers()
+            self.wfile.write(b"short")
+            self.wfile.flush()
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+        return True
+
+    def do_HEAD(self):
+        self.do_GET(head=True)
+
+    def do_GET(self, head=False):
+        self.server.count(self.command)
+        if self._fault():
+            return
+        if head and self.server.no_head:
+            self.send_response(405)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        path = os.path.join(self.server.root, self.path.lstrip("/"))
+        if not os.path.isfile(path):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        with open(path, "rb") as f:
+            body = f.read()
+        n, status, rng = len(body), 200, self.headers.get("Range")
+        headers = {"Accept-Ranges": "bytes"}
+        if rng and not head:
+            a, b = re.fullmatch(r"bytes=(\d*)-(\d*)", rng).groups()
+            if a == "":  # suffix range: the last b bytes
+                a, b = max(0, n - int(b)), n - 1
+            else:
+                a, b = int(a), min(int(b), n - 1) if b else n - 1
+            if a >= n:
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{n}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            status, body = 206, body[a:b + 1]
+            headers["Content-Range"] = f"bytes {a}-{b}/{n}"
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+
+class RangeServer(http.server.ThreadingHTTPServer):
+    """Serves `root` on an ephemeral 127.0.0.1 port; stops itself after `lifetime` seconds.
+    `faults`: a list of fault kinds applied in turn to every request while `flaky` is set, with
+    one good answer after each fault (so every read needs at least one retry)."""
+
+    daemon_threads = True
+
+    def __init__(self, root, lifetime=120.0):
+        super().__init__(("127.0.0.1", 0), RangeHandler)
+        self.root, self.no_head, self.faults = str(root), False, []
+        self.requests, self.faulted = {}, 0
+        self._lock, self._n = threading.Lock(), 0
+        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._timer = threading.Timer(lifetime, self.shutdown)
+        self._timer.daemon = True
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def count(self, method):
+        with self._lock:
+            self.requests[method] = self.requests.get(method, 0) + 1
+
+    def next_fault(self, method):
+        with self._lock:
+            if not self.faults:
+                return None
+            self._n += 1
+            if self._n % 2 == 0:  # every other request is answered normally
+                return None
+            kind = self.faults[(self._n // 2) % len(self.faults)]
+            if method == "HEAD" and kind == "short":
+                kind = "503"
+            self.faulted += 1
+            return kind
+
+    def __enter__(self):
+        self._thread.start()
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._timer.cancel()
+        self.shutdown()
+        self.server_close()
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Sizes manifest in the test's temp dir; fast retries so fault tests take milliseconds."""
+    monkeypatch.setenv("OLMO3_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(storage, "DEFAULT_RETRY", FAST)
+
+
+def _corpus(root, sizes, seed=0):
+    """Token files under root/mix/ with random ids; returns their relative paths."""
+    rng = np.random.default_rng(seed)
+    os.makedirs(root / "mix" / "sub", exist_ok=True)
+    rel = []
+    for k, n in enumerate(sizes):
+        r = f"mix/sub/part-{k:02d}.npy" if k % 2 else f"mix/part-{k:02d}.npy"
+        rng.integers(0, data.VOCAB_SIZE, size=n, dtype=np.uint32).tofile(root / r)
+        rel.append(r)
+    return rel
+
+
+SEQ = 64
+SIZES = [5 * SEQ + 7, 3 * SEQ, SEQ - 1, 4 * SEQ + 63, 2 * SEQ]
+
+
+def _plain_instances(paths, seq):
+    """Oracle: numpy reads of each file, n = size // seq instances, leftovers dropped."""
+    out = []
+    for p in paths:
+        t = np.fromfile(p, dtype=np.uint32)
+        out += [t[j * seq:(j + 1) * seq] for j in range(len(t) // seq)]
+    return out
+
+
+def test_remote_equals_local_byte_for_byte(tmp_path):
+    rel = _corpus(tmp_path, SIZES)
+    local = [str(tmp_path / r) for r in rel]
+    want = _plain_instances(local, SEQ)
+    with RangeServer(tmp_path) as srv:
+        urls = [f"{srv.url}/{r}" for r in rel]
+        remote = data.FSLDataset(urls, SEQ)
+        assert len(remote) == len(want) == 5 + 3 + 0 + 4 + 2
+        for i, w in enumerate(want):
+            got = remote[i]
+            assert got.dtype == np.uint32 and got.tobytes() == w.tobytes()
+        files = [f"file://{p}" for p in local]
+        assert data.FSLDataset(urls, SEQ).fingerprint == data.FSLDataset(local, SEQ).fingerprint \
+            == data.FSLDataset(files, SEQ).fingerprint
+        # Sizes were recorded once: a second open sends no HEAD and one GET (the reachability check).
+        sizes = storage.load_manifest(storage.default_manifest_path())
+        assert sizes == {u: os.path.getsize(p) for u, p in zip(urls, local)}
+        before = dict(srv.requests)
+        data.FSLDataset(urls, SEQ)
+        assert srv.requests.get("HEAD", 0) == before.get("HEAD", 0)
+        assert srv.requests["GET"] == before["GET"] + 1
+
+
+def test_read_tokens_at_any_offset(tmp_path):
+    rel = _corpus(tmp_path, [10_007])
+    ref = np.fromfile(tmp_path / rel[0], dtype=np.uint32)
+    with RangeServer(tmp_path) as srv:
+        (f,) = storage.open_token_files([f"{srv.url}/{rel[0]}"])
+        assert f.nbytes == 4 * 10_007 and f.num_tokens == 10_007
+        rng = np.random.default_rng(1)
+        for start in [0, 10_006, *rng.integers(0, 10_007, 20)]:
+            count = int(min(rng.integers(0, 3000), 10_007 - start))
+            np.testing.assert_array_equal(f.read_tokens(int(start), count), ref[start:start + count])
+        with pytest.raises(IndexError):
+            f.read_tokens(10_000, 8)
+
+
+@pytest.mark.parametrize("faults", [["503"], ["drop"], ["short"], ["503", "drop", "short"]])
+def test_transient_faults_are_retried_and_reads_exact(tmp_path, faults):
+    rel = _corpus(tmp_path, SIZES, seed=2)
+    want = _plain_instances([tmp_path / r for r in rel], SEQ)
+    with RangeServer(tmp_path) as srv:
+        srv.faults = faults
+        ds = data.FSLDataset([f"{srv.url}/{r}" for r in rel], SEQ)
+        for i in np.random.default_rng(3).permutation(len(ds)):
+            np.testing.assert_array_equal(ds[int(i)], want[i])
+        assert srv.faulted >= len(ds)  # every read met at least one fault and was retried
+
+
+def test_faults_beyond_the_retry_budget_raise_naming_the_url(tmp_path):
+    rel = _corpus(tmp_path, [4 * SEQ])
+    with RangeServer(tmp_path) as srv:
+        url = f"{srv.url}/{rel[0]}"
+        (f,) = storage.open_token_files([url])
+        f.policy = storage.RetryPolicy(attempts=3, initial_delay=0.001, max_delay=0.001)
+        srv.faults, srv._n = ["503"], 0
+        srv.next_fault = lambda method: "503"  # never recovers
+        with pytest.raises(storage.RemoteFileError, match=re.escape(url)):
+            f.read_tokens(0, SEQ)
+
+
+def test_file_truncated_on_server(tmp_path):
+    rel = _corpus(tmp_path, [6 * SEQ, 6 * SEQ], seed=4)
+    with RangeServer(tmp_path) as srv:
+        urls = [f"{srv.url}/{r}" for r in rel]
+        ds = data.FSLDataset(urls, SEQ)
+        with open(tmp_path / rel[1], "r+b") as fh:  # the server copy loses its tail
+            fh.truncate(4 * 3 * SEQ + 8)
+        ds[6 + 2]  # still whole
+        with pytest.raises(storage.TruncatedFileError, match=re.escape(urls[1])):
+            ds[6 + 3]
+        with pytest.raises(storage.TruncatedFileError, match=re.escape(urls[1])):
+            ds[6 + 5]
+        # A new run with the recorded size fails at open when the first file is the short one.
+        with pytest.raises(storage.TruncatedFileError, match=re.escape(urls[1])):
+            data.FSLDataset(urls[1:], SEQ)
+        # refresh=True takes the new size (3 instances now, 8 tokens left over).
+        f = storage.open_token_files(urls[1:], refresh=True)[0]
+        assert f.nbytes == 4 * (3 * SEQ + 2)
+
+
+def test_unreachable_root_fails_fast(tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens here now
+    url = f"http://127.0.0.1:{port}/mix/part-00.npy"
+    t0 = time.perf_counter()
+    with pytest.raises(storage.UnreachableError, match=re.escape(url)):
+        data.FSLDataset([url, url.replace("00", "01")], SEQ)
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_root_without_files_and_bad_sizes(tmp_path):
+    rel = _corpus(tmp_path, [3 * SEQ, 3 * SEQ])
+    with open(tmp_path / "mix" / "odd.npy", "wb") as fh:
+        fh.write(b"\0" * (4 * SEQ + 2))
+    with RangeServer(tmp_path) as srv:
+        with pytest.raises(FileNotFoundError, match="wrong-root"):
+            data.FSLDataset([f"{srv.url}/wrong-root/{r}" for r in rel], SEQ)
+        with pytest.raises(FileNotFoundError, match=r"1 of 2 token files.*missing\.npy"):
+            data.FSLDataset([f"{srv.url}/{rel[0]}", f"{srv.url}/mix/missing.npy"], SEQ)
+        odd = f"{srv.url}/mix/odd.npy"
+        with pytest.raises(ValueError, match=re.escape(odd) + ".*not a multiple of 4"):
+            data.FSLDataset([f"{srv.url}/{rel[0]}", odd], SEQ)
+        with pytest.raises(ValueError, match="directory"):
+            data.FSLDataset([f"{srv.url}/mix/"], SEQ)
+        with pytest.raises(ValueError, match="unsupported scheme"):
+            storage.open_token_files(["ftp://example.invalid/a.npy"])
+
+
+@pytest.mark.parametrize("nbytes", [4, 4 * 1000, 4 * 16384, 4 * 16384 + 4, 4 * 70_001])
+def test_size_by_range_probing(tmp_path, nbytes):
+    """The gs:// and s3:// path (no HEAD): sizes found by byte-range reads alone."""
+    os.makedirs(tmp_path / "p")
+    with open(tmp_path / "p" / "f.npy", "wb") as fh:
+        fh.write(os.urandom(nbytes))
+    with RangeServer(tmp_path) as srv:
+        srv.no_head = True
+        assert storage.fetch_size(f"{srv.url}/p/f.npy") == nbytes
+        assert "HEAD" in srv.requests  # it asked, got 405, and probed
+
+
+def test_manifest_errors(tmp_path):
+    path = tmp_path / "sizes.json"
+    storage.save_manifest(str(path), {"http://a/x.npy": 8})
+    storage.save_manifest(str(path), {"http://a/y.npy": 12})  # merges
+    assert storage.load_manifest(str(path)) == {"http://a/x.npy": 8, "http://a/y.npy": 12}
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*delete it"):
+        storage.load_manifest(str(path))
