@@ -1,0 +1,132 @@
+"""Mix resolution (data/mixes.py) and the list writer (tools/write_mixes.py).
+
+Expected URLs are written out literally from OLMo-core's documented layout (DataMix.build:
+`{root}/{path with {TOKENIZER} replaced}`), not produced by the code under test.
+"""
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data
+from data import mixes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TOY = """# a comment, then a blank line
+
+web,preprocessed/toy/{TOKENIZER}/web/000000.npy
+web,preprocessed/toy/{TOKENIZER}/web/000001.npy
+code,preprocessed/toy/{TOKENIZER}/code/000000.npy
+"""
+
+
+def _mix_dir(tmp_path, files):
+    d = tmp_path / "mixes"
+    d.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (d / f"{name}.txt").write_text(text)
+    return str(d)
+
+
+def test_tokenizer_expansion_and_root(tmp_path):
+    d = _mix_dir(tmp_path, {"toy": TOY, "OLMo-mix-0625-official": TOY, "v3-small-ppl-validation": TOY})
+    want = [("web", "https://mirror.example/data/preprocessed/toy/allenai/dolma2-tokenizer/web/000000.npy"),
+            ("web", "https://mirror.example/data/preprocessed/toy/allenai/dolma2-tokenizer/web/000001.npy"),
+            ("code", "https://mirror.example/data/preprocessed/toy/allenai/dolma2-tokenizer/code/000000.npy")]
+    for root in ("https://mirror.example/data", "https://mirror.example/data/"):
+        assert mixes.resolve_mix("toy", root, mixes_dir=d) == want
+    # The OLMo 3 mixes were written under allenai/dolma3-tokenizer, the v3-small sets under
+    # dolma2-tokenizer (OLMo-core DataMix.build).
+    assert mixes.resolve_mix("OLMo-mix-0625-official", "gs://ai2-llm", mixes_dir=d)[2] == \
+        ("code", "gs://ai2-llm/preprocessed/toy/allenai/dolma3-tokenizer/code/000000.npy")
+    assert mixes.mix_paths("v3-small-ppl-validation", mixes_dir=d)[0] == \
+        "https://olmo-data.org/preprocessed/toy/dolma2-tokenizer/web/000000.npy"
+    assert mixes.by_label(want) == {"web": [want[0][1], want[1][1]], "code": [want[2][1]]}
+
+
+def test_unknown_mix_lists_the_available_ones(tmp_path):
+    d = _mix_dir(tmp_path, {"toy": TOY, "other-mix": TOY})
+    with pytest.raises(ValueError, match=r"unknown data mix 'nope'.*other-mix.*toy.*write_mixes"):
+        mixes.resolve_mix("nope", mixes_dir=d)
+    with pytest.raises(ValueError, match="bare name"):
+        mixes.resolve_mix("../toy", mixes_dir=d)
+
+
+def test_unknown_tokenizer_and_bad_lines(tmp_path):
+    d = _mix_dir(tmp_path, {"toy": TOY, "bad": "web,preprocessed/no-placeholder/0.npy\n", "empty": "# nothing\n"})
+    with pytest.raises(ValueError, match=r"unknown tokenizer 'gpt2' for data mix 'toy'.*dolma2"):
+        mixes.resolve_mix("toy", tokenizer="gpt2", mixes_dir=d)
+    with pytest.raises(ValueError, match=re.escape(os.path.join(d, "bad.txt")) + ":1"):
+        mixes.resolve_mix("bad", mixes_dir=d)
+    with pytest.raises(ValueError, match="lists no files"):
+        mixes.resolve_mix("empty", mixes_dir=d)
+    with pytest.raises(ValueError, match="empty data root"):
+        mixes.resolve_mix("toy", "", mixes_dir=d)
+
+
+def test_mix_to_dataset_on_a_local_root(tmp_path):
+    """A resolved mix is what FSLDataset takes; a local mirror and a file:// root read the same."""
+    d = _mix_dir(tmp_path, {"toy": TOY})
+    root = tmp_path / "root"
+    rng = np.random.default_rng(0)
+    want = []
+    for _, url in mixes.resolve_mix("toy", str(root), mixes_dir=d):
+        os.makedirs(os.path.dirname(url), exist_ok=True)
+        t = rng.integers(0, data.VOCAB_SIZE, size=3 * 32 + 5, dtype=np.uint32)
+        t.tofile(url)
+        want += [t[j * 32:(j + 1) * 32] for j in range(3)]
+    ds = data.FSLDataset(mixes.mix_paths("toy", str(root), mixes_dir=d), 32)
+    ds2 = data.FSLDataset(mixes.mix_paths("toy", f"file://{root}", mixes_dir=d), 32)
+    assert len(ds) == len(ds2) == 9 and ds.fingerprint == ds2.fingerprint
+    for i, w in enumerate(want):
+        np.testing.assert_array_equal(ds[i], w)
+        np.testing.assert_array_equal(ds2[i], w)
+
+
+def _write_mixes(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "write_mixes.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_write_mixes_from_a_checkout(tmp_path):
+    src = tmp_path / "OLMo-core" / "src" / "olmo_core" / "data" / "mixes"
+    src.mkdir(parents=True)
+    (src / "toy.txt").write_text(TOY)
+    (src / "broken.txt").write_text("web,preprocessed/x/0.npy\n")
+    out = tmp_path / "out"
+    r = _write_mixes(f"--olmo_core={tmp_path / 'OLMo-core'}", "--mixes=toy", f"--out_dir={out}")
+    assert r.returncode == 0, r.stderr
+    lines = (out / "toy.txt").read_text().splitlines()
+    assert lines[0].startswith("# toy: copied by tools/write_mixes.py from allenai/OLMo-core")
+    assert lines[1:] == [ln for ln in TOY.splitlines() if ln and not ln.startswith("#")]
+    assert [u for _, u in mixes.resolve_mix("toy", "/r", mixes_dir=str(out))][-1] == \
+        "/r/preprocessed/toy/allenai/dolma2-tokenizer/code/000000.npy"
+    r = _write_mixes(f"--olmo_core={tmp_path / 'OLMo-core'}", "--mixes=broken", f"--out_dir={out}")
+    assert r.returncode != 0 and "broken.txt line 1" in r.stderr
+    assert not (out / "broken.txt").exists()
+    r = _write_mixes(f"--olmo_core={tmp_path}", "--mixes=toy", f"--out_dir={out}")
+    assert r.returncode != 0 and "OLMo-core checkout" in r.stderr
+
+
+# Sizes stated by OLMo-core's OLMo 3 README and the official scripts' mixes (see data/mixes.py).
+REAL = {"OLMo-mix-0625-official": 1016, "OLMo-midtraining-mix-0625-100B": None, "OLMo-longmino-mix-0625": None,
+        "v3-small-ppl-validation": 11}
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_written_recipe_mixes(name):
+    """Checks the generated lists when tools/write_mixes.py has been run (they are not committed)."""
+    if name not in mixes.available_mixes():
+        pytest.skip(f"{name} not written here; run tools/write_mixes.py --olmo_core=...")
+    pairs = mixes.resolve_mix(name)
+    urls = [u for _, u in pairs]
+    if REAL[name] is not None:
+        assert len(pairs) == REAL[name]
+    assert len(set(urls)) == len(urls) and all(u.endswith(".npy") for u in urls)
+    assert all(u.startswith("https://olmo-data.org/") and "{" not in u for u in urls)
+    if name == "v3-small-ppl-validation":
+        assert "c4_en-validation" in mixes.by_label(pairs)

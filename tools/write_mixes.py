@@ -1,0 +1,103 @@
+"""Write the OLMo 3 mix lists into data/mixes/ from an OLMo-core checkout.
+
+    git clone https://github.com/allenai/OLMo-core /tmp/OLMo-core
+    python tools/write_mixes.py --olmo_core=/tmp/OLMo-core
+
+The lists are facts published by AI2 (`src/olmo_core/data/mixes/<name>.txt`); this script only
+checks and normalizes them: every line is `label,relative/path/{TOKENIZER}/....npy`, comments and
+blank lines are dropped, and a header records where the list came from. `--olmo_core` may also be
+a bare git directory (read at `--rev` with `git show`). Files are written to a temporary name and
+renamed, so a failed run leaves the previous lists intact.
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from data import mixes  # noqa: E402
+
+MIX_DIR = "src/olmo_core/data/mixes"
+# The recipe's three stages and the perplexity sets (see data/mixes.py).
+DEFAULT_MIXES = [*mixes.STAGE_MIXES.values(), mixes.VALIDATION_MIX, "code-fresh-ppl-validation"]
+
+flags.DEFINE_string("olmo_core", None, "an OLMo-core checkout (or bare git directory)", required=True)
+flags.DEFINE_string("rev", "HEAD", "git revision to read when --olmo_core is a git directory")
+flags.DEFINE_list("mixes", DEFAULT_MIXES, "mix names to write")
+flags.DEFINE_string("out_dir", mixes.PACKAGE_DIR, "where to write <name>.txt")
+FLAGS = flags.FLAGS
+
+_LINE = re.compile(r"[^,\s]+,[^,\s]*\{TOKENIZER\}[^,\s]*\.npy")
+
+
+def _git_dir(root: str) -> str | None:
+    for d in (root, os.path.join(root, ".git")):
+        if os.path.isfile(os.path.join(d, "HEAD")) and os.path.isdir(os.path.join(d, "objects")):
+            return d
+    return None
+
+
+def read_source(root: str, name: str, rev: str = "HEAD") -> tuple[str, str]:
+    """(text of <name>.txt, a description of where it came from)."""
+    path = os.path.join(root, MIX_DIR, name + ".txt")
+    git = _git_dir(root)
+    commit = ""
+    if git:
+        commit = subprocess.run(["git", f"--git-dir={git}", "rev-parse", rev], capture_output=True,
+                                text=True).stdout.strip()
+    if os.path.isfile(path):
+        with open(path) as f:
+            text = f.read()
+    elif git:
+        r = subprocess.run(["git", f"--git-dir={git}", "show", f"{rev}:{MIX_DIR}/{name}.txt"],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise FileNotFoundError(f"{MIX_DIR}/{name}.txt is not in {root} at {rev}: {r.stderr.strip()}")
+        text = r.stdout
+    else:
+        raise FileNotFoundError(f"{path} does not exist; is --olmo_core an OLMo-core checkout?")
+    return text, f"allenai/OLMo-core{' @ ' + commit if commit else ''}: {MIX_DIR}/{name}.txt"
+
+
+def normalize(name: str, text: str, source: str) -> str:
+    out = [f"# {name}: copied by tools/write_mixes.py from {source}"]
+    for n, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not _LINE.fullmatch(line):
+            raise ValueError(f"{source} line {n}: expected 'label,path/{{TOKENIZER}}/...npy', got {line!r}")
+        out.append(line)
+    if len(out) == 1:
+        raise ValueError(f"{source} lists no files")
+    return "\n".join(out) + "\n"
+
+
+def write(out_dir: str, name: str, body: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    dest = os.path.join(out_dir, name + ".txt")
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+        os.replace(tmp, dest)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return dest
+
+
+def main(argv):
+    del argv
+    for name in FLAGS.mixes:
+        text, source = read_source(FLAGS.olmo_core, name, FLAGS.rev)
+        body = normalize(name, text, source)
+        dest = write(FLAGS.out_dir, name, body)
+        print(f"{dest}: {body.count(chr(10)) - 1} files")
+
+
+if __name__ == "__main__":
+    app.run(main)
