@@ -27,6 +27,7 @@ import json
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -80,8 +81,13 @@ def encode_documents(docs: Iterable[corpus_lib.Document], workers: int) -> Itera
         for chunk in _chunks(docs):
             yield (chunk, *_encode_chunk([d.text for d in chunk]))
         return
-    # spawn, not fork: the parent may be running JAX threads.
-    ctx = multiprocessing.get_context("spawn")
+    # fork is nearly free and the children inherit the loaded tokenizer, but forking a process that
+    # runs threads (JAX starts several) can deadlock the child: then pay for spawn instead.
+    if threading.active_count() == 1 and "jax" not in sys.modules:
+        dolma2()
+        ctx = multiprocessing.get_context("fork")
+    else:
+        ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
         pending = []
         for chunk in _chunks(docs):
