@@ -182,10 +182,14 @@ def _read_once(url: str, start: int, stop: int, timeout: float) -> bytes:
         if str(e).startswith("OUT_OF_RANGE"):
             raise TruncatedFileError(
                 f"{url} has fewer than {stop} bytes on the server ({e}); it was truncated or replaced "
-                "since its size was recorded. Delete its entry from the size manifest (or pass "
-                "refresh=True) if the new file is intended.") from e
-        if str(e).split(":", 1)[0] in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
+                f"since its size was recorded. If the new file is intended, delete its entry from the "
+                f"size manifest ({default_manifest_path()} unless you passed another) and restart.") from e
+        code = str(e).split(":", 1)[0]
+        if code in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
             raise RemoteFileError(f"{url}: access denied ({e}); check credentials for this bucket") from e
+        if code == "FAILED_PRECONDITION" and "ignored" in str(e):
+            raise RemoteFileError(f"{url}: the server ignores HTTP Range requests ({e}); token files "
+                                  "are read by byte range, so use a root (mirror) that supports them") from e
         raise
     if res.state == "missing":
         raise FileNotFoundError(f"no token file at {url}: the server answered 'not found'. Check the "
@@ -368,14 +372,18 @@ def open_token_files(
         else:
             sizes[first] = fetch_size(first, FAST_FAIL, UnreachableError)
             todo.remove(first)
+        missing = []
         with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
             futs = {u: pool.submit(fetch_size, u, policy) for u in todo}
-            missing = []
-            for u, f in futs.items():
-                try:
-                    sizes[u] = f.result()
-                except FileNotFoundError:
-                    missing.append(u)
+            try:
+                for u, f in futs.items():
+                    try:
+                        sizes[u] = f.result()
+                    except FileNotFoundError:
+                        missing.append(u)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)  # report the first hard error now
+                raise
         if missing:
             raise FileNotFoundError(
                 f"{len(missing)} of {len(remote)} token files are not on the server, e.g. "

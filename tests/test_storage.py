@@ -72,7 +72,7 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
             return
         with open(path, "rb") as f:
             body = f.read()
-        n, status, rng = len(body), 200, self.headers.get("Range")
+        n, status, rng = len(body), 200, None if self.server.no_range else self.headers.get("Range")
         headers = {"Accept-Ranges": "bytes", "ETag": f'"{n:x}-{os.stat(path).st_mtime_ns:x}"'}  # S3 needs one
         if rng and not head:
             a, b = re.fullmatch(r"bytes=(\d*)-(\d*)", rng).groups()
@@ -106,7 +106,7 @@ class RangeServer(http.server.ThreadingHTTPServer):
 
     def __init__(self, root, lifetime=120.0):
         super().__init__(("127.0.0.1", 0), RangeHandler)
-        self.root, self.no_head, self.faults, self.delay = str(root), False, [], 0.0
+        self.root, self.no_head, self.no_range, self.faults, self.delay = str(root), False, False, [], 0.0
         self.requests, self.faulted = {}, 0
         self._lock, self._n = threading.Lock(), 0
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -286,6 +286,9 @@ def test_root_without_files_and_bad_sizes(tmp_path):
             data.FSLDataset([f"{srv.url}/mix/"], SEQ)
         with pytest.raises(ValueError, match="unsupported scheme"):
             storage.open_token_files(["ftp://example.invalid/a.npy"])
+        srv.no_range = True  # a server that answers every read with the whole file
+        with pytest.raises(storage.RemoteFileError, match="ignores HTTP Range"):
+            data.FSLDataset([f"{srv.url}/{rel[1]}"], SEQ)
 
 
 @pytest.mark.parametrize("nbytes", [4, 4 * 1000, 4 * 16384, 4 * 16384 + 4, 4 * 70_001])
