@@ -87,6 +87,18 @@ def test_mix_to_dataset_on_a_local_root(tmp_path):
         np.testing.assert_array_equal(ds2[i], w)
 
 
+def test_lists_found_in_an_installed_olmo_core(tmp_path, monkeypatch):
+    """With `pip install ai2-olmo-core`, its packaged lists resolve without tools/write_mixes.py."""
+    pkg = tmp_path / "site" / "olmo_core"
+    (pkg / "data" / "mixes").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    (pkg / "data" / "mixes" / "toy-installed.txt").write_text(TOY)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv("OLMO3_MIXES_DIR", raising=False)
+    assert "toy-installed" in mixes.available_mixes()
+    assert mixes.mix_paths("toy-installed", "/r")[0] == "/r/preprocessed/toy/allenai/dolma2-tokenizer/web/000000.npy"
+
+
 def _write_mixes(*args):
     return subprocess.run([sys.executable, os.path.join(REPO, "tools", "write_mixes.py"), *args],
                           capture_output=True, text=True, timeout=120)
