@@ -1,0 +1,233 @@
+"""convert.py: HF <-> Orbax round trip, parity against transformers, the train.py restore path,
+bad inputs; and (slow) train.py --init_from end to end and peak memory on a 1B-shaped checkpoint."""
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import olmo3
+from olmo3 import checkpoint, evaluation as ev, hf, optim, schedules
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("convert", os.path.join(ROOT, "convert.py"))
+convert = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(convert)
+
+
+def hf_config(**over):
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-6, sliding_window=7, pad_token_id=None, eos_token_id=None,
+                tie_word_embeddings=False)
+    base.update(over)
+    return transformers.Olmo3Config(**base)
+
+
+def random_hf_dir(path, dtype=torch.float32, seed=0, **over):
+    """A random Olmo3ForCausalLM saved by transformers itself (norms randomized too, so a
+    swapped norm weight cannot hide behind ones)."""
+    torch.manual_seed(seed)
+    m = transformers.Olmo3ForCausalLM(hf_config(**over)).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    m.to(dtype).save_pretrained(str(path))
+    return m
+
+
+def raw_tensors(path):
+    """name -> (dtype string, shape, raw bytes), read with the safetensors library's torch API."""
+    from safetensors import safe_open
+    out = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(path, f), framework="pt") as h:
+                for k in h.keys():
+                    t = h.get_tensor(k)
+                    out[k] = (str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy().tobytes())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hf_orbax_hf_round_trip_is_bit_exact(tmp_path, dtype):
+    random_hf_dir(tmp_path / "hf", dtype)
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"))  # fp32 master weights
+    name = "bfloat16" if dtype == torch.bfloat16 else "float32"
+    convert.orbax_to_hf(str(tmp_path / "orbax"), str(tmp_path / "hf2"), hf_dtype=name, shard_gb=1e-4)
+    a, b = raw_tensors(tmp_path / "hf"), raw_tensors(tmp_path / "hf2")
+    assert set(a) == set(b) and len(a) == 3 + 4 * 11
+    for k in a:
+        assert a[k] == b[k], k
+    assert len([f for f in os.listdir(tmp_path / "hf2") if f.endswith(".safetensors")]) > 1  # sharded
+    # transformers loads the sharded output and computes what the original computes
+    r1 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    r2 = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf2"), dtype=torch.float32)
+    x = torch.arange(20)[None] * 7 % 512
+    with torch.no_grad():
+        assert torch.equal(r1(x).logits, r2(x).logits)
+
+
+def test_parity_fp32_against_transformers(tmp_path):
+    random_hf_dir(tmp_path / "hf", num_attention_heads=4, num_key_value_heads=2)
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"))
+    ours, info = ev.load_model(str(tmp_path / "orbax"))
+    assert info["step"] == 0 and info["kind"] == "orbax"
+    r = convert.verify(str(tmp_path / "hf"), ours, seq=48, batch=2)
+    assert r["kl_mean"] < 1e-6 and r["kl_max"] < 1e-6, r
+    assert r["top1"] == 1.0 and r["top10"] == 1.0 and r["tokens"] == 96
+
+
+def test_checkpoint_restores_the_way_train_py_warm_starts(tmp_path):
+    """train.py --init_from restores {"model", "opt"} into the abstract of a fresh state and calls
+    optimizer.warm_start: the weights must be HF's (numpy oracle: transposes of the torch tensors)
+    and the optimizer state must equal a fresh init (zero fp32 moments, Adam count 0)."""
+    ref = random_hf_dir(tmp_path / "hf")
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True)
+    config = ev.read_hf_config(str(tmp_path / "hf"))
+    opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))
+    abstract = eqx.filter_eval_shape(lambda: (lambda m: {"model": m, "opt": opt.init(m)})(
+        olmo3.OLMo3(config, jax.random.key(1))))
+    run, step = checkpoint.locate(str(tmp_path / "init"))
+    state, extra = checkpoint.CheckpointManager(run, read_only=True).restore(step, abstract)
+    sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+    m = state["model"]
+    np.testing.assert_array_equal(m.embed, sd["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(m.lm_head, sd["lm_head.weight"].T)
+    for i in range(config.n_layers):
+        np.testing.assert_array_equal(m.layers.gate_proj[i], sd[f"model.layers.{i}.mlp.gate_proj.weight"].T)
+        np.testing.assert_array_equal(m.layers.q_norm[i], sd[f"model.layers.{i}.self_attn.q_norm.weight"])
+    warm = opt.warm_start(state["opt"])
+    fresh = opt.init(m)
+    assert jax.tree.structure(warm) == jax.tree.structure(fresh)
+    for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(fresh)):
+        assert a.dtype == b.dtype and a.shape == b.shape and not np.any(np.asarray(a))
+    assert extra["model_config"] == ev.config_to_dict(config) and extra["stage"] == 0
+
+
+def test_cli_verify_fails_above_max_kl(tmp_path):
+    random_hf_dir(tmp_path / "hf")
+    cmd = [sys.executable, os.path.join(ROOT, "convert.py"), f"--from=hf:{tmp_path / 'hf'}",
+           f"--to=orbax:{tmp_path / 'o'}", "--verify", "--verify_seq=16", "--verify_batch=1"]
+    bad = subprocess.run(cmd + ["--max_kl=-1"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 1, bad.stderr[-2000:]
+    assert "top-1 agreement 100.00%" in bad.stdout and "FAIL: mean KL" in bad.stderr
+
+
+def test_bad_inputs(tmp_path):
+    random_hf_dir(tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    data = f.read_bytes()
+    # truncated tensor data
+    (tmp_path / "cut").mkdir()
+    (tmp_path / "cut" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "cut" / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match=r"(?s)model.safetensors.*(corrupt|truncated)"):
+        convert.hf_to_orbax(str(tmp_path / "cut"), str(tmp_path / "o1"))
+    # garbage header
+    (tmp_path / "cut" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}" + data[100:])
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        convert.hf_to_orbax(str(tmp_path / "cut"), str(tmp_path / "o1"))
+    assert not os.path.exists(tmp_path / "o1" / "checkpoints" / "0")
+    # config.json that does not describe the weights
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "wrong").mkdir()
+    (tmp_path / "wrong" / "model.safetensors").write_bytes(data)
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 8, "layer_types": None}))
+    with pytest.raises(ValueError, match="do not match config.json"):
+        convert.hf_to_orbax(str(tmp_path / "wrong"), str(tmp_path / "o2"))
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
+    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight.*config.json implies"):
+        convert.hf_to_orbax(str(tmp_path / "wrong"), str(tmp_path / "o3"))
+    # never overwrite
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o4"))
+    with pytest.raises(FileExistsError):
+        convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o4"))
+    with pytest.raises(FileExistsError):
+        convert.orbax_to_hf(str(tmp_path / "o4"), str(tmp_path / "hf"))
+
+
+# ---- slow -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_train_py_init_from_converted_checkpoint(tmp_path):
+    """train.py --init_from=<converted dir> starts from the HF weights: its step-1 loss equals the
+    HF model's own (torch) loss on the same first batch."""
+    import data
+    random_hf_dir(tmp_path / "hf", vocab_size=100278, hidden_size=32, intermediate_size=64,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=16, sliding_window=16)
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, name in enumerate(sorted(os.listdir(os.path.join(ROOT, "olmo3")))):
+        if name.endswith(".py"):
+            (docs / f"{i}.txt").write_text(open(os.path.join(ROOT, "olmo3", name)).read())
+    run = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model=tiny", "--d_model=32", "--n_layers=4",
+           "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--window=16",
+           f"--data={docs}", "--seq_len=32", "--global_batch=8", "--max_steps=1", "--total_steps=10",
+           "--warmup_steps=1", f"--run_dir={run}", f"--init_from={tmp_path / 'init'}", "--save_interval=1",
+           "--eval_interval=1", "--loader_workers=0", "--seed=7", "--z_loss=0"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    loss = json.loads(open(run / "metrics.jsonl").readline())["train/loss"]
+    splits = data.ensure_corpus(str(tmp_path / "data" / "docs"), str(docs))
+    batch = data.get_batch(data.FSLDataset(splits["train"], 32), 8, 7, 0)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        t = torch.tensor(batch["tokens"], dtype=torch.long)
+        lp = torch.log_softmax(ref(t).logits[:, :-1], -1)
+        want = -lp.gather(-1, t[:, 1:, None]).mean().item()
+    assert abs(loss - want) < 1e-4, (loss, want)
+
+
+def _write_random_hf(path, cfg: olmo3.Config, seed=0):
+    """A random HF checkpoint written tensor by tensor (bf16), never all in memory."""
+    os.makedirs(path)
+    rng = np.random.default_rng(seed)
+    d, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
+    specs = [("model.embed_tokens.weight", (V, d))]
+    for i in range(L):
+        for field, suffix, t in hf.LAYER_MAP:
+            shape = {"q_proj": (cfg.q_dim, d), "k_proj": (cfg.kv_dim, d), "v_proj": (cfg.kv_dim, d),
+                     "o_proj": (d, cfg.q_dim), "q_norm": (cfg.q_dim,), "k_norm": (cfg.kv_dim,),
+                     "gate_proj": (cfg.mlp_hidden, d), "up_proj": (cfg.mlp_hidden, d),
+                     "down_proj": (d, cfg.mlp_hidden)}.get(field, (d,))
+            specs.append((f"model.layers.{i}.{suffix}", shape))
+    specs += [("model.norm.weight", (d,)), ("lm_head.weight", (V, d))]
+    bf16 = np.dtype(ev.ml_dtypes.bfloat16)
+    w = ev.SafetensorsWriter(os.path.join(path, "model.safetensors"), [(n, s, bf16) for n, s in specs])
+    for n, s in specs:
+        w.write(n, (0.02 * rng.standard_normal(s, np.float32)).astype(bf16))
+    w.close()
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf.config_to_hf(cfg), f)
+
+
+@pytest.mark.slow
+def test_peak_rss_1b_shaped(tmp_path):
+    """Measurement, not a default test: convert a random 1B-shaped checkpoint (OLMo 2 1B shape,
+    dolma2 vocab) both ways in fresh processes and print peak RSS next to the largest tensor."""
+    cfg = olmo3.Config(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=128, mlp_hidden=8192)
+    _write_random_hf(str(tmp_path / "hf"), cfg)
+    largest = cfg.n_layers * cfg.d_model * cfg.mlp_hidden * 4  # stacked fp32 gate_proj
+    out = {}
+    for name, args in [("hf->orbax", [f"--from=hf:{tmp_path / 'hf'}", f"--to=orbax:{tmp_path / 'o'}"]),
+                       ("orbax->hf", [f"--from=orbax:{tmp_path / 'o'}", f"--to=hf:{tmp_path / 'hf2'}",
+                                      "--hf_dtype=bfloat16"])]:
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), *args],
+                           capture_output=True, text=True, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[name] = float(re.search(r"peak RSS ([\d.]+) GB", p.stdout).group(1))
+    print(f"\n1B-shaped ({cfg.num_params():,} params, fp32 checkpoint {cfg.num_params() * 4 / 2**30:.2f} GiB, "
+          f"largest stacked tensor {largest / 2**30:.2f} GiB): peak RSS {out}")
+    assert max(out.values()) < 2 * largest / 2**30 + 1.0
