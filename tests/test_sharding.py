@@ -1,0 +1,232 @@
+"""olmo3/sharding.py on 8 host CPU devices, against the single-device step as the reference.
+
+Tolerances. Every mesh computes the same float32 sums in a different order (per-device partial
+sums, psum and reduce-scatter trees, microbatch accumulation), so results agree to float32
+rounding, not bit for bit:
+- losses: rtol 2e-6;
+- grad norm of every step: 1e-5 relative (measured: first-step gradients agree to ~3e-7 per
+  weight in L2 norm, q_norm ~1.3e-6 with 2 microbatches);
+- Adam's mu, nu after 3 steps, per weight in L2 norm: 1e-4 relative (measured up to 3.3e-5:
+  steps 2 and 3 take gradients at parameters that already differ, see the next point);
+- the parameter UPDATE (new - initial), per weight in L2 norm: 1e-3 relative. Not elementwise:
+  Adam's first step is g / (|g| + eps) ~ sign(g), so rounding noise in a gradient entry that is
+  itself ~1e-9 moves that one weight by a visible fraction of lr (measured: one entry in 32768
+  off by 2.5e-5 = 2.5% of lr on the 4x2 mesh).
+"""
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import olmo3
+from olmo3 import sharding as sh
+from olmo3.optim import SkipStepAdamW
+from olmo3.step import make_train_step as single_device_step
+
+CFG = olmo3.Config.tiny(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16,
+                        mlp_hidden=128, n_layers=4, window=8, remat="none")
+B, T = 16, 32           # global batch rows, sequence length
+STEPS = 3
+MESHES = {"8x1": "fsdp:8,data:1", "4x2": "fsdp:4,data:2", "2x4": "data:4,fsdp:2", "1x1": None}
+
+
+def optimizer():
+    return SkipStepAdamW(lambda s: 1e-3, decay_mask=olmo3.model.decay_mask)
+
+
+def fresh():
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    return model, optimizer().init(model)
+
+
+def batches(n=STEPS, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        mask = np.ones(B, bool)
+        mask[rng.integers(B)] = False                          # one instance masked from the loss
+        out.append({"tokens": rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+                    "instance_mask": mask, "step": 0})
+    return out
+
+
+def mesh_of(name):
+    if name == "1x1":
+        return sh.make_mesh(None, devices=jax.devices()[:1])
+    return sh.make_mesh(MESHES[name])
+
+
+def rel_err(got, want):
+    return float(jnp.linalg.norm((got - want).ravel()) / jnp.linalg.norm(want.ravel()))
+
+
+_STEPS = {}
+
+
+def sharded_step(mesh, microbatches):
+    """One jitted step per (mesh, microbatches), shared by the tests (compiles dominate)."""
+    key = (mesh, microbatches)
+    if key not in _STEPS:
+        specs = sh.param_specs(eqx.filter_eval_shape(fresh)[0], mesh)
+        _STEPS[key] = sh.make_train_step(optimizer(), mesh, specs, microbatches=microbatches,
+                                         chunk=64)
+    return _STEPS[key]
+
+
+def run_sharded(mesh, state, data, microbatches, with_gnorm=False):
+    step = sharded_step(mesh, microbatches)
+    model, opt = state
+    losses, gnorms = [], []
+    for b in data:
+        model, opt, m = step(model, opt, sh.global_batch(b, mesh))
+        losses.append(float(m["train/loss"]))
+        gnorms.append(float(m["optim/grad_norm"]))
+    return (model, opt), ((losses, gnorms) if with_gnorm else losses)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Single-device step (olmo3.step, no shard_map), one microbatch, 3 steps."""
+    step = single_device_step(optimizer(), chunk=64)
+    model, opt = fresh()
+    losses, gnorms = [], []
+    for b in batches():
+        model, opt, m = step(model, opt, {k: jnp.asarray(v) for k, v in b.items() if k != "step"})
+        losses.append(float(m["train/loss"]))
+        gnorms.append(float(m["optim/grad_norm"]))
+    return (model, opt), (losses, gnorms)
+
+
+@pytest.mark.parametrize("name,microbatches", [("8x1", 1), ("4x2", 2), ("2x4", 1), ("1x1", 4)])
+def test_sharded_step_matches_single_device(reference, name, microbatches):
+    mesh = mesh_of(name)
+    (model, opt), (losses, gnorms) = run_sharded(mesh, sh.shard_state(*fresh(), mesh), batches(),
+                                                 microbatches, with_gnorm=True)
+    (ref_model, ref_opt), (ref_losses, ref_gnorms) = reference
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    np.testing.assert_allclose(gnorms, ref_gnorms, rtol=1e-5)
+    init = fresh()[0]
+    for got, want, base in zip(jax.tree.leaves(model), jax.tree.leaves(ref_model), jax.tree.leaves(init)):
+        assert rel_err(got - base, want - base) < 1e-3
+    for got, want in zip(jax.tree.leaves((opt.mu, opt.nu)), jax.tree.leaves((ref_opt.mu, ref_opt.nu))):
+        assert rel_err(got, want) < 1e-4
+    # State stays on its shardings across steps (params, moments over fsdp; scalars replicated).
+    specs = sh.param_specs(model, mesh)
+    for leaf, spec in zip(jax.tree.leaves(model), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, jax.P))):
+        assert leaf.sharding.is_equivalent_to(jax.NamedSharding(mesh, spec), leaf.ndim)
+    assert opt.step.sharding.is_fully_replicated and int(opt.step) == STEPS
+
+
+def test_param_specs_rule():
+    """The largest fsdp-divisible axis (earlier on a tie), never the stacked layer axis."""
+    model = eqx.filter_eval_shape(olmo3.OLMo3, CFG, jax.random.key(0))
+    P = jax.P
+    specs = sh.param_specs(model, 4)
+    assert specs.embed == P("fsdp", None)                  # [512, 64]: vocab
+    assert specs.lm_head == P(None, "fsdp")                # [64, 512]: vocab
+    assert specs.norm == P("fsdp")
+    assert specs.layers.q_proj == P(None, "fsdp", None)    # [4, 64, 64]: tie -> d_model in
+    assert specs.layers.gate_proj == P(None, None, "fsdp")  # [4, 64, 128]: mlp
+    assert specs.layers.down_proj == P(None, "fsdp", None)  # [4, 128, 64]: mlp
+    assert specs.layers.q_norm == P(None, "fsdp")          # [4, 64]: never the layer axis
+    # Vocab 100 is not divisible by 8: the embedding falls back to d_model.
+    small = eqx.filter_eval_shape(olmo3.OLMo3, CFG.replace(vocab_size=100), jax.random.key(0))
+    assert sh.param_specs(small, 8).embed == P(None, "fsdp")
+    # The 7B at 512 devices: mlp 11008 = 2^8 x 43 is not divisible by 512 -> d_model 4096.
+    big = eqx.filter_eval_shape(olmo3.OLMo3, olmo3.Config.olmo3_7b(), jax.random.key(0))
+    assert sh.param_specs(big, 512).layers.gate_proj == P(None, "fsdp", None)
+    assert sh.param_specs(big, 128).layers.gate_proj == P(None, None, "fsdp")
+    assert sh.param_specs(big, 512).embed == P(None, "fsdp")   # vocab 100278 = 2 x 3 x 16713
+
+
+def test_memory_scales_as_one_over_fsdp():
+    cfg = olmo3.Config.olmo3_7b()
+    r1, r128, r512 = (sh.memory_report(cfg, n) for n in (1, 128, 512))
+    n = cfg.num_params()
+    assert r1["param_bytes"] == 4 * n                      # fp32 params
+    assert r1["opt_bytes"] == 8 * n + 2 * 128 * 4 + 3 * 4  # fp32 mu + nu, windows, counters
+    for r, d in ((r128, 128), (r512, 512)):
+        assert r["param_bytes"] == 4 * n // d              # every weight divides evenly
+        assert r["opt_bytes"] == 8 * n // d + 2 * 128 * 4 + 3 * 4
+
+
+def _collectives(hlo: str, op: str) -> list[list[tuple[int, ...]]]:
+    """Result shapes of every `op` instruction in HLO text (tuple results give several)."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (.*?) " + op + r"(-start)?\(", line)
+        if m:
+            out.append([tuple(int(d) for d in dims.split(",") if d)
+                        for dims in re.findall(r"[a-z]+\d*\[([\d,]*)\]", m.group(1))])
+    return out
+
+
+def test_hlo_collectives():
+    """all-gather + reduce-scatter present; every all-reduce is of fsdp shards (the data-replica
+    sum of the reduce-scattered gradients) or scalars, never of a full weight: an all-reduce of
+    full gradients would mean the FSDP split was lost somewhere."""
+    mesh = mesh_of("4x2")                                  # fsdp 4, data 2: both kinds needed
+    model, opt = sh.shard_state(*fresh(), mesh)
+    step = sharded_step(mesh, 2)
+    hlo = step.lower(model, opt, sh.global_batch(batches(1)[0], mesh)).compile().compiled.as_text()
+    assert _collectives(hlo, "all-gather") and _collectives(hlo, "reduce-scatter")
+    leaves = jax.tree.leaves(model)
+    shard_shapes = {tuple(x.addressable_shards[0].data.shape) for x in leaves}
+    n_params = sum(x.size for x in leaves)
+    reduced = 0
+    for shapes in _collectives(hlo, "all-reduce"):
+        for s in shapes:
+            assert s == () or s in shard_shapes, f"all-reduce of {s}, not a shard {shard_shapes}"
+            reduced += int(np.prod(s))
+    assert reduced <= n_params // 4 + 64, (reduced, n_params)   # each shard at most once
+
+
+def test_checkpoint_8_devices_resumes_on_2(tmp_path):
+    """Save after 2 steps on 8 devices (fsdp 8), restore onto a 2-device mesh, run 2 more:
+    the losses equal an uninterrupted 8-device run (float32 reduction order, rtol 2e-6)."""
+    from olmo3.checkpoint import CheckpointManager
+    data = batches(4, seed=1)
+    mesh8 = mesh_of("8x1")
+    uninterrupted = run_sharded(mesh8, sh.shard_state(*fresh(), mesh8), data, 1)[1]
+
+    state, first = run_sharded(mesh8, sh.shard_state(*fresh(), mesh8), data[:2], 1)
+    ckpt = CheckpointManager(str(tmp_path), async_save=False)
+    ckpt.save(2, {"model": state[0], "opt": state[1]})
+    ckpt.wait()
+    mesh2 = sh.make_mesh("fsdp:2", devices=jax.devices()[:2])
+    abstract = sh.abstract_state(eqx.filter_eval_shape(fresh), mesh2)
+    restored, _ = ckpt.restore(2, {"model": abstract[0], "opt": abstract[1]})
+    assert restored["model"].layers.q_proj.sharding.mesh.size == 2
+    _, rest = run_sharded(mesh2, (restored["model"], restored["opt"]), data[2:], 2)
+    np.testing.assert_allclose(first + rest, uninterrupted, rtol=2e-6)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="does not divide the 8 global devices"):
+        sh.make_mesh("fsdp:3")
+    with pytest.raises(ValueError, match="data:2 x fsdp:2 = 4 devices"):
+        sh.make_mesh("fsdp:2,data:2")
+    with pytest.raises(ValueError, match="'fsdp:N' or 'data:M'"):
+        sh.make_mesh("tp:8")
+    mesh = sh.make_mesh(None)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8}
+    with pytest.raises(ValueError, match="global batch 12 is not divisible by the 8 global devices"):
+        sh.microbatches(12, 1, mesh)
+    with pytest.raises(ValueError, match="not divisible by micro_batch_per_device=3"):
+        sh.microbatches(32, 3, mesh)
+    assert sh.microbatches(512, 1, mesh) == 64 and sh.microbatches(512, None, mesh) == 1
+    # 7B vocab 100278 = 2 x 3 x 16713: the embedding falls back to d_model; a d_model that no
+    # fsdp size divides leaves no axis at all -> refused, naming the weight.
+    odd = eqx.filter_eval_shape(olmo3.OLMo3, CFG.replace(vocab_size=513, d_model=60, n_heads=3, n_kv_heads=3,
+                                                         head_dim=20, mlp_hidden=90),
+                                jax.random.key(0))
+    with pytest.raises(ValueError, match=r"weight model\.embed of shape \(513, 60\) has no axis "
+                                         r"divisible by the fsdp size 8"):
+        sh.param_specs(odd, 8)
+    with pytest.raises(ValueError, match="rows must split evenly over the 8 local devices"):
+        sh.global_batch({"tokens": np.zeros((12, T), np.int32)}, mesh)
+    with pytest.raises(ValueError, match="multi-process launch needs all of"):
+        sh.initialize_distributed(coordinator=None, num_processes=2, process_id=None)
