@@ -75,7 +75,8 @@ def _mix_file(name: str, mixes_dir: str | None) -> str:
     have = available_mixes(mixes_dir)
     raise ValueError(
         f"unknown data mix {name!r}. Available: {', '.join(have) if have else '(none found)'}. "
-        f"Searched {search_dirs(mixes_dir) or [PACKAGE_DIR]}; write the OLMo-core lists with "
+        f"Searched {search_dirs(mixes_dir) or [PACKAGE_DIR]}. OLMo-core's lists come with its PyPI "
+        "package: `pip install --no-deps ai2-olmo-core==3.0.0` (only its data files are read), or "
         "`python tools/write_mixes.py --olmo_core=PATH_TO_OLMO_CORE_CHECKOUT`.")
 
 
