@@ -47,6 +47,10 @@ from jaxtyping import Array, Float, Int, Int8
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 LANES, SUBLANES = 128, 8          # TPU vreg shape (Mosaic tiling unit)
+# Inside a tile, scores are computed in chunks of at most this many keys (forward, dq) or
+# queries (dk/dv), so a 2048 x 2048 tile never materializes a 16 MiB fp32 score matrix in VMEM
+# (MaxText's splash default `sa_block_kv_compute: 512`).
+COMPUTE_CHUNK = 512
 TPU_HEAD_DIMS = "a multiple of 128, or 64"
 # Finite "minus infinity" for masked scores: exp(MASK - m) underflows to 0 without producing
 # inf - inf = nan when a whole tile row is masked (same trick as JAX's own TPU kernels).
@@ -75,9 +79,7 @@ def block_kinds(seq: int, block_q: int, block_kv: int, window: Optional[int] = N
     q1 = q0 + block_q - 1
     k0 = (np.arange(nk) * block_kv)[None, :]
     k1 = k0 + block_kv - 1
-    w = seq if window is None else window
-    empty = (k0 > q1) | (q0 - k1 >= w)
-    full = (k1 <= q0) & (q1 - k0 < w)
+    empty, full = _visible_bounds(q0, q1, k0, k1, window)
     kinds = np.where(empty, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
     if segmented:
         kinds[kinds == FULL] = PARTIAL
@@ -88,6 +90,25 @@ def computed_block_fraction(seq: int, window: Optional[int], block_q: int,
                             block_kv: int) -> float:
     """Share of the seq x seq score tiles the kernel computes (non-empty / all)."""
     kinds = block_kinds(seq, block_q, block_kv, window)
+    return float(np.count_nonzero(kinds)) / kinds.size
+
+
+def _compute_chunk(block: int, unit: int, limit: Optional[int] = None) -> int:
+    """Largest multiple of `unit` that divides `block` and is <= limit (COMPUTE_CHUNK)."""
+    limit = COMPUTE_CHUNK if limit is None else limit
+    return next(c for c in range(max(min(block, limit) // unit, 1) * unit, 0, -unit)
+                if block % c == 0)
+
+
+def computed_score_fraction(seq: int, window: Optional[int], block_q: int, block_kv: int,
+                            chunk: Optional[int] = None) -> float:
+    """Share of the seq x seq scores the kernels compute after skipping empty compute chunks.
+
+    Tiles are DMA'd whole, but inside a PARTIAL tile each (chunk_q x chunk_kv) chunk that is
+    fully masked is skipped, so compute follows the mask at chunk (default 512) granularity.
+    """
+    kinds = block_kinds(seq, _compute_chunk(block_q, SUBLANES, chunk),
+                        _compute_chunk(block_kv, SUBLANES, chunk), window)
     return float(np.count_nonzero(kinds)) / kinds.size
 
 
@@ -129,6 +150,9 @@ class _Plan:
     bwd_index: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
     bwd_kind: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
     bwd_width: int = 0
+    tiles: int = 0                 # non-empty tiles (for the cost estimate)
+    chunk_q: int = 0               # compute sub-tiles: q rows per dk/dv matmul chunk
+    chunk_kv: int = 0              # kv columns per forward / dq chunk
 
     @property
     def group(self) -> int:
@@ -140,11 +164,21 @@ class _Plan:
 
 
 # ---------------------------------------------------------------------------------------------
-# In-kernel mask
+# In-kernel helpers: chunk classification and masks
 # ---------------------------------------------------------------------------------------------
 
+def _visible_bounds(q0, q1, k0, k1, window):
+    """(empty, full) for queries [q0, q1] x keys [k0, k1]; numpy arrays or in-kernel scalars."""
+    empty = k0 > q1
+    full = k1 <= q0
+    if window is not None:
+        empty = empty | (q0 - k1 >= window)
+        full = full & (q1 - k0 < window)
+    return empty, full
+
+
 def _tile_mask(q_start, k_start, shape, window, keys_on_rows, q_seg=None, k_seg=None):
-    """Boolean visibility of a tile; `keys_on_rows` for the transposed dk/dv tile [bkv, bq]."""
+    """Boolean visibility of a tile; `keys_on_rows` for the transposed dk/dv tile [keys, q]."""
     rows = lax.broadcasted_iota(jnp.int32, shape, 0)
     cols = lax.broadcasted_iota(jnp.int32, shape, 1)
     if keys_on_rows:
@@ -159,10 +193,37 @@ def _tile_mask(q_start, k_start, shape, window, keys_on_rows, q_seg=None, k_seg=
     return mask
 
 
-def _run_tile(kind, body):
-    """Run body(masked) for PARTIAL tiles and body(unmasked) for FULL ones; skip EMPTY padding."""
-    pl.when(kind == FULL)(lambda: body(False))
-    pl.when(kind == PARTIAL)(lambda: body(True))
+def _for_each_chunk(plan: _Plan, tile_kind, q0, k0, compute):
+    """Call compute(qs, ks, masked) for every non-empty (q chunk, kv chunk) of a non-empty tile.
+
+    qs, ks are static slices of the tile's queries and keys. A FULL tile runs every chunk
+    unmasked. A PARTIAL tile classifies each chunk from scalars (the host table's interval
+    test) and skips the empty ones, so the chunks above the diagonal of a 2048-token diagonal
+    tile cost nothing. Segment ids are data: a non-empty segmented chunk is always masked.
+    The loops are static Python loops (<= 16 x 16 chunks): every slice is static, tile-aligned.
+    """
+    cq, ck = plan.chunk_q, plan.chunk_kv
+
+    def run(kind):
+        for a in range(plan.block_q // cq):
+            for b in range(plan.block_kv // ck):
+                qs, ks = slice(a * cq, (a + 1) * cq), slice(b * ck, (b + 1) * ck)
+                if kind == FULL:
+                    compute(qs, ks, False)
+                    continue
+                lo_q, lo_k = q0 + a * cq, k0 + b * ck
+                empty, full = _visible_bounds(lo_q, lo_q + cq - 1, lo_k, lo_k + ck - 1,
+                                              plan.window)
+                if plan.segmented:
+                    pl.when(jnp.logical_not(empty))(functools.partial(compute, qs, ks, True))
+                else:
+                    pl.when(jnp.logical_not(empty) & full)(
+                        functools.partial(compute, qs, ks, False))
+                    pl.when(jnp.logical_not(empty | full))(
+                        functools.partial(compute, qs, ks, True))
+
+    pl.when(tile_kind == FULL)(lambda: run(FULL))
+    pl.when(tile_kind == PARTIAL)(lambda: run(PARTIAL))           # EMPTY (padding): nothing
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,6 +237,7 @@ def _fwd_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
     i, t = pl.program_id(1), pl.program_id(2)
     step = i * plan.fwd_width + t
+    q0, k0 = i * plan.block_q, index_ref[step] * plan.block_kv
 
     @pl.when(t == 0)
     def _init():
@@ -183,27 +245,26 @@ def _fwd_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    def body(masked):
-        q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    def compute(qs, ks, masked):
+        q, k, v = q_ref[qs, :], k_ref[ks, :], v_ref[ks, :]
         s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * plan.scale
-        if masked:                                                        # s: [bq, bkv]
-            mask = _tile_mask(i * plan.block_q, index_ref[step] * plan.block_kv, s.shape,
-                              plan.window, False,
-                              *((qseg_ref[:, :1], kseg_ref[:1, :]) if plan.segmented else ()))
-            s = jnp.where(mask, s, MASK_VALUE)
-        m_prev = m_scr[...]                                               # [bq, 128], lanes equal
+        if masked:                                                        # s: [cq, ck]
+            seg = (qseg_ref[qs, :1], kseg_ref[:1, ks]) if plan.segmented else ()
+            s = jnp.where(_tile_mask(q0 + qs.start, k0 + ks.start, s.shape, plan.window, False,
+                                     *seg), s, MASK_VALUE)
+        m_prev = m_scr[qs, :]                                             # [cq, 128], lanes equal
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m_prev - m_next)
-        # Masked scores give p = 0 exactly, except in a tile row that is all masked while the
+        # Masked scores give p = 0 exactly, except in a chunk row that is all masked while the
         # row has seen nothing yet (m = MASK_VALUE, p = 1): that junk is wiped by alpha = 0 at
         # the row's first visible key, which always comes (a query sees itself).
         p = jnp.exp(s - m_next[:, :1])
-        l_scr[...] = alpha * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
-        m_scr[...] = m_next
+        l_scr[qs, :] = alpha * l_scr[qs, :] + jnp.sum(p, axis=1, keepdims=True)
+        m_scr[qs, :] = m_next
         pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
-        acc_scr[...] = acc_scr[...] * alpha[:, :1] + pv
+        acc_scr[qs, :] = acc_scr[qs, :] * alpha[:, :1] + pv
 
-    _run_tile(kind_ref[step], body)
+    _for_each_chunk(plan, kind_ref[step], q0, k0, compute)
 
     @pl.when(t == plan.fwd_width - 1)
     def _finish():
@@ -217,6 +278,13 @@ def _segment_operands(segment_ids, seq):
     seg = segment_ids.astype(jnp.int32)
     return (jnp.broadcast_to(seg[:, None], (seq, LANES)),
             jnp.broadcast_to(seg[None, :], (SUBLANES, seq)))
+
+
+def _cost(plan: _Plan, matmuls: int, bytes_accessed: int) -> pl.CostEstimate:
+    """Tell XLA's scheduler what a kernel costs: `matmuls` [q, d] x [d, k] products per pair."""
+    pairs = plan.tiles * plan.block_q * plan.block_kv * plan.heads
+    return pl.CostEstimate(flops=2 * matmuls * pairs * plan.head_dim, transcendentals=pairs,
+                           bytes_accessed=bytes_accessed)
 
 
 def _forward(plan: _Plan, q, k, v, segment_ids):
@@ -243,6 +311,7 @@ def _forward(plan: _Plan, q, k, v, segment_ids):
                         pltpu.VMEM((bq, LANES), jnp.float32),   # running sum l
                         pltpu.VMEM((bq, d), jnp.float32)],      # fp32 output accumulator
     )
+    nbytes = 2 * q.size * q.dtype.itemsize + plan.heads * plan.seq * LANES * 4
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, plan=plan),
         grid_spec=grid_spec,
@@ -251,6 +320,7 @@ def _forward(plan: _Plan, q, k, v, segment_ids):
                    jax.ShapeDtypeStruct((plan.heads, plan.seq, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=_cost(plan, 2, nbytes),
         interpret=plan.interpret,
         name="splash_fwd",
     )(jnp.asarray(plan.fwd_index), jnp.asarray(plan.fwd_kind), *operands)
@@ -269,28 +339,28 @@ def _dq_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref
         dq_ref, acc_scr = refs
     i, t = pl.program_id(1), pl.program_id(2)
     step = i * plan.fwd_width + t
+    q0, k0 = i * plan.block_q, index_ref[step] * plan.block_kv
 
     @pl.when(t == 0)
     def _init():
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    def body(masked):
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-        lse = jnp.expand_dims(lse_ref[0], -1)                            # [bq, 1]
-        di = jnp.expand_dims(di_ref[0], -1)                              # [bq, 1]
+    def compute(qs, ks, masked):
+        q, k, v, do = q_ref[qs, :], k_ref[ks, :], v_ref[ks, :], do_ref[qs, :]
+        lse = jnp.expand_dims(lse_ref[0][qs], -1)                        # [cq, 1]
+        di = jnp.expand_dims(di_ref[0][qs], -1)                          # [cq, 1]
         s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * plan.scale
-        p = jnp.exp(s - lse)                                             # [bq, bkv]
+        p = jnp.exp(s - lse)                                             # [cq, ck]
         if masked:
-            mask = _tile_mask(i * plan.block_q, index_ref[step] * plan.block_kv, s.shape,
-                              plan.window, False,
-                              *((qseg_ref[:, :1], kseg_ref[:1, :]) if plan.segmented else ()))
-            p = jnp.where(mask, p, 0.0)
+            seg = (qseg_ref[qs, :1], kseg_ref[:1, ks]) if plan.segmented else ()
+            p = jnp.where(_tile_mask(q0 + qs.start, k0 + ks.start, s.shape, plan.window, False,
+                                     *seg), p, 0.0)
         dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
         ds = p * (dp - di)
-        acc_scr[...] += lax.dot_general(ds.astype(k.dtype), k, NN,
-                                        preferred_element_type=jnp.float32)
+        acc_scr[qs, :] += lax.dot_general(ds.astype(k.dtype), k, NN,
+                                          preferred_element_type=jnp.float32)
 
-    _run_tile(kind_ref[step], body)
+    _for_each_chunk(plan, kind_ref[step], q0, k0, compute)
 
     @pl.when(t == plan.fwd_width - 1)
     def _finish():
@@ -305,29 +375,29 @@ def _dkv_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_re
         dk_ref, dv_ref, dk_scr, dv_scr = refs
     j, r, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     step = j * plan.bwd_width + t
+    q0, k0 = index_ref[step] * plan.block_q, j * plan.block_kv
 
     @pl.when((r == 0) & (t == 0))
     def _init():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    def body(masked):
-        q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+    def compute(qs, ks, masked):
+        q, k, v, do = q_ref[qs, :], k_ref[ks, :], v_ref[ks, :], do_ref[qs, :]
         s_t = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * plan.scale
-        p_t = jnp.exp(s_t - lse_ref[...])                                # [bkv, bq]
+        p_t = jnp.exp(s_t - lse_ref[:, qs])                              # [ck, cq]
         if masked:
-            mask = _tile_mask(index_ref[step] * plan.block_q, j * plan.block_kv, s_t.shape,
-                              plan.window, True,
-                              *((qseg_ref[:1, :], kseg_ref[:, :1]) if plan.segmented else ()))
-            p_t = jnp.where(mask, p_t, 0.0)
-        dv_scr[...] += lax.dot_general(p_t.astype(do.dtype), do, NN,
-                                       preferred_element_type=jnp.float32)
+            seg = (qseg_ref[:1, qs], kseg_ref[ks, :1]) if plan.segmented else ()
+            p_t = jnp.where(_tile_mask(q0 + qs.start, k0 + ks.start, s_t.shape, plan.window,
+                                       True, *seg), p_t, 0.0)
+        dv_scr[ks, :] += lax.dot_general(p_t.astype(do.dtype), do, NN,
+                                         preferred_element_type=jnp.float32)
         dp_t = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
-        ds_t = p_t * (dp_t - di_ref[...])
-        dk_scr[...] += lax.dot_general(ds_t.astype(q.dtype), q, NN,
-                                       preferred_element_type=jnp.float32)
+        ds_t = p_t * (dp_t - di_ref[:, qs])
+        dk_scr[ks, :] += lax.dot_general(ds_t.astype(q.dtype), q, NN,
+                                         preferred_element_type=jnp.float32)
 
-    _run_tile(kind_ref[step], body)
+    _for_each_chunk(plan, kind_ref[step], q0, k0, compute)
 
     @pl.when((r == plan.group - 1) & (t == plan.bwd_width - 1))
     def _finish():
@@ -343,6 +413,7 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
     if plan.segmented:
         seg_cols, seg_rows = _segment_operands(segment_ids, plan.seq)
     params = pltpu.CompilerParams
+    nbytes = 4 * q.size * q.dtype.itemsize
 
     # dq: same grid and table as the forward.
     w = plan.fwd_width
@@ -365,6 +436,7 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
             scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=_cost(plan, 3, nbytes),
         interpret=plan.interpret,
         name="splash_dq",
     )(jnp.asarray(plan.fwd_index), jnp.asarray(plan.fwd_kind), *operands)
@@ -393,6 +465,7 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params(
             dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
+        cost_estimate=_cost(plan, 4, nbytes),
         interpret=plan.interpret,
         name="splash_dkv",
     )(jnp.asarray(plan.bwd_index), jnp.asarray(plan.bwd_kind), *operands)
@@ -476,6 +549,7 @@ def splash_attention(
     block_q, block_kv = min(block_q, seq), min(block_kv, seq)
     tpu = interpret is not True
     _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu)
+    unit = LANES if tpu else SUBLANES
     window = None if window is not None and window >= seq else window    # same mask as causal
     kinds = block_kinds(seq, block_q, block_kv, window, segmented=segment_ids is not None)
     fwd_index, fwd_kind, fwd_width = _visit_lists(kinds)
@@ -484,5 +558,6 @@ def splash_attention(
                  block_kv=block_kv, window=window, segmented=segment_ids is not None,
                  interpret=interpret, fwd_index=fwd_index, fwd_kind=fwd_kind,
                  fwd_width=fwd_width, bwd_index=bwd_index, bwd_kind=bwd_kind,
-                 bwd_width=bwd_width)
+                 bwd_width=bwd_width, tiles=int(np.count_nonzero(kinds)),
+                 chunk_q=_compute_chunk(block_q, unit), chunk_kv=_compute_chunk(block_kv, unit))
     return _attention_fn(plan)(q, k, v, segment_ids)

@@ -108,6 +108,11 @@ def test_computed_block_fraction_at_7b_shapes():
     mask_share = dense_mask(2048, 1024).mean()                    # same ratios at seq/8 scale
     frac = splash.computed_block_fraction(8192, 4096, 256, 256)
     assert mask_share < frac < mask_share + 256 / 8192 * 1.5
+    # Inside 2048-token tiles, compute skips empty 512 x 512 chunks: of the 16 x 16 chunks,
+    # (i, j) is non-empty iff 0 <= i - j <= 8 ((i - j) * 512 - 511 < 4096): 16 + 15 + ... + 8
+    # = 108 -> 108/256; causal only: 16 * 17 / 2 = 136 -> 136/256.
+    assert splash.computed_score_fraction(8192, 4096, 2048, 2048) == 108 / 256
+    assert splash.computed_score_fraction(8192, None, 2048, 2048) == 136 / 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,16 +168,26 @@ def test_matches_oracle_plain_interpret(case):
                          interpret=True)
 
 
+def test_compute_chunks_inside_tiles_plain_interpret(monkeypatch):
+    # 128-wide compute chunks inside 256 x 512 tiles: chunk-level skipping and masking,
+    # window 200 on seq 512, GQA 4 -> 2.
+    monkeypatch.setattr(splash, "COMPUTE_CHUNK", 128)
+    q, k, v, ct = random_qkv(4, 2, 512, 128, jnp.float32, seed=4)
+    check_against_oracle(q, k, v, ct, window=200, segment_ids=None, bq=256, bkv=512,
+                         interpret=True)
+
+
 TPU_INTERPRET_CASES = [
     # every feature at once in fp32 (window, segments, GQA, bq != bkv) ...
     ("window_segments_gqa_f32", 4, 2, 512, 128, jnp.float32, 200, (50, 230), 256, 128),
     # ... and causal bf16 with FULL tiles
-    ("causal_gqa_bf16", 4, 2, 256, 128, jnp.bfloat16, None, None, 128, 128),
+    ("causal_gqa_bf16", 4, 2, 256, 128, jnp.bfloat16, None, None, 256, 128),
 ]
 
 
 @pytest.mark.parametrize("case", TPU_INTERPRET_CASES, ids=[c[0] for c in TPU_INTERPRET_CASES])
-def test_matches_oracle_tpu_interpret(case):
+def test_matches_oracle_tpu_interpret(case, monkeypatch):
+    monkeypatch.setattr(splash, "COMPUTE_CHUNK", 128)   # several compute chunks per tile
     _, heads, kv_heads, seq, head_dim, dtype, window, lengths, bq, bkv = case
     seg = None if lengths is None else documents(seq, lengths)
     q, k, v, ct = random_qkv(heads, kv_heads, seq, head_dim, dtype, seed=1)
@@ -180,8 +195,13 @@ def test_matches_oracle_tpu_interpret(case):
                          interpret=pltpu.InterpretParams())
 
 
+SLOW_CASES = CASES + [
+    ("window_gqa_f32", 4, 2, 512, 128, jnp.float32, 200, None, 128, 128, "EP"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", SLOW_CASES, ids=[c[0] for c in SLOW_CASES])
 def test_matches_oracle_tpu_interpret_all_cases(case):
     _, heads, kv_heads, seq, head_dim, dtype, window, lengths, bq, bkv, _ = case
     if bq % 128 or bkv % 128 or head_dim not in (64, 128):
