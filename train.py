@@ -306,8 +306,14 @@ def resolve_data() -> dict:
         name = F.data[4:]
         files = [url for _, url in mixes.resolve_mix(name, F.data_root, F.tokenizer)]
         return {"train": files}
+    import jax
+    from jax.experimental import multihost_utils
     name = os.path.basename(os.path.normpath(F.data)) if F.data != "stdlib" else "stdlib"
     out = F.data_dir or os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", name)
+    if jax.process_count() > 1:  # process 0 builds; the others then reuse it (or build their own copy)
+        if jax.process_index() == 0:
+            data.ensure_corpus(out, F.data)
+        multihost_utils.sync_global_devices("olmo3: corpus prepared")
     return data.ensure_corpus(out, F.data)
 
 
