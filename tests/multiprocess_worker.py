@@ -1,0 +1,57 @@
+"""One process of the 2-process run in tests/test_multiprocess.py (not a test itself).
+
+    python tests/multiprocess_worker.py PORT PROCESS_ID OUT_DIR
+
+Each process owns 2 CPU devices (4 global), joins jax.distributed on 127.0.0.1:PORT, builds the
+sharded state with `init_sharded`, feeds ITS rows of each global batch (data rank = process
+index), runs STEPS steps, and all processes save one Orbax checkpoint into OUT_DIR/run. Process 0
+writes the losses and the final params (gathered from every process) to OUT_DIR/result.npz.
+"""
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from olmo3 import sharding as sh  # noqa: E402
+
+
+def main(port: int, process_id: int, out_dir: str) -> None:
+    rank, num_ranks = sh.initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+    assert (rank, num_ranks) == (process_id, 2) and jax.device_count() == 4, jax.devices()
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import test_multiprocess as spec   # the shared recipe: config, optimizer, batches
+    from olmo3.checkpoint import CheckpointManager
+
+    mesh = sh.make_mesh(spec.MESH)
+    model, opt = sh.init_sharded(spec.fresh, mesh)
+    step = sh.make_train_step(spec.optimizer(), mesh, sh.param_specs(model, mesh),
+                              microbatches=spec.MICROBATCHES, chunk=64)
+    losses = []
+    for batch in spec.batches():
+        rows = len(batch["tokens"]) // num_ranks                  # this rank's rows only
+        local = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+        model, opt, m = step(model, opt, sh.global_batch(local, mesh))
+        losses.append(float(m["train/loss"]))
+
+    ckpt = CheckpointManager(os.path.join(out_dir, "run"), async_save=False)
+    ckpt.save(spec.STEPS, {"model": model, "opt": opt}, {"losses": losses})
+    ckpt.wait()
+    ckpt.close()
+
+    flat = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            for p, x in jax.tree_util.tree_flatten_with_path(model)[0]}
+    if rank == 0:
+        np.savez(os.path.join(out_dir, "result.npz"), losses=np.array(losses), **flat)
+    multihost_utils.sync_global_devices("done")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,102 @@
+"""Two real processes (jax.distributed on 127.0.0.1, gloo CPU collectives, 2 devices each) train
+a tiny OLMo 3 for a few steps and agree with the single-process, single-device step.
+
+Tolerances as in tests/test_sharding.py (float32 reduction order): losses rtol 2e-6; the
+parameter update per weight in L2 norm 1e-3 relative (Adam's sign-like first step amplifies
+rounding in near-zero gradient entries). The checkpoint both processes wrote into ONE Orbax
+directory must restore here, in a third process, to exactly the params they trained (bitwise).
+"""
+import os
+import socket
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import olmo3
+from olmo3.optim import SkipStepAdamW
+
+CFG = olmo3.Config.tiny(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16,
+                        mlp_hidden=128, n_layers=4, window=8, remat="none")
+MESH = "fsdp:2,data:2"      # 4 global devices: fsdp within a process, data across the two
+MICROBATCHES = 2
+STEPS = 3
+B, T = 8, 32
+
+
+def optimizer():
+    return SkipStepAdamW(lambda s: 1e-3, decay_mask=olmo3.model.decay_mask)
+
+
+def fresh():
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    return model, optimizer().init(model)
+
+
+def batches():
+    rng = np.random.default_rng(7)
+    out = []
+    for _ in range(STEPS):
+        mask = np.ones(B, bool)
+        mask[rng.integers(B)] = False
+        out.append({"tokens": rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+                    "instance_mask": mask})
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_single_process(tmp_path):
+    worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        env.pop(var, None)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+
+    # Reference: one process, one device, the plain step (no shard_map), whole batches.
+    from olmo3.step import make_train_step
+    step = make_train_step(optimizer(), chunk=64)
+    model, opt = fresh()
+    ref_losses = []
+    for b in batches():
+        model, opt, m = step(model, opt, {k: jnp.asarray(v) for k, v in b.items()})
+        ref_losses.append(float(m["train/loss"]))
+
+    got = np.load(tmp_path / "result.npz")
+    np.testing.assert_allclose(got["losses"], ref_losses, rtol=2e-6)
+    leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+    for (path, want), base in zip(leaves, jax.tree.leaves(fresh()[0])):   # step donated the first
+        update, ref_update = got[jax.tree_util.keystr(path)] - base, want - base
+        assert np.linalg.norm(update - ref_update) < 1e-3 * np.linalg.norm(ref_update), path
+
+    # One checkpoint directory written by both processes; restore it here on one device.
+    from olmo3.checkpoint import CheckpointManager
+    ckpt = CheckpointManager(str(tmp_path / "run"), read_only=True)
+    assert ckpt.all_steps() == [STEPS]
+    abstract = eqx.filter_eval_shape(fresh)
+    restored, extra = ckpt.restore(STEPS, {"model": abstract[0], "opt": abstract[1]})
+    np.testing.assert_allclose(extra["losses"], got["losses"], rtol=0)
+    for path, x in jax.tree_util.tree_flatten_with_path(restored["model"])[0]:
+        np.testing.assert_array_equal(np.asarray(x), got[jax.tree_util.keystr(path)])
+    assert int(restored["opt"].step) == STEPS
