@@ -7,9 +7,11 @@
 Part 1 (exact, no hardware): at the 7B shapes (32 heads x head_dim 128, seq 8192, window 4096 in
 the 24 sliding layers, 8 full layers; DESIGN.md §2) count the score tiles the kernel visits and
 turn them into attention FLOPs, against a dense kernel (every tile) and a causal-only block
-kernel (no window skipping). "model" FLOPs are 12 per (query, key, head_dim) for forward +
-backward (QK^T, PV; dQ, dK, dV, dP) as in Config.train_flops_per_token; "executed" FLOPs add
-the two score recomputations of this kernel's backward (dq and dk/dv kernels each redo QK^T):
+kernel (no window skipping); then the same at compute-chunk level (inside a partial tile the
+kernel skips empty 512 x 512 chunks, so compute tracks the mask more closely than the DMA).
+"model" FLOPs are 12 per (query, key, head_dim) for forward + backward (QK^T, PV; dQ, dK, dV,
+dP) as in Config.train_flops_per_token; "executed" FLOPs (at chunk level) add the two score
+recomputations of this kernel's backward (dq and dk/dv kernels each redo QK^T):
 4 forward + 6 dq + 8 dk/dv = 18.
 
 Part 2 (CPU, Pallas INTERPRET mode): wall time of splash vs the XLA reference on a small
@@ -21,7 +23,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 from olmo3 import splash
@@ -38,10 +39,6 @@ FLAGS = flags.FLAGS
 HEADS, HEAD_DIM, SLIDING_LAYERS, FULL_LAYERS = 32, 128, 24, 8   # OLMo 3 7B (DESIGN.md §2)
 
 
-def tiles(seq: int, window, block: int) -> int:
-    return int(np.count_nonzero(splash.block_kinds(seq, block, block, window)))
-
-
 def exact_pairs(seq: int, window) -> int:
     """(query, key) pairs the mask allows: sum over q of min(q + 1, window)."""
     w = seq if window is None else min(window, seq)
@@ -51,32 +48,40 @@ def exact_pairs(seq: int, window) -> int:
 def flop_report(seq: int, window: int, blocks) -> None:
     print(f"== Part 1: attention FLOPs per sequence, 7B shapes: {HEADS} heads x {HEAD_DIM}, "
           f"seq {seq}, window {window}, {SLIDING_LAYERS} sliding + {FULL_LAYERS} full layers")
-    per_pair = HEADS * HEAD_DIM                                 # x FLOPs per multiply-add pair
+    per_pair = HEADS * HEAD_DIM                       # model FLOPs = 12 x pairs x this
     dense = seq * seq
     print(f"   exact mask share of seq^2: causal {exact_pairs(seq, None) / dense:.4f}, "
           f"window {exact_pairs(seq, window) / dense:.4f}")
-    print(f"   {'block':>6} {'tiles':>7} {'causal':>8} {'window':>8} {'window/causal':>14} "
-          f"{'model TFLOP (dense/causal-blk/splash)':>40} {'executed TFLOP':>15} {'skipped':>8}")
+    print(f"   chunk = compute sub-tile inside a tile ({splash.COMPUTE_CHUNK}); empty chunks of "
+          f"partial tiles are skipped")
+    print(f"   {'block':>5} {'tiles':>5} | {'tile share':^15} | {'compute share':^15} | "
+          f"{'model TFLOP per sequence (32 layers)':^44} | {'executed':>8}")
+    print(f"   {'':>5} {'':>5} | {'causal':>7} {'window':>7} | {'causal':>7} {'window':>7} | "
+          f"{'dense':>7} {'causal blk':>10} {'splash tiles':>12} {'+chunks':>8} {'skip':>4} | "
+          f"{'TFLOP':>8}")
     for b in blocks:
         n = (seq // b) ** 2
-        t_causal, t_window = tiles(seq, None, b), tiles(seq, window, b)
-        # pairs computed by each kernel, summed over the 32 layers
-        pairs = {
-            "dense": (SLIDING_LAYERS + FULL_LAYERS) * n * b * b,
-            "causal_blocks": (SLIDING_LAYERS + FULL_LAYERS) * t_causal * b * b,
-            "splash": (SLIDING_LAYERS * t_window + FULL_LAYERS * t_causal) * b * b,
-        }
-        model = {k: 12 * v * per_pair / 1e12 for k, v in pairs.items()}
-        executed = 18 * pairs["splash"] * per_pair / 1e12
-        skipped = 1 - pairs["splash"] / pairs["dense"]
-        print(f"   {b:>6} {n:>7} {t_causal / n:>8.4f} {t_window / n:>8.4f} "
-              f"{t_window / t_causal:>14.4f} "
-              f"{model['dense']:>13.2f} /{model['causal_blocks']:>7.2f} /{model['splash']:>7.2f} "
-              f"      {executed:>15.2f} {skipped:>8.1%}")
+        share = {m: splash.computed_block_fraction(seq, w, b, b)
+                 for m, w in (("causal", None), ("window", window))}
+        chunk = {m: splash.computed_score_fraction(seq, w, b, b)
+                 for m, w in (("causal", None), ("window", window))}
+
+        def tflop(sh):  # 12 FLOPs per (pair, head_dim) for fwd + bwd, summed over the layers
+            pairs = (SLIDING_LAYERS * sh["window"] + FULL_LAYERS * sh["causal"]) * dense
+            return 12 * pairs * per_pair / 1e12
+
+        dense_tf = 12 * (SLIDING_LAYERS + FULL_LAYERS) * dense * per_pair / 1e12
+        causal_blk = 12 * (SLIDING_LAYERS + FULL_LAYERS) * share["causal"] * dense * per_pair / 1e12
+        tiles_tf, chunks_tf = tflop(share), tflop(chunk)
+        executed = chunks_tf * 18 / 12             # + the two score recomputations (see top)
+        print(f"   {b:>5} {n:>5} | {share['causal']:>7.4f} {share['window']:>7.4f} | "
+              f"{chunk['causal']:>7.4f} {chunk['window']:>7.4f} | {dense_tf:>7.2f} "
+              f"{causal_blk:>10.2f} {tiles_tf:>12.2f} {chunks_tf:>8.2f} "
+              f"{1 - chunks_tf / dense_tf:>4.0%} | {executed:>8.2f}")
     exact = 12 * (SLIDING_LAYERS * exact_pairs(seq, window)
                   + FULL_LAYERS * exact_pairs(seq, None)) * per_pair / 1e12
     print(f"   exact-mask model FLOPs (no tile waste): {exact:.2f} TFLOP per sequence")
-    print("   'tiles' = (seq/block)^2; causal/window = share of tiles computed (non-empty).")
+    print("   share = computed / all of the seq x seq scores; 'skip' = saved vs the dense kernel")
 
 
 def _best_time(fn, *args, repeats: int) -> float:

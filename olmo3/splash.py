@@ -17,6 +17,10 @@ How (the flash-attention recipe, written for Mosaic TPU Pallas):
   dk, dv    grid (kv head, kv block, head in group, t) on the transposed table: t walks the
             q blocks that see this kv block; the tile is computed transposed (keys on rows) so
             lse and D arrive lane-dense, and GQA heads of one group accumulate in VMEM.
+  chunks    inside a tile, every kernel works on (<= 512) x (<= 512) compute chunks: the fp32
+            score chunk stays small in VMEM at 2048-token tiles, and in a PARTIAL tile the
+            fully masked chunks are skipped (so compute follows the mask at 512 granularity
+            while the DMA moves whole tiles: `computed_score_fraction`).
 
 Mask semantics (identical to transformers' Olmo3 and olmo3.attention.reference_attention):
 query i sees key j iff j <= i, and i - j < window when window is set (a query sees itself and
@@ -34,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Optional, Union
 
 import jax
@@ -47,9 +50,9 @@ from jaxtyping import Array, Float, Int, Int8
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 LANES, SUBLANES = 128, 8          # TPU vreg shape (Mosaic tiling unit)
-# Inside a tile, scores are computed in chunks of at most this many keys (forward, dq) or
-# queries (dk/dv), so a 2048 x 2048 tile never materializes a 16 MiB fp32 score matrix in VMEM
-# (MaxText's splash default `sa_block_kv_compute: 512`).
+# Inside a tile, scores are computed in chunks of at most this many queries x keys, so a
+# 2048 x 2048 tile never materializes a 16 MiB fp32 score matrix in VMEM (MaxText base.yml:
+# `sa_block_kv_compute: 512`).
 COMPUTE_CHUNK = 512
 TPU_HEAD_DIMS = "a multiple of 128, or 64"
 # Finite "minus infinity" for masked scores: exp(MASK - m) underflows to 0 without producing
