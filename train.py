@@ -111,7 +111,6 @@ def _main(argv):
     import olmo3
     from olmo3 import checkpoint, metrics as metrics_lib, optim, schedules, sharding
     from olmo3.model import decay_mask
-    from olmo3.step import make_train_step
 
     sharding.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
     mesh = sharding.make_mesh(F.mesh)
@@ -195,7 +194,7 @@ def _main(argv):
     else:
         if F.stage > 1:
             logging.warning("Stage %d without --init_from: a cold start, not the recipe", F.stage)
-        model, opt_state = sharding.place(fresh_state(), abstract)
+        model, opt_state = sharding.init_sharded(fresh_state, mesh)  # each device makes only its shards
         start = 0
 
     if loader_state is not None:
@@ -212,9 +211,8 @@ def _main(argv):
     # §6 The step: gradients under shard_map (FSDP x DP), optimizer update on the sharded state.
     # -----------------------------------------------------------------------------------------
     specs = sharding.param_specs(model, mesh)
-    grad_fn = sharding.make_grad_fn(mesh, specs, microbatches=microbatches, chunk=F.loss_chunk,
-                                    z_loss=F.z_loss, use_segments=F.stage == 3)
-    train_step = make_train_step(optimizer, grad_fn=grad_fn)
+    train_step = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
+                                          chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=F.stage == 3)
     eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=F.stage == 3)
 
     def evaluate(model):

@@ -75,6 +75,7 @@ def make_mesh(spec: Optional[str] = None, devices: Optional[list] = None) -> Mes
     if len(sizes) < 2:  # the missing axis takes the remaining devices (fsdp by default)
         missing = FSDP if FSDP not in sizes else DATA
         sizes[missing] = n // given
+        sizes.setdefault(DATA, 1)
     if sizes[DATA] * sizes[FSDP] != n:
         raise ValueError(f"--mesh={spec!r}: data:{sizes[DATA]} x fsdp:{sizes[FSDP]} = "
                          f"{sizes[DATA] * sizes[FSDP]} devices, but there are {n} global devices "
