@@ -120,6 +120,27 @@ def test_sharded_step_matches_single_device(reference, name, microbatches):
     assert opt.step.sharding.is_fully_replicated and int(opt.step) == STEPS
 
 
+def test_eval_fn_with_segments_matches_single_device():
+    """Held-out loss under shard_map (stage-3 intra-document masking on) vs olmo3.step.eval_loss
+    on one device: CE sum rtol 1e-6 (reduction order), token count exact."""
+    from olmo3.step import eval_loss
+    model = fresh()[0]
+    b = batches(1, seed=2)[0]
+    rng = np.random.default_rng(3)
+    b["segment_ids"] = np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32)  # 1-3 docs/row
+    want_ce, want_n = eqx.filter_jit(eval_loss)(model, {k: jnp.asarray(v) for k, v in b.items()
+                                                        if k != "step"}, chunk=64, use_segments=True)
+    no_seg_ce, _ = eqx.filter_jit(eval_loss)(model, {k: jnp.asarray(v) for k, v in b.items()
+                                                     if k not in ("step", "segment_ids")}, chunk=64)
+    assert abs(float(no_seg_ce) - float(want_ce)) > 1e-3 * float(want_ce)   # segments matter here
+    mesh = mesh_of("4x2")
+    m = sh.shard_state(model, optimizer().init(model), mesh)[0]
+    eval_fn = sh.make_eval_fn(mesh, sh.param_specs(m, mesh), chunk=64, use_segments=True)
+    ce, n = eval_fn(m, sh.global_batch(b, mesh))
+    np.testing.assert_allclose(float(ce), float(want_ce), rtol=1e-6)
+    assert float(n) == float(want_n) == B * (T - 1)
+
+
 def test_param_specs_rule():
     """The largest fsdp-divisible axis (earlier on a tie), never the stacked layer axis."""
     model = eqx.filter_eval_shape(olmo3.OLMo3, CFG, jax.random.key(0))
@@ -230,3 +251,20 @@ def test_bad_inputs():
         sh.global_batch({"tokens": np.zeros((12, T), np.int32)}, mesh)
     with pytest.raises(ValueError, match="multi-process launch needs all of"):
         sh.initialize_distributed(coordinator=None, num_processes=2, process_id=None)
+
+
+def test_initialize_distributed_reads_env(monkeypatch):
+    """Flags win over JAX_* variables; a partial multi-process setup is refused before JAX's
+    runtime is touched; a single process initializes nothing."""
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert sh.initialize_distributed() == (0, 1)
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match=r"--process_id / JAX_PROCESS_ID missing"):
+        sh.initialize_distributed()
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+        sh.initialize_distributed()
+    with pytest.raises(ValueError, match=r"process_id=7 must be in \[0, num_processes=2\)"):
+        sh.initialize_distributed(process_id=7)          # the flag wins over JAX_PROCESS_ID=2
