@@ -252,6 +252,18 @@ def test_lowers_for_tpu(window, segmented, dtype):
         assert exported.mlir_module().count("tpu_custom_call") == kernels
 
 
+def test_lowers_for_tpu_with_default_blocks_at_7b_seq_under_vmap():
+    # seq 8192, window 4096, default 2048-token tiles (4 x 4 compute chunks each), batch of 2
+    # under vmap as the model calls it; 2 heads instead of 32 keeps the trace short.
+    x = jax.ShapeDtypeStruct((2, 2, 8192, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((2, 8192), jnp.int32)
+    attend = jax.vmap(lambda q, k, v, s: splash.splash_attention(q, k, v, window=4096,
+                                                                 segment_ids=s))
+    grad = jax.grad(lambda *a: attend(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    exported = jax.export.export(jax.jit(grad), platforms=["tpu"])(x, x, x, seg)
+    assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
 @pytest.mark.parametrize("kwargs,shape,match", [
     (dict(block_q=192), (2, 512, 128), r"block_q=192 must be a positive multiple of 128"),
     (dict(block_kv=64), (2, 512, 128), r"block_kv=64 must be a positive multiple of 128"),
