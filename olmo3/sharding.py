@@ -37,9 +37,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import PyTree
 
+from olmo3 import step as step_lib
 from olmo3.config import Config
 from olmo3.loss import labels_and_weights
-from olmo3 import step as step_lib
 from olmo3.model import Layer, OLMo3
 from olmo3.step import Z_LOSS, loss_sums
 
@@ -70,12 +70,13 @@ def make_mesh(spec: Optional[str] = None, devices: Optional[list] = None) -> Mes
         sizes[name] = int(value)
     given = int(np.prod(list(sizes.values()))) if sizes else 1
     if n % given:
-        raise ValueError(f"--mesh={spec!r} asks for {given} devices per group, which does not divide "
-                         f"the {n} global devices; choose sizes whose product is {n}")
-    if len(sizes) < 2:  # the missing axis takes the remaining devices (fsdp by default)
-        missing = FSDP if FSDP not in sizes else DATA
-        sizes[missing] = n // given
-        sizes.setdefault(DATA, 1)
+        raise ValueError(f"--mesh={spec!r}: {given} does not divide the {n} global devices "
+                         f"({jax.process_count()} process(es)); choose sizes whose product is {n}")
+    # An axis left out takes the remaining devices (fsdp first: pure FSDP by default).
+    if FSDP not in sizes:
+        sizes[FSDP] = n // sizes.get(DATA, 1)
+    if DATA not in sizes:
+        sizes[DATA] = n // sizes[FSDP]
     if sizes[DATA] * sizes[FSDP] != n:
         raise ValueError(f"--mesh={spec!r}: data:{sizes[DATA]} x fsdp:{sizes[FSDP]} = "
                          f"{sizes[DATA] * sizes[FSDP]} devices, but there are {n} global devices "
@@ -421,9 +422,14 @@ def memory_report(config: Config, n_devices: int, data: int = 1) -> dict:
     params = total(eqx.filter(model, _is_float), specs)
     ospecs = opt_specs(opt, specs)
     optim = total(opt, ospecs)
+    # Transient, not in the totals: the full weights a device holds while it computes, i.e. the
+    # top-level ones (gathered once per microbatch) plus one layer (gathered inside the scan).
+    itemsize = jnp.dtype(config.pdtype).itemsize
+    gathered = (config.params_per_layer() + 2 * config.vocab_size * config.d_model
+                + config.d_model) * itemsize
     return {"n_devices": n_devices, "fsdp": fsdp, "data": data,
             "params": config.num_params(), "param_bytes": params, "opt_bytes": optim,
-            "total_bytes": params + optim}
+            "total_bytes": params + optim, "gathered_bytes": gathered}
 
 
 def _main(argv: Optional[list] = None) -> None:
@@ -435,13 +441,14 @@ def _main(argv: Optional[list] = None) -> None:
     cfg = Config.preset(args.preset)
     print(f"{args.preset}: {cfg.num_params():,} params, param_dtype {cfg.param_dtype}, "
           "AdamW mu+nu fp32, pure FSDP")
-    print(f"{'devices':>8} {'params/dev':>14} {'optim/dev':>14} {'total/dev':>14}")
+    print(f"{'devices':>8} {'params/device':>30} {'optimizer/device':>30} {'total/device':>30}")
     for n in args.devices:
         r = memory_report(cfg, n)
-        gib = lambda b: f"{b / 2**30:10.3f} GiB"  # noqa: E731
-        print(f"{n:>8} {gib(r['param_bytes']):>14} {gib(r['opt_bytes']):>14} "
-              f"{gib(r['total_bytes']):>14}")
-
+        cell = lambda b: f"{b:,} B ({b / 2**30:.3f} GiB)"  # noqa: E731
+        print(f"{n:>8} {cell(r['param_bytes']):>30} {cell(r['opt_bytes']):>30} "
+              f"{cell(r['total_bytes']):>30}")
+    print(f"plus, transient on every device during the step: at least {cell(r['gathered_bytes'])} of "
+          "gathered full weights (embedding + lm_head + final norm + one layer)")
 
 if __name__ == "__main__":
     _main()
