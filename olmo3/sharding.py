@@ -155,7 +155,7 @@ def abstract_state(state: tuple[OLMo3, PyTree], mesh: Mesh) -> tuple[OLMo3, PyTr
     NamedSharding on `mesh`: the target of a checkpoint restore (olmo3/checkpoint.py reads each
     shard straight onto its device, so a run saved on 8 devices resumes on 2 by restoring onto
     a 2-device mesh). `state` may be concrete or abstract (eqx.filter_eval_shape)."""
-    arrays, static = eqx.partition(state, lambda x: isinstance(x, (jax.Array, jax.ShapeDtypeStruct)))
+    arrays, static = eqx.partition(state, lambda x: isinstance(x, jax.Array) or _is_abstract(x))
     shapes = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           arrays, state_shardings(arrays, mesh))
     return eqx.combine(shapes, static)
@@ -171,7 +171,12 @@ def place(state: PyTree, abstract: PyTree) -> PyTree:
         return jax.make_array_from_callback(host.shape, a.sharding, lambda idx: host[idx])
 
     arrays, static = eqx.partition(state, eqx.is_array)
-    return eqx.combine(jax.tree.map(put, arrays, eqx.filter(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))), static)
+    targets = eqx.filter(abstract, _is_abstract)
+    return eqx.combine(jax.tree.map(put, arrays, targets), static)
+
+
+def _is_abstract(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def shard_state(model: OLMo3, opt_state: PyTree, mesh: Mesh) -> tuple[OLMo3, PyTree]:
@@ -181,11 +186,12 @@ def shard_state(model: OLMo3, opt_state: PyTree, mesh: Mesh) -> tuple[OLMo3, PyT
 
 
 def init_sharded(init: Callable[[], tuple[OLMo3, PyTree]], mesh: Mesh) -> tuple[OLMo3, PyTree]:
-    """Run `init() -> (model, opt_state)` under jit with sharded outputs: each device only ever
-    holds its shards (the 7B is never materialized whole on one device), and every process of a
-    multi-process run computes the same values (same key)."""
+    """Run `init() -> (model, opt_state)` under jit with sharded outputs: XLA partitions the
+    initializer (threefry random bits are partitionable), so each device computes and keeps its
+    own shards and the 7B never sits whole on one device or host; every process of a
+    multi-process run gets the values of the same key."""
     abstract = eqx.filter_eval_shape(init)
-    static = eqx.partition(abstract, eqx.is_array)[1]
+    static = eqx.partition(abstract, _is_abstract)[1]
     values = jax.jit(lambda: eqx.partition(init(), eqx.is_array)[0],
                      out_shardings=state_shardings(abstract, mesh))()
     return eqx.combine(values, static)

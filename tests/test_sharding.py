@@ -163,6 +163,19 @@ def test_param_specs_rule():
     assert sh.param_specs(big, 512).embed == P(None, "fsdp")   # vocab 100278 = 2 x 3 x 16713
 
 
+def test_init_sharded_equals_placed_fresh_state():
+    """Building the state under jit with sharded outputs gives bitwise the single-device init,
+    already on the target shardings (what train.py uses for a fresh run)."""
+    mesh = mesh_of("4x2")
+    built = sh.init_sharded(fresh, mesh)
+    want = fresh()
+    abstract = sh.abstract_state(want, mesh)
+    for got, ref, a in zip(jax.tree.leaves(built), jax.tree.leaves(want), jax.tree.leaves(abstract)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        assert got.sharding.is_equivalent_to(a.sharding, got.ndim)
+    assert built[0].layers.q_proj.addressable_shards[0].data.shape == (4, 16, 64)
+
+
 def test_memory_scales_as_one_over_fsdp():
     cfg = olmo3.Config.olmo3_7b()
     r1, r128, r512 = (sh.memory_report(cfg, n) for n in (1, 128, 512))
