@@ -349,9 +349,10 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
     """One global jax.Array per numpy field of this process's rows (other fields, e.g. the
     loader's "step" int, are left out), rows split over ('data', 'fsdp').
 
-    Process p must hold rows [p * L, (p + 1) * L) of the global batch (data rank =
-    jax.process_index(), num ranks = jax.process_count()); its devices are contiguous in the
-    mesh (jax.make_mesh orders devices by process), so those rows land on its own devices."""
+    Process p passes rows [p * L, (p + 1) * L) of the global batch (data rank =
+    jax.process_index(), num ranks = jax.process_count()); they land on its own devices. With
+    jax.make_mesh's device order (grouped by process) the global array is the global batch in
+    order; a topology-permuted mesh only permutes rows, which no loss sum can see."""
     sharding = NamedSharding(mesh, ROWS)
     n_local = len(mesh.local_devices)
     out = {}
