@@ -149,13 +149,13 @@ class _Plan:
     # forward / dq: per q block, its kv blocks.   dk/dv: per kv block, its q blocks.
     fwd_index: np.ndarray = dataclasses.field(repr=False, compare=False)
     fwd_kind: np.ndarray = dataclasses.field(repr=False, compare=False)
-    fwd_width: int = 0
-    bwd_index: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
-    bwd_kind: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
-    bwd_width: int = 0
-    tiles: int = 0                 # non-empty tiles (for the cost estimate)
-    chunk_q: int = 0               # compute sub-tiles: q rows per dk/dv matmul chunk
-    chunk_kv: int = 0              # kv columns per forward / dq chunk
+    fwd_width: int
+    bwd_index: np.ndarray = dataclasses.field(repr=False, compare=False)
+    bwd_kind: np.ndarray = dataclasses.field(repr=False, compare=False)
+    bwd_width: int
+    tiles: int                     # non-empty tiles (for the cost estimate)
+    chunk_q: int                   # compute chunk: queries per chunk (divides block_q)
+    chunk_kv: int                  # compute chunk: keys per chunk (divides block_kv)
 
     @property
     def group(self) -> int:
