@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import equinox as eqx
+import pytest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +101,50 @@ def test_two_processes_match_single_process(tmp_path):
     for path, x in jax.tree_util.tree_flatten_with_path(restored["model"])[0]:
         np.testing.assert_array_equal(np.asarray(x), got[jax.tree_util.keystr(path)])
     assert int(restored["opt"].step) == STEPS
+
+
+@pytest.mark.slow
+def test_train_py_two_processes_match_one(tmp_path):
+    """train.py itself, launched as 2 processes x 2 CPU devices (--coordinator/--num_processes/
+    --process_id), against train.py as 1 process x 4 devices on the same recipe: same mesh
+    shape (fsdp:4), same losses (rtol 2e-6, float32 reduction order), one checkpoint dir."""
+    import json
+
+    from test_train import SMALL   # the tiny recipe of the train.py tests
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    rng = np.random.default_rng(0)
+    words = [f"word{i}" for i in range(300)] + ["def", "return", "class", "(", ")", ":"]
+    for i in range(40):
+        (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
+
+    def launch(run_dir, devices, extra):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+        env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root,
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+        cmd = [sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
+               f"--data_dir={tmp_path / 'data'}", f"--run_dir={run_dir}", "--max_steps=3",
+               "--save_interval=3", "--mesh=fsdp:4", *extra]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    def wait(procs):
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+        for p, out in zip(procs, outs):
+            assert p.returncode == 0, f"train.py failed:\n{out[-4000:]}"
+
+    def losses(run_dir):
+        with open(run_dir / "metrics.jsonl") as f:
+            return [json.loads(line)["train/loss"] for line in f if "train/loss" in line]
+
+    wait([launch(tmp_path / "one", 4, [])])
+    port = _free_port()
+    wait([launch(tmp_path / "two", 2, [f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
+                                        f"--process_id={i}"]) for i in range(2)])
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert len(one) == 3
+    np.testing.assert_allclose(two, one, rtol=2e-6)
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3"]
