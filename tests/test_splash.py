@@ -179,7 +179,7 @@ def test_compute_chunks_inside_tiles_plain_interpret(monkeypatch):
 
 TPU_INTERPRET_CASES = [
     # every feature at once in fp32 (window, segments, GQA, bq != bkv) ...
-    ("window_segments_gqa_f32", 4, 2, 512, 128, jnp.float32, 200, (50, 230), 256, 128),
+    ("window_segments_gqa_f32", 4, 2, 512, 128, jnp.float32, 200, (50, 230), 256, 256),
     # ... and causal bf16 with FULL tiles
     ("causal_gqa_bf16", 4, 2, 256, 128, jnp.bfloat16, None, None, 256, 128),
 ]
