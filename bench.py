@@ -1,0 +1,245 @@
+"""Training throughput and MFU of the real step, optionally side by side with transformers+torch.
+
+    python bench.py --flagfile=bench_cpu.flags --compare_torch     # the CPU comparison (issue 8)
+    python bench.py --model=tiny --d_model=2048 --n_layers=16 ... --param_dtype=bfloat16 \
+        --compute_dtype=bfloat16 --attention=cudnn --seq_len=8192     # a ~1B config on a GPU
+
+What is timed is exactly what train.py runs per step: the model under `jax.lax.scan`, the
+chunked cross entropy + z-loss, skip-step AdamW, the shard_map FSDP gradient over every local
+device (`olmo3.sharding.make_train_step`), donated state. FLOPs are counted two ways
+(`Config.train_flops_per_token`): the MaxText write-up's convention (6 x non-embedding params +
+full causal attention in every layer) and the sliding-window-aware count. MFU is reported
+against (a) the best square-matmul rate measured in this same run, same device and dtype --
+the honest ceiling on a CPU -- and (b) the vendor's nominal dense peak where one is known
+(olmo3/metrics.py). On a shared machine the two frameworks' steps are interleaved one by one,
+so background load hits both alike; compare the ratio, not the absolute numbers.
+
+The LAST line printed is machine-readable:
+    tokens_per_s=<ours> torch_tokens_per_s=<torch or nan> ratio=<x> mfu_measured=<f> mfu_nominal=<f or nan>
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import sys
+import time
+
+from absl import app, flags
+
+F = flags.FLAGS
+flags.DEFINE_enum("model", "tiny", ["olmo3_7b", "olmo3_7b_16x256", "olmo3_7b_long", "tiny"], "Config preset.")
+for _name, _help in [("vocab_size", ""), ("d_model", ""), ("n_layers", ""), ("n_heads", ""),
+                     ("n_kv_heads", ""), ("head_dim", ""), ("mlp_hidden", ""),
+                     ("window", "Sliding window (tokens a query sees, itself included)."),
+                     ("max_position_embeddings", ""), ("splash_block_q", ""), ("splash_block_kv", "")]:
+    flags.DEFINE_integer(_name, None, f"Override the preset's {_name}. {_help}")
+flags.DEFINE_enum("attention", None, ["xla", "splash", "cudnn"], "Attention kernel (default: preset's).")
+flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Rematerialization policy.")
+flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype.")
+flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
+flags.DEFINE_integer("batch", 4, "Global batch (instances per step).")
+flags.DEFINE_integer("seq_len", 512, "Tokens per instance.")
+flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: all).")
+flags.DEFINE_integer("loss_chunk", 1024, "Tokens per chunk of the lm_head + cross entropy.")
+flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp:8' (default: every device on fsdp).")
+flags.DEFINE_integer("warmup", 2, "Untimed steps (the first compiles).")
+flags.DEFINE_integer("steps", 5, "Timed steps (per framework).")
+flags.DEFINE_integer("matmul_n", 2048, "Side of the square matmul whose rate is the measured peak.")
+flags.DEFINE_float("peak_tflops", None, "Nominal per-device peak TFLOP/s (default: olmo3/metrics.py table).")
+flags.DEFINE_bool("compare_torch", False, "Also time transformers' Olmo3ForCausalLM + torch AdamW.")
+flags.DEFINE_enum("torch_attention", "auto", ["auto", "eager", "sdpa"],
+                  "transformers attention; auto times one step of each and keeps the faster.")
+flags.DEFINE_integer("torch_threads", None, "torch.set_num_threads (default: the cores we may use).")
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+# ---------------------------------------------------------------------------------------------
+# Ours: the same step train.py runs.
+# ---------------------------------------------------------------------------------------------
+def build_ours(config, tokens_np):
+    import jax
+    import numpy as np
+
+    import olmo3
+    from olmo3 import optim, schedules, sharding
+    from olmo3.model import decay_mask
+
+    mesh = sharding.make_mesh(F.mesh)
+    microbatches = sharding.microbatches(F.batch, F.micro_batch, mesh)
+    # Recipe optimizer (stage 1 hyperparameters); a constant lr keeps the step's math the same.
+    optimizer = optim.SkipStepAdamW(schedules.constant_schedule(3e-4), decay_mask=decay_mask)
+    abstract = sharding.abstract_state(
+        jax.eval_shape(lambda: (lambda m: (m, optimizer.init(m)))(olmo3.OLMo3(config, jax.random.key(0)))),
+        mesh)
+    state = sharding.place((lambda m: (m, optimizer.init(m)))(olmo3.OLMo3(config, jax.random.key(0))), abstract)
+    specs = sharding.param_specs(state[0], mesh)
+    step_fn = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
+                                       chunk=F.loss_chunk)
+    batch = sharding.global_batch({"tokens": tokens_np, "instance_mask": np.ones(F.batch, bool),
+                                   "segment_ids": np.zeros_like(tokens_np)}, mesh)
+    holder = {"state": state}
+
+    def run_step():
+        model, opt_state = holder["state"]
+        model, opt_state, metrics = step_fn(model, opt_state, batch)
+        loss = float(metrics["train/loss"])   # waits for the step (as train.py's logging does)
+        holder["state"] = (model, opt_state)
+        return loss
+
+    return run_step, mesh.size
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: transformers' Olmo3ForCausalLM + torch.optim.AdamW, same shapes and hyperparameters.
+# ---------------------------------------------------------------------------------------------
+def build_torch(config, tokens_np, attn_impl: str):
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.Olmo3Config(
+        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.mlp_hidden,
+        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim,
+        max_position_embeddings=max(F.seq_len, config.max_position_embeddings),
+        rms_norm_eps=config.norm_eps, sliding_window=config.window,
+        layer_types=[t + "_attention" for t in config.layer_types()],
+        pad_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+        attn_implementation=attn_impl)
+    model = transformers.Olmo3ForCausalLM(hf_cfg).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    tokens = torch.from_numpy(tokens_np).long()
+
+    def run_step():
+        loss = model(input_ids=tokens, labels=tokens).loss   # shifted CE, mean over tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return run_step
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one step. CPU seconds barely move when
+    other jobs share the cores, so their ratio is the steadier comparison on a busy machine."""
+    t, c = time.perf_counter(), time.process_time()
+    loss = fn()
+    dt, dc = time.perf_counter() - t, time.process_time() - c
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss {loss} in the benchmark step")
+    return dt, dc
+
+
+def main(argv):
+    del argv
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import olmo3
+    from olmo3 import metrics as metrics_lib
+
+    overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                            "head_dim", "mlp_hidden", "window", "attention", "remat",
+                                            "param_dtype", "compute_dtype", "max_position_embeddings",
+                                            "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
+    config = olmo3.Config.preset(F.model, **overrides)
+    if F.seq_len > config.max_position_embeddings:
+        raise app.UsageError(f"--seq_len={F.seq_len} exceeds max_position_embeddings="
+                             f"{config.max_position_embeddings} of --model={F.model}")
+    if F.steps < 1 or F.warmup < 0:
+        raise app.UsageError(f"--steps={F.steps} must be >= 1 and --warmup={F.warmup} >= 0")
+    tokens_np = np.random.default_rng(0).integers(0, config.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
+    tokens_per_step = F.batch * F.seq_len
+    flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
+    device = jax.devices()[0]
+    print(f"device: {device.platform} {device.device_kind} x{jax.device_count()} | cores {cores()} | "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"config: {F.model} d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}/"
+          f"{config.n_kv_heads}x{config.head_dim} mlp={config.mlp_hidden} window={config.window} "
+          f"vocab={config.vocab_size} | batch {F.batch} x seq {F.seq_len} | {config.param_dtype} params, "
+          f"{config.compute_dtype} compute | attention={config.attention} remat={config.remat} "
+          f"loss_chunk={F.loss_chunk}")
+    print(f"params: {config.num_params():,} ({config.num_params(False):,} without the input embedding); "
+          f"train FLOPs/token: {flops['writeup'] / tokens_per_step / 1e6:.1f} M (write-up), "
+          f"{flops['sliding'] / tokens_per_step / 1e6:.1f} M (sliding)")
+
+    # (a) the same-run matmul peak, same device and compute dtype.
+    peak_measured = metrics_lib.measure_matmul_peak(F.matmul_n, config.dtype)
+    nominal = F.peak_tflops or metrics_lib.nominal_peak_tflops()
+    print(f"peak: measured {F.matmul_n}^2 {config.compute_dtype} matmul {peak_measured / 1e12:.3f} "
+          f"TFLOP/s/device; nominal {nominal if nominal else 'unknown'} TFLOP/s/device")
+
+    t0 = time.perf_counter()
+    ours, n_devices = build_ours(config, tokens_np)
+    for _ in range(F.warmup):
+        ours()
+    print(f"ours: built + {F.warmup} warmup step(s) in {time.perf_counter() - t0:.1f} s")
+    mem = metrics_lib.memory_bytes()   # before torch allocates anything in this process
+    print("memory: " + ", ".join(f"{k.split('/')[1]} {v:.2f} GB" for k, v in mem.items()))
+
+    theirs = None
+    if F.compare_torch:
+        import torch
+        torch.set_num_threads(F.torch_threads or cores())
+        impls = ["eager", "sdpa"] if F.torch_attention == "auto" else [F.torch_attention]
+        best = None
+        for impl in impls:
+            fn = build_torch(config, tokens_np, impl)
+            for _ in range(max(F.warmup, 1)):
+                fn()
+            dt = timed(fn)[0] if len(impls) > 1 else 0.0
+            print(f"torch: attn_implementation={impl}" + (f" one step {dt:.2f} s" if dt else "") +
+                  f", {torch.get_num_threads()} threads")
+            if best is None or dt < best[0]:
+                best = (dt, impl, fn)
+        theirs = best[2]
+        print(f"torch: timing attn_implementation={best[1]}")
+
+    # Interleave step by step, the matmul peak too: a burst of background load hits all alike.
+    ours_t, theirs_t, peaks = [], [], [peak_measured]
+    for _ in range(F.steps):
+        ours_t.append(timed(ours))
+        if theirs is not None:
+            theirs_t.append(timed(theirs))
+        peaks.append(metrics_lib.measure_matmul_peak(F.matmul_n, config.dtype, repeats=2))
+    peak_measured = statistics.median(peaks)
+    print(f"peak: median of {len(peaks)} interleaved measurements {peak_measured / 1e12:.4g} TFLOP/s/device "
+          f"(min {min(peaks) / 1e12:.4g}, max {max(peaks) / 1e12:.4g})")
+
+    def report(name, ts):
+        wall, cpu = [t[0] for t in ts], [t[1] for t in ts]
+        med, best = statistics.median(wall), min(wall)
+        tps, tpc = tokens_per_step / med, tokens_per_step / statistics.median(cpu)
+        print(f"{name}: step min {best:.3f} s, median {med:.3f} s over {len(ts)} | {tps:,.1f} tokens/s | "
+              f"{tpc:,.1f} tokens/CPU-second")
+        return tps, tpc, med
+
+    tps, tpc, med = report("ours ", ours_t)
+    ttps, ttpc, tmed = report("torch", theirs_t) if theirs_t else (float("nan"),) * 3
+    per_device = lambda f: f / med / n_devices  # noqa: E731
+    for c in ("writeup", "sliding"):
+        line = (f"ours  {c:>7s} FLOPs: {per_device(flops[c]) / 1e12:.4g} TFLOP/s/device, "
+                f"MFU {per_device(flops[c]) / peak_measured:.1%} of measured")
+        if nominal:
+            line += f", {per_device(flops[c]) / (nominal * 1e12):.1%} of nominal"
+        print(line)
+    if theirs_t:
+        print(f"torch writeup FLOPs: {flops['writeup'] / tmed / 1e12:.4g} TFLOP/s, MFU "
+              f"{flops['writeup'] / tmed / peak_measured:.1%} of measured | ours/torch: {tps / ttps:.2f}x "
+              f"tokens/s, {tpc / ttpc:.2f}x tokens/CPU-second")
+    mfu_measured = per_device(flops["writeup"]) / peak_measured
+    mfu_nominal = per_device(flops["writeup"]) / (nominal * 1e12) if nominal else float("nan")
+    print(f"tokens_per_s={tps:.2f} torch_tokens_per_s={ttps:.2f} ratio={tps / ttps:.4f} "
+          f"mfu_measured={mfu_measured:.4f} mfu_nominal={mfu_nominal:.4f}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    app.run(main)
