@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import resource
 import shutil
@@ -64,40 +65,57 @@ def _import():
 
 # ---------------------------------------------------------------------------------------------
 # §1 A lazy tensor for Orbax: its shape and dtype are known up front, its values are produced
-# only when Orbax writes it, and the writes run one after another (Orbax's own numpy handler
-# copies every array and writes them all at once: peak memory = the whole checkpoint).
+# only when Orbax writes it, part by part (one layer of a stacked weight at a time), and tensors
+# are written one after another. (Orbax's own numpy handler copies every array and writes them
+# all at once: peak memory would be the whole checkpoint.)
 # ---------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def _lazy_tensor_types():
     import jax
     import orbax.checkpoint as ocp
+    import tensorstore as ts
     from orbax.checkpoint import future
+    import numpy as np
+    from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils as ts_utils
 
     class LazyTensor(jax.ShapeDtypeStruct):
-        """A ShapeDtypeStruct (so checkpoint.tensor_names lists it) with a `load()` callback."""
+        """A ShapeDtypeStruct (so checkpoint.tensor_names lists it) whose `parts()` yields
+        (index, numpy array) pieces covering it: blocks of `block` along `axis`, or ((), whole)."""
 
-        def __init__(self, shape, dtype, load):
+        def __init__(self, shape, dtype, parts, axis=None, block=None):
             super().__init__(tuple(shape), dtype)
-            self.load = load
+            self.parts, self.axis, self.block = parts, axis, block
 
     class SequentialNumpyHandler(ocp.type_handlers.NumpyHandler):
-        """Writes LazyTensors one at a time, each as a plain numpy array (typestr 'np.ndarray',
-        so restore uses Orbax's stock numpy reader: the checkpoint is an ordinary one)."""
+        """Writes LazyTensors in turn, part by part, as plain numpy arrays (typestr 'np.ndarray',
+        the same TensorStore spec as Orbax's numpy handler: restore is Orbax's stock reader)."""
 
         def __init__(self):
             super().__init__(deepcopy_host_arrays=False)
+
+        async def _write(self, value, info, arg):
+            await info.await_path_creation()
+            chunk = value.shape  # one storage chunk per part: each part's write completes its
+            if value.axis is not None:  # chunk, so nothing waits in memory for the rest of the array
+                chunk = tuple(value.block if d == value.axis else n for d, n in enumerate(value.shape))
+            spec = ts_utils.build_array_write_spec(
+                info=info, arg=arg, global_shape=value.shape, local_shape=chunk, dtype=value.dtype,
+                use_ocdbt=info.is_ocdbt_checkpoint,
+                process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
+                metadata_key=self._metadata_key)
+            t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+            for index, part in value.parts():
+                if part.dtype != value.dtype:
+                    raise ValueError(f"{info.name}: part has dtype {part.dtype}, expected {value.dtype}")
+                await t[index].write(part)
+                del part
 
         async def serialize(self, values, infos, args=None):
             args = args or [ocp.SaveArgs()] * len(values)
 
             async def write_in_turn():
                 for value, info, arg in zip(values, infos, args):
-                    array = value.load()
-                    if array.shape != value.shape or array.dtype != value.dtype:
-                        raise ValueError(f"{info.name}: produced {array.shape} {array.dtype}, "
-                                         f"expected {value.shape} {value.dtype}")
-                    await self._background_serialize([array], [info], [arg])
-                    del array
+                    await self._write(value, info, arg)
 
             return [future.CommitFutureAwaitingContractedSignals(write_in_turn(), name="lazy_tensors")]
 
@@ -130,16 +148,23 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
         _check_shape(src, sd, name, want_shape, transpose)
         return sd[name].T if transpose else sd[name]
 
-    def single(name, shape, transpose):
-        return LazyTensor(shape, dtype, lambda: np.asarray(hf_tensor(name, shape, transpose), dtype))
+    def single(name, shape, transpose):  # embed [V, d] in row blocks; lm_head [d, V] in column blocks
+        axis = 1 if transpose else 0
+        block = _block(shape, axis, dtype)
 
-    def stacked(suffix, shape, transpose):
-        def load():
-            out = np.empty(shape, dtype)                                 # (L, in, out)
-            for i in range(shape[0]):
-                out[i] = hf_tensor(f"model.layers.{i}.{suffix}", shape[1:], transpose)
-            return out
-        return LazyTensor(shape, dtype, load)
+        def parts():
+            for a in range(0, shape[axis], block):
+                rows = np.asarray(sd[name][a:a + block], dtype)                  # HF rows a..a+block
+                yield ((slice(None), slice(a, a + block)) if transpose else slice(a, a + block)), (
+                    rows.T if transpose else rows)
+        _check_shape(src, sd, name, shape, transpose)
+        return LazyTensor(shape, dtype, parts, axis, block) if len(shape) == 2 else LazyTensor(
+            shape, dtype, lambda: [((), np.asarray(sd[name], dtype))])
+
+    def stacked(suffix, shape, transpose):                               # (L, in, out), a layer at a time
+        return LazyTensor(shape, dtype, lambda: ((i, np.asarray(hf_tensor(f"model.layers.{i}.{suffix}",
+                                                                          shape[1:], transpose), dtype))
+                                                 for i in range(shape[0])), 0, 1)
 
     # Every shape is checked before anything is written.
     for f, suffix, t in hf.LAYER_MAP:
@@ -166,6 +191,17 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     return config
 
 
+PART_BYTES = 2**28  # embed / lm_head / optimizer moments are written in parts of at most 256 MB
+
+
+def _block(shape, axis, dtype):
+    """Largest divisor of shape[axis] whose slab along `axis` stays under PART_BYTES:
+    embed/lm_head are written in such blocks (100278 = 6 x 16713 rows for the dolma2 vocab)."""
+    n = shape[axis]
+    slab = math.prod(shape) // n * np.dtype(dtype).itemsize
+    return max([c for c in range(1, n + 1) if n % c == 0 and c * slab <= PART_BYTES] or [1])
+
+
 def _check_shape(src, sd, name, our_shape, transpose):
     want = tuple(our_shape[::-1]) if transpose else tuple(our_shape)
     if tuple(sd.shape(name)) != want:
@@ -179,8 +215,13 @@ def zero_optimizer_state(abstract_model, LazyTensor):
     update is a cold Adam step on the converted weights."""
     opt = optim.SkipStepAdamW(schedules.constant_schedule(0.0), window=WINDOW)
     abstract_opt = eqx.filter_eval_shape(opt.init, abstract_model)
-    return jax.tree.map(lambda s: LazyTensor(s.shape, s.dtype, lambda s=s: np.zeros(s.shape, s.dtype)),
-                        abstract_opt)
+    def zeros(s):  # blocks along the first axis, as the weights
+        if not s.shape:
+            return LazyTensor(s.shape, s.dtype, lambda: [((), np.zeros(s.shape, s.dtype))])
+        block = 1 if len(s.shape) == 3 else _block(s.shape, 0, s.dtype)
+        return LazyTensor(s.shape, s.dtype, lambda: ((slice(a, a + block), np.zeros((block, *s.shape[1:]), s.dtype))
+                                                     for a in range(0, s.shape[0], block)), 0, block)
+    return jax.tree.map(zeros, abstract_opt)
 
 
 def write_orbax(dst: str, step: int, state, extra: dict) -> None:

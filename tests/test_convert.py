@@ -59,8 +59,9 @@ def raw_tensors(path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_hf_orbax_hf_round_trip_is_bit_exact(tmp_path, dtype):
+def test_hf_orbax_hf_round_trip_is_bit_exact(tmp_path, dtype, monkeypatch):
     random_hf_dir(tmp_path / "hf", dtype)
+    monkeypatch.setattr(convert, "PART_BYTES", 4096)  # embed/lm_head in parts of 16 rows/columns (16 x 64 x 4 B)
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"))  # fp32 master weights
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     convert.orbax_to_hf(str(tmp_path / "orbax"), str(tmp_path / "hf2"), hf_dtype=name, shard_gb=1e-4)
@@ -87,11 +88,12 @@ def test_parity_fp32_against_transformers(tmp_path):
     assert r["top1"] == 1.0 and r["top10"] == 1.0 and r["tokens"] == 96
 
 
-def test_checkpoint_restores_the_way_train_py_warm_starts(tmp_path):
+def test_checkpoint_restores_the_way_train_py_warm_starts(tmp_path, monkeypatch):
     """train.py --init_from restores {"model", "opt"} into the abstract of a fresh state and calls
     optimizer.warm_start: the weights must be HF's (numpy oracle: transposes of the torch tensors)
     and the optimizer state must equal a fresh init (zero fp32 moments, Adam count 0)."""
     ref = random_hf_dir(tmp_path / "hf")
+    monkeypatch.setattr(convert, "PART_BYTES", 4096)  # every tensor written in several parts
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True)
     config = ev.read_hf_config(str(tmp_path / "hf"))
     opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))

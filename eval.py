@@ -1,0 +1,261 @@
+"""Evaluate OLMo 3 checkpoints: held-out evidence of a reproduction (DESIGN §5), not a training curve.
+
+    # one model (an Orbax run / checkpoints/<N> directory, or an HF directory)
+    python eval.py --model=runs/tiny --tasks=tests/fixtures/tiny_mc.jsonl --num_fewshot=1
+    # two models on identical inputs: held-out deltas and token-level KL / top-1 / top-10
+    python eval.py --model=/models/Olmo-3-1025-7B --model_b=runs/converted
+    # two runs, step-aligned: every common checkpoint, with the memorization verdict
+    python eval.py --compare=runs/reference,runs/candidate --out=reports/candidate
+    # the real lm-eval-harness driving our model (where its datasets are available)
+    python eval.py --model=runs/tiny --lm_eval_tasks=hellaswag,arc_easy
+
+Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed batches, so a
+number here equals the run's own eval/<domain>/loss at that step. Bits per byte divide by the
+UTF-8 bytes of the predicted tokens (dolma2 decoding), which makes tokenizers comparable.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+from absl import app, flags, logging
+
+import data
+from olmo3 import evaluation as ev
+
+# ---------------------------------------------------------------------------------------------
+# §0 Flags.
+# ---------------------------------------------------------------------------------------------
+F = flags.FLAGS
+flags.DEFINE_string("model", None, "Checkpoint: an Orbax run dir, its checkpoints/<N>, or an HF directory.")
+flags.DEFINE_integer("model_step", None, "Orbax step of --model (default: the latest, or the step in the path).")
+flags.DEFINE_string("model_b", None, "A second checkpoint: deltas and token-level KL(model || model_b).")
+flags.DEFINE_list("compare", None, "Two run directories (A,B): step-aligned comparison of B against A.")
+flags.DEFINE_list("steps", None, "With --compare: these steps (each must exist in both runs). Default: all common.")
+flags.DEFINE_string("heldout", "stdlib", "Held-out domains: 'stdlib' (the embedded corpus' heldout/* splits), "
+                    "a directory of documents, or a comma list of domain=token_file.npy.")
+flags.DEFINE_string("data_mix", None, "Held-out domains from a named data mix (data.mixes), e.g. v3-small-ppl-validation.")
+flags.DEFINE_string("data_root", None, "Root URL of --data_mix.")
+flags.DEFINE_string("eval_data_dir", None, "Where held-out token files are built (default: runs/data/<name>).")
+flags.DEFINE_integer("eval_seq_len", 256, "Tokens per held-out instance.")
+flags.DEFINE_integer("eval_batch_size", 8, "Held-out instances per batch.")
+flags.DEFINE_integer("max_eval_batches", 4, "Held-out batches per domain (the same fixed batches every time).")
+flags.DEFINE_integer("kl_instances", 8, "Held-out instances per domain for token-level KL.")
+flags.DEFINE_list("tasks", [], "Local multiple-choice tasks: jsonl files with context/choices/gold.")
+flags.DEFINE_integer("num_fewshot", 0, "Few-shot examples per prompt.")
+flags.DEFINE_integer("limit", None, "At most this many documents per task.")
+flags.DEFINE_list("lm_eval_tasks", [], "lm-eval-harness task names run through our adapter (needs lm-eval).")
+flags.DEFINE_string("lm_eval_include", None, "lm-eval: a directory of extra task YAMLs (local tasks).")
+flags.DEFINE_integer("max_length", 2048, "Longest context the scorer feeds the model.")
+flags.DEFINE_integer("train_loss_window", 20, "--compare: training loss = mean over this many steps up to N.")
+flags.DEFINE_float("tol", 0.02, "--compare: loss differences (nats) below this are noise for the verdict.")
+flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Activations for evaluation.")
+flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
+
+
+# ---------------------------------------------------------------------------------------------
+# §1 Held-out domains (Paloma-style multi-domain perplexity): a data bug shows as one domain off,
+# data-order noise as every domain off by the same small amount.
+# ---------------------------------------------------------------------------------------------
+def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, data_dir=None, data_mix=None,
+                 data_root=None) -> dict:
+    """{domain: FSLDataset}."""
+    if data_mix:
+        try:
+            from data import mixes
+        except ImportError as e:
+            raise app.UsageError(f"--data_mix needs data/mixes.py ({e})") from e
+        pairs = mixes.resolve_mix(data_mix, data_root or mixes.DEFAULT_ROOT, "dolma2")
+        paths = mixes.by_label(pairs)
+    elif "=" in spec:
+        paths = {}
+        for item in spec.split(","):
+            domain, _, path = item.partition("=")
+            paths.setdefault(domain, []).append(path)
+    else:
+        name = "stdlib" if spec == "stdlib" else os.path.basename(os.path.normpath(spec))
+        splits = data.ensure_corpus(data_dir or os.path.join("runs", "data", name), spec)
+        paths = {k.split("/", 1)[1]: v for k, v in splits.items() if k.startswith("heldout/") and v}
+    if not paths:
+        raise ValueError(f"no held-out domains found in --heldout={spec!r} / --data_mix={data_mix!r}")
+    return {d: data.FSLDataset(p, seq_len, vocab_size=vocab_size) for d, p in sorted(paths.items())}
+
+
+def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int) -> dict:
+    """eval/<domain>/loss and /bpb per domain, plus token-weighted eval/all/loss and /bpb."""
+    lengths = ev.token_byte_lengths(model.config.vocab_size)
+    out, ce, tok, nbytes = {}, 0.0, 0.0, 0.0
+    for domain, ds in sets.items():
+        r = ev.heldout(model, ds, batch_size=batch_size, max_batches=max_batches, byte_lengths=lengths)
+        out[f"eval/{domain}/loss"], out[f"eval/{domain}/bpb"] = r["loss"], r["bpb"]
+        ce, tok, nbytes = ce + r["ce_sum"], tok + r["tokens"], nbytes + r["bytes"]
+    out["eval/all/loss"] = ce / tok
+    out["eval/all/bpb"] = ce / (math.log(2) * nbytes) if nbytes else float("nan")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# §2 Token-level agreement of two models on identical inputs (DESIGN §5: 0.389 nats between two
+# independent 7B runs, ~200x the framework noise floor; ~1e-6 for a correct fp32 conversion).
+# ---------------------------------------------------------------------------------------------
+def kl_report(model_a, model_b, sets: dict, instances: int) -> dict:
+    rows = np.concatenate([np.stack([ds[i] for i in range(min(instances, len(ds)))]) for ds in sets.values()])
+    r = ev.model_agreement(model_a, model_b, rows.astype(np.int32))
+    return {"kl/mean": r["kl_mean"], "kl/max": r["kl_max"], "kl/top1": r["top1"], "kl/top10": r["top10"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# §3 Downstream multiple choice by log-likelihood (lm-eval-harness semantics: acc = argmax of the
+# summed log-probability, acc_norm = argmax per character of the choice), few-shot from the
+# task's <name>.fewshot.jsonl or its other documents.
+# ---------------------------------------------------------------------------------------------
+def task_name(path: str) -> str:
+    return os.path.basename(path).removesuffix(".jsonl")
+
+
+def downstream_report(model, tasks, *, num_fewshot=0, limit=None, tokenizer=None, max_length=2048) -> dict:
+    scorer = ev.Scorer(model, tokenizer or data.dolma2(), max_length)
+    out = {}
+    for path in tasks:
+        docs, pool = ev.load_task(path)
+        r = ev.multiple_choice(scorer, docs, pool, num_fewshot=num_fewshot, limit=limit)
+        for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr"):
+            out[f"task/{task_name(path)}/{k}"] = r[k]
+    return out
+
+
+def lm_eval_report(model, task_names, *, num_fewshot=0, limit=None, include=None, max_length=2048) -> dict:
+    """The real harness (pip install lm-eval) driving our adapter."""
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError as e:
+        raise app.UsageError(f"--lm_eval_tasks needs lm-eval: pip install lm-eval ({e})") from e
+    results = lm_eval.simple_evaluate(
+        model=ev.lm_eval_adapter(model, max_length=max_length), tasks=list(task_names),
+        num_fewshot=num_fewshot, limit=limit, task_manager=TaskManager(include_path=include))
+    out = {}
+    for task, metrics in results["results"].items():
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and k != "alias":
+                out[f"lm_eval/{task}/{k.split(',')[0]}"] = float(v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# §4 Step-aligned comparison of two runs: checkpoint N of A against checkpoint N of B, identical
+# held-out batches; deltas are B - A; downstream stderr combined in quadrature.
+# ---------------------------------------------------------------------------------------------
+def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
+    from olmo3.checkpoint import CheckpointManager
+    configs = []
+    for run, step in ((run_a, step_a), (run_b, step_b)):
+        extra = CheckpointManager(run, read_only=True).read_extra(step)
+        if "model_config" not in extra:
+            raise ValueError(f"{run} step {step}: no model_config in the checkpoint; not a train.py run")
+        configs.append(ev.config_from_dict(extra["model_config"]))
+    diff = ev.config_diff(*configs)
+    if diff:
+        raise ValueError(f"runs {run_a} and {run_b} have different model configs {diff} (A, B); a step-aligned "
+                         "comparison needs the same architecture and vocabulary")
+    return configs[0]
+
+
+def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train_loss_window=20, tol=0.02,
+                 kl_instances=8, batch_size=8, max_batches=4, num_fewshot=0, limit=None, tokenizer=None,
+                 out_dir=None, compute_dtype="float32") -> dict:
+    """Rows per common step, the overall verdict, and the report paths. `sets_fn(config)` gives
+    the held-out sets (built once, identical for both runs)."""
+    steps, notes = ev.iter_steps(run_a, run_b, steps)
+    config = check_same_architecture(run_a, run_b, steps[0], steps[0])
+    sets = sets_fn(config)
+    metrics = [ev.read_metrics(r) for r in (run_a, run_b)]
+    rows = []
+    for step in steps:
+        check_same_architecture(run_a, run_b, step, step)
+        ma, _ = ev.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype)
+        mb, _ = ev.load_model(os.path.join(run_b, "checkpoints", str(step)), compute_dtype=compute_dtype)
+        ta, tb = (ev.train_loss_at(m, step, train_loss_window) for m in metrics)
+        ha = heldout_report(ma, sets, batch_size=batch_size, max_batches=max_batches)
+        hb = heldout_report(mb, sets, batch_size=batch_size, max_batches=max_batches)
+        row = {"step": step, "train_A": ta, "train_B": tb, "train_delta": tb - ta,
+               "heldout_A": ha["eval/all/loss"], "heldout_B": hb["eval/all/loss"],
+               "heldout_delta": hb["eval/all/loss"] - ha["eval/all/loss"]}
+        for d in sets:
+            row[f"heldout/{d}_delta"] = hb[f"eval/{d}/loss"] - ha[f"eval/{d}/loss"]
+        row["kl_AB"] = kl_report(ma, mb, sets, kl_instances)["kl/mean"]
+        if tasks:
+            da = downstream_report(ma, tasks, num_fewshot=num_fewshot, limit=limit, tokenizer=tokenizer)
+            db = downstream_report(mb, tasks, num_fewshot=num_fewshot, limit=limit, tokenizer=tokenizer)
+            for t in tasks:
+                k = f"task/{task_name(t)}"
+                row[f"{task_name(t)}_acc_delta"] = db[f"{k}/acc"] - da[f"{k}/acc"]
+                row[f"{task_name(t)}_acc_delta_se"] = math.hypot(da[f"{k}/acc_stderr"], db[f"{k}/acc_stderr"])
+        row["flag"] = ev.verdict(row["train_delta"], row["heldout_delta"], tol) or ""
+        rows.append(row)
+        logging.info("step %d: train delta %+.4f, held-out delta %+.4f, KL %.4g %s", step, row["train_delta"],
+                     row["heldout_delta"], row["kl_AB"], row["flag"])
+    final = rows[-1]["flag"]
+    verdict = (f"FLAGGED at step {rows[-1]['step']}: {final}" if final else
+               f"no memorization signature (B vs A at step {rows[-1]['step']}: training loss delta "
+               f"{rows[-1]['train_delta']:+.4f}, held-out delta {rows[-1]['heldout_delta']:+.4f} nats)")
+    out = {"rows": rows, "verdict": verdict, "flagged": bool(final), "notes": notes}
+    if out_dir:
+        out["paths"] = ev.write_report(rows, out_dir, f"B={run_b} vs A={run_a}", notes=[*notes, f"Verdict: {verdict}"])
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# §5 Main: one model, two models, or two runs.
+# ---------------------------------------------------------------------------------------------
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    sets_fn = lambda config: heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size,  # noqa: E731
+                                          data_dir=F.eval_data_dir, data_mix=F.data_mix, data_root=F.data_root)
+    if F.compare:
+        if len(F.compare) != 2:
+            raise app.UsageError(f"--compare={','.join(F.compare)}: give exactly two run directories A,B")
+        r = compare_runs(*F.compare, sets_fn=sets_fn, tasks=F.tasks, steps=F.steps,
+                         train_loss_window=F.train_loss_window, tol=F.tol, kl_instances=F.kl_instances,
+                         batch_size=F.eval_batch_size, max_batches=F.max_eval_batches, num_fewshot=F.num_fewshot,
+                         limit=F.limit, out_dir=F.out or "eval_report", compute_dtype=F.compute_dtype)
+        with open(r["paths"]["md"]) as f:
+            print(f.read())
+        print(r["verdict"])
+        sys.exit(2 if r["flagged"] else 0)
+    if not F.model:
+        raise app.UsageError("give --model (and optionally --model_b), or --compare=A,B")
+    model, info = ev.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype)
+    sets = sets_fn(info["config"])
+    results = {"model": F.model, "step": info["step"],
+               **heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)}
+    if F.tasks:
+        results.update(downstream_report(model, F.tasks, num_fewshot=F.num_fewshot, limit=F.limit,
+                                         max_length=F.max_length))
+    if F.lm_eval_tasks:
+        results.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot, limit=F.limit,
+                                      include=F.lm_eval_include, max_length=F.max_length))
+    if F.model_b:
+        model_b, info_b = ev.load_model(F.model_b, compute_dtype=F.compute_dtype)
+        diff = ev.config_diff(info["config"], info_b["config"])
+        if diff:
+            raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
+        hb = heldout_report(model_b, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)
+        results.update({f"{k}_delta": hb[k] - results[k] for k in hb})
+        results.update(kl_report(model, model_b, sets, F.kl_instances))
+    for k, v in results.items():
+        print(f"{k:40s} {v:.5g}" if isinstance(v, float) else f"{k:40s} {v}")
+    if F.out:
+        os.makedirs(F.out, exist_ok=True)
+        tmp = os.path.join(F.out, "eval.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=2)
+        os.replace(tmp, os.path.join(F.out, "eval.json"))
+
+
+if __name__ == "__main__":
+    app.run(main)

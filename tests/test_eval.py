@@ -1,0 +1,356 @@
+"""eval.py and olmo3/evaluation.py against independent references: a numpy cross entropy and the
+training step for held-out loss, full forwards for the KV cache, hand-built prompts for few-shot
+scoring, lm-eval-harness's own evaluator for the adapter, and two tiny runs (one on a heavily
+repeated stream) for the step-aligned comparison."""
+import importlib.util
+import json
+import math
+import os
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import data
+import olmo3
+from olmo3 import evaluation as ev, optim, schedules
+from olmo3.checkpoint import CheckpointManager
+from olmo3.step import make_train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+spec = importlib.util.spec_from_file_location("eval_script", os.path.join(ROOT, "eval.py"))
+eval_script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(eval_script)
+
+CFG = olmo3.Config(vocab_size=512, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+                   mlp_hidden=64, window=7, max_position_embeddings=512, init_std=0.2)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, end of text 256 (fits the tiny vocabulary)."""
+    eot_token = 256
+
+    def encode(self, s):
+        return list(s.encode())
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+_FWD = eqx.filter_jit(lambda m, t: m(t))
+
+
+def forward(model, seq, pad=64):
+    """Full-sequence logits, right-padded to one jit shape (padding after the last token cannot
+    change causal logits)."""
+    n = len(seq)
+    padded = np.zeros(max(pad, n), np.int32)
+    padded[:n] = seq
+    return np.asarray(_FWD(model, jnp.asarray(padded)))[:n]
+
+
+def log_softmax64(x):
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def token_file(path, rows):
+    np.asarray(rows, np.uint32).tofile(path)
+    return str(path)
+
+
+# ---- held-out loss ------------------------------------------------------------------------------
+def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    rows = np.random.default_rng(0).integers(0, 500, size=(24, 33))
+    rows[:, 10] = data.EOS_ID % 512  # any id; bpb must count real bytes of each target token
+    ds = data.FSLDataset(token_file(tmp_path / "h.npy", rows), 33, vocab_size=512)
+    lengths = ev.token_byte_lengths(512)
+    got = ev.heldout(model, ds, batch_size=8, max_batches=2, byte_lengths=lengths)
+    assert got["batches"] == 2 and got["tokens"] == 2 * 8 * 32
+
+    ce, n, nbytes = 0.0, 0, 0
+    enc = data.dolma2()
+    for b in range(2):  # the same fixed batches (seed 0) train.py's in-run evaluation reads
+        tokens = data.get_batch(ds, 8, 0, b)["tokens"]
+        lp = log_softmax64(np.stack([forward(model, r) for r in tokens]))
+        ce -= np.take_along_axis(lp[:, :-1], tokens[:, 1:, None], -1).sum()
+        n += tokens[:, 1:].size
+        nbytes += sum(len(enc.decode_single_token_bytes(int(t))) for t in tokens[:, 1:].ravel())
+        if b == 0:  # the training step's own train/loss on batch 0, before its update
+            step = make_train_step(optim.SkipStepAdamW(schedules.constant_schedule(1e-3)), chunk=64)
+            batch = {k: jnp.asarray(v) for k, v in data.get_batch(ds, 8, 0, 0).items() if k != "step"}
+            m0 = olmo3.OLMo3(CFG, jax.random.key(0))
+            _, _, metrics = step(m0, optim.SkipStepAdamW(schedules.constant_schedule(1e-3)).init(m0), batch)
+            one = ev.heldout(model, ds, batch_size=8, max_batches=1)
+            np.testing.assert_allclose(one["loss"], float(metrics["train/loss"]), rtol=1e-6)
+    np.testing.assert_allclose(got["loss"], ce / n, rtol=1e-5)
+    assert got["bytes"] == nbytes
+    np.testing.assert_allclose(got["bpb"], ce / (math.log(2) * nbytes), rtol=1e-5)
+
+    report = eval_script.heldout_report(model, {"a": ds, "b": ds}, batch_size=8, max_batches=2)
+    np.testing.assert_allclose(report["eval/a/loss"], ce / n, rtol=1e-5)
+    np.testing.assert_allclose(report["eval/all/loss"], ce / n, rtol=1e-5)
+
+
+def test_logit_agreement_against_direct_formulas():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(5, 40)), rng.normal(size=(5, 40))
+    r = ev.logit_agreement(a, b)
+    pa, pb = np.exp(log_softmax64(a)), np.exp(log_softmax64(b))
+    kl = [sum(pa[i, j] * math.log(pa[i, j] / pb[i, j]) for j in range(40)) for i in range(5)]
+    np.testing.assert_allclose([r["kl_mean"], r["kl_max"]], [np.mean(kl), np.max(kl)], rtol=1e-9)
+    top = lambda x: set(np.argsort(-x)[:10])  # noqa: E731
+    assert r["top10"] == pytest.approx(np.mean([len(top(a[i]) & top(b[i])) / 10 for i in range(5)]))
+    assert r["top1"] == np.mean(a.argmax(-1) == b.argmax(-1))
+    same = ev.logit_agreement(a, a + 3.0)  # a constant shift is the same distribution
+    assert same["kl_max"] < 1e-12 and same["top1"] == 1.0 and same["top10"] == 1.0
+
+
+# ---- scoring and generation ---------------------------------------------------------------------
+def test_kv_cache_matches_full_forward_and_greedy_oracle():
+    model = olmo3.OLMo3(CFG.replace(yarn=olmo3.YaRN(factor=4.0, original_max_position=16)), jax.random.key(1))
+    tokens = np.random.default_rng(1).integers(0, 512, size=40).astype(np.int32)
+    full = forward(model, tokens)
+    c = model.config
+    kc = jnp.zeros((c.n_layers, 64, c.n_kv_heads, c.head_dim))
+    vc = jnp.zeros_like(kc)
+    l1, kc, vc = ev._extend_jit(model, kc, vc, jnp.asarray(tokens[:25]), jnp.int32(0))   # prefill
+    parts = [np.asarray(l1)]
+    for t in range(25, 40):                                                            # decode
+        lt, kc, vc = ev._extend_jit(model, kc, vc, jnp.asarray(tokens[t:t + 1]), jnp.int32(t))
+        parts.append(np.asarray(lt))
+    np.testing.assert_allclose(np.concatenate(parts), full, atol=1e-4, rtol=1e-4)
+
+    seq = list(tokens[:9])
+    for _ in range(12):  # oracle: a full forward per generated token, no cache
+        seq.append(int(np.argmax(forward(model, seq)[-1])))
+    assert ev.Scorer(model).generate(tokens[:9], 12) == seq[9:]
+
+
+def test_loglikelihood_and_rolling_against_oracle():
+    model = olmo3.OLMo3(CFG, jax.random.key(2))
+    t = [int(x) for x in np.random.default_rng(2).integers(0, 256, size=21)]
+    lp_full = log_softmax64(forward(model, t))
+    ll, greedy = ev.Scorer(model).loglikelihood(t[:15], t[15:])
+    np.testing.assert_allclose(ll, sum(lp_full[j - 1, t[j]] for j in range(15, 21)), rtol=1e-5)
+    assert greedy == all(lp_full[j - 1].argmax() == t[j] for j in range(15, 21))
+    # rolling with max_length 8: each token predicted from at most the 8 tokens before it, the
+    # windows sharing context (oracle: one forward per token over its own context)
+    scorer = ev.Scorer(model, max_length=8)
+    seq = [256] + t
+    want = 0.0
+    for j in range(1, len(seq)):
+        a = (j - 1) // 8 * 8 + 1          # first target of j's window
+        b = min(a + 8, len(seq))
+        ctx = seq[max(0, b - 1 - 8):j]
+        want += log_softmax64(forward(model, ctx))[-1, seq[j]]
+    np.testing.assert_allclose(scorer.loglikelihood_rolling(t, 256), want, rtol=1e-5)
+    np.testing.assert_allclose(ev.Scorer(model).loglikelihood_rolling(t, 256),
+                               sum(log_softmax64(forward(model, seq[:-1]))[j - 1, seq[j]]
+                                   for j in range(1, len(seq))), rtol=1e-5)
+
+
+def test_local_multiple_choice_task_end_to_end():
+    """acc / acc_norm from hand-built prompts and per-choice log-likelihoods of full forwards."""
+    model = olmo3.OLMo3(CFG, jax.random.key(3))
+    tok = ByteTokenizer()
+    path = os.path.join(FIXTURES, "tiny_mc.jsonl")
+    docs, pool = ev.load_task(path)
+    got = eval_script.downstream_report(model, [path], num_fewshot=1, tokenizer=tok)
+    shot = pool[0]
+    acc, acc_norm = [], []
+    for d in docs:
+        prompt = shot["context"] + " " + shot["choices"][shot["gold"]] + "\n\n" + d["context"]
+        lls = []
+        for ch in d["choices"]:
+            ctx, cont = tok.encode(prompt), tok.encode(" " + ch)
+            lp = log_softmax64(forward(model, ctx + cont, pad=256))
+            lls.append(sum(lp[len(ctx) - 1 + i, c] for i, c in enumerate(cont)))
+        acc.append(np.argmax(lls) == d["gold"])
+        acc_norm.append(np.argmax(np.array(lls) / [len(ch) for ch in d["choices"]]) == d["gold"])
+    assert got["task/tiny_mc/acc"] == pytest.approx(np.mean(acc))
+    assert got["task/tiny_mc/acc_norm"] == pytest.approx(np.mean(acc_norm))
+    assert got["task/tiny_mc/acc_stderr"] == pytest.approx(np.std(acc, ddof=1) / math.sqrt(len(acc)))
+    with pytest.raises(ValueError, match="num_fewshot=2 but only 1"):
+        eval_script.downstream_report(model, [path], num_fewshot=2, tokenizer=tok)
+
+
+def test_fewshot_prompt_from_the_task_itself():
+    docs = [{"context": f"q{i}", "choices": ["a", "b"], "gold": i % 2} for i in range(6)]
+    p = ev.fewshot_prompt(docs[2], 2, docs, None, 3)
+    shots, last = p.split("\n\n")[:-1], p.split("\n\n")[-1]
+    assert last == "q2" and len(shots) == 3 and "q2 " not in p
+    assert all(s in {f"q{i} {'ab'[i % 2]}" for i in range(6)} for s in shots) and len(set(shots)) == 3
+
+
+def test_lm_eval_harness_drives_the_adapter(tmp_path):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    model = olmo3.OLMo3(CFG, jax.random.key(4))
+    tok = ByteTokenizer()
+    (tmp_path / "mc.yaml").write_text(f"""task: tiny_mc_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {os.path.join(FIXTURES, 'tiny_mc.jsonl')}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+""")
+    (tmp_path / "gen.yaml").write_text(f"""task: tiny_gen_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {os.path.join(FIXTURES, 'tiny_gen.jsonl')}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 6
+metric_list:
+  - metric: exact_match
+""")
+    res = lm_eval.simple_evaluate(model=ev.lm_eval_adapter(model, tok, max_length=256),
+                                  tasks=["tiny_mc_local", "tiny_gen_local"], log_samples=True,
+                                  task_manager=TaskManager(include_path=str(tmp_path)))
+    ours = ev.multiple_choice(ev.Scorer(model, tok, 256), *ev.load_task(os.path.join(FIXTURES, "tiny_mc.jsonl")))
+    assert res["results"]["tiny_mc_local"]["acc,none"] == pytest.approx(ours["acc"])
+    assert res["results"]["tiny_mc_local"]["acc_norm,none"] == pytest.approx(ours["acc_norm"])
+    for sample in res["samples"]["tiny_gen_local"]:
+        seq = tok.encode(sample["doc"]["context"])
+        out = []
+        for _ in range(6):  # oracle greedy decode, full forward per token
+            nxt = int(np.argmax(forward(model, seq + out)[-1]))
+            out.append(nxt)
+            if nxt == tok.eot_token or "\n" in tok.decode(out):
+                break
+        assert sample["resps"][0][0] == tok.decode(out).split("\n")[0]
+
+
+# ---- step-aligned run comparison ----------------------------------------------------------------
+RUN_CFG = CFG.replace(init_std=0.02)
+SEQ, BATCH, STEPS, SAVE = 32, 8, 90, (30, 60, 90)
+SYMBOLS, SUCCESSORS = 16, 2
+TABLE = np.random.default_rng(123).integers(0, SYMBOLS, size=(SYMBOLS, SUCCESSORS))  # a Markov chain
+
+
+def chain(rng, n_rows):
+    rows = np.empty((n_rows, SEQ), np.int64)
+    rows[:, 0] = rng.integers(0, SYMBOLS, n_rows)
+    for t in range(1, SEQ):
+        rows[:, t] = TABLE[rows[:, t - 1], rng.integers(0, SUCCESSORS, n_rows)]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Three tiny runs: clean (seeds 0 and 1: fresh chain samples every step) and repeated (the
+    same 2 sequences every step, the extreme of DESIGN §4 bug 1's resampling)."""
+    root = tmp_path_factory.mktemp("runs")
+    opt = optim.SkipStepAdamW(schedules.constant_schedule(3e-2), weight_decay=0.0, skip_steps=False)
+    step_fn = make_train_step(opt, chunk=256, z_loss=0.0)
+    repeated = chain(np.random.default_rng(77), 2)
+
+    def train(name, seed, stream):
+        run = str(root / name)
+        model = olmo3.OLMo3(RUN_CFG, jax.random.key(seed))
+        state = opt.init(model)
+        mgr = CheckpointManager(run, keep=None, async_save=False)
+        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            for s in range(1, STEPS + 1):
+                tokens = stream(s - 1)
+                batch = {"tokens": jnp.asarray(tokens, jnp.int32), "instance_mask": jnp.ones(BATCH, bool),
+                         "segment_ids": jnp.zeros(tokens.shape, jnp.int32)}
+                model, state, m = step_fn(model, state, batch)
+                f.write(json.dumps({"step": s, "train/loss": float(m["train/loss"])}) + "\n")
+                if s in SAVE:
+                    mgr.save(s, {"model": model, "opt": state},
+                             {"model_config": ev.config_to_dict(RUN_CFG), "stage": 1})
+        mgr.close()
+        return run
+
+    out = {"clean0": train("clean0", 0, lambda s: chain(np.random.default_rng(1000 + s), BATCH)),
+           "clean1": train("clean1", 1, lambda s: chain(np.random.default_rng(5000 + s), BATCH)),
+           "repeat": train("repeat", 0, lambda s: np.tile(repeated, (BATCH // 2, 1)))}
+    heldout = {d: data.FSLDataset(token_file(root / f"{d}.npy", chain(np.random.default_rng(k), 32)), SEQ,
+                                  vocab_size=512) for k, d in ((9, "chain_a"), (10, "chain_b"))}
+    out["sets_fn"] = lambda config: heldout
+    return out
+
+
+def test_compare_flags_memorization_not_seed_noise(runs, tmp_path):
+    kw = dict(sets_fn=runs["sets_fn"], train_loss_window=10, tol=0.1, batch_size=8, max_batches=4)
+    bad = eval_script.compare_runs(runs["clean0"], runs["repeat"], out_dir=str(tmp_path / "bad"), **kw)
+    clean = eval_script.compare_runs(runs["clean0"], runs["clean1"], out_dir=str(tmp_path / "ok"), **kw)
+    last_bad, last_ok = bad["rows"][-1], clean["rows"][-1]
+    for name, r in (("repeat vs clean", bad), ("seed 1 vs seed 0", clean)):
+        for row in r["rows"]:
+            print(name, {k: round(v, 3) for k, v in row.items() if isinstance(v, float)})
+    assert [r["step"] for r in bad["rows"]] == list(SAVE)
+    assert bad["flagged"] and "memorization" in bad["verdict"]
+    assert last_bad["train_delta"] < -0.5 and last_bad["heldout_delta"] > 0.0  # the signature, by margin
+    assert not clean["flagged"], clean["verdict"]
+    assert not any(r["flag"] for r in clean["rows"])
+    assert abs(last_ok["train_delta"]) < 0.05 and abs(last_ok["heldout_delta"]) < 0.05  # 10x inside
+    assert last_ok["kl_AB"] > 0 and set(last_ok) >= {"heldout/chain_a_delta", "heldout/chain_b_delta"}
+    for p in bad["paths"].values():
+        assert os.path.getsize(p) > 0
+    assert open(bad["paths"]["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "memorization signature" in open(bad["paths"]["md"]).read()
+    with open(bad["paths"]["csv"]) as f:
+        assert f.readline().startswith("step,train_A,train_B,train_delta")
+
+
+def test_compare_with_downstream_stderr_in_quadrature(runs, monkeypatch):
+    calls = {}
+
+    def fake(model, tasks, **kw):  # per-model downstream numbers, to check the combination
+        i = calls.setdefault(id(model), len(calls))
+        return {"task/t/acc": 0.5 + 0.1 * (i % 2), "task/t/acc_stderr": 0.03 + 0.01 * (i % 2)}
+
+    monkeypatch.setattr(eval_script, "downstream_report", fake)
+    r = eval_script.compare_runs(runs["clean0"], runs["clean1"], sets_fn=runs["sets_fn"], tasks=["/x/t.jsonl"],
+                                 steps=[30], train_loss_window=10, max_batches=1)
+    row = r["rows"][0]
+    assert row["t_acc_delta"] == pytest.approx(0.1)
+    assert row["t_acc_delta_se"] == pytest.approx(math.hypot(0.03, 0.04))
+
+
+def test_compare_bad_inputs(runs, tmp_path):
+    kw = dict(sets_fn=runs["sets_fn"], train_loss_window=10, max_batches=1)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint for step\(s\) \[45\]"):
+        eval_script.compare_runs(runs["clean0"], runs["clean1"], steps=[30, 45], **kw)
+    other = str(tmp_path / "other")
+    mgr = CheckpointManager(other, keep=None, async_save=False)
+    cfg = RUN_CFG.replace(vocab_size=640)
+    mgr.save(30, {"model": olmo3.OLMo3(cfg, jax.random.key(0))}, {"model_config": ev.config_to_dict(cfg)})
+    mgr.close()
+    with pytest.raises(ValueError, match=r"different model configs \{'vocab_size': \(512, 640\)\}"):
+        eval_script.compare_runs(runs["clean0"], other, **kw)
+    lonely = str(tmp_path / "lonely")
+    mgr = CheckpointManager(lonely, keep=None, async_save=False)
+    mgr.save(7, {"model": olmo3.OLMo3(RUN_CFG, jax.random.key(0))}, {"model_config": ev.config_to_dict(RUN_CFG)})
+    mgr.close()
+    with pytest.raises(ValueError, match="share no checkpoint step"):
+        eval_script.compare_runs(runs["clean0"], lonely, **kw)
+    with pytest.raises(ValueError, match="different vocab sizes"):
+        ev.model_agreement(olmo3.OLMo3(RUN_CFG, jax.random.key(0)), olmo3.OLMo3(cfg, jax.random.key(0)),
+                           np.zeros((1, 8), np.int32))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        ev.SafetensorsReader(str(tmp_path / "hf"))
