@@ -243,7 +243,8 @@ def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int
             def objective(p, mb):
                 m = _gather_top(eqx.combine(p, static), specs)
                 ce, z, _ = loss_sums(m, mb, chunk=chunk, use_segments=use_segments,
-                                     gather=lambda layer: _gather_layer(layer, specs.layers))
+                                     gather=lambda layer: _gather_layer(layer, specs.layers),
+                                     z_loss=z_loss)
                 return (ce + z_loss * z) / n, (ce, z)
 
             def body(carry, mb):   # gradient accumulation over this device's microbatches

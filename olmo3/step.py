@@ -20,8 +20,10 @@ Z_LOSS = 1e-5  # OLMo-core z_loss_multiplier (OLMo-3-1025-7B-pretrain-1.py)
 
 
 def loss_sums(model: OLMo3, batch: dict, *, chunk: int, use_segments: bool,
-              gather: Optional[Callable] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(CE sum, logsumexp^2 sum, counted tokens) over a [B, T] batch."""
+              gather: Optional[Callable] = None,
+              z_loss: Optional[float] = Z_LOSS) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(CE sum, logsumexp^2 sum, counted tokens) over a [B, T] batch. `z_loss`: the multiplier
+    the caller differentiates ce + z_loss * z with (fuses the lm_head gradient, olmo3/loss.py)."""
     tokens = batch["tokens"]
     labels, weights, counted = labels_and_weights(tokens, batch["instance_mask"])
     segs = batch["segment_ids"] if use_segments else None
@@ -32,7 +34,7 @@ def loss_sums(model: OLMo3, batch: dict, *, chunk: int, use_segments: bool,
     h = jax.vmap(one)(tokens, segs) if use_segments else jax.vmap(lambda t: one(t, None))(tokens)
     B, T, d = h.shape
     ce, z = chunked_cross_entropy(h.reshape(B * T, d), model.lm_head, labels.reshape(-1),
-                                  weights.reshape(-1), chunk=chunk)
+                                  weights.reshape(-1), chunk=chunk, z_loss=z_loss)
     return ce, z, jnp.sum(counted)
 
 
@@ -45,7 +47,7 @@ def accumulate_grads(model: OLMo3, batch: dict, n_tokens: jax.Array, *, microbat
 
     def objective(p, mb):
         ce, z, _ = loss_sums(eqx.combine(p, static), mb, chunk=chunk, use_segments=use_segments,
-                             gather=gather)
+                             gather=gather, z_loss=z_loss)
         return (ce + z_loss * z) / n_tokens, (ce, z)
 
     grad_fn = jax.grad(objective, has_aux=True)
