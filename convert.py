@@ -241,6 +241,7 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     run, step = checkpoint.locate(src)
     mgr = checkpoint.CheckpointManager(run, read_only=True)
     extra = mgr.read_extra(step)
+    step = mgr.latest_step() if step is None else step
     if "model_config" not in extra:
         raise ValueError(f"{src}: checkpoint extra has no model_config (not written by train.py or convert.py)")
     config = ev.config_from_dict(extra["model_config"])
@@ -285,15 +286,11 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
         writers = [ev.SafetensorsWriter(os.path.join(tmp, f), s) for f, s in zip(files, shards)]
         shard_of = {n: k for k, s in enumerate(shards) for n, _, _ in s}
         for field, names, transpose in plan:
-            sds = jax.ShapeDtypeStruct(our_shape(field), config.pdtype)
             stacked = field in layer_fields
-            want = {"model": {"layers": {field: sds}} if stacked else {field: sds}}
-            state, _ = mgr.restore(step, want)
-            arr = np.asarray(state["model"]["layers"][field] if stacked else state["model"][field])
-            for i, name in enumerate(names):
-                part = arr[i] if stacked else arr
+            for i, part in read_parts(mgr, step, field, our_shape(field), config.pdtype, stacked, transpose):
+                name = names[i] if stacked else names[0]
                 writers[shard_of[name]].write(name, part.T if transpose else part)
-            del arr, state
+                del part
         for w in writers:
             w.close()
         if len(files) > 1:
@@ -313,6 +310,44 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     finally:
         mgr.close()
     return config
+
+
+def read_parts(mgr, step, field, shape, dtype, stacked, transpose):
+    """Yield (layer, array) pieces of one model tensor, straight from TensorStore: a layer at a
+    time, or blocks of rows of the HF tensor (embed rows; lm_head columns), when the checkpoint's
+    storage chunks allow (convert.py's layout), else the whole tensor; through Orbax's restore if
+    the checkpoint is not in Orbax's OCDBT + zarr layout."""
+    import tensorstore as ts
+    name = f"model.layers.{field}" if stacked else f"model.{field}"
+    state_dir = os.path.join(mgr.directory, str(step), "state")  # olmo3/checkpoint.py's layout
+    try:
+        t = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}", "path": name}},
+                    open=True, read=True, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})).result()
+    except ValueError as e:  # another layout: let Orbax find the tensor (whole tensor in memory)
+        logging.info("reading %s through Orbax (%s)", name, e)
+        want = {"model": {"layers": {field: jax.ShapeDtypeStruct(shape, dtype)}} if stacked else
+                {field: jax.ShapeDtypeStruct(shape, dtype)}}
+        state, _ = mgr.restore(step, want)
+        arr = np.asarray(state["model"]["layers"][field] if stacked else state["model"][field])
+        yield from (enumerate(arr) if stacked else [(0, arr)])
+        return
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"checkpoint {state_dir}: tensor {name!r} has shape {tuple(t.shape)}, model_config "
+                         f"implies {tuple(shape)}")
+    chunk = t.chunk_layout.read_chunk.shape
+    if stacked:
+        if chunk[0] == 1:
+            for i in range(shape[0]):
+                yield i, t[i].read().result()
+        else:
+            yield from enumerate(t.read().result())
+        return
+    axis = 1 if transpose else 0  # the axis along which HF rows run
+    if len(shape) == 2 and all(c == n for d, (c, n) in enumerate(zip(chunk, shape)) if d != axis):
+        for a in range(0, shape[axis], chunk[axis]):
+            yield 0, t[:, a:a + chunk[axis]].read().result() if axis else t[a:a + chunk[axis]].read().result()
+    else:
+        yield 0, t.read().result()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -140,17 +140,23 @@ class SafetensorsWriter:
         self._specs = {s[0]: s for s in specs}
         self._f = open(path, "wb")
         self._f.write(struct.pack("<Q", len(raw)) + raw)
-        self._next = 0
+        self._next, self._rows = 0, 0
 
     def write(self, name: str, array: np.ndarray) -> None:
-        want = self._order[self._next]
+        """Append `array`: the whole tensor, or its next block of rows (leading axis)."""
+        want = self._order[self._next] if self._next < len(self._order) else None
         if name != want:
             raise RuntimeError(f"SafetensorsWriter: expected tensor {want!r} next, got {name!r}")
         _, shape, dtype = self._specs[name]
-        if tuple(array.shape) != tuple(shape):
-            raise ValueError(f"tensor {name!r}: shape {array.shape}, header says {shape}")
+        shape = tuple(shape)
+        block = tuple(array.shape)
+        if block != shape:
+            if not shape or block[1:] != shape[1:] or self._rows + block[0] > shape[0]:
+                raise ValueError(f"tensor {name!r}: block {block} does not continue shape {shape} at row {self._rows}")
         self._f.write(np.ascontiguousarray(array, dtype=dtype).tobytes())
-        self._next += 1
+        self._rows += block[0] if block != shape else (shape[0] if shape else 1)
+        if self._rows >= (shape[0] if shape else 1):
+            self._next, self._rows = self._next + 1, 0
 
     def close(self) -> None:
         if self._next != len(self._order):

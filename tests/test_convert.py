@@ -125,6 +125,29 @@ def test_cli_verify_fails_above_max_kl(tmp_path):
     assert "top-1 agreement 100.00%" in bad.stdout and "FAIL: mean KL" in bad.stderr
 
 
+def test_train_py_checkpoint_to_hf(tmp_path):
+    """A checkpoint as train.py writes it (jax arrays, one storage chunk per tensor, model + opt)
+    converts to the HF tensors of olmo3/hf.py's state_dict, and transformers loads it."""
+    config = olmo3.Config(vocab_size=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                          mlp_hidden=96, window=7, max_position_embeddings=256)
+    model = olmo3.OLMo3(config, jax.random.key(3))
+    opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))
+    mgr = checkpoint.CheckpointManager(str(tmp_path / "run"), async_save=False)
+    mgr.save(5, {"model": model, "opt": opt.init(model)}, {"model_config": ev.config_to_dict(config), "stage": 1})
+    mgr.close()
+    convert.orbax_to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    got, want = ev.SafetensorsReader(str(tmp_path / "hf")), hf.state_dict(model)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    x = np.arange(24)[None] * 5 % 512
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor(x)).logits.numpy()
+    r = ev.logit_agreement(ref_logits[0], np.asarray(model(jax.numpy.asarray(x[0], jax.numpy.int32))))
+    assert r["kl_max"] < 1e-6 and r["top1"] == 1.0
+
+
 def test_bad_inputs(tmp_path):
     random_hf_dir(tmp_path / "hf")
     f = tmp_path / "hf" / "model.safetensors"
@@ -223,7 +246,8 @@ def test_peak_rss_1b_shaped(tmp_path):
     _write_random_hf(str(tmp_path / "hf"), cfg)
     largest = cfg.n_layers * cfg.d_model * cfg.mlp_hidden * 4  # stacked fp32 gate_proj
     out = {}
-    for name, args in [("hf->orbax", [f"--from=hf:{tmp_path / 'hf'}", f"--to=orbax:{tmp_path / 'o'}"]),
+    for name, args in [("hf->orbax", [f"--from=hf:{tmp_path / 'hf'}", f"--to=orbax:{tmp_path / 'o'}",
+                                      "--with_optimizer_state"]),
                        ("orbax->hf", [f"--from=orbax:{tmp_path / 'o'}", f"--to=hf:{tmp_path / 'hf2'}",
                                       "--hf_dtype=bfloat16"])]:
         p = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), *args],
@@ -232,4 +256,4 @@ def test_peak_rss_1b_shaped(tmp_path):
         out[name] = float(re.search(r"peak RSS ([\d.]+) GB", p.stdout).group(1))
     print(f"\n1B-shaped ({cfg.num_params():,} params, fp32 checkpoint {cfg.num_params() * 4 / 2**30:.2f} GiB, "
           f"largest stacked tensor {largest / 2**30:.2f} GiB): peak RSS {out}")
-    assert max(out.values()) < 2 * largest / 2**30 + 1.0
+    assert max(out.values()) < 1.5  # measured 0.85 (with optimizer state) and 0.65 GB
