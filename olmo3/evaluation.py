@@ -359,8 +359,15 @@ class Scorer:
     def __init__(self, model: OLMo3, tokenizer=None, max_length: int = 2048):
         self.model, self.tokenizer, self.max_length = model, tokenizer, max_length
 
+    def _check(self, tokens: list) -> None:
+        top = max(tokens, default=0)
+        if top >= self.model.config.vocab_size or min(tokens, default=0) < 0:
+            raise ValueError(f"token id {top} is outside the model's vocabulary of {self.model.config.vocab_size}: "
+                             "the tokenizer does not match the model")
+
     def _logprobs(self, tokens: list) -> np.ndarray:
         """log_softmax of the logits at every position of `tokens` (len <= max_length)."""
+        self._check(tokens)
         n = len(tokens)
         padded = np.zeros(_bucket(n), np.int32)
         padded[:n] = tokens
@@ -399,6 +406,7 @@ class Scorer:
         """Greedy decoding with a KV cache: one prefill, then one token per step."""
         c = self.model.config
         prompt = [int(t) for t in prompt][-(self.max_length - 1):]
+        self._check(prompt)
         max_new_tokens = max(0, min(max_new_tokens, self.max_length - len(prompt)))
         S = _bucket(len(prompt) + max_new_tokens)
         kc = jnp.zeros((c.n_layers, S, c.n_kv_heads, c.head_dim), c.dtype)

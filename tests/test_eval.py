@@ -354,3 +354,29 @@ def test_compare_bad_inputs(runs, tmp_path):
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match="corrupt or truncated"):
         ev.SafetensorsReader(str(tmp_path / "hf"))
+
+
+def test_cli_one_model_two_models_and_two_runs(runs, tmp_path):
+    F = eval_script.F
+    files = ",".join(f"{d}={ds.paths[0]}" for d, ds in runs["sets_fn"](None).items())
+    common = [f"--heldout={files}", "--eval_seq_len=32", "--max_eval_batches=2"]
+    F.unparse_flags()
+    F(["eval.py", f"--model={runs['clean0']}", f"--model_b={runs['clean0']}/checkpoints/30", *common,
+       f"--out={tmp_path / 'one'}"])
+    eval_script.main(["eval.py"])
+    res = json.load(open(tmp_path / "one" / "eval.json"))
+    assert res["step"] == 90 and res["eval/chain_a/loss_delta"] > 0.1 and res["kl/mean"] > 0.01
+    model, _ = ev.load_model(runs["clean0"])
+    want = ev.heldout(model, runs["sets_fn"](None)["chain_a"], batch_size=8, max_batches=2)["loss"]
+    assert res["eval/chain_a/loss"] == pytest.approx(want, rel=1e-6)
+    F.unparse_flags()
+    F(["eval.py", f"--model={runs['clean0']}", *common, f"--tasks={os.path.join(FIXTURES, 'tiny_mc.jsonl')}"])
+    with pytest.raises(ValueError, match="tokenizer does not match the model"):  # dolma2 ids vs vocab 512
+        eval_script.main(["eval.py"])
+    F.unparse_flags()
+    F(["eval.py", f"--compare={runs['clean0']},{runs['repeat']}", *common, "--tol=0.1", "--train_loss_window=10",
+       f"--out={tmp_path / 'cmp'}"])
+    with pytest.raises(SystemExit) as e:  # exit status 2: flagged
+        eval_script.main(["eval.py"])
+    assert e.value.code == 2 and (tmp_path / "cmp" / "report.png").exists()
+    F.unparse_flags()
