@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 from absl import app, flags, logging
 
 # ---------------------------------------------------------------------------------------------
@@ -52,10 +53,9 @@ WINDOW = 128  # skip-step window (olmo3/optim.py WINDOW, OLMo-core rolling_inter
 
 def _import():
     """Heavy imports after flag parsing, so --help is instant."""
-    global eqx, jax, np, olmo3, hf, checkpoint, ev, OLMo3, optim, schedules
+    global eqx, jax, olmo3, hf, checkpoint, ev, OLMo3, optim, schedules
     import equinox as eqx
     import jax
-    import numpy as np
 
     import olmo3
     from olmo3 import checkpoint, hf, optim, schedules
@@ -191,15 +191,23 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     return config
 
 
-PART_BYTES = 2**28  # embed / lm_head / optimizer moments are written in parts of at most 256 MB
+PART_BYTES = 2**29  # embed / lm_head / optimizer moments are written in parts of at most ~512 MB
+MAX_PARTS = 64
 
 
 def _block(shape, axis, dtype):
-    """Largest divisor of shape[axis] whose slab along `axis` stays under PART_BYTES:
-    embed/lm_head are written in such blocks (100278 = 6 x 16713 rows for the dolma2 vocab)."""
+    """Rows (along `axis`) per part: the largest divisor of shape[axis] whose slab stays under
+    PART_BYTES, unless that makes more than MAX_PARTS tiny parts (a vocabulary with awkward
+    divisors), then the smallest divisor giving at most MAX_PARTS. 100278 = 6 x 16713: the dolma2
+    embedding goes in 6 parts (274 MB each at d_model 4096, fp32)."""
     n = shape[axis]
     slab = math.prod(shape) // n * np.dtype(dtype).itemsize
-    return max([c for c in range(1, n + 1) if n % c == 0 and c * slab <= PART_BYTES] or [1])
+    divisors = [c for c in range(1, n + 1) if n % c == 0]
+    fit = [c for c in divisors if c * slab <= PART_BYTES]
+    block = max(fit) if fit else 1
+    if n // block > MAX_PARTS:
+        block = min(c for c in divisors if n // c <= MAX_PARTS)
+    return block
 
 
 def _check_shape(src, sd, name, our_shape, transpose):

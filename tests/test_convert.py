@@ -61,7 +61,9 @@ def raw_tensors(path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hf_orbax_hf_round_trip_is_bit_exact(tmp_path, dtype, monkeypatch):
     random_hf_dir(tmp_path / "hf", dtype)
+    assert convert._block((100278, 4096), 0, np.float32) == 16713  # 7B embedding: 6 parts of 274 MB
     monkeypatch.setattr(convert, "PART_BYTES", 4096)  # embed/lm_head in parts of 16 rows/columns (16 x 64 x 4 B)
+    assert convert._block((512, 64), 0, np.float32) == 16 and convert._block((64, 512), 1, np.float32) == 16
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"))  # fp32 master weights
     name = "bfloat16" if dtype == torch.bfloat16 else "float32"
     convert.orbax_to_hf(str(tmp_path / "orbax"), str(tmp_path / "hf2"), hf_dtype=name, shard_gb=1e-4)
