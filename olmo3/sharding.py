@@ -203,6 +203,8 @@ def init_sharded(init: Callable[[], tuple[OLMo3, PyTree]], mesh: Mesh) -> tuple[
 def _gather(x: jax.Array, spec: P, axis_offset: int = 0) -> jax.Array:
     """This device's shard -> the full weight. Its transpose (in the backward pass) is a
     reduce-scatter: each device receives the fsdp-summed gradient of its own shard only."""
+    if jax.lax.axis_size(FSDP) == 1:   # nothing to gather: XLA would still copy the weight
+        return x
     return jax.lax.all_gather(x, FSDP, axis=_fsdp_axis(spec) - axis_offset, tiled=True)
 
 
@@ -253,13 +255,19 @@ def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int
                 g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
                 return (g_acc, ce_acc + ce, z_acc + z), None
 
-            split = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
-            zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
-            zero = jnp.zeros((), jnp.float32)
-            (grads, ce, z), _ = jax.lax.scan(body, (zeros, zero, zero), split)
+            if microbatches == 1:  # no accumulator: saves a zero-fill and an add per weight
+                grads, (ce, z) = jax.grad(objective, has_aux=True)(params, batch)
+                grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            else:
+                split = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+                zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+                zero = jnp.zeros((), jnp.float32)
+                (grads, ce, z), _ = jax.lax.scan(body, (zeros, zero, zero), split)
             # grads are already reduce-scattered over fsdp (transpose of the all_gathers);
-            # sum the data replicas' shards. Loss sums over every device.
-            grads = jax.lax.psum(grads, DATA)
+            # sum the data replicas' shards (a copy of every gradient even on one replica: skip
+            # it there). Loss sums over every device.
+            if mesh.shape[DATA] > 1:
+                grads = jax.lax.psum(grads, DATA)
             ce, z = jax.lax.psum((ce, z), (DATA, FSDP))
             return grads, ce / n, z / n
 
