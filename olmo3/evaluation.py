@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jaxtyping import Float, Int, Integer
 
 from olmo3 import checkpoint, hf, rope
 from olmo3.config import Config, YaRN
@@ -199,7 +200,7 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
 
 # ---- held-out loss and bits per byte ------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
-def token_byte_lengths(vocab_size: int) -> np.ndarray:
+def token_byte_lengths(vocab_size: int) -> Int[np.ndarray, " vocab"]:
     """UTF-8 bytes of each dolma2 token, for bits per byte. Special tokens (eos, pad...) and rows
     beyond the tokenizer (a padded vocabulary) count 0 bytes: they are not text (Paloma counts
     the bytes of the documents)."""
@@ -222,7 +223,8 @@ def _eval_fn(chunk: int, use_segments: bool):
 
 
 def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int] = None,
-            chunk: int = 1024, use_segments: bool = False, byte_lengths: Optional[np.ndarray] = None) -> dict:
+            chunk: int = 1024, use_segments: bool = False,
+            byte_lengths: Optional[Int[np.ndarray, " vocab"]] = None) -> dict:
     """Held-out CE of fixed batches: {"ce_sum", "tokens", "bytes", "loss", "bpb", "batches"}.
 
     The batches are `data.get_batch(dataset, batch_size, seed=0, step=b)`, the same fixed order
@@ -251,7 +253,8 @@ def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int
 
 
 # ---- two models on identical inputs -------------------------------------------------------------
-def logit_agreement(ref_logits: np.ndarray, logits: np.ndarray, top_k: int = 10) -> dict:
+def logit_agreement(ref_logits: Float[np.ndarray, "*tokens vocab"], logits: Float[np.ndarray, "*tokens vocab_b"],
+                    top_k: int = 10) -> dict:
     """Per-token KL(ref || other) in float64, top-1 agreement and top-k overlap (fraction of the
     reference's top k found in the other's top k). Inputs [..., vocab]."""
     a = np.asarray(ref_logits, np.float64).reshape(-1, ref_logits.shape[-1])
@@ -271,7 +274,7 @@ def logit_agreement(ref_logits: np.ndarray, logits: np.ndarray, top_k: int = 10)
             "tokens": int(kl.size)}
 
 
-def model_agreement(model_a: OLMo3, model_b: OLMo3, token_rows: np.ndarray) -> dict:
+def model_agreement(model_a: OLMo3, model_b: OLMo3, token_rows: Integer[np.ndarray, "batch seq"]) -> dict:
     """KL(a || b), top-1, top-10 of two models over [B, T] token rows (means over all tokens)."""
     if model_a.config.vocab_size != model_b.config.vocab_size:
         raise ValueError(f"models have different vocab sizes ({model_a.config.vocab_size} vs "
