@@ -386,6 +386,19 @@ def verify(hf_dir: str, ours, *, seq: int = 256, batch: int = 2, seed: int = 0) 
     return ev.logit_agreement(ref_logits, ours_logits)
 
 
+def _peak_rss_gb() -> float:
+    """This process's peak resident set (VmHWM). Not ru_maxrss: Linux carries it across execve,
+    so a child of a big parent would report the parent's size."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def _parse(spec: str, flag: str) -> tuple[str, str]:
     kind, sep, path = (spec or "").partition(":")
     if not sep or kind not in ("hf", "orbax") or not path:
@@ -409,7 +422,7 @@ def main(argv):
             raise app.UsageError("--with_optimizer_state only applies to --to=orbax:")
         config = orbax_to_hf(src, dst, hf_dtype=F.hf_dtype, shard_gb=F.shard_gb)
         hf_dir, orbax_dir = dst, src
-    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak_gb = _peak_rss_gb()
     print(f"converted {src_kind}:{src} -> {dst_kind}:{dst}: {config.num_params():,} parameters in "
           f"{time.time() - t0:.1f} s, peak RSS {peak_gb:.2f} GB")
     if F.verify:
