@@ -380,3 +380,19 @@ def test_cli_one_model_two_models_and_two_runs(runs, tmp_path):
         eval_script.main(["eval.py"])
     assert e.value.code == 2 and (tmp_path / "cmp" / "report.png").exists()
     F.unparse_flags()
+
+
+def test_heldout_domains_from_a_data_mix(tmp_path, monkeypatch):
+    """--data_mix: one held-out domain per label of a mix file (data/mixes.py), files under --data_root."""
+    mixes = pytest.importorskip("data.mixes")
+    tok_dir = mixes.tokenizer_dir("local-ppl", "dolma2")
+    for label, k in (("c4_en", 0), ("wiki", 1)):
+        d = tmp_path / "root" / "ppl" / tok_dir / label
+        d.mkdir(parents=True)
+        token_file(d / "part-0.npy", np.random.default_rng(k).integers(0, 512, size=(4, 32)))
+    (tmp_path / "mixes").mkdir()
+    (tmp_path / "mixes" / "local-ppl.txt").write_text(
+        "# label,path\nc4_en,ppl/{TOKENIZER}/c4_en/part-0.npy\nwiki,ppl/{TOKENIZER}/wiki/part-0.npy\n")
+    monkeypatch.setenv("OLMO3_MIXES_DIR", str(tmp_path / "mixes"))
+    sets = eval_script.heldout_sets("stdlib", 32, 512, data_mix="local-ppl", data_root=str(tmp_path / "root"))
+    assert sorted(sets) == ["c4_en", "wiki"] and all(len(ds) == 4 for ds in sets.values())
