@@ -14,7 +14,7 @@ exactly what a fresh optimizer.init gives, so step 1 is a cold Adam step on AI2'
 eval.py reads either kind.
 
 Memory: nothing holds the whole model. HF -> Orbax writes tensor after tensor, each in parts
-(one layer of a stacked [n_layers, ...] weight, or <= 512 MB blocks of embed / lm_head / moments),
+(one layer of a stacked [n_layers, ...] weight, or <= 256 MB blocks of embed / lm_head / moments),
 each part its own storage chunk, so a part is written as soon as it is produced. Orbax -> HF
 reads those chunks back one at a time and appends them to a safetensors file whose header was
 written first. Measured on a 1.48B-parameter (OLMo-2-1B-shaped, dolma2 vocab) checkpoint: peak
@@ -199,15 +199,15 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     return config
 
 
-PART_BYTES = 2**29  # embed / lm_head / optimizer moments are written in parts of at most ~512 MB
+PART_BYTES = 2**28  # embed / lm_head / optimizer moments are written in parts of at most 256 MB
 MAX_PARTS = 64
 
 
 def _block(shape, axis, dtype):
     """Rows (along `axis`) per part: the largest divisor of shape[axis] whose slab stays under
     PART_BYTES, unless that makes more than MAX_PARTS tiny parts (a vocabulary with awkward
-    divisors), then the smallest divisor giving at most MAX_PARTS. 100278 = 6 x 16713: the dolma2
-    embedding goes in 6 parts (274 MB each at d_model 4096, fp32)."""
+    divisors), then the smallest divisor giving at most MAX_PARTS. 100278 = 9 x 11142: the dolma2
+    embedding goes in 9 parts of 183 MB at d_model 4096 (fp32), 6 of 137 MB at d_model 2048."""
     n = shape[axis]
     slab = math.prod(shape) // n * np.dtype(dtype).itemsize
     divisors = [c for c in range(1, n + 1) if n % c == 0]

@@ -61,7 +61,8 @@ def raw_tensors(path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hf_orbax_hf_round_trip_is_bit_exact(tmp_path, dtype, monkeypatch):
     random_hf_dir(tmp_path / "hf", dtype)
-    assert convert._block((100278, 4096), 0, np.float32) == 16713  # 7B embedding: 6 parts of 274 MB
+    assert convert._block((100278, 4096), 0, np.float32) == 11142  # 7B embedding: 9 parts of 183 MB
+    assert convert._block((100278, 2048), 0, np.float32) == 16713  # 1B: 6 parts of 137 MB
     monkeypatch.setattr(convert, "PART_BYTES", 4096)  # embed/lm_head in parts of 16 rows/columns (16 x 64 x 4 B)
     assert convert._block((512, 64), 0, np.float32) == 16 and convert._block((64, 512), 1, np.float32) == 16
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"))  # fp32 master weights
@@ -258,4 +259,4 @@ def test_peak_rss_1b_shaped(tmp_path):
         out[name] = float(re.search(r"peak RSS ([\d.]+) GB", p.stdout).group(1))
     print(f"\n1B-shaped ({cfg.num_params():,} params, fp32 checkpoint {cfg.num_params() * 4 / 2**30:.2f} GiB, "
           f"largest stacked tensor {largest / 2**30:.2f} GiB): peak RSS {out}")
-    assert max(out.values()) < 1.5  # measured 0.85 (with optimizer state) and 0.65 GB
+    assert max(out.values()) < 2.5, out  # a few parts of <= 256 MB in flight, not the 5.5 GiB model
