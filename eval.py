@@ -5,6 +5,7 @@
     # two models on identical inputs: held-out deltas and token-level KL / top-1 / top-10
     python eval.py --model=/models/Olmo-3-1025-7B --model_b=runs/converted
     # two runs, step-aligned: every common checkpoint, with the memorization verdict
+    # (report.md / report.csv / report.png under --out; exit status 2 when flagged)
     python eval.py --compare=runs/reference,runs/candidate --out=reports/candidate
     # the real lm-eval-harness driving our model (where its datasets are available)
     python eval.py --model=runs/tiny --lm_eval_tasks=hellaswag,arc_easy
