@@ -174,7 +174,7 @@ def main(argv):
     peak_measured = metrics_lib.measure_matmul_peak(F.matmul_n, config.dtype)
     nominal = F.peak_tflops or metrics_lib.nominal_peak_tflops()
     print(f"peak: measured {F.matmul_n}^2 {config.compute_dtype} matmul {peak_measured / 1e12:.3f} "
-          f"TFLOP/s/device; nominal {nominal if nominal else 'unknown'} TFLOP/s/device")
+          f"TFLOP/s/device; nominal dense bf16 {nominal if nominal else 'unknown'} TFLOP/s/device")
 
     t0 = time.perf_counter()
     ours, n_devices = build_ours(config, tokens_np)
