@@ -51,7 +51,8 @@ flags.DEFINE_bool("yarn", None, "YaRN on full-attention layers (default: on for 
 # Data.
 flags.DEFINE_string("data", "stdlib", "'stdlib' (embedded corpus), a directory of documents, or 'mix:NAME'.")
 flags.DEFINE_string("data_dir", None, "Where prepared token files live (default: <run_dir>/../data/<name>).")
-flags.DEFINE_string("data_root", None, "Root URL of a data mix (with --data=mix:NAME).")
+flags.DEFINE_string("data_root", None, "Root URL of a data mix (with --data=mix:NAME; default AI2's "
+                    "https://olmo-data.org); a mirror or local copy with the same layout works.")
 flags.DEFINE_string("tokenizer", "dolma2", "Tokenizer of the token files.")
 flags.DEFINE_integer("seq_len", 8192, "Tokens per instance.")
 flags.DEFINE_integer("global_batch", 512, "Instances per optimizer step: a recipe constant, never derived from devices.")
@@ -299,11 +300,14 @@ def check_flags():
 def resolve_data() -> dict:
     """Split name -> token files: 'train' and 'heldout/<domain>'."""
     import data
-    if F.data.startswith("mix:"):
+    if F.data.startswith("mix:"):  # AI2's published token files, read remotely (data/storage.py)
         from data import mixes
-        name = F.data[4:]
-        files = [url for _, url in mixes.resolve_mix(name, F.data_root, F.tokenizer)]
-        return {"train": files}
+        root = F.data_root or mixes.DEFAULT_ROOT
+        splits = {"train": mixes.mix_paths(F.data[4:], root, F.tokenizer)}
+        # Held-out: the perplexity sets OLMo-core evaluates on, one domain per label.
+        for label, urls in mixes.by_label(mixes.resolve_mix(mixes.VALIDATION_MIX, root, F.tokenizer)).items():
+            splits[f"heldout/{label}"] = urls
+        return splits
     import jax
     from jax.experimental import multihost_utils
     name = os.path.basename(os.path.normpath(F.data)) if F.data != "stdlib" else "stdlib"
