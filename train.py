@@ -34,6 +34,8 @@ flags.DEFINE_bool("resume", False, "Continue from the latest complete checkpoint
 flags.DEFINE_bool("resume_until_done", False, "Launcher: rerun this command with --resume after a crash.")
 flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many crashes.")
 flags.DEFINE_string("init_from", None, "Stage 2/3: checkpoint dir (a run_dir or one step dir) to warm-start from.")
+flags.DEFINE_bool("init_weights_only", False, "With --init_from: take the weights only and start Adam fresh "
+                  "(e.g. stage 1 from AI2's step-0 weights converted by convert.py).")
 flags.DEFINE_integer("seed", 34521, "Data-order seed (stage 1: 34521, stage 2: 1337).")
 flags.DEFINE_integer("model_seed", 0, "Parameter-init seed.")
 # Model: a preset plus per-field overrides (a research variant is a flag, not a fork).
@@ -111,6 +113,7 @@ def _main(argv):
     import data
     import olmo3
     from olmo3 import checkpoint, metrics as metrics_lib, optim, schedules, sharding
+    from olmo3.config import config_to_dict
     from olmo3.model import decay_mask
 
     sharding.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
@@ -182,14 +185,20 @@ def _main(argv):
     elif F.init_from:  # stage 2/3 warm start: params + mu/nu kept, step and schedule reset
         run, step = checkpoint.locate(F.init_from)
         source = checkpoint.CheckpointManager(run, read_only=True)
-        try:
-            state, _ = source.restore(step, as_dict(abstract))
-        except checkpoint.MissingTensorsError as e:
-            if any(name.startswith("opt.") for name in e.missing):
-                raise app.UsageError(f"--init_from={F.init_from} holds no optimizer state; the stage-"
-                                     f"{F.stage} warm start needs Adam's moments (a train.py checkpoint)") from e
-            raise
-        model, opt_state = state["model"], optimizer.warm_start(state["opt"])
+        if F.init_weights_only:
+            state, _ = source.restore(step, {"model": abstract[0]})
+            model = state["model"]
+            opt_state = jax.jit(optimizer.init, out_shardings=sharding.state_shardings(abstract, mesh)[1])(model)
+        else:
+            try:
+                state, _ = source.restore(step, as_dict(abstract))
+            except checkpoint.MissingTensorsError as e:
+                if any(name.startswith("opt.") for name in e.missing):
+                    raise app.UsageError(
+                        f"--init_from={F.init_from} holds no optimizer state; the stage-{F.stage} warm "
+                        "start needs Adam's moments (a train.py checkpoint), or pass --init_weights_only") from e
+                raise
+            model, opt_state = state["model"], optimizer.warm_start(state["opt"])
         start = 0
         logging.info("Warm start (params + Adam moments) from %s", F.init_from)
     else:
@@ -237,7 +246,7 @@ def _main(argv):
     # §7 Checkpoints: model + optimizer + loader state in one atomic step directory.
     # -----------------------------------------------------------------------------------------
     def save(step):
-        extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_dict(config),
+        extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
                  "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
         ckpt.save(step, {"model": model, "opt": opt_state}, extra)
 
@@ -320,23 +329,13 @@ def resolve_data() -> dict:
 
 
 def check_resume(extra: dict, config, train_set) -> None:
+    from olmo3.config import config_to_dict
     saved = extra.get("model_config", {})
-    if saved and saved != config_dict(config):
-        diff = {k: (saved.get(k), v) for k, v in config_dict(config).items() if saved.get(k) != v}
+    if saved and saved != config_to_dict(config):
+        diff = {k: (saved.get(k), v) for k, v in config_to_dict(config).items() if saved.get(k) != v}
         raise app.UsageError(f"--resume: the checkpoint's model config differs from the flags: {diff}")
     if extra.get("stage") != F.stage:
         raise app.UsageError(f"--resume: checkpoint is stage {extra.get('stage')}, flags say --stage={F.stage}")
-
-
-# Fields that change the math of a checkpoint; the kernel, remat and compute dtype may change freely.
-ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-               "window", "layer_pattern", "rope_theta", "yarn", "norm_eps", "param_dtype")
-
-
-def config_dict(config) -> dict:
-    import dataclasses
-    d = {k: v for k, v in dataclasses.asdict(config).items() if k in ARCH_FIELDS}
-    return json.loads(json.dumps(d, default=str))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ Numbers are from AI2's released `allenai/Olmo-3-1025-7B` config.json and OLMo-co
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from typing import Literal, Optional
+from typing import Any, Literal, Mapping, Optional
 
 import jax.numpy as jnp
 
@@ -181,3 +182,30 @@ class Config:
                 total += 12.0 * self.q_dim * keys
             return dense + total
         raise ValueError(f"convention={convention!r}: choose 'writeup' or 'sliding'")
+
+
+# Fields that define a checkpoint's math (stored as extra["model_config"] in every checkpoint);
+# the attention kernel, remat policy and compute dtype may change between runs.
+ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
+               "window", "layer_pattern", "rope_theta", "yarn", "norm_eps", "param_dtype")
+
+
+def config_to_dict(c: Config) -> dict:
+    d = {k: v for k, v in dataclasses.asdict(c).items() if k in ARCH_FIELDS}
+    return json.loads(json.dumps(d, default=str))
+
+
+def config_from_dict(d: Mapping[str, Any], **overrides) -> Config:
+    """Inverse of `config_to_dict`."""
+    kw = {k: v for k, v in d.items() if k in ARCH_FIELDS}
+    if kw.get("layer_pattern") is not None:
+        kw["layer_pattern"] = tuple(kw["layer_pattern"])
+    if isinstance(kw.get("yarn"), Mapping):
+        kw["yarn"] = YaRN(**kw["yarn"])
+    kw.update(overrides)
+    return Config(**kw)
+
+
+def config_diff(a: Config, b: Config) -> dict:
+    da, db = config_to_dict(a), config_to_dict(b)
+    return {k: (da.get(k), db.get(k)) for k in ARCH_FIELDS if da.get(k) != db.get(k)}

@@ -32,31 +32,8 @@ from olmo3.config import Config, YaRN
 from olmo3.model import OLMo3, rms_norm
 from olmo3.step import eval_loss
 
-# Fields that define a checkpoint's math; the same list train.py stores as extra["model_config"].
-ARCH_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
-               "window", "layer_pattern", "rope_theta", "yarn", "norm_eps", "param_dtype")
-
-
-# ---- configs as JSON (the form train.py writes into every checkpoint) --------------------------
-def config_to_dict(c: Config) -> dict:
-    d = {k: v for k, v in dataclasses.asdict(c).items() if k in ARCH_FIELDS}
-    return json.loads(json.dumps(d, default=str))
-
-
-def config_from_dict(d: Mapping[str, Any], **overrides) -> Config:
-    """Inverse of `config_to_dict` (and of train.py's `config_dict`)."""
-    kw = {k: v for k, v in d.items() if k in ARCH_FIELDS}
-    if kw.get("layer_pattern") is not None:
-        kw["layer_pattern"] = tuple(kw["layer_pattern"])
-    if isinstance(kw.get("yarn"), Mapping):
-        kw["yarn"] = YaRN(**kw["yarn"])
-    kw.update(overrides)
-    return Config(**kw)
-
-
-def config_diff(a: Config, b: Config) -> dict:
-    da, db = config_to_dict(a), config_to_dict(b)
-    return {k: (da.get(k), db.get(k)) for k in ARCH_FIELDS if da.get(k) != db.get(k)}
+# Configs as JSON (the form train.py writes into every checkpoint's extra["model_config"]).
+from olmo3.config import ARCH_FIELDS, config_diff, config_from_dict, config_to_dict  # noqa: E402,F401
 
 
 # ---- safetensors, tensor by tensor --------------------------------------------------------------

@@ -139,3 +139,8 @@ def test_bad_inputs(uninterrupted, docs, tmp_path):
     p = run(["--stage=2", "--max_steps=1", f"--init_from={tmp_path / 'weights_only'}"], tmp_path / "s2",
             docs, base / "data", check=False)
     assert p.returncode != 0 and "no optimizer state" in p.stderr
+    # ... which --init_weights_only accepts: weights from the checkpoint, Adam fresh.
+    run(["--stage=2", "--max_steps=1", "--save_interval=1", "--init_weights_only",
+         f"--init_from={tmp_path / 'weights_only'}"], tmp_path / "s2w", docs, base / "data")
+    m = json.loads(open(tmp_path / "s2w" / "metrics.jsonl").readline())
+    assert m["optim/adam_count"] == 1.0 and m["train/loss"] == pytest.approx(np.log(100278), abs=0.5)
