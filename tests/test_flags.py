@@ -1,26 +1,41 @@
 """The stage flagfiles encode the OLMo 3 7B recipe of DESIGN §3 (OLMo-core's official scripts)."""
+import json
 import os
+import subprocess
+import sys
+import types
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture
-def parse():
-    import train  # defines the flags
-    F = train.F
+_PARSE = """
+import json, sys, types
+import train
+F = train.F
+F(["train.py", "--flagfile=" + sys.argv[1]])
+out = {k: getattr(F, k) for k in ("stage", "model", "seq_len", "global_batch", "seed", "lr", "warmup_steps",
+       "total_steps", "final_lr_ratio", "b1", "b2", "eps", "weight_decay", "max_grad_norm", "z_loss",
+       "schedule", "skip_steps", "repetition_filter", "vocab_size", "data")}
+from data import mixes
+out["splits"] = {k: v for k, v in train.resolve_data().items()} if mixes.available_mixes() else None
+print(json.dumps(out))
+"""
 
-    def _parse(*args):
-        F.unparse_flags()
-        F(["train.py", *args])
-        return F
-    yield _parse
-    F.unparse_flags()
+
+def parse(stage: int):
+    """Parse a stage flagfile with train.py's own flags, in a fresh process (absl flags are global:
+    eval.py defines some of the same names)."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-c", _PARSE, f"{ROOT}/stage{stage}.flags"], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return types.SimpleNamespace(**json.loads(p.stdout.strip().splitlines()[-1]))
 
 
-def test_stage1_flags(parse):
-    F = parse(f"--flagfile={ROOT}/stage1.flags")
+def test_stage1_flags():
+    F = parse(1)
     assert (F.stage, F.model, F.seq_len, F.global_batch, F.seed) == (1, "olmo3_7b", 8192, 512, 34521)
     assert F.global_batch * F.seq_len == 4_194_304
     assert (F.lr, F.warmup_steps, F.total_steps, F.final_lr_ratio) == (3e-4, 2000, 1_413_814, 0.1)
@@ -29,17 +44,17 @@ def test_stage1_flags(parse):
     assert F.vocab_size == 100352 and F.data == "mix:OLMo-mix-0625-official"
 
 
-def test_stage2_flags(parse):
-    F = parse(f"--flagfile={ROOT}/stage2.flags")
+def test_stage2_flags():
+    F = parse(2)
     assert (F.stage, F.seq_len, F.global_batch, F.seed) == (2, 8192, 256, 1337)
     assert F.global_batch * F.seq_len == 2 ** 21
     assert (F.lr, F.warmup_steps, F.total_steps, F.schedule) == (2.0712352850360292e-4, 0, 47_684, "linear")
     assert F.data == "mix:OLMo-midtraining-mix-0625-100B"
 
 
-def test_stage3_flags(parse):
+def test_stage3_flags():
     import olmo3
-    F = parse(f"--flagfile={ROOT}/stage3.flags")
+    F = parse(3)
     assert (F.stage, F.model, F.seq_len, F.global_batch) == (3, "olmo3_7b_long", 65536, 64)
     assert (F.warmup_steps, F.schedule) == (200, "linear")
     assert F.lr == pytest.approx(2.0712e-4, rel=1e-4)
@@ -48,14 +63,11 @@ def test_stage3_flags(parse):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_stage_data_mix_resolves(parse, stage):
+def test_stage_data_mix_resolves(stage):
     """--data=mix:NAME resolves to AI2's files plus the per-domain validation sets."""
-    from data import mixes
-    import train
-    if not mixes.available_mixes():
+    splits = parse(stage).splits
+    if splits is None:
         pytest.skip("OLMo-core mix lists not installed (pip install --no-deps ai2-olmo-core==3.0.0)")
-    parse(f"--flagfile={ROOT}/stage{stage}.flags")
-    splits = train.resolve_data()
     assert len(splits["train"]) > 900
     assert all(u.startswith("https://olmo-data.org/") and u.endswith(".npy") for u in splits["train"])
     assert "heldout/c4_en-validation" in splits and len(splits) == 12
