@@ -107,8 +107,6 @@ def _main(argv):
     # -----------------------------------------------------------------------------------------
     import equinox as eqx
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     import data
     import olmo3
@@ -177,9 +175,9 @@ def _main(argv):
     start = ckpt.latest_step() if F.resume else None
     loader_state = None
     if start is not None:  # resume: the checkpoint labelled N means N steps are done
+        check_resume(ckpt.read_extra(start), config)  # before reading any array
         state, extra = ckpt.restore(start, as_dict(abstract))
         model, opt_state = state["model"], state["opt"]
-        check_resume(extra, config, train_set)
         loader_state = extra["loader"]
         logging.info("Resumed %s at step %d", F.run_dir, start)
     elif F.init_from:  # stage 2/3 warm start: params + mu/nu kept, step and schedule reset
@@ -328,7 +326,7 @@ def resolve_data() -> dict:
     return data.ensure_corpus(out, F.data)
 
 
-def check_resume(extra: dict, config, train_set) -> None:
+def check_resume(extra: dict, config) -> None:
     from olmo3.config import config_to_dict
     saved = extra.get("model_config", {})
     if saved and saved != config_to_dict(config):
@@ -336,6 +334,11 @@ def check_resume(extra: dict, config, train_set) -> None:
         raise app.UsageError(f"--resume: the checkpoint's model config differs from the flags: {diff}")
     if extra.get("stage") != F.stage:
         raise app.UsageError(f"--resume: checkpoint is stage {extra.get('stage')}, flags say --stage={F.stage}")
+    for name in ("global_batch", "seq_len"):  # recipe constants: a resumed run may not change them
+        saved_value = extra.get("loader", {}).get(name)
+        if saved_value is not None and saved_value != getattr(F, name):
+            raise app.UsageError(f"--resume: the checkpoint was trained with --{name}={saved_value}, the flags "
+                                 f"say {getattr(F, name)}; a recipe constant cannot change mid-run")
 
 
 if __name__ == "__main__":

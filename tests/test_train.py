@@ -123,6 +123,8 @@ def test_bad_inputs(uninterrupted, docs, tmp_path):
     env_run = base / "a"
     p = run(["--max_steps=6", "--resume"], env_run, str(other), tmp_path / "odata", check=False)
     assert p.returncode != 0 and "fingerprint" in p.stderr
+    p = run(["--max_steps=6", "--resume", "--global_batch=8"], env_run, docs, base / "data", check=False)
+    assert p.returncode != 0 and "--global_batch=4" in p.stderr
     # Non-finite loss: stop with a clear message, keep the last good checkpoint.
     p = run(["--lr=1e30", "--schedule=constant", "--max_steps=6", "--save_interval=1"],
             tmp_path / "nan", docs, base / "data", check=False)
