@@ -223,18 +223,27 @@ def _main(argv):
                                           chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=F.stage == 3)
     eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=F.stage == 3)
 
+    def eval_plan(ds):
+        """(rows per batch, batches): rows a multiple of the device count, at most --eval_batches."""
+        rows = min(F.global_batch, max(n_devices, len(ds) // max(F.eval_batches, 1)))
+        rows -= rows % n_devices
+        return rows, (min(F.eval_batches, len(ds) // rows) if rows else 0)
+
+    eval_plans = {domain: eval_plan(ds) for domain, ds in heldout.items()}
+    for domain, (rows, batches) in eval_plans.items():
+        if batches == 0:
+            logging.warning("Held-out domain %r has %d instances of %d tokens, fewer than the %d devices: "
+                            "not evaluated", domain, len(heldout[domain]), F.seq_len, n_devices)
+
     def evaluate(model):
-        """Mean held-out loss per domain on fixed batches (same batches at every evaluation)."""
+        """Mean held-out loss per domain on fixed batches (the same batches at every evaluation)."""
         out = {}
         for domain, ds in heldout.items():
-            batch_size = min(F.global_batch, max(n_devices, len(ds) // max(F.eval_batches, 1)))
-            batch_size -= batch_size % n_devices
-            if batch_size == 0:
-                continue
+            rows, batches = eval_plans[domain]
             ce = n = 0.0
-            for b in range(min(F.eval_batches, len(ds) // batch_size)):
-                rows = data.get_batch(ds, batch_size, 0, b, rank, num_ranks)  # seed 0: fixed order
-                s, c = eval_fn(model, sharding.global_batch(rows, mesh))
+            for b in range(batches):
+                batch = data.get_batch(ds, rows, 0, b, rank, num_ranks)  # seed 0: a fixed order
+                s, c = eval_fn(model, sharding.global_batch(batch, mesh))
                 ce, n = ce + float(s), n + float(c)
             if n:
                 out[f"eval/{domain}/loss"] = ce / n

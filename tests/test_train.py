@@ -146,3 +146,20 @@ def test_bad_inputs(uninterrupted, docs, tmp_path):
          f"--init_from={tmp_path / 'weights_only'}"], tmp_path / "s2w", docs, base / "data")
     m = json.loads(open(tmp_path / "s2w" / "metrics.jsonl").readline())
     assert m["optim/adam_count"] == 1.0 and m["train/loss"] == pytest.approx(np.log(100278), abs=0.5)
+
+
+def test_tiny_flags_end_to_end(tmp_path):
+    """The README's main command, shortened: tiny.flags on the embedded corpus, prepared on first run."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"--flagfile={ROOT}/tiny.flags",
+           f"--run_dir={tmp_path / 'tiny'}", "--max_steps=2", "--save_interval=2", "--eval_interval=2",
+           "--eval_batches=1"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    m = [json.loads(line) for line in open(tmp_path / "tiny" / "metrics.jsonl")]
+    assert [r["step"] for r in m] == [1, 2]
+    assert {"eval/code/loss", "eval/docs/loss"} <= set(m[-1])
+    assert m[-1]["train/loss"] < m[0]["train/loss"] < 12.0  # ln(100278) = 11.5 at init
+    assert os.listdir(tmp_path / "tiny" / "checkpoints") == ["2"]
+    assert os.path.isdir(tmp_path / "data" / "stdlib")  # prepared beside the run dir
