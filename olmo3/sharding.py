@@ -287,7 +287,7 @@ def make_eval_fn(mesh: Mesh, specs: PyTree, *, chunk: int = 1024, use_segments: 
     def local(params, batch, static):
         model = _gather_top(eqx.combine(params, static), specs)
         ce, _, n = loss_sums(model, batch, chunk=chunk, use_segments=use_segments,
-                             gather=lambda layer: _gather_layer(layer, specs.layers))
+                             gather=lambda layer: _gather_layer(layer, specs.layers), z_loss=None)
         return jax.lax.psum((ce, n), (DATA, FSDP))
 
     @eqx.filter_jit

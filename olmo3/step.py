@@ -91,5 +91,5 @@ def make_train_step(optimizer, *, microbatches: int = 1, chunk: int = 1024, z_lo
 
 def eval_loss(model: OLMo3, batch: dict, *, chunk: int = 1024, use_segments: bool = False):
     """(CE sum, counted tokens) of a batch, no gradient: held-out evaluation."""
-    ce, _, n = loss_sums(model, batch, chunk=chunk, use_segments=use_segments)
+    ce, _, n = loss_sums(model, batch, chunk=chunk, use_segments=use_segments, z_loss=None)
     return ce, n
