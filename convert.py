@@ -4,7 +4,8 @@ logit-parity report.
     python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/olmo3-7b-step0 --verify
     python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/init --with_optimizer_state
     python convert.py --from=orbax:runs/stage1/checkpoints/1413814 --to=hf:/models/mine --verify
-    python train.py --stage=1 --flagfile=stage1.flags --init_from=runs/init   # AI2's step-0 weights
+    python train.py --stage=1 --flagfile=stage1.flags --vocab_size=100278 --init_from=runs/init
+        # AI2's step-0 weights; HF checkpoints hold 100278 vocab rows, stage1.flags says OLMo-core's 100352
 
 The Orbax side is exactly what train.py's CheckpointManager reads: `<dir>/checkpoints/<step>/`
 with the model's tensors under "model.*", and extra = {"model_config": ..., "stage": 0, ...}.
