@@ -29,7 +29,7 @@ from jaxtyping import Float, Int, Integer
 
 from olmo3 import checkpoint, hf, rope
 from olmo3.config import Config, YaRN
-from olmo3.model import OLMo3, rms_norm
+from olmo3.model import OLMo3, attention_inputs, layer_output, rms_norm
 from olmo3.step import eval_loss
 
 # Configs as JSON (the form train.py writes into every checkpoint's extra["model_config"]).
@@ -275,8 +275,8 @@ def _logits_fn():
 # ---- KV-cache decoding ---------------------------------------------------------------------------
 def _extend(model: OLMo3, k_cache: jax.Array, v_cache: jax.Array, tokens: jax.Array, start: jax.Array):
     """Run `tokens` [T] at positions start.. start+T-1 against the cache [L, S, KV, hd]; returns
-    (logits [T, V] fp32, k_cache, v_cache). The same math as OLMo3.hidden (reordered norm,
-    QK-norm before RoPE, YaRN on full layers only), with keys and values kept between calls."""
+    (logits [T, V] fp32, k_cache, v_cache). The layer's projections, norms, RoPE and MLP are
+    OLMo3's own (olmo3.model.attention_inputs / layer_output); only attention reads the cache."""
     c = model.config
     T, S = tokens.shape[0], k_cache.shape[1]
     pos = start + jnp.arange(T, dtype=jnp.int32)
@@ -290,14 +290,9 @@ def _extend(model: OLMo3, k_cache: jax.Array, v_cache: jax.Array, tokens: jax.Ar
     def layer(x, xs):
         p, full, kc, vc = xs
         dt = x.dtype
-        mm = lambda a, w: jnp.dot(a, w.astype(dt), preferred_element_type=jnp.float32).astype(dt)
-        q = rms_norm(mm(x, p.q_proj), p.q_norm, c.norm_eps)
-        k = rms_norm(mm(x, p.k_proj), p.k_norm, c.norm_eps)
-        v = mm(x, p.v_proj).reshape(T, c.n_kv_heads, c.head_dim)
         cos = jnp.where(full, tables["full"][0], tables["sliding"][0])
         sin = jnp.where(full, tables["full"][1], tables["sliding"][1])
-        q = rope.apply_rope(q.reshape(T, c.n_heads, c.head_dim), cos, sin)        # (T, H, hd)
-        k = rope.apply_rope(k.reshape(T, c.n_kv_heads, c.head_dim), cos, sin)     # (T, KV, hd)
+        q, k, v = attention_inputs(c, p, x, cos, sin)                             # (T, H|KV, hd)
         kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (start, 0, 0))
         vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (start, 0, 0))
         G = c.n_heads // c.n_kv_heads
@@ -308,10 +303,7 @@ def _extend(model: OLMo3, k_cache: jax.Array, v_cache: jax.Array, tokens: jax.Ar
         s = jnp.where(mask[None, None], s, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(s, axis=-1).astype(dt)
         o = jnp.einsum("kgts,skd->tkgd", probs, vc.astype(dt), preferred_element_type=jnp.float32)
-        o = o.astype(dt).reshape(T, c.q_dim)
-        h = x + rms_norm(mm(o, p.o_proj), p.post_attention_norm, c.norm_eps)
-        mlp = mm(jax.nn.silu(mm(h, p.gate_proj)) * mm(h, p.up_proj), p.down_proj)
-        return h + rms_norm(mlp, p.post_feedforward_norm, c.norm_eps), (kc, vc)
+        return layer_output(c, p, x, o.astype(dt).reshape(T, c.q_dim)), (kc, vc)
 
     x = model.embed[tokens].astype(c.dtype)
     x, (k_cache, v_cache) = jax.lax.scan(layer, x, (model.layers, is_full, k_cache, v_cache))

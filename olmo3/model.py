@@ -59,26 +59,36 @@ def _proj(x: jax.Array, w: jax.Array, name: str) -> jax.Array:
     return checkpoint_name(y, name)
 
 
-def layer_forward(cfg: Config, p: Layer, x: jax.Array, layer_type: str, cos: jax.Array,
-                  sin: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
-    """One decoder layer on one sequence x [seq, d_model]; `p` holds unstacked weights."""
+def attention_inputs(cfg: Config, p: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """q (T, H, hd), k and v (T, KV, hd) of one layer: QK-norm over the full projection, then RoPE."""
     T = x.shape[0]
     q = rms_norm(_proj(x, p.q_proj, "q_proj"), p.q_norm, cfg.norm_eps)   # (T, H*hd)
     k = rms_norm(_proj(x, p.k_proj, "k_proj"), p.k_norm, cfg.norm_eps)   # (T, KV*hd)
     v = _proj(x, p.v_proj, "v_proj")                                     # (T, KV*hd)
     q = rope.apply_rope(q.reshape(T, cfg.n_heads, cfg.head_dim), cos, sin)     # (T, H, hd)
     k = rope.apply_rope(k.reshape(T, cfg.n_kv_heads, cfg.head_dim), cos, sin)  # (T, KV, hd)
-    v = v.reshape(T, cfg.n_kv_heads, cfg.head_dim)                             # (T, KV, hd)
-    window = cfg.window if layer_type == "sliding" and cfg.window < T else None
-    o = attention(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
-                  window=window, segment_ids=segment_ids, impl=cfg.attention,
-                  block_q=cfg.splash_block_q, block_kv=cfg.splash_block_kv)   # (H, T, hd)
-    o = o.transpose(1, 0, 2).reshape(T, cfg.q_dim)                             # (T, H*hd)
+    return q, k, v.reshape(T, cfg.n_kv_heads, cfg.head_dim)
+
+
+def layer_output(cfg: Config, p: Layer, x: jax.Array, o: jax.Array) -> jax.Array:
+    """The rest of the layer given the attention output o (T, H*hd): reordered norms + SwiGLU."""
     h = x + rms_norm(_proj(o, p.o_proj, "o_proj"), p.post_attention_norm, cfg.norm_eps)
     gate = _proj(h, p.gate_proj, "gate_proj")
     up = _proj(h, p.up_proj, "up_proj")
     mlp = _proj(jax.nn.silu(gate) * up, p.down_proj, "down_proj")              # (T, d)
     return h + rms_norm(mlp, p.post_feedforward_norm, cfg.norm_eps)
+
+
+def layer_forward(cfg: Config, p: Layer, x: jax.Array, layer_type: str, cos: jax.Array,
+                  sin: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
+    """One decoder layer on one sequence x [seq, d_model]; `p` holds unstacked weights."""
+    T = x.shape[0]
+    q, k, v = attention_inputs(cfg, p, x, cos, sin)
+    window = cfg.window if layer_type == "sliding" and cfg.window < T else None
+    o = attention(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
+                  window=window, segment_ids=segment_ids, impl=cfg.attention,
+                  block_q=cfg.splash_block_q, block_kv=cfg.splash_block_kv)   # (H, T, hd)
+    return layer_output(cfg, p, x, o.transpose(1, 0, 2).reshape(T, cfg.q_dim))
 
 
 def _remat(fn: Callable, policy: str) -> Callable:
