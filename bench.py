@@ -139,7 +139,6 @@ def timed(fn) -> tuple[float, float]:
 def main(argv):
     del argv
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     import olmo3

@@ -86,7 +86,6 @@ def _lazy_tensor_types():
     import orbax.checkpoint as ocp
     import tensorstore as ts
     from orbax.checkpoint import future
-    import numpy as np
     from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils as ts_utils
 
     class LazyTensor(jax.ShapeDtypeStruct):

@@ -11,7 +11,6 @@ after N optimizer steps; the next step run is number N+1 and reads global batch 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys

@@ -12,23 +12,22 @@ evidence, not a training-loss curve).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
 import os
 import struct
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+from typing import Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jaxtyping import Float, Int, Integer
 
 from olmo3 import checkpoint, hf, rope
-from olmo3.config import Config, YaRN
+from olmo3.hf import ST_NAMES, SafetensorsReader  # noqa: F401  (re-exported: convert.py, tests)
+from olmo3.config import Config
 from olmo3.model import OLMo3, attention_inputs, layer_output, rms_norm
 from olmo3.step import eval_loss
 
@@ -37,69 +36,6 @@ from olmo3.config import ARCH_FIELDS, config_diff, config_from_dict, config_to_d
 
 
 # ---- safetensors, tensor by tensor --------------------------------------------------------------
-_ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
-              "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
-              "I64": np.dtype(np.int64), "I32": np.dtype(np.int32)}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-
-
-class SafetensorsReader(Mapping):
-    """Lazy name -> numpy array over the *.safetensors files of an HF directory.
-
-    Headers are validated with the `safetensors` library (a corrupt or truncated file is a clear
-    error naming it); tensors are read from a read-only memmap at the header's offsets, so bf16
-    works (safetensors' numpy API has no bf16) and only the tensor asked for is paged in.
-    """
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {path!r}; expected an HF model directory")
-        self._where: dict[str, tuple[str, np.dtype, tuple, int, int]] = {}
-        for f in files:
-            full = os.path.join(path, f)
-            try:
-                with safe_open(full, framework="numpy") as h:
-                    names = list(h.keys())
-                with open(full, "rb") as fh:
-                    (n,) = struct.unpack("<Q", fh.read(8))
-                    header = json.loads(fh.read(n))
-            except Exception as e:  # bad header, truncated file, not a safetensors file
-                raise ValueError(f"cannot read safetensors file {full!r} ({e}); the file is corrupt or "
-                                 "truncated: download or convert it again") from e
-            size = os.path.getsize(full)
-            for name in names:
-                meta = header[name]
-                if meta["dtype"] not in _ST_DTYPES:
-                    raise ValueError(f"{full!r}: tensor {name!r} has dtype {meta['dtype']}; supported: "
-                                     f"{sorted(_ST_DTYPES)}")
-                begin, end = meta["data_offsets"]
-                if 8 + n + end > size:
-                    raise ValueError(f"safetensors file {full!r} is truncated: tensor {name!r} ends at "
-                                     f"byte {8 + n + end} of {size}; download or convert it again")
-                self._where[name] = (full, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin,
-                                     end - begin)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        full, dtype, shape, offset, nbytes = self._where[name]
-        if nbytes == 0:
-            return np.zeros(shape, dtype)
-        return np.memmap(full, dtype=dtype, mode="r", offset=offset, shape=shape)
-
-    def shape(self, name: str) -> tuple:
-        return self._where[name][2]
-
-    def dtype(self, name: str) -> np.dtype:
-        return self._where[name][1]
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self):
-        return len(self._where)
-
-
 class SafetensorsWriter:
     """Write one safetensors file tensor by tensor: the header (every name, dtype and shape) is
     known up front, then each tensor's bytes are appended in header order."""
@@ -108,7 +44,7 @@ class SafetensorsWriter:
         header, offset = {}, 0
         for name, shape, dtype in specs:
             nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            header[name] = {"dtype": _ST_NAMES[np.dtype(dtype)], "shape": list(shape),
+            header[name] = {"dtype": ST_NAMES[np.dtype(dtype)], "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         header["__metadata__"] = metadata or {"format": "pt"}

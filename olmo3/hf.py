@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import tempfile
 from typing import Any, Mapping, Optional, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from olmo3.config import Config, YaRN
@@ -139,27 +141,61 @@ def _to_numpy(t) -> np.ndarray:
     return np.asarray(t)
 
 
-class _SafetensorsDir(Mapping):
-    """Lazy name -> numpy view over the *.safetensors files of an HF directory."""
+ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+             "BF16": np.dtype(ml_dtypes.bfloat16), "F64": np.dtype(np.float64),
+             "I64": np.dtype(np.int64), "I32": np.dtype(np.int32)}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+class SafetensorsReader(Mapping):
+    """Lazy name -> numpy array over the *.safetensors files of an HF directory.
+
+    Headers are validated with the `safetensors` library (a corrupt or truncated file is a clear
+    error naming it); tensors are read from a read-only memmap at the header's offsets, so bf16
+    works (safetensors' numpy API has no bf16) and only the tensor asked for is paged in.
+    """
 
     def __init__(self, path: str):
         from safetensors import safe_open
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
-            raise FileNotFoundError(f"No *.safetensors files in {path!r}; expected an HF model directory")
-        self._where, self._handles = {}, {}
+            raise FileNotFoundError(f"no *.safetensors files in {path!r}; expected an HF model directory")
+        self._where: dict[str, tuple[str, np.dtype, tuple, int, int]] = {}
         for f in files:
+            full = os.path.join(path, f)
             try:
-                h = safe_open(os.path.join(path, f), framework="numpy")
-                keys = list(h.keys())
-            except Exception as e:  # corrupt header, truncated file...
-                raise ValueError(f"Cannot read safetensors file {os.path.join(path, f)!r}: {e}") from e
-            self._handles[f] = h
-            for k in keys:
-                self._where[k] = f
+                with safe_open(full, framework="numpy") as h:
+                    names = list(h.keys())
+                with open(full, "rb") as fh:
+                    (n,) = struct.unpack("<Q", fh.read(8))
+                    header = json.loads(fh.read(n))
+            except Exception as e:  # bad header, truncated file, not a safetensors file
+                raise ValueError(f"cannot read safetensors file {full!r} ({e}); the file is corrupt or "
+                                 "truncated: download or convert it again") from e
+            size = os.path.getsize(full)
+            for name in names:
+                meta = header[name]
+                if meta["dtype"] not in ST_DTYPES:
+                    raise ValueError(f"{full!r}: tensor {name!r} has dtype {meta['dtype']}; supported: "
+                                     f"{sorted(ST_DTYPES)}")
+                begin, end = meta["data_offsets"]
+                if 8 + n + end > size:
+                    raise ValueError(f"safetensors file {full!r} is truncated: tensor {name!r} ends at "
+                                     f"byte {8 + n + end} of {size}; download or convert it again")
+                self._where[name] = (full, ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin,
+                                     end - begin)
 
-    def __getitem__(self, name):
-        return self._handles[self._where[name]].get_tensor(name)
+    def __getitem__(self, name: str) -> np.ndarray:
+        full, dtype, shape, offset, nbytes = self._where[name]
+        if nbytes == 0:
+            return np.zeros(shape, dtype)
+        return np.memmap(full, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+    def shape(self, name: str) -> tuple:
+        return self._where[name][2]
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._where[name][1]
 
     def __iter__(self):
         return iter(self._where)
@@ -191,7 +227,7 @@ def from_hf(path_or_state_dict: Union[str, os.PathLike, Mapping[str, Any]], conf
                     config = config_from_hf(json.load(f), **overrides)
             except FileNotFoundError:
                 raise FileNotFoundError(f"{cfg_path!r} not found: from_hf needs an HF model directory") from None
-        sd: Mapping = _SafetensorsDir(path)
+        sd: Mapping = SafetensorsReader(path)
     else:
         sd = path_or_state_dict
         if config is None:

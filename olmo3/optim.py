@@ -31,14 +31,13 @@ arrays: under a shard_map, pass it the gathered view or psum the squared norm yo
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Bool, Float, Int, PyTree
+from jaxtyping import Array, Float, Int, PyTree
 
 from olmo3.schedules import Schedule
 
