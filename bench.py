@@ -51,6 +51,8 @@ flags.DEFINE_bool("compare_torch", False, "Also time transformers' Olmo3ForCausa
 flags.DEFINE_enum("torch_attention", "auto", ["auto", "eager", "sdpa"],
                   "transformers attention; auto times one step of each and keeps the faster.")
 flags.DEFINE_integer("torch_threads", None, "torch.set_num_threads (default: the cores we may use).")
+flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only, keep freed memory in "
+                  "the process (olmo3/runtime.py; torch in this process shares the allocator).")
 
 
 def cores() -> int:
@@ -138,6 +140,9 @@ def timed(fn) -> tuple[float, float]:
 
 def main(argv):
     del argv
+    from olmo3 import runtime
+    tuned = runtime.tune_cpu() if F.tune_cpu else []
+
     import jax
     import numpy as np
 
@@ -159,7 +164,7 @@ def main(argv):
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
     device = jax.devices()[0]
     print(f"device: {device.platform} {device.device_kind} x{jax.device_count()} | cores {cores()} | "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} | CPU tuning: {', '.join(tuned) or 'none'}")
     print(f"config: {F.model} d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}/"
           f"{config.n_kv_heads}x{config.head_dim} mlp={config.mlp_hidden} window={config.window} "
           f"vocab={config.vocab_size} | batch {F.batch} x seq {F.seq_len} | {config.param_dtype} params, "
