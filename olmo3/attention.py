@@ -1,5 +1,8 @@
 """Attention behind one small interface: `xla` (portable reference), `splash`, `cudnn`.
 
+`xla` is `reference_attention` (dense scores), or `local_attention` (banded blocks) for
+sliding-window layers whose sequence spans more than two windows.
+
 Layout per sequence: q [heads, seq, head_dim], k and v [kv_heads, seq, head_dim]. Masks:
 causal; with `window`, query i sees key j iff 0 <= i - j < window (itself and window-1 keys
 before it: transformers' `kv > q - sliding_window`); with `segment_ids`, only keys of the same
@@ -49,6 +52,47 @@ def reference_attention(
     return out.reshape(heads, seq, head_dim).astype(q.dtype)
 
 
+@jaxtyped(typechecker=beartype)
+def local_attention(
+    q: Float[Array, "heads seq head_dim"],
+    k: Float[Array, "kv_heads seq head_dim"],
+    v: Float[Array, "kv_heads seq head_dim"],
+    *,
+    window: int,
+    segment_ids: Optional[Int[Array, " seq"]] = None,
+) -> Float[Array, "heads seq head_dim"]:
+    """Sliding-window attention computing only the scores the window can reach: queries in
+    blocks of `window`, each against its own block and the one before (a query's window never
+    reaches further back). Scores [seq, 2 * window] instead of [seq, seq]: on the CPU benchmark
+    config (seq 512, window 128) layers fwd+bwd 3.11 s -> 2.90 s. Same semantics as
+    `reference_attention(..., window=window)`, which the tests hold it to."""
+    heads, seq, head_dim = q.shape
+    kv_heads, B = k.shape[0], window
+    nb = -(-seq // B)
+    pad = nb * B - seq   # padded keys sit after every real query, so the causal mask drops them
+    blocks = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(x.shape[0], nb, B, head_dim)
+    qb = blocks(q).reshape(kv_heads, heads // kv_heads, nb, B, head_dim)   # (KV, G, N, B, hd)
+
+    def with_previous(xb):   # (KV, N, 2B, hd): block n-1 (zeros before the first), then block n
+        prev = jnp.pad(xb, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :-1]
+        return jnp.concatenate([prev, xb], axis=2)
+
+    kb, vb = with_previous(blocks(k)), with_previous(blocks(v))
+    scores = jnp.einsum("kgnqd,knsd->kgnqs", qb, kb, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    i = jnp.arange(nb)[:, None, None] * B + jnp.arange(B)[None, :, None]             # (N, B, 1)
+    j = jnp.arange(nb)[:, None, None] * B - B + jnp.arange(2 * B)[None, None, :]     # (N, 1, 2B)
+    mask = (j >= 0) & (j <= i) & (i - j < window)
+    if segment_ids is not None:
+        sq = jnp.pad(segment_ids, (0, pad), constant_values=-1).reshape(nb, B)
+        sk = jnp.concatenate([jnp.pad(sq, ((1, 0), (0, 0)), constant_values=-1)[:-1], sq], axis=1)
+        mask &= sq[:, :, None] == sk[:, None, :]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("kgnqs,knsd->kgnqd", probs, vb, preferred_element_type=jnp.float32)
+    return out.reshape(heads, nb * B, head_dim)[:, :seq].astype(q.dtype)
+
+
 def _cudnn_attention(q, k, v, *, window, segment_ids):
     if segment_ids is not None:  # cuDNN's fused kernel takes lengths, not segment ids
         return reference_attention(q, k, v, window=window, segment_ids=segment_ids)
@@ -64,6 +108,8 @@ def attention(q, k, v, *, window: Optional[int], segment_ids, impl: str,
               block_q: int = 2048, block_kv: int = 2048):
     """Dispatch to the configured implementation (Config.attention)."""
     if impl == "xla":
+        if window is not None and q.shape[1] > 2 * window:   # blocks save work from 3 blocks on
+            return local_attention(q, k, v, window=window, segment_ids=segment_ids)
         return reference_attention(q, k, v, window=window, segment_ids=segment_ids)
     if impl == "splash":
         from olmo3 import splash  # imported lazily: Pallas is only needed when asked for
