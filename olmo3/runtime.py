@@ -10,9 +10,9 @@ vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10.2; each is a measured 
 2. Keep freed memory in the process. XLA:CPU mallocs each step's temporaries; glibc hands any
    block over 32 MB straight back to the kernel on free (mmap/munmap), so every step faulted its
    ~3.9 GB of temporaries in again: 986k minor page faults and 1.9 s of system time per 8 s
-   step. With one malloc arena that never mmaps and never trims, steps after the first fault
-   nothing: 8.1 s -> 7.0 s. The cost is that the process keeps its peak heap (RSS does not
-   shrink between steps), which a training process does anyway.
+   step. With one malloc arena that never mmaps and never trims, steady-state steps fault
+   nothing (a step that must grow the heap still does; seen once in six): 8.1 s -> 7.0 s. The
+   cost: the process keeps its peak heap (RSS never shrinks), as a training process does anyway.
 
 Accelerator hosts are left alone (their steps do not run on these allocators), and a user's
 own XLA_FLAGS win over (1). Measure with and without: `python bench.py ... --notune_cpu`.
