@@ -14,6 +14,7 @@ import pytest
 
 import olmo3
 from olmo3 import checkpoint, evaluation as ev, hf, optim, schedules
+from test_model import hf_config, random_hf_model
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -24,23 +25,10 @@ convert = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(convert)
 
 
-def hf_config(**over):
-    base = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                rms_norm_eps=1e-6, sliding_window=7, pad_token_id=None, eos_token_id=None,
-                tie_word_embeddings=False)
-    base.update(over)
-    return transformers.Olmo3Config(**base)
-
-
 def random_hf_dir(path, dtype=torch.float32, seed=0, **over):
-    """A random Olmo3ForCausalLM saved by transformers itself (norms randomized too, so a
-    swapped norm weight cannot hide behind ones)."""
-    torch.manual_seed(seed)
-    m = transformers.Olmo3ForCausalLM(hf_config(**over)).eval()
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    """A random Olmo3ForCausalLM (test_model's, norms randomized too) saved by transformers
+    itself; vocab 512 and GQA 4/2 unless overridden."""
+    m = random_hf_model(hf_config(**{"vocab_size": 512, "num_key_value_heads": 2, **over}), seed)
     m.to(dtype).save_pretrained(str(path))
     return m
 
