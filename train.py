@@ -81,6 +81,9 @@ flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp:128,data:1' (default:
 flags.DEFINE_string("coordinator", None, "jax.distributed coordinator host:port (multi-process runs).")
 flags.DEFINE_integer("num_processes", None, "jax.distributed process count.")
 flags.DEFINE_integer("process_id", None, "jax.distributed process index.")
+flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), let each "
+                  "process train alone instead of joining the others: deliberate replicas, each needs its own "
+                  "--run_dir. Without it such a launch either joins or stops (olmo3/cluster.py).")
 flags.DEFINE_float("peak_tflops", None, "Per-device peak TFLOP/s for MFU (default: a known device's, or measured).")
 flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only and keep freed memory in "
                   "the process (olmo3/runtime.py; CPU benchmark step with remat save_proj: 8.76 s -> 7.10 s). "
@@ -105,7 +108,9 @@ def _main(argv):
     check_flags()
 
     # -----------------------------------------------------------------------------------------
-    # §1 Devices, mesh and processes.
+    # §1 Devices, mesh and processes. Under srun / mpirun / a TPU slice the processes join
+    # through JAX's own cluster detection; an environment that says N > 1 processes while JAX
+    # sees one stops here with exit status 2, before anything is written (olmo3/cluster.py).
     # -----------------------------------------------------------------------------------------
     from olmo3 import runtime
     tuned = runtime.tune_cpu() if F.tune_cpu else []   # before JAX starts its backend
@@ -114,11 +119,11 @@ def _main(argv):
 
     import data
     import olmo3
-    from olmo3 import checkpoint, metrics as metrics_lib, optim, schedules, sharding
+    from olmo3 import checkpoint, cluster, metrics as metrics_lib, optim, schedules, sharding
     from olmo3.config import config_to_dict
     from olmo3.model import decay_mask
 
-    sharding.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
+    cluster.start("train.py", F.coordinator, F.num_processes, F.process_id, independent_runs=F.independent_runs)
     mesh = sharding.make_mesh(F.mesh)
     rank, num_ranks = jax.process_index(), jax.process_count()
     n_devices = jax.device_count()  # global, across hosts
