@@ -54,6 +54,8 @@ flags.DEFINE_integer("max_length", 2048, "Longest context the scorer feeds the m
 flags.DEFINE_integer("train_loss_window", 20, "--compare: training loss = mean over this many steps up to N.")
 flags.DEFINE_float("tol", 0.02, "--compare: loss differences (nats) below this are noise for the verdict.")
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Activations for evaluation.")
+flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), run "
+                  "anyway: every process evaluates on its own. Without it such a launch stops (olmo3/cluster.py).")
 flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
 
 
@@ -215,6 +217,9 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    # One process: under srun / mpirun with N > 1 tasks every copy would do the same work.
+    from olmo3 import cluster
+    cluster.start("eval.py", multi_process=False, independent_runs=F.independent_runs)
     sets_fn = lambda config: heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size,  # noqa: E731
                                           data_dir=F.eval_data_dir, data_mix=F.data_mix, data_root=F.data_root)
     if F.compare:

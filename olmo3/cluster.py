@@ -254,7 +254,7 @@ def check(launch: Launch, *, process_count: Optional[int] = None, device_count: 
 def summary(launch: Launch) -> str:
     """The first log line: engine, process id and count, local and global devices."""
     import jax
-    source = f" ({launch.source})" if launch.source else ""
+    source = f" ({launch.source})" if launch.source else (" (a single process)" if launch.engine == "none" else "")
     return (f"cluster: {launch.engine}{source}: process {jax.process_index()} of {jax.process_count()}, "
             f"{jax.local_device_count()} local / {jax.device_count()} global {jax.default_backend()} devices")
 

@@ -42,6 +42,17 @@ def job_id_for_free_port() -> int:
     return 4096 * 1000 + free_derived_port() - SLURM_PORT_BASE
 
 
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TPU_WORKER", "TPU_PROCESS", "MEGASCALE_",
+                     "JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without any launcher's variables (a test may itself run under srun), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    env.update(extra)
+    return env
+
+
 def srun_env(job_id: int, rank: int, ntasks: int, nodes: int) -> dict[str, str]:
     """The SLURM variables of task `rank` of an srun step over `nodes` nodes (tasks in blocks)."""
     per_node = ntasks // nodes
