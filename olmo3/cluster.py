@@ -269,16 +269,19 @@ def start(program: str, coordinator: Optional[str] = None, num_processes: Option
     try:
         if multi_process:
             launch = initialize(coordinator, num_processes, process_id, independent_runs=independent_runs)
-        else:
+        else:   # eval.py, bench.py: one process by design
             launch = detect()
-            if independent_runs:
-                launch = dataclasses.replace(launch, engine=f"{launch.engine}, independent runs "
-                                                            f"({INDEPENDENT_FLAG})")
-            elif (launch.processes or 1) > 1:
+            # Copies started by the engine (an srun step, mpirun, TPU pods) would all do the same
+            # work; SLURM's batch shell without srun is one copy, which is fine.
+            copies = (launch.processes or 1) > 1 and (launch.auto or launch.engine != "slurm")
+            if copies and not independent_runs:
                 raise ClusterError(f"{launch.source} says this is one of {launch.processes} processes, but "
                                    f"{program} runs as one process: every copy would do the same work. "
                                    f"Fix: run it as a single task (e.g. `srun --ntasks=1 python {program} "
                                    f"...`), or pass {INDEPENDENT_FLAG} to run the copies on purpose")
+            if (launch.processes or 1) > 1:
+                how = f"independent runs ({INDEPENDENT_FLAG})" if copies else "one process"
+                launch = dataclasses.replace(launch, engine=f"{launch.engine}, {how}", processes=None)
         check(launch)
     except ClusterError as e:
         print(f"{program}: error: {e}", file=sys.stderr, flush=True)

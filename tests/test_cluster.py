@@ -112,7 +112,11 @@ def test_scripts_stop_on_silent_replicas(tmp_path, script):
                          f"--data_dir={tmp_path / 'data'}", "--resume_until_done"],
             "eval.py": [f"--model={tmp_path / 'run'}", f"--out={tmp_path / 'out'}"],
             "bench.py": ["--model=tiny"]}[script]
-    env = fake_srun.clean_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, SLURM_JOB_ID="123", SLURM_NTASKS="2")
+    if script == "train.py":   # the issue's case: SLURM_NTASKS=2, one process, no srun step
+        slurm = {"SLURM_JOB_ID": "123", "SLURM_NTASKS": "2"}
+    else:   # one-process tools: `srun -N2 python eval.py` starts two copies (a bare batch shell, one)
+        slurm = fake_srun.srun_env(job_id=123, rank=0, ntasks=2, nodes=2)
+    env = fake_srun.clean_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **slurm)
     p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr
@@ -120,6 +124,24 @@ def test_scripts_stop_on_silent_replicas(tmp_path, script):
     assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "SLURM_NTASKS=2" in errors[0] and "srun" in errors[0] and "--independent_runs" in errors[0]
     assert os.listdir(tmp_path) == []   # no run dir, no data, no output
+
+
+def test_one_process_tools(monkeypatch):
+    """eval.py / bench.py in SLURM's batch shell (no srun) are one copy and run; started by srun
+    as N copies they stop, unless the copies are asked for."""
+    for var in list(os.environ):
+        if var.startswith(fake_srun.LAUNCHER_PREFIXES):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "64")
+    assert cluster.start("eval.py", multi_process=False).engine == "slurm, one process"
+    for var, value in fake_srun.srun_env(job_id=7, rank=1, ntasks=2, nodes=2).items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as e:
+        cluster.start("eval.py", multi_process=False)
+    assert e.value.code == 2
+    launch = cluster.start("eval.py", multi_process=False, independent_runs=True)
+    assert launch.engine == "slurm, independent runs (--independent_runs)"
 
 
 # ---------------------------------------------------------------------------------------------
