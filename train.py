@@ -4,6 +4,7 @@
     python train.py --stage=2 --flagfile=stage2.flags --init_from=<stage-1 checkpoint>
     python train.py --stage=3 --flagfile=stage3.flags --init_from=<stage-2 checkpoint>
     python train.py --flagfile=tiny.flags                   # CPU: tiny OLMo 3 on the stdlib corpus
+    sbatch --nodes=64 launch/slurm.sbatch stage1.flags /shared/runs/s1   # a cluster (README: On a cluster)
 
 Recipe numbers come from OLMo-core's `OLMo-3-1025-7B-{pretrain-1,midtrain,long-context}.py`
 (../shared/DESIGN.md §3). Step convention everywhere: a checkpoint labelled N holds the state
@@ -82,7 +83,7 @@ flags.DEFINE_string("coordinator", None, "jax.distributed coordinator host:port 
 flags.DEFINE_integer("num_processes", None, "jax.distributed process count.")
 flags.DEFINE_integer("process_id", None, "jax.distributed process index.")
 flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), let each "
-                  "process train alone instead of joining the others: deliberate replicas, each needs its own "
+                  "process train alone instead of joining the others: deliberate replicas, each with its own "
                   "--run_dir. Without it such a launch either joins or stops (olmo3/cluster.py).")
 flags.DEFINE_float("peak_tflops", None, "Per-device peak TFLOP/s for MFU (default: a known device's, or measured).")
 flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only and keep freed memory in "
@@ -102,9 +103,15 @@ def _main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
     if F.resume_until_done:
+        import random
+
+        from olmo3.cluster import job_id
         from olmo3.launch import run_until_done, strip_flag
         args = strip_flag(strip_flag(sys.argv, "resume_until_done"), "resume") + ["--resume"]
-        sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts))
+        # The tasks of one cluster job draw the same backoff delays: a crash stops every task (JAX's
+        # heartbeat), so they restart together and find each other again; other jobs still differ.
+        rng = random.Random(job_id()) if job_id() else None
+        sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts, rng=rng))
     check_flags()
 
     # -----------------------------------------------------------------------------------------

@@ -101,8 +101,8 @@ def _candidates(env: Mapping[str, str]) -> list[Launch]:
                             "launch/slurm.sbatch does"))
     if "PMI_SIZE" in env and "PMI_RANK" in env:   # MPICH / Intel MPI (Hydra)
         n = _int(env["PMI_SIZE"])
-        found.append(Launch("mpi", n, f"PMI_SIZE={n}", False,
-                            "JAX does not detect MPICH / Intel MPI launches. Fix: " + _flags_fix("PMI_SIZE", "PMI_RANK")))
+        found.append(Launch("mpi", n, f"PMI_SIZE={n}", False, "JAX does not detect MPICH / Intel MPI "
+                            "launches. Fix: " + _flags_fix("PMI_SIZE", "PMI_RANK")))
     hosts_var = next((v for v in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES") if env.get(v)), None)
     if hosts_var:
         hosts = len([h for h in env[hosts_var].split(",") if h.strip()])
@@ -114,7 +114,8 @@ def _candidates(env: Mapping[str, str]) -> list[Launch]:
     if "KUBERNETES_SERVICE_HOST" in env and ("JOB_COMPLETION_INDEX" in env or "JOBSET_NAME" in env):
         found.append(Launch("kubernetes", None, "JOB_COMPLETION_INDEX/JOBSET_NAME", True,
                             "JAX's Kubernetes detection needs the kubernetes package and pod-read "
-                            "permission. Fix: pip install 'jax[k8s]', or " + _flags_fix("NUM_PROCESSES", "JOB_COMPLETION_INDEX")))
+                            "permission. Fix: pip install 'jax[k8s]', or "
+                            + _flags_fix("NUM_PROCESSES", "JOB_COMPLETION_INDEX")))
     if not hosts_var and _on_cloud_tpu_vm():   # GCE TPU VM: the worker list is in the metadata server
         found.append(Launch("cloud-tpu", None, "Cloud TPU VM (worker list in the GCE metadata)", True))
     return found
@@ -136,6 +137,15 @@ def detect(env: Mapping[str, str] = os.environ) -> Launch:
     many = [c for c in found if (c.processes or 1) > 1]
     return many[0] if many else Launch("none", found[0].processes if found else None,
                                        found[0].source if found else "")
+
+
+def job_id(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The cluster job this process belongs to (shared by all its tasks), or None."""
+    if env.get("SLURM_JOB_ID"):
+        return "slurm:" + env["SLURM_JOB_ID"]
+    if env.get("OMPI_MCA_orte_hnp_uri"):
+        return "ompi:" + env["OMPI_MCA_orte_hnp_uri"].split(";")[0]
+    return None
 
 
 def local_gpu_ids(launch: Launch, env: Mapping[str, str] = os.environ) -> Optional[list[int]]:

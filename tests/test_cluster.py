@@ -63,6 +63,14 @@ def test_detect_prefers_what_jax_can_join():
     assert cluster.detect(env).engine == "slurm"
 
 
+def test_job_id_is_shared_by_the_tasks_of_a_job():
+    """--resume_until_done seeds its backoff with it: the tasks of one job restart together."""
+    ids = {cluster.job_id(fake_srun.srun_env(job_id=42, rank=r, ntasks=4, nodes=2)) for r in range(4)}
+    assert ids == {"slurm:42"}
+    assert len({cluster.job_id(fake_srun.mpirun_env(r, 2, 61500)) for r in range(2)}) == 1
+    assert cluster.job_id({}) is None
+
+
 def test_one_task_per_node_gets_all_its_gpus():
     """JAX pins a SLURM / Open MPI process to GPU <local rank>; with one task per node that would
     be one GPU of eight, so the task's GPUs are handed over explicitly."""
