@@ -153,17 +153,26 @@ def test_one_process_tools(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Joining through the launcher's variables alone: two real processes
+# Joining through the launcher's variables alone: two real processes, and the data order they
+# read (every instance exactly once per epoch, DESIGN §4 bug 1) through the auto-detected ranks
 # ---------------------------------------------------------------------------------------------
 PROBE = textwrap.dedent("""
     import sys
     import jax
+    import numpy as np
     from jax.experimental import multihost_utils
+    import data
     from olmo3 import cluster
     launch = cluster.start("probe")
-    ids = multihost_utils.process_allgather(jax.numpy.array([jax.process_index()]))
-    open(sys.argv[1] + f"/{jax.process_index()}.txt", "w").write(
-        cluster.summary(launch) + " | " + ",".join(map(str, ids.ravel().tolist())))
+    rank, ranks = jax.process_index(), jax.process_count()
+    ids = multihost_utils.process_allgather(np.array([rank]))
+    # One epoch of the data order as train.py reads it (data rank = process index): all ranks' rows
+    n, gb, steps = 1003, 8, 1003 // 8
+    mine = np.concatenate([data.batch_indices(n, gb, 34521, 0, s, rank, ranks) for s in range(steps)])
+    seen = np.bincount(multihost_utils.process_allgather(mine).ravel(), minlength=n)
+    open(sys.argv[1] + f"/{rank}.txt", "w").write(
+        cluster.summary(launch) + " | " + ",".join(map(str, ids.ravel().tolist()))
+        + f" | seen once: {(seen == 1).sum()}, never: {(seen == 0).sum()}, more: {(seen > 1).sum()}")
 """)
 
 
@@ -183,9 +192,10 @@ def test_processes_join_through_launcher_variables(tmp_path, launcher):
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for e in envs]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
-    for i in range(2):
+    for i in range(2):   # exactly once: 125 global batches of 8, the 3-instance tail never
         assert (tmp_path / f"{i}.txt").read_text() == (
-            f"cluster: {engine}: process {i} of 2, 2 local / 4 global cpu devices | 0,1")
+            f"cluster: {engine}: process {i} of 2, 2 local / 4 global cpu devices | 0,1 | "
+            "seen once: 1000, never: 3, more: 0")
 
 
 def test_sbatch_srun_line(tmp_path):
