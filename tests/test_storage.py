@@ -55,7 +55,7 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self, head=False):
         self.server.count(self.command)
-        if self.server.delay:  # a stand-in for network round-trip time (bench_remote.py)
+        if self.server.delay:  # a stand-in for network round-trip time (benchmarks/bench_remote.py)
             time.sleep(self.server.delay)
         if self._fault():
             return
