@@ -64,13 +64,13 @@ WINDOW = 128  # skip-step window (olmo3/optim.py WINDOW, OLMo-core rolling_inter
 
 def _import():
     """Heavy imports after flag parsing, so --help is instant."""
-    global eqx, jax, olmo3, hf, checkpoint, ev, OLMo3, optim, schedules
+    global eqx, jax, olmo3, hf, checkpoint, heldout, load, OLMo3, optim, schedules, config_from_dict, config_to_dict
     import equinox as eqx
     import jax
 
     import olmo3
-    from olmo3 import checkpoint, hf, optim, schedules
-    from olmo3 import evaluation as ev
+    from olmo3 import checkpoint, heldout, hf, load, optim, schedules
+    from olmo3.config import config_from_dict, config_to_dict
     from olmo3.model import OLMo3
 
 
@@ -142,8 +142,8 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
                 with_optimizer_state: bool = False) -> "olmo3.Config":
     _import()
     LazyTensor = _lazy_tensor_types()
-    config = ev.read_hf_config(src, param_dtype=param_dtype)
-    sd = ev.SafetensorsReader(src)
+    config = hf.read_hf_config(src, param_dtype=param_dtype)
+    sd = hf.SafetensorsReader(src)
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     dtype = np.dtype(config.pdtype)
     expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
@@ -195,7 +195,7 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     state = {"model": model}
     if with_optimizer_state:
         state["opt"] = zero_optimizer_state(abstract, LazyTensor)
-    extra = {"stage": 0, "model_config": ev.config_to_dict(config), "converted_from": f"hf:{os.path.abspath(src)}",
+    extra = {"stage": 0, "model_config": config_to_dict(config), "converted_from": f"hf:{os.path.abspath(src)}",
              "with_optimizer_state": with_optimizer_state}
     write_orbax(dst, step, state, extra)
     return config
@@ -262,7 +262,7 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     step = mgr.latest_step() if step is None else step
     if "model_config" not in extra:
         raise ValueError(f"{src}: checkpoint extra has no model_config (not written by train.py or convert.py)")
-    config = ev.config_from_dict(extra["model_config"])
+    config = config_from_dict(extra["model_config"])
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     out_dtype = np.dtype(getattr(jax.numpy, hf_dtype or config.param_dtype))
     L = config.n_layers
@@ -301,7 +301,7 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=os.path.dirname(dst))
     try:
-        writers = [ev.SafetensorsWriter(os.path.join(tmp, f), s) for f, s in zip(files, shards)]
+        writers = [hf.SafetensorsWriter(os.path.join(tmp, f), s) for f, s in zip(files, shards)]
         shard_of = {n: k for k, s in enumerate(shards) for n, _, _ in s}
         for field, names, transpose in plan:
             stacked = field in layer_fields
@@ -393,7 +393,7 @@ def verify(hf_dir: str, ours, *, seq: int = 256, batch: int = 2, seed: int = 0) 
     with torch.no_grad():
         ref_logits = ref(torch.tensor(rows, dtype=torch.long)).logits.float().numpy()
     ours_logits = np.asarray(jax.vmap(ours)(jnp.asarray(rows, jnp.int32)))
-    return ev.logit_agreement(ref_logits, ours_logits)
+    return heldout.logit_agreement(ref_logits, ours_logits)
 
 
 def _peak_rss_gb() -> float:
@@ -436,7 +436,7 @@ def main(argv):
     print(f"converted {src_kind}:{src} -> {dst_kind}:{dst}: {config.num_params():,} parameters in "
           f"{time.time() - t0:.1f} s, peak RSS {peak_gb:.2f} GB")
     if F.verify:
-        ours, _ = ev.load_model(orbax_dir)
+        ours, _ = load.load_model(orbax_dir)
         r = verify(hf_dir, ours, seq=F.verify_seq, batch=F.verify_batch)
         print(f"parity on {r['tokens']} tokens: KL(HF || ours) mean {r['kl_mean']:.3g} max {r['kl_max']:.3g} "
               f"nats | top-1 agreement {100 * r['top1']:.2f}% | top-10 overlap {100 * r['top10']:.2f}%")

@@ -9,11 +9,13 @@ import sys
 
 import equinox as eqx
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
 import olmo3
-from olmo3 import checkpoint, evaluation as ev, hf, optim, schedules
+from olmo3 import checkpoint, heldout, hf, load, optim, schedules
+from olmo3.config import config_to_dict
 from test_model import hf_config, random_hf_model
 
 torch = pytest.importorskip("torch")
@@ -72,7 +74,7 @@ def test_hf_orbax_hf_round_trip_is_bit_exact(tmp_path, dtype, monkeypatch):
 def test_parity_fp32_against_transformers(tmp_path):
     random_hf_dir(tmp_path / "hf", num_attention_heads=4, num_key_value_heads=2)
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"))
-    ours, info = ev.load_model(str(tmp_path / "orbax"))
+    ours, info = load.load_model(str(tmp_path / "orbax"))
     assert info["step"] == 0 and info["kind"] == "orbax"
     r = convert.verify(str(tmp_path / "hf"), ours, seq=48, batch=2)
     assert r["kl_mean"] < 1e-6 and r["kl_max"] < 1e-6, r
@@ -86,7 +88,7 @@ def test_checkpoint_restores_the_way_train_py_warm_starts(tmp_path, monkeypatch)
     ref = random_hf_dir(tmp_path / "hf")
     monkeypatch.setattr(convert, "PART_BYTES", 4096)  # every tensor written in several parts
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True)
-    config = ev.read_hf_config(str(tmp_path / "hf"))
+    config = hf.read_hf_config(str(tmp_path / "hf"))
     opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))
     abstract = eqx.filter_eval_shape(lambda: (lambda m: {"model": m, "opt": opt.init(m)})(
         olmo3.OLMo3(config, jax.random.key(1))))
@@ -104,7 +106,7 @@ def test_checkpoint_restores_the_way_train_py_warm_starts(tmp_path, monkeypatch)
     assert jax.tree.structure(warm) == jax.tree.structure(fresh)
     for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(fresh)):
         assert a.dtype == b.dtype and a.shape == b.shape and not np.any(np.asarray(a))
-    assert extra["model_config"] == ev.config_to_dict(config) and extra["stage"] == 0
+    assert extra["model_config"] == config_to_dict(config) and extra["stage"] == 0
 
 
 def test_cli_verify_fails_above_max_kl(tmp_path):
@@ -124,10 +126,10 @@ def test_train_py_checkpoint_to_hf(tmp_path):
     model = olmo3.OLMo3(config, jax.random.key(3))
     opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))
     mgr = checkpoint.CheckpointManager(str(tmp_path / "run"), async_save=False)
-    mgr.save(5, {"model": model, "opt": opt.init(model)}, {"model_config": ev.config_to_dict(config), "stage": 1})
+    mgr.save(5, {"model": model, "opt": opt.init(model)}, {"model_config": config_to_dict(config), "stage": 1})
     mgr.close()
     convert.orbax_to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
-    got, want = ev.SafetensorsReader(str(tmp_path / "hf")), hf.state_dict(model)
+    got, want = hf.SafetensorsReader(str(tmp_path / "hf")), hf.state_dict(model)
     assert set(got) == set(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
@@ -135,7 +137,7 @@ def test_train_py_checkpoint_to_hf(tmp_path):
     x = np.arange(24)[None] * 5 % 512
     with torch.no_grad():
         ref_logits = ref(torch.tensor(x)).logits.numpy()
-    r = ev.logit_agreement(ref_logits[0], np.asarray(model(jax.numpy.asarray(x[0], jax.numpy.int32))))
+    r = heldout.logit_agreement(ref_logits[0], np.asarray(model(jax.numpy.asarray(x[0], jax.numpy.int32))))
     assert r["kl_max"] < 1e-6 and r["top1"] == 1.0
 
 
@@ -220,8 +222,8 @@ def _write_random_hf(path, cfg: olmo3.Config, seed=0):
                      "down_proj": (d, cfg.mlp_hidden)}.get(field, (d,))
             specs.append((f"model.layers.{i}.{suffix}", shape))
     specs += [("model.norm.weight", (d,)), ("lm_head.weight", (V, d))]
-    bf16 = np.dtype(ev.ml_dtypes.bfloat16)
-    w = ev.SafetensorsWriter(os.path.join(path, "model.safetensors"), [(n, s, bf16) for n, s in specs])
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    w = hf.SafetensorsWriter(os.path.join(path, "model.safetensors"), [(n, s, bf16) for n, s in specs])
     for n, s in specs:
         w.write(n, (0.02 * rng.standard_normal(s, np.float32)).astype(bf16))
     w.close()
