@@ -21,7 +21,7 @@ Three things make that safe at scale:
   in a long outage. Permanent errors (missing file, short file, permission) are raised at once.
 - Exact bytes. A read returns exactly `4 * count` bytes or raises; there is no partial result.
 
-Public API: `open_token_files(paths)` -> readers with `.path`, `.nbytes`, `.read(start, stop)`
+Public API: `open_token_files(paths)` -> LocalTokenFile or RemoteTokenFile readers with `.path`, `.nbytes`, `.read(start, stop)`
 (the interface data/dataset.py uses), `RemoteTokenFile.read_tokens(start, count)`, `is_remote`.
 """
 import concurrent.futures
@@ -44,7 +44,8 @@ import numpy as np
 import tensorstore as ts
 from jaxtyping import UInt32
 
-ITEMSIZE = 4  # uint32 tokens (OLMo-core writes dolma2 token ids as uint32)
+DTYPE = np.uint32  # OLMo-core writes dolma2 token ids as headerless uint32
+ITEMSIZE = 4
 REMOTE_SCHEMES = ("http", "https", "gs", "s3")
 
 
@@ -311,6 +312,28 @@ def save_manifest(path: str, sizes: dict[str, int]):
 
 # --- readers -----------------------------------------------------------------------------------
 
+class LocalTokenFile:
+    """A token file on local disk, memmapped: `nbytes`, `read(start, stop)` (token indices)."""
+
+    def __init__(self, path: str):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"token file {path!r} does not exist; check the path or rebuild with "
+                                    "`python -m data.prepare`")
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"token file {path!r} is a directory; pass the .npy token files inside it")
+        self.path = path
+        self.nbytes = os.path.getsize(path)
+        self._mm = None
+
+    def read(self, start: int, stop: int) -> UInt32[np.ndarray, " n"]:
+        if self._mm is None:  # opened lazily: cheap to construct, safe to share between threads
+            self._mm = np.memmap(self.path, dtype=DTYPE, mode="r")
+        return np.array(self._mm[start:stop])
+
+    def __repr__(self) -> str:
+        return f"LocalTokenFile({self.path!r}, {self.nbytes} bytes)"
+
+
 class RemoteTokenFile:
     """A token file behind a URL: `nbytes`, `read(start, stop)` (token indices), `read_tokens`."""
 
@@ -340,20 +363,17 @@ class RemoteTokenFile:
 
 def open_token_files(
     paths: Sequence[str],
-    open_local: Callable | None = None,
     *,
     manifest: str | None = None,
     refresh: bool = False,
     threads: int = 64,
     policy: RetryPolicy | None = None,
 ) -> list:
-    """Readers for `paths`, in order. Local paths and file:// URLs go to `open_local(path)`
-    (data/dataset.py's memmap reader); remote URLs become RemoteTokenFile, their sizes taken from
+    """Readers for `paths`, in order. Local paths and file:// URLs become LocalTokenFile (a
+    memmap); remote URLs become RemoteTokenFile, their sizes taken from
     the sidecar `manifest` (default `default_manifest_path()`) or fetched in parallel and recorded.
     `refresh=True` re-fetches every size. Raises before any read if the root is unreachable, a
     file is missing, or a size is not a whole number of uint32 tokens."""
-    if open_local is None:
-        from data.dataset import _open_token_file as open_local
     policy = policy or DEFAULT_RETRY  # read at call time, so a caller (or a test) can set the default
     remote = list(dict.fromkeys(p for p in paths if is_remote(p)))
     sizes: dict[str, int] = {}
@@ -399,5 +419,5 @@ def open_token_files(
         if is_remote(p):
             out.append(RemoteTokenFile(p, sizes[p], policy))
         else:
-            out.append(open_local(local_path(p)))
+            out.append(LocalTokenFile(local_path(p)))
     return out
