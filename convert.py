@@ -83,10 +83,8 @@ def _import():
 @functools.lru_cache(maxsize=1)
 def _lazy_tensor_types():
     import jax
-    import orbax.checkpoint as ocp
     import tensorstore as ts
-    from orbax.checkpoint import future
-    from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils as ts_utils
+    from orbax.checkpoint import future, multihost, type_handlers
 
     class LazyTensor(jax.ShapeDtypeStruct):
         """A ShapeDtypeStruct (so checkpoint.tensor_names lists it) whose `parts()` yields
@@ -96,24 +94,25 @@ def _lazy_tensor_types():
             super().__init__(tuple(shape), dtype)
             self.parts, self.axis, self.block = parts, axis, block
 
-    class SequentialNumpyHandler(ocp.type_handlers.NumpyHandler):
+    class SequentialNumpyHandler(type_handlers.NumpyHandler):
         """Writes LazyTensors in turn, part by part, as plain numpy arrays (typestr 'np.ndarray',
-        the same TensorStore spec as Orbax's numpy handler: restore is Orbax's stock reader)."""
+        the same TensorStore spec as Orbax's numpy handler: restore is Orbax's stock reader).
+        Public Orbax API only: `type_handlers.get_json_tspec_write` gives the spec Orbax's own
+        handler writes with; metadata files keep Orbax's default name (metadata_key None)."""
 
         def __init__(self):
             super().__init__(deepcopy_host_arrays=False)
 
-        async def _write(self, value, info, arg):
+        async def _write_parts(self, value, info, arg):
             await info.await_path_creation()
             chunk = value.shape  # one storage chunk per part: each part's write completes its
             if value.axis is not None:  # chunk, so nothing waits in memory for the rest of the array
                 chunk = tuple(value.block if d == value.axis else n for d, n in enumerate(value.shape))
-            spec = ts_utils.build_array_write_spec(
-                info=info, arg=arg, global_shape=value.shape, local_shape=chunk, dtype=value.dtype,
-                use_ocdbt=info.is_ocdbt_checkpoint,
-                process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
-                metadata_key=self._metadata_key)
-            t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+            ocdbt = info.is_ocdbt_checkpoint  # OCDBT files live under a per-process subdirectory
+            spec = type_handlers.get_json_tspec_write(
+                info, use_ocdbt=ocdbt, global_shape=value.shape, local_shape=chunk, dtype=value.dtype,
+                process_index=multihost.process_index() if ocdbt else None, metadata_key=None, arg=arg)
+            t = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
             for index, part in value.parts():
                 if part.dtype != value.dtype:
                     raise ValueError(f"{info.name}: part has dtype {part.dtype}, expected {value.dtype}")
@@ -121,15 +120,15 @@ def _lazy_tensor_types():
                 del part
 
         async def serialize(self, values, infos, args=None):
-            args = args or [ocp.SaveArgs()] * len(values)
+            args = args or [type_handlers.SaveArgs()] * len(values)
 
             async def write_in_turn():
                 for value, info, arg in zip(values, infos, args):
-                    await self._write(value, info, arg)
+                    await self._write_parts(value, info, arg)
 
             return [future.CommitFutureAwaitingContractedSignals(write_in_turn(), name="lazy_tensors")]
 
-    ocp.type_handlers.register_type_handler(LazyTensor, SequentialNumpyHandler(),
+    type_handlers.register_type_handler(LazyTensor, SequentialNumpyHandler(),
                                             func=lambda t: issubclass(t, LazyTensor), override=True)
     return LazyTensor
 
