@@ -109,6 +109,42 @@ def test_checkpoint_restores_the_way_train_py_warm_starts(tmp_path, monkeypatch)
     assert extra["model_config"] == config_to_dict(config) and extra["stage"] == 0
 
 
+
+def test_pad_vocab_as_olmo_core_and_back(tmp_path, monkeypatch):
+    """--pad_vocab: HF's 500 rows exactly, then rows drawn as OLMo-core's InitMethod.normal draws
+    the embedding and output projection (truncated normal, std 0.02, cut at +-3 std); logits on the
+    real rows equal transformers' once the softmax over the padding is undone; the way back to HF
+    drops the padding (bit-exact round trip). Parts of 16 rows, so one part straddles row 500."""
+    ref = random_hf_dir(tmp_path / "hf", vocab_size=500)
+    monkeypatch.setattr(convert, "PART_BYTES", 4096)
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o"), pad_vocab=640, with_optimizer_state=True)
+    ours, info = load.load_model(str(tmp_path / "o"))
+    assert info["config"].vocab_size == 640 and ours.embed.shape == (640, 64) and ours.lm_head.shape == (64, 640)
+    sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+    np.testing.assert_array_equal(ours.embed[:500], sd["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(ours.lm_head[:, :500], sd["lm_head.weight"].T)
+    for pad in (np.asarray(ours.embed[500:]), np.asarray(ours.lm_head[:, 500:])):
+        assert np.abs(pad).max() <= 3 * 0.02 and abs(pad.mean()) < 2e-3
+        assert 0.0185 < pad.std() < 0.0210  # trunc. normal at +-3 sd: 0.02 x 0.9866 = 0.0197
+    assert not np.array_equal(np.asarray(ours.embed[500:]), np.asarray(ours.lm_head[:, 500:]).T)
+    r = convert.verify(str(tmp_path / "hf"), ours, seq=32, batch=2)
+    assert r["kl_mean"] < 1e-6 and r["top1"] == 1.0, r
+    convert.orbax_to_hf(str(tmp_path / "o"), str(tmp_path / "hf2"))   # the checkpoint knows its HF vocab
+    a, b = raw_tensors(tmp_path / "hf"), raw_tensors(tmp_path / "hf2")
+    assert set(a) == set(b) and all(a[k] == b[k] for k in a)
+    with open(tmp_path / "hf2" / "config.json") as f:
+        assert json.load(f)["vocab_size"] == 500
+    convert.orbax_to_hf(str(tmp_path / "o"), str(tmp_path / "hf3"), hf_vocab_size=640)  # or keep them all
+    assert raw_tensors(tmp_path / "hf3")["model.embed_tokens.weight"][1] == (640, 64)
+    with pytest.raises(ValueError, match="--pad_vocab=400 is smaller than .* 500 rows"):
+        convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o2"), pad_vocab=400)
+
+
+def test_unpadded_vocab_is_dolma2():
+    """A train.py checkpoint carries no HF vocab: rows past dolma2's 100,278 tokens are padding."""
+    assert convert.unpadded_vocab(100352) == 100278 and convert.unpadded_vocab(100278) == 100278
+    assert convert.unpadded_vocab(512) == 512
+
 def test_cli_verify_fails_above_max_kl(tmp_path):
     random_hf_dir(tmp_path / "hf")
     cmd = [sys.executable, os.path.join(ROOT, "convert.py"), f"--from=hf:{tmp_path / 'hf'}",
