@@ -212,13 +212,17 @@ def test_bad_inputs(tmp_path):
 
 # ---- slow -----------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_train_py_init_from_converted_checkpoint(tmp_path):
+@pytest.mark.parametrize("pad_vocab", [None, 100352], ids=["hf_vocab", "pad_vocab"])
+def test_train_py_init_from_converted_checkpoint(tmp_path, pad_vocab):
     """train.py --init_from=<converted dir> starts from the HF weights: its step-1 loss equals the
-    HF model's own (torch) loss on the same first batch."""
+    HF model's own (torch) loss on the same first batch. With --pad_vocab=100352 (stage1.flags'
+    vocabulary) the torch logits get the padded columns appended (lm_head's input, captured by a
+    hook, times the converted checkpoint's padding columns)."""
     import data
     random_hf_dir(tmp_path / "hf", vocab_size=100278, hidden_size=32, intermediate_size=64,
                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, sliding_window=16)
-    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True)
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True,
+                        pad_vocab=pad_vocab)
     docs = tmp_path / "docs"
     docs.mkdir()
     for i, name in enumerate(sorted(os.listdir(os.path.join(ROOT, "olmo3")))):
@@ -229,7 +233,8 @@ def test_train_py_init_from_converted_checkpoint(tmp_path):
            "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--window=16",
            f"--data={docs}", "--seq_len=32", "--global_batch=8", "--max_steps=1", "--total_steps=10",
            "--warmup_steps=1", f"--run_dir={run}", f"--init_from={tmp_path / 'init'}", "--save_interval=1",
-           "--eval_interval=1", "--loader_workers=0", "--seed=7", "--z_loss=0"]
+           "--eval_interval=1", "--loader_workers=0", "--seed=7", "--z_loss=0",
+           *([f"--vocab_size={pad_vocab}"] if pad_vocab else [])]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -237,9 +242,15 @@ def test_train_py_init_from_converted_checkpoint(tmp_path):
     splits = data.ensure_corpus(str(tmp_path / "data" / "docs"), str(docs))
     batch = data.get_batch(data.FSLDataset(splits["train"], 32), 8, 7, 0)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    seen = []
+    ref.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0]))
     with torch.no_grad():
         t = torch.tensor(batch["tokens"], dtype=torch.long)
-        lp = torch.log_softmax(ref(t).logits[:, :-1], -1)
+        logits = ref(t).logits
+        if pad_vocab:
+            pad = np.asarray(load.load_model(str(tmp_path / "init"))[0].lm_head[:, 100278:])
+            logits = torch.cat([logits, seen[0] @ torch.from_numpy(pad)], -1)
+        lp = torch.log_softmax(logits[:, :-1], -1)
         want = -lp.gather(-1, t[:, 1:, None]).mean().item()
     assert abs(loss - want) < 1e-4, (loss, want)
 
