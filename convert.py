@@ -35,9 +35,7 @@ import json
 import math
 import os
 import resource
-import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -333,40 +331,28 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
 
-    dst = os.path.abspath(dst)
-    if os.path.exists(dst) and os.listdir(dst):
-        raise FileExistsError(f"--to=hf:{dst} exists and is not empty; choose a new directory")
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=os.path.dirname(dst))
     try:
-        writers = [hf.SafetensorsWriter(os.path.join(tmp, f), s) for f, s in zip(files, shards)]
-        shard_of = {n: k for k, s in enumerate(shards) for n, _, _ in s}
-        for field, names, transpose in plan:
-            stacked, row = field in layer_fields, 0   # row: HF rows of embed / lm_head written so far
-            for i, part in read_parts(mgr, step, field, our_shape(field), config.pdtype, stacked, transpose):
-                name = names[i] if stacked else names[0]
-                part = part.T if transpose else part
-                if field in ("embed", "lm_head"):  # padded vocabulary rows stay behind
-                    part, row = part[:max(hf_vocab - row, 0)], row + len(part)
-                if len(part):
-                    writers[shard_of[name]].write(name, part)
-                del part
-        for w in writers:
-            w.close()
-        if len(files) > 1:
-            index = {"metadata": {"total_size": int(sum(np.prod(s[1]) * out_dtype.itemsize
-                                                        for sh in shards for s in sh))},
-                     "weight_map": {n: files[k] for n, k in shard_of.items()}}
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf.config_to_hf(config.replace(param_dtype=str(out_dtype), vocab_size=hf_vocab)), f, indent=2)
-        if os.path.exists(dst):
-            os.rmdir(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with hf.new_hf_dir(dst, config.replace(param_dtype=str(out_dtype), vocab_size=hf_vocab)) as tmp:
+            writers = [hf.SafetensorsWriter(os.path.join(tmp, f), s) for f, s in zip(files, shards)]
+            shard_of = {n: k for k, s in enumerate(shards) for n, _, _ in s}
+            for field, names, transpose in plan:
+                stacked, row = field in layer_fields, 0   # row: HF rows of embed / lm_head written so far
+                for i, part in read_parts(mgr, step, field, our_shape(field), config.pdtype, stacked, transpose):
+                    name = names[i] if stacked else names[0]
+                    part = part.T if transpose else part
+                    if field in ("embed", "lm_head"):  # padded vocabulary rows stay behind
+                        part, row = part[:max(hf_vocab - row, 0)], row + len(part)
+                    if len(part):
+                        writers[shard_of[name]].write(name, part)
+                    del part
+            for w in writers:
+                w.close()
+            if len(files) > 1:
+                index = {"metadata": {"total_size": int(sum(np.prod(s[1]) * out_dtype.itemsize
+                                                            for sh in shards for s in sh))},
+                         "weight_map": {n: files[k] for n, k in shard_of.items()}}
+                with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                    json.dump(index, f, indent=2)
     finally:
         mgr.close()
     return config

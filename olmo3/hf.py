@@ -7,6 +7,7 @@ HF names (DESIGN §2): `model.embed_tokens.weight` [V, d]; `model.layers.N.self_
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -326,29 +327,34 @@ def state_dict(model: OLMo3) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
-def to_hf(model: OLMo3, path: Union[str, os.PathLike]) -> None:
-    """Write an HF directory (config.json + model.safetensors) that `from_pretrained` loads.
-
-    Written into a temporary sibling directory and renamed into place, so a crash never leaves
-    a half-written checkpoint at `path`.
-    """
-    path = os.fspath(path)
+@contextlib.contextmanager
+def new_hf_dir(path: Union[str, os.PathLike], config: Config):
+    """Yields a temporary sibling of `path` to fill with safetensors files; on success writes
+    config.json for `config` and renames the directory into place, on failure removes it. A
+    crash never leaves a half-written HF checkpoint at `path`, and `path` must be new or empty."""
+    path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and os.listdir(path):
-        raise FileExistsError(f"to_hf: {path!r} exists and is not empty; choose a new directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+        raise FileExistsError(f"{path!r} exists and is not empty; choose a new directory for the HF checkpoint")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=os.path.dirname(path))
     try:
-        sd = state_dict(model)  # the checkpoint's own dtype: bf16 stays bf16 (our writer has it)
-        w = SafetensorsWriter(os.path.join(tmp, "model.safetensors"), [(k, v.shape, v.dtype) for k, v in sd.items()])
-        for k, v in sd.items():
-            w.write(k, v)
-        w.close()
+        yield tmp
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config_to_hf(model.config), f, indent=2)
+            json.dump(config_to_hf(config), f, indent=2)
         if os.path.exists(path):
             os.rmdir(path)
         os.rename(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def to_hf(model: OLMo3, path: Union[str, os.PathLike]) -> None:
+    """Write an HF directory (config.json + model.safetensors) that `from_pretrained` loads, in the
+    model's own dtype (bf16 stays bf16), atomically (`new_hf_dir`)."""
+    sd = state_dict(model)
+    with new_hf_dir(path, model.config) as tmp:
+        w = SafetensorsWriter(os.path.join(tmp, "model.safetensors"), [(k, v.shape, v.dtype) for k, v in sd.items()])
+        for k, v in sd.items():
+            w.write(k, v)
+        w.close()
