@@ -41,6 +41,8 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
+from olmo3 import cli
+
 # ---------------------------------------------------------------------------------------------
 # §0 Flags.
 # ---------------------------------------------------------------------------------------------
@@ -287,8 +289,8 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     _import()
     run, step = checkpoint.locate(src)
     mgr = checkpoint.CheckpointManager(run, read_only=True)
+    step = mgr.verify(step)  # a damaged checkpoint is named before anything is written
     extra = mgr.read_extra(step)
-    step = mgr.latest_step() if step is None else step
     if "model_config" not in extra:
         raise ValueError(f"{src}: checkpoint extra has no model_config (not written by train.py or convert.py)")
     config = config_from_dict(extra["model_config"])
@@ -488,4 +490,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["from", "to"])
-    app.run(main)
+    cli.run(main)  # a user's error: one line, exit 2 (olmo3/cli.py)

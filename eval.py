@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags, logging
 
 import data
-from olmo3 import comparison, heldout, load, scoring
+from olmo3 import cli, comparison, heldout, load, scoring
 from olmo3.config import config_diff, config_from_dict
 
 # ---------------------------------------------------------------------------------------------
@@ -260,4 +260,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a user's error: one line, exit 2 (olmo3/cli.py)

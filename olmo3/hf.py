@@ -84,10 +84,9 @@ def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
 
 def config_from_hf(hf: Mapping[str, Any], **overrides) -> Config:
     """Our Config from an HF Olmo3 `config.json` dict."""
-    archs = hf.get("architectures") or []
-    if hf.get("model_type") != "olmo3" and "Olmo3ForCausalLM" not in archs:
-        raise ValueError(f"HF config is model_type={hf.get('model_type')!r}, architectures={archs}; "
-                         "expected an Olmo3ForCausalLM (model_type 'olmo3') checkpoint")
+    if hf.get("model_type") != "olmo3":  # what transformers' AutoConfig dispatches on
+        raise ValueError(f"HF config has model_type {hf.get('model_type')!r}, architectures "
+                         f"{hf.get('architectures')}; expected an Olmo3ForCausalLM checkpoint (model_type 'olmo3')")
     if hf.get("tie_word_embeddings"):
         raise ValueError("HF config has tie_word_embeddings=true; OLMo 3 has an untied lm_head")
     n_layers = int(hf["num_hidden_layers"])
@@ -149,7 +148,10 @@ def read_hf_config(path: str, **overrides) -> Config:
                                 "(config.json + *.safetensors)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path!r} is not valid JSON ({e}); download or convert the model again") from None
-    return config_from_hf(raw, **overrides)
+    try:
+        return config_from_hf(raw, **overrides)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{cfg_path!r}: {e}") from None
 
 
 # ---- tensors --------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
     run, located = checkpoint.locate(path)
     step = located if step is None else step
     mgr = checkpoint.CheckpointManager(run, read_only=True)
+    step = mgr.verify(step)  # a damaged checkpoint is named (the file) before any array is read
     extra = mgr.read_extra(step)
     if "model_config" not in extra:
         raise ValueError(f"checkpoint {run} step {step}: its extra JSON has no 'model_config'; it was not "
@@ -36,6 +37,5 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
     config = config_from_dict(extra["model_config"], **overrides)
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     state, _ = mgr.restore(step, {"model": abstract})
-    resolved = step if step is not None else mgr.latest_step()
     mgr.close()
-    return state["model"], {"kind": "orbax", "path": run, "step": resolved, "config": config}
+    return state["model"], {"kind": "orbax", "path": run, "step": step, "config": config}
