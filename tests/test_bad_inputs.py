@@ -76,9 +76,10 @@ def world(tmp_path_factory):
 
 
 def _cases(w):
-    """(id, script, args, status, culprit: text the error line must contain)."""
+    """(id, script, args, status, culprit: text the error line must contain). `new` is a run
+    directory no case may leave a checkpoint in."""
     T = [*TINY, f"--data={w / 'docs'}"]
-    new = w / "new_run"   # never exists: a failing command must not create it either
+    new = w / "new_run"
     return [
         ("mesh_malformed", "train.py", [*T, f"--run_dir={new}", "--mesh=fsdp:x"], 2, "--mesh='fsdp:x'"),
         ("mesh_impossible", "train.py", [*T, f"--run_dir={new}", "--mesh=fsdp:3"], 2, "--mesh='fsdp:3'"),
@@ -129,20 +130,39 @@ def _cases(w):
 CASE_IDS = [c[0] for c in _cases(__import__("pathlib").Path("/w"))]
 
 
-@pytest.mark.parametrize("case", CASE_IDS)
-def test_bad_input(world, case):
-    _, name, args, status, culprit = next(c for c in _cases(world) if c[0] == case)
+@pytest.fixture(scope="module")
+def outcomes(world):
+    """Every case run once, three at a time (each is mostly interpreter start-up), each in its own
+    copy of the paths it may create; the tree is snapshot before and after all of them."""
+    from concurrent.futures import ThreadPoolExecutor
     before = snapshot(world)
-    p = script(name, *args)
+
+    def one(case):
+        _, name, args, _, _ = case
+        args = [a.replace(str(world / "new_run"), str(world / f"new_{case[0]}"))
+                 .replace(str(world / "out"), str(world / f"out_{case[0]}")) for a in map(str, args)]
+        return case[0], script(name, *args)
+
+    with ThreadPoolExecutor(3) as pool:
+        done = dict(pool.map(one, _cases(world)))
+    after = snapshot(world)
+    changed = sorted(k for k, v in before.items() if after.get(k) != v)
+    return done, changed
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_bad_input(world, outcomes, case):
+    _, name, args, status, culprit = next(c for c in _cases(world) if c[0] == case)
+    done, changed = outcomes
+    p = done[case]
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
     assert p.returncode == status, (p.returncode, p.stderr[-3000:])
     assert lines and lines[-1].startswith(f"{name}: error: "), p.stderr[-3000:]
-    assert culprit in lines[-1], lines[-1]
+    assert culprit.replace("new_run", f"new_{case}") in lines[-1], lines[-1]
     assert "Traceback" not in p.stderr + p.stdout, p.stderr[-3000:]
-    after = snapshot(world)
-    assert {k: v for k, v in after.items() if k in before} == before, "a pre-existing file changed"
-    ckpts = world / "new_run" / "checkpoints"
-    assert not (os.path.isdir(ckpts) and os.listdir(ckpts)) and not os.path.exists(world / "out")
+    assert not changed, f"pre-existing files changed: {changed}"
+    ckpts = world / f"new_{case}" / "checkpoints"
+    assert not (os.path.isdir(ckpts) and os.listdir(ckpts)) and not os.path.exists(world / f"out_{case}")
 
 
 def test_verbosity_brings_the_traceback_back(world):
