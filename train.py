@@ -19,6 +19,8 @@ import time
 
 from absl import app, flags, logging
 
+from olmo3 import cli
+
 # ---------------------------------------------------------------------------------------------
 # §0 Flags. Defaults are the stage-1 7B recipe; the flagfiles spell every number out.
 # ---------------------------------------------------------------------------------------------
@@ -91,15 +93,28 @@ flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only and
                   "No effect on GPU/TPU hosts.")
 
 
+# Recipe numbers are checked as the flags are parsed, before any device work: NaN, inf or an
+# impossible value ends the command with one line (exit 2) instead of a poisoned run.
+def _finite(v):
+    return v is not None and math.isfinite(v)
+
+
+for _name, _ok, _want in [
+        ("lr", lambda v: _finite(v) and v > 0, "finite and > 0"),
+        ("b1", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
+        ("b2", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
+        ("eps", lambda v: _finite(v) and v > 0, "finite and > 0"),
+        ("weight_decay", lambda v: _finite(v) and v >= 0, "finite and >= 0"),
+        ("max_grad_norm", lambda v: _finite(v) and v > 0, "finite and > 0"),
+        ("z_loss", lambda v: _finite(v) and v >= 0, "finite and >= 0 (0 turns it off)"),
+        ("final_lr_ratio", lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
+        ("warmup_steps", lambda v: v >= 0, ">= 0"),
+        ("total_steps", lambda v: v > 0, "> 0"),
+        ("peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "finite and > 0")]:
+    flags.register_validator(_name, _ok, message=f"--{_name} must be {_want}")
+
+
 def main(argv):
-    try:
-        _main(argv)
-    except app.UsageError as e:
-        e.exitcode = 2  # a usage error is never retried by --resume_until_done
-        raise
-
-
-def _main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
     if F.resume_until_done:
@@ -190,11 +205,11 @@ def _main(argv):
 
     abstract = sharding.abstract_state(eqx.filter_eval_shape(fresh_state), mesh)
     as_dict = lambda s: {"model": s[0], "opt": s[1]}  # noqa: E731  (names tensors "model.*", "opt.*")
-    start = ckpt.latest_step() if F.resume else None
+    start, state, extra = None, None, {}
+    if F.resume:  # the newest checkpoint that reads back; a damaged newer one is moved aside
+        start, state, extra = ckpt.restore_intact(as_dict(abstract), lambda e: check_resume(e, config))
     loader_state = None
     if start is not None:  # resume: the checkpoint labelled N means N steps are done
-        check_resume(ckpt.read_extra(start), config)  # before reading any array
-        state, extra = ckpt.restore(start, as_dict(abstract))
         model, opt_state = state["model"], state["opt"]
         loader_state = extra["loader"]
         logging.info("Resumed %s at step %d", F.run_dir, start)
@@ -296,16 +311,14 @@ def _main(argv):
             model, opt_state, m = train_step(model, opt_state, sharding.global_batch(batch, mesh))
             step += 1
             m = {k: float(v) for k, v in m.items()}
-            if not math.isfinite(m["train/loss"]):
-                raise FloatingPointError(
-                    f"train/loss is {m['train/loss']} at step {step}; the last good checkpoint is step "
-                    f"{ckpt.latest_step()} in {F.run_dir}/checkpoints. Lower --lr or check the data.")
+            check_finite(m, step, ckpt)
             now = time.perf_counter()
             dt, t_last = now - t_last, now
             done_since += 1
             m.update(metrics_lib.perf(dt, tokens_per_step, flops, peak, step))
             if step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps:
                 m.update(evaluate(model))
+                check_finite(m, step, ckpt)
             log.write(step, m, eta_s=dt * (max_steps - step))
             if step % F.save_interval == 0 or step == max_steps:
                 save(step)
@@ -325,10 +338,25 @@ def check_flags():
     for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps"):
         if getattr(F, name) <= 0:
             raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")
+    if F.warmup_steps > F.total_steps:
+        raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.stage == 3 and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
+
+
+def check_finite(m: dict, step: int, ckpt) -> None:
+    """A NaN / inf training or held-out loss stops the run before anything is saved (exit 3,
+    never retried: a rerun resumes into the same numbers). The parameters and moments are
+    checked again by every save (olmo3/checkpoint.py)."""
+    bad = {k: v for k, v in m.items() if k.endswith("loss") and not math.isfinite(v)}
+    if bad:
+        last = ckpt.latest_step()
+        where = (f"The last good checkpoint is {ckpt.directory}/{last}: resume from it" if last is not None
+                 else "No checkpoint was written yet: start again")
+        raise cli.NonFiniteError(f"step {step}: NaN or inf in {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+                                 f"nothing was saved. {where} with a lower --lr, or check the data of the steps since")
 
 
 def resolve_data() -> dict:
@@ -369,4 +397,4 @@ def check_resume(extra: dict, config) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a user's error: one line, exit 2, never retried (olmo3/cli.py)

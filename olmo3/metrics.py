@@ -77,6 +77,20 @@ def perf(step_time_s: float, tokens_per_step: int, flops_per_step: dict, peak_fl
     return out
 
 
+def read_jsonl(path: str) -> list[dict]:
+    """The JSON objects of a JSON Lines file (metrics.jsonl, task files); blank lines skipped. A
+    malformed line is an error naming the file and line."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+    return out
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard event files + a progress line on stderr (process 0 only)."""
 

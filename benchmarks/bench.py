@@ -1,7 +1,7 @@
 """Training throughput and MFU of the real step, optionally side by side with transformers+torch.
 
-    python bench.py --flagfile=bench_cpu.flags --compare_torch     # the CPU comparison (issue 8)
-    python bench.py --model=tiny --d_model=2048 --n_layers=16 ... --param_dtype=bfloat16 \
+    python benchmarks/bench.py --flagfile=benchmarks/bench_cpu.flags --compare_torch     # the CPU comparison (issue 8)
+    python benchmarks/bench.py --model=tiny --d_model=2048 --n_layers=16 ... --param_dtype=bfloat16 \
         --compute_dtype=bfloat16 --attention=cudnn --seq_len=8192     # a ~1B config on a GPU
 
 What is timed is exactly what train.py runs per step: the model under `jax.lax.scan`, the
