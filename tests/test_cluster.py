@@ -125,7 +125,8 @@ def test_scripts_stop_on_silent_replicas(tmp_path, script):
     else:   # one-process tools: `srun -N2 python eval.py` starts two copies (a bare batch shell, one)
         slurm = fake_srun.srun_env(job_id=123, rank=0, ntasks=2, nodes=2)
     env = fake_srun.clean_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **slurm)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], env=env, cwd=tmp_path,
+    path = os.path.join(ROOT, "benchmarks", script) if script == "bench.py" else os.path.join(ROOT, script)
+    p = subprocess.run([sys.executable, path, *args], env=env, cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr
     errors = [line for line in p.stderr.splitlines() if line.startswith(f"{script}: error:")]
