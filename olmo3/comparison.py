@@ -4,7 +4,10 @@ checkpoint N of the other, never a curve against a curve).
     iter_steps(run_a, run_b)          the checkpoint steps both runs saved
     read_metrics(run_dir)             metrics.jsonl -> {step: metrics}
     train_loss_at(metrics, step, w)   mean training loss over the last w logged steps
-    verdict(train_delta, heldout_delta, tol)   the memorization signature of a data bug
+    train_loss_se(metrics, step, w)   its noise: standard error of that mean about a linear trend
+    paired_se(a, b)                   noise of a held-out delta: spread of per-batch differences
+    verdict(train_delta, heldout_delta, ...)   the memorization signature of a data bug, flagged
+                                      only beyond the noise band measured from the runs themselves
     write_report(rows, out_dir, ...)  report.md, report.csv, report.png (each written atomically)
 """
 from __future__ import annotations
@@ -38,12 +41,48 @@ def train_loss_at(metrics: Mapping[int, dict], step: int, window: int) -> float:
     return float(np.mean(vals))
 
 
-def verdict(train_delta: float, heldout_delta: float, tol: float) -> Optional[str]:
+def train_loss_se(metrics: Mapping[int, dict], step: int, window: int) -> float:
+    """Standard error of train_loss_at's window mean: the residual std of train/loss about a
+    least-squares line through the window (the loss still falls inside it; the line takes the
+    trend out, what is left is batch-to-batch noise), over sqrt(n). NaN with fewer than 3 steps."""
+    pts = sorted((s, m["train/loss"]) for s, m in metrics.items() if step - window < s <= step and "train/loss" in m)
+    if len(pts) < 3:
+        return float("nan")
+    x, y = np.asarray(pts, np.float64).T
+    resid = y - np.polyval(np.polyfit(x, y, 1), x)
+    return float(np.sqrt(np.sum(resid ** 2) / (len(y) - 2)) / np.sqrt(len(y)))
+
+
+def paired_se(a: Sequence[float], b: Sequence[float]) -> float:
+    """Standard error of mean(b - a) over paired held-out batches (the same batches for both
+    runs): the spread of the per-batch differences, ddof 1, over sqrt(n). NaN below 2 batches."""
+    d = np.asarray(b, np.float64) - np.asarray(a, np.float64)
+    return float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
+
+
+# The band: z standard errors. 3 is our choice (a two-sided 3-sigma band flags ~0.3% of clean
+# comparisons per step when the noise is Gaussian); --tol adds a floor in nats.
+Z = 3.0
+
+
+def bands(train_se: float, heldout_se: float, z: float = Z, tol: float = 0.0) -> tuple[float, float]:
+    """(train band, gap band) in nats. train_se is sqrt(se_A^2 + se_B^2) of the two windows;
+    the gap heldout_delta - train_delta / 2 has variance heldout_se^2 + train_se^2 / 4."""
+    t = 0.0 if not np.isfinite(train_se) else train_se
+    h = 0.0 if not np.isfinite(heldout_se) else heldout_se
+    return max(tol, z * t), max(tol, z * float(np.hypot(h, t / 2)))
+
+
+def verdict(train_delta: float, heldout_delta: float, tol: float = 0.0, *, train_se: float = 0.0,
+            heldout_se: float = 0.0, z: float = Z) -> Optional[str]:
     """Deltas are B - A (negative: B is better). The memorization signature of a data bug: B's
-    training loss improved by more than `tol` nats, and its held-out loss improved by less than
-    half as much (DESIGN §4 bug 1: Poisson resampling lowered training loss, not held-out)."""
-    if train_delta < -tol and heldout_delta > train_delta / 2:
-        return "training loss improved but held-out did not (memorization signature: check the data order)"
+    training loss improved beyond its noise band, and its held-out loss improved by less than half
+    as much, beyond the noise of that gap (DESIGN §4 bug 1: Poisson resampling lowered training
+    loss, not held-out). Two clean runs differing only in seed improve both alike: no flag."""
+    band_t, band_g = bands(train_se, heldout_se, z, tol)
+    if train_delta < -band_t and heldout_delta - train_delta / 2 > band_g:
+        return (f"training loss improved by {-train_delta:.3f} (noise band {band_t:.3f}) but held-out by "
+                f"{-heldout_delta:+.3f} (memorization signature: check the data order)")
     return None
 
 

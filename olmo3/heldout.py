@@ -48,7 +48,8 @@ def _eval_fn(chunk: int, use_segments: bool):
 def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int] = None,
             chunk: int = 1024, use_segments: bool = False,
             byte_lengths: Optional[Int[np.ndarray, " vocab"]] = None) -> dict:
-    """Held-out CE of fixed batches: {"ce_sum", "tokens", "bytes", "loss", "bpb", "batches"}.
+    """Held-out CE of fixed batches: {"ce_sum", "tokens", "bytes", "loss", "bpb", "batches",
+    "batch_losses"} (the last: each batch's mean loss, for the noise of a two-run comparison).
 
     The batches are `data.get_batch(dataset, batch_size, seed=0, step=b)`, the same fixed order
     train.py's in-run evaluation reads, and the loss is olmo3.step.eval_loss, the training loss
@@ -62,15 +63,18 @@ def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int
         n = min(n, max_batches)
     fn = _eval_fn(chunk, use_segments)
     ce = tokens = nbytes = 0.0
+    per_batch = []
     for b in range(n):
         rows = data.get_batch(dataset, batch_size, 0, b)
         batch = {"tokens": jnp.asarray(rows["tokens"]), "instance_mask": jnp.asarray(rows["instance_mask"]),
                  "segment_ids": jnp.asarray(rows["segment_ids"])}
         s, c = fn(model, batch)
         ce, tokens = ce + float(s), tokens + float(c)
+        per_batch.append(float(s) / max(float(c), 1.0))
         if byte_lengths is not None:  # the targets are tokens[:, 1:]
             nbytes += float(byte_lengths[rows["tokens"][:, 1:]].sum())
-    out = {"ce_sum": ce, "tokens": tokens, "bytes": nbytes, "loss": ce / tokens, "batches": n}
+    out = {"ce_sum": ce, "tokens": tokens, "bytes": nbytes, "loss": ce / tokens, "batches": n,
+           "batch_losses": per_batch}
     out["bpb"] = ce / (math.log(2) * nbytes) if nbytes else float("nan")
     return out
 

@@ -301,8 +301,12 @@ def make_eval_fn(mesh: Mesh, specs: PyTree, *, chunk: int = 1024, use_segments: 
 
 def make_score_fn(mesh: Mesh, specs: PyTree):
     """`score_fn(model, batch) -> per-row (continuation log-likelihood, choice log-probs)` of
-    olmo3.scoring.continuation_scores, rows split over every device like held-out evaluation
-    (same per-layer gathers); results come back per row, nothing is summed across devices."""
+    olmo3.scoring.continuation_scores, as numpy arrays on every process. `batch` holds the WHOLE
+    batch's rows (numpy, identical on every process: OLMo's in-loop requests are read by each);
+    process p keeps its slice, rows are split over every device like held-out evaluation (same
+    per-layer gathers), and the per-row results are gathered back, nothing summed."""
+    from jax.experimental import multihost_utils
+
     from olmo3.scoring import continuation_scores
 
     def local(params, batch, static):
@@ -310,11 +314,20 @@ def make_score_fn(mesh: Mesh, specs: PyTree):
         return continuation_scores(model, batch, gather=lambda layer: _gather_layer(layer, specs.layers))
 
     @eqx.filter_jit
-    def score_fn(model: OLMo3, batch: dict):
+    def sharded(model: OLMo3, batch: dict):
         params, static = eqx.partition(model, eqx.is_inexact_array)
         return jax.shard_map(lambda p, b: local(p, b, static), mesh=mesh,
                              in_specs=(specs, {k: ROWS for k in batch}), out_specs=(ROWS, ROWS),
                              check_vma=False)(params, batch)
+
+    def score_fn(model: OLMo3, batch: dict):
+        n, rank = jax.process_count(), jax.process_index()
+        rows = len(batch["tokens"]) // n
+        mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+        out = sharded(model, global_batch(mine, mesh))
+        if n == 1:
+            return tuple(np.asarray(x) for x in out)
+        return tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in out)
 
     return score_fn
 

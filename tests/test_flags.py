@@ -17,7 +17,8 @@ F = train.F
 F(["train.py", "--flagfile=" + sys.argv[1]])
 out = {k: getattr(F, k) for k in ("stage", "model", "seq_len", "global_batch", "seed", "lr", "warmup_steps",
        "total_steps", "final_lr_ratio", "b1", "b2", "eps", "weight_decay", "max_grad_norm", "z_loss",
-       "schedule", "skip_steps", "repetition_filter", "vocab_size", "data")}
+       "schedule", "skip_steps", "repetition_filter", "vocab_size", "data", "downstream_tasks",
+       "downstream_eval_interval")}
 from data import mixes
 out["splits"] = {k: v for k, v in train.resolve_data().items()} if mixes.available_mixes() else None
 print(json.dumps(out))
@@ -42,6 +43,7 @@ def test_stage1_flags():
     assert (F.b1, F.b2, F.eps, F.weight_decay, F.max_grad_norm, F.z_loss) == (0.9, 0.95, 1e-8, 0.1, 1.0, 1e-5)
     assert F.schedule == "cosine" and F.skip_steps and not F.repetition_filter
     assert F.vocab_size == 100352 and F.data == "mix:OLMo-mix-0625-official"
+    assert (F.downstream_tasks, F.downstream_eval_interval) == (["fast"], 10_000)  # OLMo-core's in-loop set
 
 
 def test_stage2_flags():
@@ -50,6 +52,7 @@ def test_stage2_flags():
     assert F.global_batch * F.seq_len == 2 ** 21
     assert (F.lr, F.warmup_steps, F.total_steps, F.schedule) == (2.0712352850360292e-4, 0, 47_684, "linear")
     assert F.data == "mix:OLMo-midtraining-mix-0625-100B"
+    assert F.downstream_tasks == []  # OLMo-3-1025-7B-midtrain.py has no downstream evaluator
 
 
 def test_stage3_flags():

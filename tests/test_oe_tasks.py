@@ -172,3 +172,42 @@ def test_end_to_end_against_torch_and_iclmetric(tmp_path):
     for label in E2E_TASKS:
         assert got[f"downstream/{label}/n"] == LIMIT
     assert math.isfinite(got[f"downstream/{E2E_TASKS[0]}/bpb_v2"])
+
+
+# ---- in-loop: train.py --downstream_tasks ---------------------------------------------------------
+@needs_wheel
+def test_in_loop_downstream_equals_eval_on_the_checkpoint(tmp_path):
+    """train.py logs downstream/<task>/<metric> through the sharded scorer (sharding.make_score_fn,
+    2 host devices); the same checkpoint scored by eval.py's path (validated against AI2's code
+    above) gives the same numbers."""
+    import subprocess
+    import sys
+
+    import data
+    from olmo3 import load, scoring
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(20):
+        (docs / f"d{i}.txt").write_text(" ".join(rng.choice([f"w{j}" for j in range(100)], 200)))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    tasks = "codex_humaneval_gold_bpb_0shot,copycolors_10way_fast"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--flagfile=" + os.path.join(ROOT, "tiny.flags"),
+                        "--d_model=32", "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64",
+                        "--seq_len=128", "--global_batch=4", "--window=16", "--eval_interval=1000", "--eval_batches=1",
+                        "--loss_chunk=128", "--total_steps=20", "--warmup_steps=2", "--max_steps=2", "--save_interval=2",
+                        f"--downstream_tasks={tasks}", "--downstream_eval_interval=2", "--downstream_limit=3",
+                        f"--data={docs}", f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    logged = {k: v for m in logged if m["step"] == 2 for k, v in m.items() if k.startswith("downstream/")}
+    model, _ = load.load_model(str(tmp_path / "run"))
+    tok = data.dolma2()
+    want = oe_tasks.evaluate(model, tasks.split(","), score_fn=scoring.continuation_scores_jit,
+                             encode=lambda s: scoring.encode(tok, s), pad_id=data.PAD_ID, limit=3, max_length=128)
+    assert logged["downstream/seconds"] > 0
+    for k, v in want.items():
+        assert logged[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert {"downstream/codex_humaneval_gold_bpb_0shot/bpb_v2", "downstream/copycolors_10way_fast/acc_v1"} <= set(logged)

@@ -1,0 +1,80 @@
+"""The calibrated memorization verdict (eval.py --compare, olmo3/comparison.py) through real
+train.py runs, as a new user would try it: two clean runs that differ only in --seed must flag no
+step; a run that sees a few documents over and over (DESIGN §4 bug 1 taken to the extreme) must be
+flagged at every checkpoint. The reference is what the runs did, not a threshold tuned to them:
+the noise band is derived by eval.py from the runs' own training-loss spread and held-out spread."""
+import csv
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = ["--flagfile=" + os.path.join(ROOT, "tiny.flags"), "--d_model=64", "--n_heads=2", "--n_kv_heads=2",
+         "--head_dim=32", "--mlp_hidden=128", "--seq_len=64", "--global_batch=8", "--window=16",
+         "--eval_interval=1000", "--eval_batches=1", "--loss_chunk=256", "--total_steps=100",
+         "--warmup_steps=10", "--save_interval=50", "--keep_checkpoints=5"]
+
+
+def env():
+    e = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    e.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    return e
+
+
+def write_docs(d, n, seed):
+    """Documents from one word-level Markov chain (learnable structure, so held-out loss moves)."""
+    rng = np.random.default_rng(1234)
+    words = [f"w{i}" for i in range(200)]
+    succ = rng.integers(0, len(words), size=(len(words), 3))
+    rng = np.random.default_rng(seed)
+    d.mkdir()
+    for k in range(n):
+        w, out = int(rng.integers(len(words))), []
+        for _ in range(300):
+            out.append(words[w])
+            w = int(succ[w, rng.integers(3)])
+        (d / f"doc{k}.txt").write_text(" ".join(out))
+    return str(d)
+
+
+def train(run_dir, docs, data_dir, *args):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *FLAGS, f"--data={docs}",
+                        f"--data_dir={data_dir}", f"--run_dir={run_dir}", *args],
+                       capture_output=True, text=True, env=env(), timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+
+def compare(a, b, docs, data_dir, out):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), f"--compare={a},{b}", f"--heldout={docs}",
+                        f"--eval_data_dir={data_dir}", "--eval_seq_len=64", "--eval_batch_size=4",
+                        "--max_eval_batches=8", f"--out={out}"],
+                       capture_output=True, text=True, env=env(), timeout=900)
+    with open(os.path.join(out, "report.csv")) as f:
+        rows = list(csv.DictReader(f))
+    return p, rows
+
+
+@pytest.mark.slow
+def test_clean_seed_pair_never_flagged_memorizer_flagged_at_every_step(tmp_path):
+    clean = write_docs(tmp_path / "docs", 150, seed=0)
+    few = write_docs(tmp_path / "few", 2, seed=99)  # ~1,200 tokens: 20 epochs in 100 steps
+    data_dir = tmp_path / "data"
+    train(tmp_path / "a", clean, data_dir, "--seed=1")
+    train(tmp_path / "b", clean, data_dir, "--seed=2")
+    train(tmp_path / "m", few, tmp_path / "data_few", "--seed=1")
+
+    p, rows = compare(tmp_path / "a", tmp_path / "b", clean, data_dir, tmp_path / "ab")
+    for r in rows:
+        print("seed pair", {k: r[k] for k in ("step", "train_delta", "heldout_delta", "train_band", "gap_band", "flag")})
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert [r["step"] for r in rows] == ["50", "100"] and not any(r["flag"] for r in rows)
+    assert all(float(r["train_band"]) > 0 and float(r["gap_band"]) > 0 for r in rows)
+
+    p, rows = compare(tmp_path / "a", tmp_path / "m", clean, data_dir, tmp_path / "am")
+    for r in rows:
+        print("memorizer", {k: r[k] for k in ("step", "train_delta", "heldout_delta", "train_band", "gap_band", "flag")})
+    assert p.returncode == 2 and "memorization signature" in p.stdout
+    assert [r["step"] for r in rows] == ["50", "100"] and all("memorization signature" in r["flag"] for r in rows)
