@@ -245,9 +245,10 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
     out = {"rows": rows, "verdict": verdict, "flagged": bool(final), "notes": notes}
     band_note = (f"Noise bands (z={z:g}, floor --tol={tol:g}): train_band = z * train_se, train_se = the two runs' "
                  f"standard errors of the {train_loss_window}-step training-loss mean about its linear trend, in "
-                 "quadrature; gap_band = z * sqrt(heldout_se^2 + train_se^2/4), heldout_se = the spread of the "
-                 "per-batch held-out differences over sqrt(batches). A step is flagged when train_delta < "
-                 "-train_band and heldout_delta - train_delta/2 > gap_band.")
+                 "quadrature; gap_band = z * sqrt(train_se^2 + heldout_se^2), heldout_se = the spread of the "
+                 "per-batch held-out differences over sqrt(batches). A step is flagged when train_delta - "
+                 "heldout_delta < -gap_band (B's training loss gained on its held-out loss beyond noise) and "
+                 "train_delta < train_band (B's training loss is not worse beyond noise).")
     if out_dir:
         out["paths"] = comparison.write_report(rows, out_dir, f"B={run_b} vs A={run_a}",
                                                notes=[*notes, band_note, f"Verdict: {verdict}"])

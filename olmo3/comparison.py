@@ -66,23 +66,26 @@ Z = 3.0
 
 
 def bands(train_se: float, heldout_se: float, z: float = Z, tol: float = 0.0) -> tuple[float, float]:
-    """(train band, gap band) in nats. train_se is sqrt(se_A^2 + se_B^2) of the two windows;
-    the gap heldout_delta - train_delta / 2 has variance heldout_se^2 + train_se^2 / 4."""
+    """(train band, gap band) in nats. train_se is sqrt(se_A^2 + se_B^2) of the two windows; the
+    gap train_delta - heldout_delta has variance train_se^2 + heldout_se^2."""
     t = 0.0 if not np.isfinite(train_se) else train_se
     h = 0.0 if not np.isfinite(heldout_se) else heldout_se
-    return max(tol, z * t), max(tol, z * float(np.hypot(h, t / 2)))
+    return max(tol, z * t), max(tol, z * float(np.hypot(t, h)))
 
 
 def verdict(train_delta: float, heldout_delta: float, tol: float = 0.0, *, train_se: float = 0.0,
             heldout_se: float = 0.0, z: float = Z) -> Optional[str]:
-    """Deltas are B - A (negative: B is better). The memorization signature of a data bug: B's
-    training loss improved beyond its noise band, and its held-out loss improved by less than half
-    as much, beyond the noise of that gap (DESIGN §4 bug 1: Poisson resampling lowered training
-    loss, not held-out). Two clean runs differing only in seed improve both alike: no flag."""
+    """Deltas are B - A (negative: B is better). Two clean runs differing only in seed move their
+    training and held-out losses together (both measure the same model's quality), so the gap
+    train_delta - heldout_delta is noise. The memorization signature of a data bug (DESIGN §4
+    bug 1: Poisson resampling lowered training loss, not held-out): B's training loss gained on
+    its held-out loss beyond the gap's noise band, while not getting worse beyond its own band."""
     band_t, band_g = bands(train_se, heldout_se, z, tol)
-    if train_delta < -band_t and heldout_delta - train_delta / 2 > band_g:
-        return (f"training loss improved by {-train_delta:.3f} (noise band {band_t:.3f}) but held-out by "
-                f"{-heldout_delta:+.3f} (memorization signature: check the data order)")
+    gap = train_delta - heldout_delta
+    if gap < -band_g and train_delta < band_t:
+        return (f"training loss {train_delta:+.3f} vs held-out {heldout_delta:+.3f}: B's training loss gained "
+                f"{-gap:.3f} nats on its held-out loss, noise band {band_g:.3f} (memorization signature: "
+                "check the data order)")
     return None
 
 

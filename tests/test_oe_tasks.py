@@ -104,13 +104,22 @@ def test_metrics_equal_iclmetric(metric_type, fast_mc):
 
 
 # ---- end to end: a random Olmo3ForCausalLM through AI2's pipeline and through eval.py ------------
-# one task per metric path the in-loop set uses: gold bpb, fast MC, acc, len_norm
-E2E_TASKS, LIMIT = ["codex_humaneval_gold_bpb_0shot", "copycolors_10way_fast", "arc_easy_rc_5shot",
-                    "arc_challenge_rc_5shot"], 4
+@needs_wheel
+def test_end_to_end_against_torch_and_iclmetric(tmp_path):
+    """Gold bpb and fast MC, two documents each (the default suite's share of the check below)."""
+    _end_to_end(tmp_path, ["codex_humaneval_gold_bpb_0shot", "copycolors_10way_fast"], 2)
 
 
 @needs_wheel
-def test_end_to_end_against_torch_and_iclmetric(tmp_path):
+@pytest.mark.slow
+def test_end_to_end_every_metric_path(tmp_path):
+    """One task per metric path the in-loop set uses: gold bpb (3-shot, long contexts), fast MC,
+    acc, len_norm; four documents each."""
+    _end_to_end(tmp_path, ["codex_humaneval_gold_bpb_3shot", "copycolors_10way_fast", "arc_easy_rc_5shot",
+                           "arc_challenge_rc_5shot"], 4)
+
+
+def _end_to_end(tmp_path, E2E_TASKS, LIMIT):
     """AI2's path: OEEvalTask (its request handling and collate_fn), the torch model's logits,
     ICLMetric. Ours: eval.py --olmo_tasks on the converted weights. fp32 on both sides."""
     torch = pytest.importorskip("torch")
@@ -176,6 +185,7 @@ def test_end_to_end_against_torch_and_iclmetric(tmp_path):
 
 # ---- in-loop: train.py --downstream_tasks ---------------------------------------------------------
 @needs_wheel
+@pytest.mark.slow
 def test_in_loop_downstream_equals_eval_on_the_checkpoint(tmp_path):
     """train.py logs downstream/<task>/<metric> through the sharded scorer (sharding.make_score_fn,
     2 host devices); the same checkpoint scored by eval.py's path (validated against AI2's code
