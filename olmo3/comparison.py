@@ -13,9 +13,10 @@ checkpoint N of the other, never a curve against a curve).
 from __future__ import annotations
 
 import os
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
+from jaxtyping import Float
 
 from olmo3 import checkpoint
 from olmo3.metrics import read_jsonl
@@ -53,7 +54,10 @@ def train_loss_se(metrics: Mapping[int, dict], step: int, window: int) -> float:
     return float(np.sqrt(np.sum(resid ** 2) / (len(y) - 2)) / np.sqrt(len(y)))
 
 
-def paired_se(a: Sequence[float], b: Sequence[float]) -> float:
+Losses = Union[Sequence[float], Float[np.ndarray, " n"]]
+
+
+def paired_se(a: Losses, b: Losses) -> float:
     """Standard error of mean(b - a) over paired held-out batches (the same batches for both
     runs): the spread of the per-batch differences, ddof 1, over sqrt(n). NaN below 2 batches."""
     d = np.asarray(b, np.float64) - np.asarray(a, np.float64)

@@ -78,3 +78,29 @@ def test_clean_seed_pair_never_flagged_memorizer_flagged_at_every_step(tmp_path)
         print("memorizer", {k: r[k] for k in ("step", "train_delta", "heldout_delta", "train_band", "gap_band", "flag")})
     assert p.returncode == 2 and "memorization signature" in p.stdout
     assert [r["step"] for r in rows] == ["50", "100"] and all("memorization signature" in r["flag"] for r in rows)
+
+
+def test_noise_bands_against_direct_formulas():
+    """train_loss_se: residual std about a least-squares line (numpy lstsq), ddof 2, over sqrt(n);
+    paired_se: statistics.stdev of the per-batch differences over sqrt(n); the verdict's edges."""
+    import math
+    import statistics
+
+    from olmo3 import comparison
+    rng = np.random.default_rng(0)
+    metrics = {s: {"train/loss": 5.0 - 0.01 * s + 0.05 * rng.normal()} for s in range(1, 41)}
+    x = np.arange(21, 41, dtype=np.float64)
+    y = np.array([metrics[s]["train/loss"] for s in range(21, 41)])
+    coef, *_ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), y, rcond=None)
+    r = y - (coef[0] * x + coef[1])
+    assert comparison.train_loss_se(metrics, 40, 20) == pytest.approx(math.sqrt((r @ r) / 18) / math.sqrt(20))
+    a, b = rng.normal(3, 0.1, 8), rng.normal(3, 0.1, 8)
+    assert comparison.paired_se(a, b) == pytest.approx(statistics.stdev(b - a) / math.sqrt(8))
+    assert math.isnan(comparison.train_loss_se(metrics, 2, 20)) and math.isnan(comparison.paired_se([1.0], [2.0]))
+    # gap band 3 * hypot(0.03, 0.04) = 0.15; train band 0.09
+    kw = dict(train_se=0.03, heldout_se=0.04)
+    assert comparison.verdict(-0.10, 0.06, **kw)             # gap -0.16: flagged
+    assert not comparison.verdict(-0.10, 0.04, **kw)         # gap -0.14: inside the band
+    assert not comparison.verdict(0.10, 0.30, **kw)          # training loss worse beyond its band
+    assert not comparison.verdict(-0.50, -0.45, **kw)        # both improved alike: a better run, not memorization
+    assert not comparison.verdict(-0.10, 0.06, tol=0.2, **kw)  # --tol is a floor
