@@ -332,6 +332,26 @@ def test_compare_with_downstream_stderr_in_quadrature(runs, monkeypatch):
     assert row["t_acc_delta_se"] == pytest.approx(math.hypot(0.03, 0.04))
 
 
+def test_compare_with_olmo_tasks_beside_heldout(runs, monkeypatch):
+    """--compare --olmo_tasks: each row holds A, B and B - A of every task's primary metric and
+    gold bpb (the per-model numbers come from olmo_tasks_report, tested in test_oe_tasks.py)."""
+    seen = {}
+
+    def fake(model, labels, **kw):
+        i = seen.setdefault(id(model), len(seen)) % 2
+        return {"downstream/codex_humaneval_gold_bpb_3shot/bpb_v2": 2.0 - 0.25 * i,
+                "downstream/arc_easy_rc_5shot/acc_v2": 0.25 + 0.5 * i, "downstream/arc_easy_rc_5shot/bpb_v2": 3.0}
+
+    monkeypatch.setattr(eval_script, "olmo_tasks_report", fake)
+    r = eval_script.compare_runs(runs["clean0"], runs["clean1"], sets_fn=runs["sets_fn"], steps=[30],
+                                 olmo_tasks=["codex_humaneval_gold_bpb_3shot", "arc_easy_rc_5shot"],
+                                 train_loss_window=10, max_batches=1)
+    row = r["rows"][0]
+    assert row["codex_humaneval_gold_bpb_3shot/bpb_v2_delta"] == pytest.approx(-0.25)
+    assert (row["arc_easy_rc_5shot/acc_v2_A"], row["arc_easy_rc_5shot/acc_v2_B"]) == (0.25, 0.75)
+    assert row["arc_easy_rc_5shot/bpb_v2_delta"] == 0.0
+
+
 def test_compare_bad_inputs(runs, tmp_path):
     kw = dict(sets_fn=runs["sets_fn"], train_loss_window=10, max_batches=1)
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step\(s\) \[45\]"):
