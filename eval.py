@@ -9,6 +9,8 @@
     python eval.py --compare=runs/reference,runs/candidate --out=reports/candidate
     # the real lm-eval-harness driving our model (where its datasets are available)
     python eval.py --model=runs/tiny --lm_eval_tasks=hellaswag,arc_easy
+    # OLMo's own in-loop tasks, offline (AI2's packaged requests; ICLMetric's numbers, OLMo-core's names)
+    python eval.py --model=runs/tiny --olmo_tasks=fast --limit=100
 
 Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed batches, so a
 number here equals the run's own eval/<domain>/loss at that step. Bits per byte divide by the
@@ -160,7 +162,7 @@ def lm_eval_report(model, task_names, *, num_fewshot=0, limit=None, include=None
 
 def olmo_tasks_report(model, labels, *, limit=None, max_length=2048, batch_rows=8) -> dict:
     """OLMo's in-loop downstream metrics (olmo3/oe_tasks.py), named downstream/<label>/<metric>
-    (ICLMetric's keys: acc_v1, len_norm_v2, bpb_v2...); print_olmo_names shows OLMo-core's names."""
+    (ICLMetric's keys: acc_v1, len_norm_v2, bpb_v2...); main prints OLMo-core's logged name beside each."""
     tok = data.dolma2()
     return oe_tasks.evaluate(model, oe_tasks.resolve(labels), score_fn=scoring.continuation_scores_jit,
                              encode=lambda s: scoring.encode(tok, s), pad_id=data.PAD_ID, limit=limit,
@@ -169,7 +171,8 @@ def olmo_tasks_report(model, labels, *, limit=None, max_length=2048, batch_rows=
 
 # ---------------------------------------------------------------------------------------------
 # §4 Step-aligned comparison of two runs: checkpoint N of A against checkpoint N of B, identical
-# held-out batches; deltas are B - A; downstream stderr combined in quadrature.
+# held-out batches; deltas are B - A; downstream stderr combined in quadrature; the memorization
+# verdict flags only outside a noise band measured from the two runs (olmo3/comparison.py).
 # ---------------------------------------------------------------------------------------------
 def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
     from olmo3.checkpoint import CheckpointManager
