@@ -39,6 +39,17 @@ def test_task_table_and_fast_group_match_ai2():
     assert set(oe_tasks.GROUPS["fast"]) | oe_tasks.NOT_YET == set(TASK_GROUPS["fast"])
 
 
+def test_display_names_are_olmo_cores():
+    """The names eval.py prints are those OLMo-core's DownstreamEvaluator logs (when its training
+    code imports here: it needs more than the --no-deps wheel)."""
+    try:
+        from olmo_core.train.callbacks.evaluator_callback import DownstreamEvaluator
+    except ImportError as e:
+        pytest.skip(f"olmo_core's trainer does not import: {e}")
+    for metric, label in DownstreamEvaluator.metric_type_to_label.items():
+        assert icl_metrics.display_name("t", metric) == f"eval/downstream/t ({label})"
+
+
 def test_labels_and_missing_data_errors(monkeypatch):
     assert oe_tasks.resolve(["code", "codex_mbpp_gold_bpb_3shot"]) == oe_tasks.GROUPS["code"]
     with pytest.raises(ValueError, match="unknown task 'arc_easy'.*OLMo-core's labels"):
