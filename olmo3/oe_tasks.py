@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
-from absl import logging
 
 from olmo3 import icl_metrics
 
