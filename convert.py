@@ -47,15 +47,18 @@ from olmo3 import cli
 # §0 Flags.
 # ---------------------------------------------------------------------------------------------
 F = flags.FLAGS
-flags.DEFINE_string("from", None, "Source: hf:<dir> (config.json + *.safetensors) or orbax:<run dir | checkpoints/<N>>.")
-flags.DEFINE_string("to", None, "Destination: orbax:<run dir> or hf:<dir> (must not exist or be empty).")
-flags.DEFINE_integer("step", 0, "Checkpoint label written on the Orbax side (0: a starting point).")
+flags.DEFINE_string("from", None, "Source: hf:<dir> (config.json + *.safetensors), orbax:<run dir | checkpoints/<N>> "
+                    "or olmo-core:<stepN dir | save folder | URL of a stepN dir> (OLMo-core trainer checkpoint).")
+flags.DEFINE_string("to", None, "Destination: orbax:<run dir>, hf:<dir> or olmo-core:<dir> (must not exist or be empty).")
+flags.DEFINE_integer("step", 0, "Checkpoint label written on the Orbax side (0: a starting point; from olmo-core: "
+                     "default its training step).")
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"],
                   "Orbax parameter dtype (default float32: train.py's master weights; bf16 -> fp32 is exact).")
 flags.DEFINE_enum("hf_dtype", None, ["float32", "bfloat16"], "HF output dtype (default: the checkpoint's param dtype).")
 flags.DEFINE_bool("with_optimizer_state", False,
                   "Also write zero fp32 Adam moments (Adam count 0), so train.py --init_from can start from "
-                  "these weights exactly as from a fresh init.")
+                  "these weights exactly as from a fresh init. From olmo-core: default true, the checkpoint's "
+                  "own SkipStepAdamW moments and count (--nowith_optimizer_state: weights only).")
 flags.DEFINE_bool("verify", False, "Run the HF model in torch and ours on the same tokens; report KL/top-1/top-10.")
 flags.DEFINE_float("max_kl", 1e-4, "--verify fails when the mean per-token KL(HF || ours) exceeds this (nats).")
 flags.DEFINE_integer("verify_seq", 256, "--verify: tokens per sequence.")
@@ -479,6 +482,95 @@ def olmo_core_to_orbax(src: str, dst: str, *, step: int | None = None, param_dty
     return config
 
 
+def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
+    """Our checkpoint as an OLMo-core one: <dst>/model_and_optim/ (DCP) + config.json +
+    .metadata.json, loadable by OLMo-core's Checkpointer.load with load_trainer_state=False (its
+    stage-2/3 scripts' setting; no train/ state is written). Adam moments and count go along when
+    the checkpoint holds them; parameters and moments are fp32 (OLMo-core's master weights)."""
+    _import()
+    run, step = checkpoint.locate(src)
+    mgr = checkpoint.CheckpointManager(run, read_only=True)
+    step = mgr.verify(step)
+    extra = mgr.read_extra(step)
+    if "model_config" not in extra:
+        raise ValueError(f"{src}: checkpoint extra has no model_config (not written by train.py or convert.py)")
+    config = config_from_dict(extra["model_config"])
+    abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
+    stored = mgr.stored_tensors(step)
+    with_opt = "opt.count" in stored
+    if os.path.exists(dst) and os.listdir(dst):
+        raise FileExistsError(f"--to=olmo-core:{dst} exists and is not empty; choose a new directory")
+    f32 = np.dtype(np.float32)
+    specs, source = {}, {}  # OLMo-core name -> (shape, dtype); -> (our stored name, layer or None, transpose)
+    for field, layer, name, t in olmo_core.param_names(config.n_layers):
+        ours = getattr(abstract.layers, field).shape[1:] if layer is not None else getattr(abstract, field).shape
+        shape = tuple(ours[::-1]) if t else tuple(ours)
+        path = f"layers.{field}" if layer is not None else field
+        specs[f"model.{name}"] = (shape, f32)
+        source[f"model.{name}"] = (f"model.{path}", layer, t)
+        if with_opt:
+            for ours_m, theirs in olmo_core.MOMENTS.items():
+                specs[f"optim.state.{name}.{theirs}"] = (shape, f32)
+                source[f"optim.state.{name}.{theirs}"] = (f"opt.{ours_m}.{path}", layer, t)
+            specs[f"optim.state.{name}.step"] = ((), f32)
+    count = float(np.asarray(read_stored(mgr, step, "opt.count", ()))) if with_opt else None
+
+    def produce(name):  # called by torch's writer, one tensor at a time
+        if name.endswith(".step"):
+            return np.asarray(count, f32)
+        ours, layer, t = source[name]
+        a = np.asarray(read_stored(mgr, step, ours, layer), f32)
+        return a.T if t else a
+
+    groups = {}
+    if with_opt:  # param groups as OLMo-core's flattened optimizer state dict holds them
+        lr = float((extra.get("flags") or {}).get("lr") or 0.0)
+        for _, _, name, _ in olmo_core.param_names(config.n_layers):
+            wd = 0.0 if name == "embeddings.weight" else optim.WEIGHT_DECAY  # the recipe's groups (olmo3/model.py)
+            groups.update({f"optim.param_groups.{name}.lr": lr, f"optim.param_groups.{name}.initial_lr": lr,
+                           f"optim.param_groups.{name}.betas": tuple(optim.BETAS),
+                           f"optim.param_groups.{name}.eps": optim.EPS,
+                           f"optim.param_groups.{name}.weight_decay": wd})
+    try:
+        tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".tmp-olmo-core-{os.path.basename(dst)}")
+        os.makedirs(tmp)
+        olmo_core.write_dist_checkpoint(os.path.join(tmp, olmo_core.MODEL_AND_OPTIM), specs, produce, groups)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({"model": olmo_core.config_to_olmo_core(config)}, f, indent=1)
+        with open(os.path.join(tmp, ".metadata.json"), "w") as f:
+            json.dump({"ephemeral": False}, f)
+        if os.path.isdir(dst):
+            os.rmdir(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        mgr.close()
+    return config
+
+
+def read_stored(mgr, step, name, index):
+    """One stored tensor of our checkpoint (`index` None), or layer `index` of a stacked one,
+    through TensorStore (train.py / convert.py's OCDBT + zarr layout), else through Orbax."""
+    import tensorstore as ts
+    state_dir = os.path.join(mgr.directory, str(step), "state")
+    try:
+        t = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}", "path": name}},
+                    open=True, read=True, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})).result()
+    except ValueError:
+        shape = mgr.stored_tensors(step)[name]
+        want = jax.ShapeDtypeStruct(shape, np.float32 if name != "opt.count" else np.int32)
+        for key in reversed(name.split(".")):
+            want = {key: want}
+        state, _ = mgr.restore(step, want)
+        for key in name.split("."):
+            state = state[key]
+        return np.asarray(state if index is None else state[index])
+    return (t if index is None else t[index]).read().result()
+
+
 # ---------------------------------------------------------------------------------------------
 # §5 Parity: the HF model in torch vs ours on the same tokens (DESIGN §5: the write-up reached
 # KL ~1.5e-3 in bf16, 98.75% top-1; two correct fp32 implementations agree to ~1e-6 or better).
@@ -523,8 +615,8 @@ def _peak_rss_gb() -> float:
 
 def _parse(spec: str, flag: str) -> tuple[str, str]:
     kind, sep, path = (spec or "").partition(":")
-    if not sep or kind not in ("hf", "orbax") or not path:
-        raise app.UsageError(f"--{flag}={spec!r}: expected hf:<dir> or orbax:<dir>")
+    if not sep or kind not in ("hf", "orbax", "olmo-core") or not path:
+        raise app.UsageError(f"--{flag}={spec!r}: expected hf:<dir>, orbax:<dir> or olmo-core:<dir or URL>")
     return kind, path
 
 
@@ -532,9 +624,22 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
     (src_kind, src), (dst_kind, dst) = _parse(F["from"].value, "from"), _parse(F.to, "to")
-    if src_kind == dst_kind:
-        raise app.UsageError("--from and --to must be one hf: and one orbax:")
+    if src_kind == dst_kind or "orbax" not in (src_kind, dst_kind):
+        raise app.UsageError("--from and --to must be one orbax: and one hf: or olmo-core:")
     t0 = time.time()
+    if "olmo-core" in (src_kind, dst_kind):  # §4
+        for name in ("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"):
+            if F[name].present:
+                raise app.UsageError(f"--{name} applies to hf: conversions, not olmo-core:")
+        if src_kind == "olmo-core":
+            config = olmo_core_to_orbax(src, dst, step=F.step if F["step"].present else None,
+                                        param_dtype=F.param_dtype or "float32",
+                                        with_optimizer_state=F.with_optimizer_state if F["with_optimizer_state"].present else True)
+        else:
+            config = orbax_to_olmo_core(src, dst)
+        print(f"converted {src_kind}:{src} -> {dst_kind}:{dst}: {config.num_params():,} parameters in "
+              f"{time.time() - t0:.1f} s, peak RSS {_peak_rss_gb():.2f} GB")
+        return
     if src_kind == "hf":
         if F.hf_vocab_size is not None:
             raise app.UsageError("--hf_vocab_size only applies to --to=hf:")

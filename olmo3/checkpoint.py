@@ -275,6 +275,13 @@ class CheckpointManager:
                 f"checkpoint {where} is damaged: {file} does not read back ({' '.join(str(e).split())[:200]}); "
                 f"intact checkpoints: {[s for s in self.all_steps() if s != step] or 'none'}", step, file) from e
 
+    def stored_tensors(self, step: Optional[int] = None) -> dict[str, tuple]:
+        """{dotted name: shape} of every tensor checkpoint `step` holds (no array is read)."""
+        step = self._resolve(step)
+        with self._reading(step):
+            meta = self._mgr.item_metadata(step)["state"]
+        return {k: tuple(v.shape) for k, v in dict(meta.tree if hasattr(meta, "tree") else meta).items()}
+
     def restore(self, step: Optional[int], abstract_state: PyTree) -> tuple[PyTree, dict]:
         """Read checkpoint `step` (None: the latest) into the structure, shapes, dtypes and
         shardings of `abstract_state`. Returns (state, extra).

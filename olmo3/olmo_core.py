@@ -307,6 +307,45 @@ def config_from_olmo_core(model: dict, **overrides) -> Config:
     return Config(**kw)
 
 
+def config_to_olmo_core(c: Config) -> dict:
+    """The `model` section of an OLMo-core config.json for our Config, in the shape of
+    TransformerConfig.as_config_dict() (nn/transformer/config.py `olmo3_7B`: reordered-norm
+    blocks, QK-norm over the full projection, SwiGLU, RMSNorm everywhere, untied head, fp32;
+    YaRN as `with_rope_scaling` puts it: block overrides of the full-attention layers)."""
+    cls = "olmo_core.nn."
+    norm = {"name": "rms", "eps": c.norm_eps, "bias": False, "dtype": "float32", "_CLASS_": cls + "layer_norm.LayerNormConfig"}
+
+    def block(yarn):
+        rope = {"name": "default", "theta": int(c.rope_theta) if float(c.rope_theta).is_integer() else c.rope_theta,
+                "full_precision": True, "_CLASS_": cls + "rope.RoPEConfig"}
+        if yarn is not None:
+            rope["scaling"] = {"factor": yarn.factor, "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow,
+                               "old_context_len": yarn.original_max_position,
+                               "_CLASS_": cls + "rope.YaRNRoPEScalingConfig"}
+            if yarn.attention_factor is not None:
+                rope["scaling"]["attention_factor"] = yarn.attention_factor
+        return {"name": "reordered_norm", "_CLASS_": cls + "transformer.config.TransformerBlockConfig",
+                "sequence_mixer": {"name": "default", "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
+                                   "head_dim": c.head_dim, "bias": False, "rope": rope, "qk_norm": dict(norm),
+                                   "use_head_qk_norm": False, "dtype": "float32",
+                                   "sliding_window": {"pattern": [c.window if t == "sliding" else -1 for t in c.layer_pattern],
+                                                      "force_full_attention_on_first_layer": False,
+                                                      "force_full_attention_on_last_layer": c.layer_types()[-1] == "full",
+                                                      "_CLASS_": cls + "attention.SlidingWindowAttentionConfig"},
+                                   "_CLASS_": cls + "attention.AttentionConfig"},
+                "layer_norm": dict(norm),
+                "feed_forward": {"hidden_size": c.mlp_hidden, "name": "default", "bias": False, "dtype": "float32",
+                                 "activation": "silu", "_CLASS_": cls + "feed_forward.FeedForwardConfig"}}
+    out = {"d_model": c.d_model, "vocab_size": c.vocab_size, "n_layers": c.n_layers, "block": block(None),
+           "lm_head": {"name": "default", "layer_norm": dict(norm), "bias": False, "dtype": "float32",
+                       "_CLASS_": cls + "lm_head.LMHeadConfig"},
+           "name": "default", "dtype": "float32", "init_method": "normal", "init_std": c.init_std,
+           "_CLASS_": cls + "transformer.config.TransformerConfig"}
+    if c.yarn is not None:
+        out["block_overrides"] = {str(i): block(c.yarn) for i, t in enumerate(c.layer_types()) if t == "full"}
+    return out
+
+
 def adam_count(reader: DistCheckpointReader) -> tuple[int, set]:
     """The Adam update count: SkipStepAdamW's per-parameter float `step` (all equal: one
     step_factor per step). Returns (count, the distinct values found)."""
@@ -350,7 +389,7 @@ def write_dist_checkpoint(dcp_dir: str, specs: dict[str, tuple[tuple, Any]],
         def resolve_data(self, write_item):
             name = write_item.index.fqn
             if name in specs:
-                return torch.from_numpy(np.ascontiguousarray(produce(name)))
+                return torch.from_numpy(np.require(produce(name), requirements=["C", "W"]))  # copies only if needed
             return super().resolve_data(write_item)
 
     with warnings.catch_warnings():

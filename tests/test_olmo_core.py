@@ -1,0 +1,185 @@
+"""convert.py's olmo-core: path against OLMo-core itself (tests/olmo_core_reference.py builds,
+trains and checkpoints a small OLMo 3 with OLMo-core's own model, train module, SkipStepAdamW and
+Checkpointer): logits, parameters and Adam moments after conversion, one further training step,
+the way back into OLMo-core, and the command line."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("olmo_core.train.train_module", reason="pip install --no-deps ai2-olmo-core==3.0.0 + test extras")
+
+import olmo_core_reference as R  # noqa: E402
+
+from olmo3 import checkpoint, heldout, load, olmo_core, optim, schedules, step  # noqa: E402
+from olmo3.model import OLMo3, decay_mask  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("convert", os.path.join(ROOT, "convert.py"))
+convert = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(convert)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """OLMo-core's run saved at step2, converted to Orbax once; the reference numbers."""
+    d = tmp_path_factory.mktemp("olmo_core")
+    eval_tokens = R.batches(seed=5)[0]
+    out = R.build(str(d / "run"), eval_tokens)
+    out["eval_tokens"] = eval_tokens
+    out["config"] = convert.olmo_core_to_orbax(str(d / "run" / "step2"), str(d / "orbax"))
+    out["dir"] = d
+    return out
+
+
+def restore(orbax_dir, config):
+    abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
+    opt = optim.SkipStepAdamW(schedules.constant_schedule(0.0))
+    run, s = checkpoint.locate(orbax_dir)
+    mgr = checkpoint.CheckpointManager(run, read_only=True)
+    s = mgr.latest_step() if s is None else s
+    state, extra = mgr.restore(s, {"model": abstract, "opt": eqx.filter_eval_shape(opt.init, abstract)})
+    mgr.close()
+    return state["model"], state["opt"], extra, s
+
+
+def ours_by_olmo_core_name(tree, n_layers):
+    """OLMo-core parameter name -> our tensor in OLMo-core's layout (transposed back)."""
+    out = {}
+    for field, layer, name, t in olmo_core.param_names(n_layers):
+        a = np.asarray(getattr(tree.layers, field)[layer] if layer is not None else getattr(tree, field))
+        out[name] = a.T if t else a
+    return out
+
+
+def test_config_read_from_olmo_core_config_json(ref):
+    c = ref["config"]
+    assert (c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.head_dim, c.mlp_hidden, c.window) == (
+        R.VOCAB, 64, 4, 4, 16, 192, R.WINDOW)
+    assert c.layer_pattern == ("sliding", "sliding", "sliding", "full") and c.norm_eps == 1e-6
+    assert c.rope_theta == 500_000 and c.yarn is None
+
+
+def test_logits_equal_olmo_core_fp32(ref):
+    """Our forward on the converted weights vs OLMo-core's Transformer on the same tokens: every one
+    of the 100352 padded-vocabulary logits, sliding and full layers, QK-norm gains away from 1."""
+    model, info = load.load_model(str(ref["dir"] / "orbax"))
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(ref["eval_tokens"], jnp.int32)))
+    theirs = ref["logits"]
+    assert ours.shape == theirs.shape == (R.BATCH, R.SEQ, R.VOCAB)
+    r = heldout.logit_agreement(theirs, ours)
+    assert r["kl_max"] < 1e-9 and r["top1"] == 1.0, r  # fp32 floor (DESIGN §5: ~1e-6 or better)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+    pad = slice(R.TOKENIZER_VOCAB, None)  # the padded rows of lm_head score like any other
+    np.testing.assert_allclose(ours[..., pad], theirs[..., pad], rtol=0, atol=1e-5)
+
+
+def test_params_and_adam_moments_bit_equal(ref):
+    model, opt, extra, label = restore(str(ref["dir"] / "orbax"), ref["config"])
+    st = ref["state"]
+    L = ref["config"].n_layers
+    params = ours_by_olmo_core_name(model, L)
+    mu, nu = ours_by_olmo_core_name(opt.mu, L), ours_by_olmo_core_name(opt.nu, L)
+    assert len(params) == len([k for k in st if k.startswith("model.")]) == 3 + 11 * L
+    for name in params:
+        np.testing.assert_array_equal(params[name], st[f"model.{name}"], err_msg=name)
+        np.testing.assert_array_equal(mu[name], st[f"optim.state.{name}.exp_avg"], err_msg=name)
+        np.testing.assert_array_equal(nu[name], st[f"optim.state.{name}.exp_avg_sq"], err_msg=name)
+        assert st[f"optim.state.{name}.step"] == R.STEPS
+    assert mu["embeddings.weight"].dtype == np.float32 and np.abs(mu["embeddings.weight"]).max() > 0
+    # Adam count = OLMo-core's per-parameter step; training step = the checkpoint's; windows empty
+    assert int(opt.count) == R.STEPS and int(opt.step) == R.STEPS and label == R.STEPS
+    assert int(opt.n_seen) == 0 and not np.any(np.asarray(opt.loss_window))
+    assert extra["olmo_core_step"] == R.STEPS and extra["adam_count"] == R.STEPS
+
+
+def test_one_further_step_matches_olmo_core(ref):
+    """Step 3 here (olmo3/step.py + olmo3/optim.py) vs step 3 in OLMo-core (its train module) from
+    the same converted state and batch. Same recipe on both sides: CE + z-loss 1e-5, clip at 1.0,
+    linear lr at the same schedule position (OptState.step = 2 -> n = 3), no decay on the
+    embedding, skip-step inactive (fewer than 64 losses seen on both sides: OLMo-core's windows
+    start empty after a load, ours are empty after conversion).
+
+    What differs is only fp32 summation order (XLA vs torch kernels): loss equal to 1e-7 relative,
+    grad norm to 3e-6. Adam divides by sqrt(nu) + 1e-8, which amplifies a ulp-level gradient
+    difference where nu is tiny (rare tokens' rows of lm_head). Measured here (Intel Xeon, CPU):
+    params within 4.9e-7 absolute (lm_head; norm gains 1.2e-7 = 1 ulp at 1.0) of an update of
+    7e-4; moments within 6e-6 of their largest value. Tolerances: 1e-6 and 2e-5."""
+    model, opt, _, _ = restore(str(ref["dir"] / "orbax"), ref["config"])
+    sched = schedules.linear_schedule(R.LR, 0, R.MAX_STEPS)
+    m3 = ref["metrics3"]
+    assert float(sched(opt.step)) == pytest.approx(m3["optim/LR (group 0)"], rel=1e-6)
+    optimizer = optim.SkipStepAdamW(sched, decay_mask=decay_mask, max_grad_norm=1.0)
+    train_step = step.make_train_step(optimizer, chunk=R.SEQ, z_loss=1e-5)
+    batch = {"tokens": jnp.asarray(ref["batch3"], jnp.int32), "instance_mask": jnp.ones((R.BATCH,), bool)}
+    model, opt, metrics = train_step(model, opt, batch)
+    assert float(metrics["train/loss"]) == pytest.approx(m3["train/CE loss"], rel=1e-6)
+    assert float(metrics["optim/grad_norm"]) == pytest.approx(m3["optim/total grad norm"], rel=1e-5)
+    assert float(metrics["optim/step_skipped"]) == m3["optim/step skipped"] == 0.0
+    assert int(opt.count) == R.STEPS + 1
+    st = ref["state3"]
+    L = ref["config"].n_layers
+    params = ours_by_olmo_core_name(model, L)
+    mu, nu = ours_by_olmo_core_name(opt.mu, L), ours_by_olmo_core_name(opt.nu, L)
+    moved = 0.0
+    for name in params:
+        before = ref["state"][f"model.{name}"]
+        moved = max(moved, float(np.abs(st[f"model.{name}"] - before).max()))
+        np.testing.assert_allclose(params[name], st[f"model.{name}"], rtol=0, atol=1e-6, err_msg=name)
+        for ours_m, key in ((mu, "exp_avg"), (nu, "exp_avg_sq")):
+            theirs = st[f"optim.state.{name}.{key}"]
+            np.testing.assert_allclose(ours_m[name], theirs, rtol=0, atol=2e-5 * float(np.abs(theirs).max()),
+                                       err_msg=f"{name}.{key}")
+    assert moved > 5e-4  # the step really moved the weights (by ~lr), far beyond the tolerance
+
+
+def test_back_to_olmo_core_loads_in_olmo_core_bit_exact(ref, tmp_path):
+    """Orbax -> OLMo-core: OLMo-core builds the model from our config.json (TransformerConfig.from_dict)
+    and its Checkpointer loads our DCP directory (load_trainer_state=False, as its stage-2/3
+    scripts do); every parameter and moment equals the original checkpoint's."""
+    from olmo_core.nn.attention import AttentionBackendName
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.train.checkpoint import Checkpointer
+    convert.orbax_to_olmo_core(str(ref["dir"] / "orbax"), str(tmp_path / "back"))
+    cfg = TransformerConfig.from_dict(json.load(open(tmp_path / "back" / "config.json"))["model"])
+    cfg.block.sequence_mixer.backend = AttentionBackendName.torch  # the CPU backend; flash is OLMo-core's default
+    assert cfg.num_params == R.olmo_core_config().num_params
+    tm = R.train_module(cfg.build(init_device="cpu"), torch)
+    Checkpointer(work_dir=str(tmp_path / "work")).load(str(tmp_path / "back"), tm, load_trainer_state=False)
+    got = R.numpy_state(tm)
+    assert set(got) == set(ref["state"])
+    for k, v in ref["state"].items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_torch_missing_is_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(olmo_core.UserError, match="needs torch.*pip install"):
+        olmo_core.torch_module()
+
+
+def test_command_line(ref, tmp_path):
+    """The save folder (newest stepN) -> Orbax through convert.py; bad inputs end in one line, exit 2."""
+    def run(*args):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), *args], capture_output=True,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    r = run(f"--from=olmo-core:{ref['dir'] / 'run'}", f"--to=orbax:{tmp_path / 'o'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "converted olmo-core:" in r.stdout
+    assert checkpoint.CheckpointManager(str(tmp_path / "o"), read_only=True).all_steps() == [R.STEPS]
+    for args, what in [((f"--from=olmo-core:{tmp_path / 'nothing'}", f"--to=orbax:{tmp_path / 'x'}"), "no such directory"),
+                       ((f"--from=olmo-core:{tmp_path / 'o'}", f"--to=orbax:{tmp_path / 'y'}"), "not an OLMo-core checkpoint"),
+                       ((f"--from=olmo-core:{ref['dir'] / 'run'}", f"--to=orbax:{tmp_path / 'z'}", "--verify"), "--verify")]:
+        r = run(*args)
+        assert r.returncode == 2, (args, r.stderr[-1000:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("convert.py: error:") and what in last, last
+        assert "Traceback" not in r.stderr
