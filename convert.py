@@ -1,5 +1,5 @@
-"""Convert OLMo 3 weights between Hugging Face safetensors and our Orbax checkpoints, with a
-logit-parity report.
+"""Convert OLMo 3 weights between Hugging Face safetensors, AI2's OLMo-core training checkpoints
+(Adam moments included) and our Orbax checkpoints, with a logit-parity report.
 
     python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/olmo3-7b-step0 --verify
     python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/init --with_optimizer_state \
@@ -9,6 +9,10 @@ logit-parity report.
         # padding (stage1.flags' --vocab_size=100352) with OLMo-core's init
     python convert.py --from=orbax:runs/stage1/checkpoints/1413814 --to=hf:/models/mine --verify
         # the padded rows stay behind: HF gets dolma2's 100278 (--hf_vocab_size to choose)
+    python convert.py --from=olmo-core:https://olmo-checkpoints.org/ai2-llm/Olmo-3-1025-7B/stage2/step47684/ \
+        --to=orbax:runs/ai2-stage2      # AI2's weights AND its SkipStepAdamW moments (§4), then
+    python train.py --stage=3 --flagfile=stage3.flags --init_from=runs/ai2-stage2   # warm Adam
+    python convert.py --from=orbax:runs/stage3 --to=olmo-core:ckpt/step2000      # and back (§4)
 
 The Orbax side is exactly what train.py's CheckpointManager reads: `<dir>/checkpoints/<step>/`
 with the model's tensors under "model.*", and extra = {"model_config": ..., "stage": 0, ...}.
@@ -456,7 +460,7 @@ def olmo_core_to_orbax(src: str, dst: str, *, step: int | None = None, param_dty
                             lazy("lm_head", False, "lm_head.w_out.weight", True)))
 
     state = {"model": tree(lambda n: f"model.{n}", np.dtype(config.pdtype))}
-    extra = {"stage": 0, "model_config": config_to_dict(config), "converted_from": f"olmo-core:{os.path.abspath(step_dir)}",
+    extra = {"stage": 0, "model_config": config_to_dict(config), "converted_from": f"olmo-core:{step_dir}",
              "olmo_core_step": oc_step, "with_optimizer_state": with_optimizer_state}
     if with_optimizer_state:
         count, counts = olmo_core.adam_count(reader)

@@ -183,3 +183,18 @@ def test_command_line(ref, tmp_path):
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("convert.py: error:") and what in last, last
         assert "Traceback" not in r.stderr
+
+
+def test_url_reads_by_byte_range_like_local(ref, tmp_path):
+    """olmo-core:http://.../step2, the form of OLMo-core's own load_path, through data/storage.py's
+    byte-range reads (test_storage's range server): the Orbax checkpoint equals the local one's."""
+    from test_storage import RangeServer
+    with RangeServer(ref["dir"] / "run") as srv:
+        convert.olmo_core_to_orbax(f"{srv.url}/step2/", str(tmp_path / "remote"))
+        assert srv.requests.get("GET", 0) > 0
+    local, remote = (checkpoint.CheckpointManager(str(d), read_only=True) for d in (ref["dir"] / "orbax", tmp_path / "remote"))
+    names = local.stored_tensors()
+    assert names == remote.stored_tensors()
+    for name in names:
+        a, b = (np.asarray(convert.read_stored(m, R.STEPS, name, None)) for m in (local, remote))
+        np.testing.assert_array_equal(a, b, err_msg=name)
