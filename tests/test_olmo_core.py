@@ -198,3 +198,39 @@ def test_url_reads_by_byte_range_like_local(ref, tmp_path):
     for name in names:
         a, b = (np.asarray(convert.read_stored(m, R.STEPS, name, None)) for m in (local, remote))
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.slow
+def test_train_py_stage2_warm_start_from_olmo_core(ref, tmp_path):
+    """train.py --stage=2 --init_from=<converted OLMo-core checkpoint>: its first loss equals
+    OLMo-core's own loss (its model, loaded by its Checkpointer) on the same first batch, and the
+    step continues AI2's Adam: the saved Adam count is the checkpoint's + 1."""
+    import data
+    from olmo_core.train.checkpoint import Checkpointer
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, name in enumerate(sorted(os.listdir(os.path.join(ROOT, "olmo3")))):
+        if name.endswith(".py"):
+            (docs / f"{i}.txt").write_text(open(os.path.join(ROOT, "olmo3", name)).read())
+    run = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", "--model=tiny", "--d_model=64",
+           "--n_layers=4", "--n_heads=4", "--n_kv_heads=4", "--head_dim=16", "--mlp_hidden=192",
+           f"--window={R.WINDOW}", f"--vocab_size={R.VOCAB}", f"--data={docs}", f"--seq_len={R.SEQ}",
+           "--global_batch=4", "--max_steps=1", "--total_steps=10", "--warmup_steps=0", f"--lr={R.LR}", f"--run_dir={run}",
+           f"--init_from={ref['dir'] / 'orbax'}", "--save_interval=1", "--eval_interval=1",
+           "--loader_workers=0", "--seed=7"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": ROOT}
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    loss = json.loads(open(run / "metrics.jsonl").readline())["train/loss"]
+    splits = data.ensure_corpus(str(tmp_path / "data" / "docs"), str(docs))
+    batch = torch.as_tensor(data.get_batch(data.FSLDataset(splits["train"], R.SEQ), 4, 7, 0)["tokens"],
+                            dtype=torch.long)
+    tm = R.train_module(R.olmo_core_config().build(init_device="cpu"), torch)
+    Checkpointer(work_dir=str(tmp_path / "work")).load(str(ref["dir"] / "run" / "step2"), tm, load_trainer_state=False)
+    with torch.no_grad():
+        lp = torch.log_softmax(tm.model(batch)[:, :-1].float(), -1)
+        want = -lp.gather(-1, batch[:, 1:, None]).mean().item()
+    assert abs(loss - want) < 1e-5, (loss, want)
+    _, opt, _, label = restore(str(run), ref["config"])
+    assert label == 1 and int(opt.count) == R.STEPS + 1
