@@ -208,7 +208,8 @@ class DistCheckpointReader:
         """The whole tensor `name` as a torch tensor in its stored dtype."""
         torch = self.torch
         meta = self.tensors[name]
-        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        whole = len(meta.chunks) == 1 and tuple(meta.chunks[0].sizes) == tuple(meta.size)
+        out = None if whole else torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for chunk in meta.chunks:
             info = self._where.get((name, tuple(chunk.offsets)))
             if info is None:
@@ -223,12 +224,14 @@ class DistCheckpointReader:
             except Exception as e:  # noqa: BLE001
                 raise UserError(f"{self._join(info.relative_path)}: the chunk of {name!r} at byte {info.offset} does "
                                 f"not decode ({' '.join(str(e).split())[:120]}); download the checkpoint again") from None
-            where = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+            del raw
             if tuple(part.shape) != tuple(chunk.sizes):
                 raise UserError(f"{self.path}: chunk of {name!r} has shape {tuple(part.shape)}, metadata says "
                                 f"{tuple(chunk.sizes)}; the checkpoint is damaged")
-            out[where] = part
-            del part, raw
+            if whole:  # saved by one rank: the chunk is the tensor
+                return part
+            out[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))] = part
+            del part
         return out
 
     def numpy(self, name: str, dtype) -> np.ndarray:
@@ -357,9 +360,10 @@ def adam_count(reader: DistCheckpointReader) -> tuple[int, set]:
 
 
 def read_layer(reader: DistCheckpointReader, name: str, transpose: bool, dtype) -> np.ndarray:
-    """One OLMo-core tensor in our layout ([in, out])."""
+    """One OLMo-core tensor in our layout ([in, out]): a transposed view, not a copy (the
+    writer copies part by part)."""
     a = reader.numpy(name, dtype)
-    return np.ascontiguousarray(a.T) if transpose else a
+    return a.T if transpose else a
 
 
 # ---- writing ----------------------------------------------------------------------------------
