@@ -58,15 +58,15 @@ def olmo_core_config():
     return cfg
 
 
-def train_module(model, torch):
+def train_module(model, torch, rank_batch: int = BATCH, dp_config=None):
     from olmo_core.optim import LinearWithWarmup, OptimGroupOverride, SkipStepAdamWConfig
     from olmo_core.train.train_module import TransformerTrainModule
     optim = SkipStepAdamWConfig(lr=LR, weight_decay=0.1, betas=(0.9, 0.95), group_overrides=[
         OptimGroupOverride(params=["embeddings.weight"], opts={"weight_decay": 0.0})])
-    tm = TransformerTrainModule(model=model, optim=optim, rank_microbatch_size=BATCH * SEQ,
+    tm = TransformerTrainModule(model=model, optim=optim, rank_microbatch_size=rank_batch * SEQ,
                                 max_sequence_length=SEQ, z_loss_multiplier=1e-5, max_grad_norm=1.0,
                                 scheduler=LinearWithWarmup(warmup=0, alpha_f=0.0),
-                                device=torch.device("cpu"))
+                                device=torch.device("cpu"), dp_config=dp_config)
     tm._attach_trainer(_Trainer(torch))
     return tm
 
