@@ -527,8 +527,10 @@ def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
         return a.T if t else a
 
     groups = {}
-    if with_opt:  # param groups as OLMo-core's flattened optimizer state dict holds them
-        lr = float((extra.get("flags") or {}).get("lr") or 0.0)
+    if with_opt:  # param groups as OLMo-core's flattened optimizer state dict holds them. On load
+        # OLMo-core keeps its own config's initial_lr (OptimConfig.fixed_fields) and its scheduler
+        # resets lr every step; betas, eps and weight decay come from here: our recipe's.
+        lr = float((extra.get("flags") or {}).get("lr") or schedules.STAGE1_PEAK)
         for _, _, name, _ in olmo_core.param_names(config.n_layers):
             wd = 0.0 if name == "embeddings.weight" else optim.WEIGHT_DECAY  # the recipe's groups (olmo3/model.py)
             groups.update({f"optim.param_groups.{name}.lr": lr, f"optim.param_groups.{name}.initial_lr": lr,

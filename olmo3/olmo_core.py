@@ -45,6 +45,7 @@ import re
 from typing import Any, Callable, Optional
 
 import numpy as np
+from jaxtyping import Shaped
 
 from data import storage
 from olmo3.cli import UserError
@@ -160,19 +161,29 @@ class _StoragePrefix:
     prefix: str
 
 
-def _unpickler(torch):
+def _unpickler():
     import pickle
 
     class Unpickler(pickle.Unpickler):
-        """torch's DCP metadata classes, with OLMo-core's storage records mapped to ours, so
-        reading needs torch but not the ai2-olmo-core package."""
+        """torch's DCP metadata classes, with OLMo-core's storage records mapped to ours (reading
+        needs torch, not the ai2-olmo-core package). `.metadata` is a pickle, possibly fetched
+        from a URL: only torch's checkpoint classes, torch.Size and dtypes, and a few plain
+        containers are allowed, never an arbitrary callable."""
+
+        SAFE_BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "int", "float", "str", "bytes", "bool", "slice"}
 
         def find_class(self, module, name):
-            if module.startswith("olmo_core."):
-                if name in ("_StorageInfo", "_StoragePrefix"):
-                    return {"_StorageInfo": _StorageInfo, "_StoragePrefix": _StoragePrefix}[name]
-                raise pickle.UnpicklingError(f"unexpected OLMo-core class {module}.{name} in checkpoint metadata")
-            return super().find_class(module, name)
+            if module.startswith("olmo_core.") and name in ("_StorageInfo", "_StoragePrefix"):
+                return {"_StorageInfo": _StorageInfo, "_StoragePrefix": _StoragePrefix}[name]
+            import torch
+            torch_value = module == "torch" and (name == "Size" or isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)))
+            if (torch_value or module.startswith("torch.distributed.checkpoint.")
+                    or (module, name) == ("torch.serialization", "_get_layout")  # a layout by its name
+                    or (module == "builtins" and name in self.SAFE_BUILTINS)
+                    or module in ("collections", "enum", "pathlib")):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name}: not a class torch distributed-checkpoint metadata holds")
     return Unpickler
 
 
@@ -190,7 +201,7 @@ class DistCheckpointReader:
         except (FileNotFoundError, storage.RemoteFileError) as e:
             raise FileNotFoundError(f"{meta_path}: cannot read the checkpoint metadata ({e})") from None
         try:
-            self.metadata = _unpickler(self.torch)(io.BytesIO(raw)).load()
+            self.metadata = _unpickler()(io.BytesIO(raw)).load()
         except Exception as e:  # noqa: BLE001 -- a damaged pickle raises many types
             raise UserError(f"{meta_path} does not read as torch distributed-checkpoint metadata "
                             f"({' '.join(str(e).split())[:160]}); download the checkpoint again") from None
@@ -234,7 +245,7 @@ class DistCheckpointReader:
             del part
         return out
 
-    def numpy(self, name: str, dtype) -> np.ndarray:
+    def numpy(self, name: str, dtype) -> Shaped[np.ndarray, "..."]:
         t = self.read(name)
         if t.dtype == self.torch.bfloat16:  # numpy has no bf16: exact through fp32
             t = t.float()
@@ -359,7 +370,7 @@ def adam_count(reader: DistCheckpointReader) -> tuple[int, set]:
     return int(max(values)), values
 
 
-def read_layer(reader: DistCheckpointReader, name: str, transpose: bool, dtype) -> np.ndarray:
+def read_layer(reader: DistCheckpointReader, name: str, transpose: bool, dtype) -> Shaped[np.ndarray, "..."]:
     """One OLMo-core tensor in our layout ([in, out]): a transposed view, not a copy (the
     writer copies part by part)."""
     a = reader.numpy(name, dtype)
@@ -368,7 +379,7 @@ def read_layer(reader: DistCheckpointReader, name: str, transpose: bool, dtype) 
 
 # ---- writing ----------------------------------------------------------------------------------
 def write_dist_checkpoint(dcp_dir: str, specs: dict[str, tuple[tuple, Any]],
-                          produce: Callable[[str], np.ndarray], extra: dict[str, Any]) -> None:
+                          produce: Callable[[str], Shaped[np.ndarray, "..."]], extra: dict[str, Any]) -> None:
     """A DCP directory that OLMo-core's `load_model_and_optim_state` / Checkpointer.load read,
     written one tensor at a time: `specs` = {name: (shape, numpy dtype)}, `produce(name)` makes the
     tensor when torch's writer asks for it, `extra` = non-tensor entries (param-group values).

@@ -311,3 +311,14 @@ def test_fsdp_sharded_checkpoint_reassembled(tmp_path):
         for name, a in ours_by_olmo_core_name(tree, L).items():
             np.testing.assert_array_equal(a, want[key.format(name)], err_msg=key.format(name))
     assert int(opt.count) == R.STEPS
+
+
+def test_metadata_pickle_cannot_run_code(tmp_path):
+    """`.metadata` is a pickle (possibly fetched from a URL): one naming any other callable is
+    refused with one line, before it can run."""
+    import pickle
+    d = tmp_path / "model_and_optim"
+    d.mkdir()
+    (d / ".metadata").write_bytes(pickle.dumps(os.system))  # pickles a reference to os.system
+    with pytest.raises(olmo_core.UserError, match="does not read as torch distributed-checkpoint metadata"):
+        olmo_core.DistCheckpointReader(str(d))
