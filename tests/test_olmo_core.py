@@ -160,6 +160,15 @@ def test_back_to_olmo_core_loads_in_olmo_core_bit_exact(ref, tmp_path):
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
+def test_weights_only_and_step_label(ref, tmp_path):
+    """--nowith_optimizer_state: the model alone (train.py --init_weights_only); --step relabels."""
+    convert.olmo_core_to_orbax(str(ref["dir"] / "run" / "step2"), str(tmp_path / "w"), step=0, with_optimizer_state=False)
+    mgr = checkpoint.CheckpointManager(str(tmp_path / "w"), read_only=True)
+    assert mgr.all_steps() == [0] and not any(k.startswith("opt.") for k in mgr.stored_tensors(0))
+    np.testing.assert_array_equal(np.asarray(convert.read_stored(mgr, 0, "model.embed", None)),
+                                  ref["state"]["model.embeddings.weight"])
+
+
 def test_torch_missing_is_one_clear_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(olmo_core.UserError, match="needs torch.*pip install"):
