@@ -420,6 +420,9 @@ def read_parts(mgr, step, field, shape, dtype, stacked, transpose):
 # ---------------------------------------------------------------------------------------------
 def olmo_core_to_orbax(src: str, dst: str, *, step: int | None = None, param_dtype: str = "float32",
                        with_optimizer_state: bool = True) -> "olmo3.Config":
+    """An OLMo-core checkpoint (olmo3/olmo_core.py's locate: a stepN dir, local or URL) as
+    <dst>/checkpoints/<label>: the model, and SkipStepAdamW's moments and count as our OptState
+    (train.py --init_from's {"model", "opt"}). Label: `step`, else the checkpoint's step."""
     _import()
     LazyTensor = _lazy_tensor_types()
     step_dir, dcp_dir, oc_step = olmo_core.locate(src)
@@ -482,7 +485,7 @@ def olmo_core_to_orbax(src: str, dst: str, *, step: int | None = None, param_dty
                                  zeros(abstract_opt.n_seen)))
         state["opt"] = opt_state
         extra["adam_count"] = count
-    write_orbax(dst, oc_step if step is None else step, state, extra)
+    write_orbax(dst, step if step is not None else (oc_step or 0), state, extra)
     return config
 
 
