@@ -255,7 +255,8 @@ def test_peak_rss_is_one_tensor_not_the_state(tmp_path):
     layers, MLP 4096, vocab 100352) through convert.py both ways, each in its own process: peak
     RSS is the process (~0.45 GB with torch, JAX and Orbax loaded) plus about two copies of the
     largest tensor (the 411 MB embedding: its stored bytes and the decoded tensor), not the state.
-    Measured (Intel(R) Xeon(R) Processor, 2 cores): 1.92 GB in 72 s there, 1.74 GB in 61 s back."""
+    Measured (Intel(R) Xeon(R) Processor, 2 cores, two runs): 1.71-1.92 GB in 62-72 s there,
+    1.66-1.74 GB in 61 s back."""
     import olmo3
     c = olmo3.Config.tiny(d_model=1024, n_layers=16, n_heads=8, n_kv_heads=8, head_dim=128, mlp_hidden=4096,
                           window=4096, vocab_size=R.VOCAB)
