@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from typing import Any, Optional
 
 import equinox as eqx
@@ -114,9 +116,18 @@ class CheckpointManager:
         if read_only and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint directory {self.directory}; pass the run "
                                     "directory that holds checkpoints/ (or a checkpoints/<step>)")
+        # Save durations for "checkpoint N saved in S s": orbax calls back from its finalize
+        # thread once a save's files are written; the main thread reads them in `finished_saves`.
+        self._started: dict[int, float] = {}
+        self._finished: list[tuple[int, float]] = []
+        self._lock = threading.Lock()
+        self._async = async_save and not read_only
+        async_options = (ocp.AsyncOptions(post_finalization_callback=self._on_finalized)
+                         if self._async else None)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=not read_only, read_only=read_only,
-            cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
+            cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save,
+            async_options=async_options)
         # Handlers named up front, so a fresh process can read metadata before any save.
         self._mgr = ocp.CheckpointManager(
             self.directory, options=options,
@@ -165,8 +176,33 @@ class CheckpointManager:
             raise FileExistsError(f"checkpoint {self.directory}/{step} already exists; a "
                                   "checkpoint label is written once (N = steps done)")
         flat = tensor_names(state)
-        self._mgr.save(int(step), force=True, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(flat), extra=ocp.args.JsonSave(extra)))
+        self._mgr.wait_until_finished()   # orbax would wait here anyway; this times only our save
+        with self._lock:
+            self._started[int(step)] = time.perf_counter()
+        try:
+            self._mgr.save(int(step), force=True, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(flat), extra=ocp.args.JsonSave(extra)))
+        except BaseException:
+            with self._lock:
+                self._started.pop(int(step), None)
+            raise
+        if not self._async:   # written and committed already
+            self._on_finalized()
+
+    def _on_finalized(self) -> None:
+        # One save is in flight at a time, so the oldest started one is the one that finished.
+        now = time.perf_counter()
+        with self._lock:
+            if self._started:
+                step = min(self._started)
+                self._finished.append((step, now - self._started.pop(step)))
+
+    def finished_saves(self) -> list[tuple[int, float]]:
+        """(step, seconds from `save` until its files were written) of each save finished since
+        the last call, oldest first. Cheap: call it after every training step."""
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
 
     def wait(self) -> None:
         """Block until every pending save is committed (renamed into place)."""
