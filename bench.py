@@ -140,7 +140,8 @@ def timed(fn) -> tuple[float, float]:
 
 def main(argv):
     del argv
-    from olmo3 import runtime
+    from olmo3 import logs, runtime
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
     tuned = runtime.tune_cpu() if F.tune_cpu else []
 
     import jax

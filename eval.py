@@ -215,6 +215,8 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    from olmo3 import logs
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     sets_fn = lambda config: heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size,  # noqa: E731
                                           data_dir=F.eval_data_dir, data_mix=F.data_mix, data_root=F.data_root)
     if F.compare:

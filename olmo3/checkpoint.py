@@ -124,8 +124,9 @@ class CheckpointManager:
         self._async = async_save and not read_only
         async_options = (ocp.AsyncOptions(post_finalization_callback=self._on_finalized)
                          if self._async else None)
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not read_only, read_only=read_only,
+        options = ocp.CheckpointManagerOptions(  # read-only: the values orbax would force, warning
+            max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
+            create=not read_only, read_only=read_only,
             cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save,
             async_options=async_options)
         # Handlers named up front, so a fresh process can read metadata before any save.

@@ -10,7 +10,8 @@ By default (`quiet_library_logs()` at the top of a script's main):
     - INFO lines from our own files (train.py, eval.py, convert.py, bench.py, olmo3/, data/, ...)
       print as the bare message; WARNING and above from anyone print with absl's prefix
       (`W1201 00:35:06.4 ... file.py:12] ...`), so they stand out;
-    - INFO lines from every other file (Orbax, JAX, ...) are dropped;
+    - INFO lines from every other file (Orbax, JAX, ...) are dropped, and so are the few library
+      warnings about what we asked for on purpose (BENIGN_WARNINGS);
     - XLA's C++ INFO logs are off (TF_CPP_MIN_LOG_LEVEL=1, unless the environment sets it).
 Passing absl's own `--verbosity` (`--verbosity=0` for every INFO line, `--verbosity=1` for
 absl's debug lines too; `-v` is its short name) turns all of this off: every library's lines
@@ -39,11 +40,20 @@ def is_ours(path: str) -> bool:
     return main is not None and os.path.dirname(path) == os.path.dirname(os.path.abspath(main))
 
 
+# Library warnings about what we asked for on purpose; each would print on every run.
+BENIGN_WARNINGS = (
+    "Given directory is read only",   # orbax, on every read-only CheckpointManager (eval, convert)
+    "Type handler registry overriding type",   # orbax, when convert.py registers its lazy tensor
+)
+
+
 class _OursOrWarnings(std_logging.Filter):
-    """Keeps our records at any level and everyone's at WARNING and above."""
+    """Keeps our records at any level and everyone's at WARNING and above, but BENIGN_WARNINGS."""
 
     def filter(self, record: std_logging.LogRecord) -> bool:
-        return record.levelno >= std_logging.WARNING or is_ours(record.pathname)
+        if is_ours(record.pathname):
+            return True
+        return record.levelno >= std_logging.WARNING and not str(record.msg).startswith(BENIGN_WARNINGS)
 
 
 _FILTER = _OursOrWarnings()
