@@ -69,16 +69,27 @@ def test_peak_too_low_is_remeasured_not_clamped():
 
 def test_step_faster_than_any_measurement_becomes_the_peak(caplog):
     """If the matmul never reaches what a step did, the step's rate is the peak: MFU 100%, and a
-    warning says so; never a figure above 100%."""
+    line says so; never a figure above 100%."""
     clock = FakeClock()
     peak = metrics.PeakFlops(device_kind="cpu", measure=FakeMeasure(clock, [100e9]), clock=clock,
                              early_steps=0)
     sc = metrics.StepClock(TOKENS, FLOPS, 1, peak, clock=clock)
-    with caplog.at_level(std_logging.WARNING):
+    with caplog.at_level(std_logging.INFO):
         (m,) = run_steps(sc, clock, [1.0])
     assert peak.value == pytest.approx(150e9)
     assert m["perf/mfu_writeup"] == pytest.approx(1.0)
     assert any("above the peak" in r.getMessage() for r in caplog.records)
+
+
+def test_flag_peak_too_low_warns_and_rises(caplog):
+    """--peak_tflops below what a step reached: a warning, and the step's rate as the peak."""
+    clock = FakeClock()
+    peak = metrics.PeakFlops(0.1, device_kind="NVIDIA H200", clock=clock)   # 100 GFLOP/s
+    sc = metrics.StepClock(TOKENS, FLOPS, 1, peak, clock=clock)
+    with caplog.at_level(std_logging.WARNING):
+        (m,) = run_steps(sc, clock, [1.0])
+    assert m["perf/mfu_writeup"] == pytest.approx(1.0) and "raised" in peak.describe()
+    assert any(r.levelno == std_logging.WARNING and "above the peak" in r.getMessage() for r in caplog.records)
 
 
 def test_early_and_periodic_remeasurements():
