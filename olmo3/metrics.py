@@ -14,7 +14,7 @@ import os
 import resource
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 from absl import logging
@@ -122,7 +122,8 @@ class PeakFlops:
     """
 
     def __init__(self, flag_tflops: Optional[float] = None, *, device_kind: Optional[str] = None,
-                 dtype=None, measure=None, clock=time.perf_counter, early_steps: int = 5,
+                 dtype=None, measure: Optional[Callable[[int], float]] = None,
+                 clock: Callable[[], float] = time.perf_counter, early_steps: int = 5,
                  refresh_s: float = 600.0):
         self.clock, self.early_steps, self.refresh_s = clock, early_steps, refresh_s
         kind = device_kind if device_kind is not None else jax.devices()[0].device_kind
@@ -218,7 +219,8 @@ class StepClock:
     """
 
     def __init__(self, tokens_per_step: int, flops_per_step: dict, n_devices: int,
-                 peak: Optional[PeakFlops], window: int = 20, clock=time.perf_counter):
+                 peak: Optional[PeakFlops], window: int = 20,
+                 clock: Callable[[], float] = time.perf_counter):
         self.tokens_per_step, self.flops, self.n_devices = tokens_per_step, flops_per_step, n_devices
         self.peak, self.window, self.clock = peak, window, clock
         self.times: list[float] = []      # the window, oldest first
