@@ -74,7 +74,7 @@ def test_step_faster_than_any_measurement_becomes_the_peak(caplog):
     peak = metrics.PeakFlops(device_kind="cpu", measure=FakeMeasure(clock, [100e9]), clock=clock,
                              early_steps=0)
     sc = metrics.StepClock(TOKENS, FLOPS, 1, peak, clock=clock)
-    with caplog.at_level(std_logging.INFO):
+    with caplog.at_level(std_logging.INFO, logger="absl"):   # absl logs through its own logger
         (m,) = run_steps(sc, clock, [1.0])
     assert peak.value == pytest.approx(150e9)
     assert m["perf/mfu_writeup"] == pytest.approx(1.0)
@@ -86,7 +86,7 @@ def test_flag_peak_too_low_warns_and_rises(caplog):
     clock = FakeClock()
     peak = metrics.PeakFlops(0.1, device_kind="NVIDIA H200", clock=clock)   # 100 GFLOP/s
     sc = metrics.StepClock(TOKENS, FLOPS, 1, peak, clock=clock)
-    with caplog.at_level(std_logging.WARNING):
+    with caplog.at_level(std_logging.WARNING, logger="absl"):
         (m,) = run_steps(sc, clock, [1.0])
     assert m["perf/mfu_writeup"] == pytest.approx(1.0) and "raised" in peak.describe()
     assert any(r.levelno == std_logging.WARNING and "above the peak" in r.getMessage() for r in caplog.records)
