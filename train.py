@@ -312,6 +312,7 @@ def main(argv):
             step += 1
             m = {k: float(v) for k, v in m.items()}
             check_finite(m, step, ckpt)
+            cli.mark_running()  # inputs are all checked: a failure from here on is retryable
             now = time.perf_counter()
             dt, t_last = now - t_last, now
             done_since += 1

@@ -165,6 +165,18 @@ def test_bad_input(world, outcomes, case):
     assert not (os.path.isdir(ckpts) and os.listdir(ckpts)) and not os.path.exists(world / f"out_{case}")
 
 
+def test_exit_status_before_and_after_the_first_step(monkeypatch):
+    """Before the first step a missing file is the user's (2); after it, a file vanishing on a
+    flaky mount is retried (1). Bad values (2) and a non-finite state (3) stay final."""
+    from olmo3 import cli
+    monkeypatch.setattr(cli, "_running", False)
+    cases = [FileNotFoundError("x"), ValueError("x"), cli.UserError("x"), cli.NonFiniteError("x"),
+             OSError("x"), RuntimeError("x")]
+    assert [cli.exit_status(e) for e in cases] == [2, 2, 2, 3, 1, 1]
+    cli.mark_running()
+    assert [cli.exit_status(e) for e in cases] == [1, 2, 2, 3, 1, 1]
+
+
 def test_verbosity_brings_the_traceback_back(world):
     p = script("eval.py", f"--model={world / 'nowhere'}", "--verbosity=1")
     assert p.returncode == 2 and "Traceback" in p.stderr and p.stderr.strip().splitlines()[-1].startswith("eval.py: error:")
