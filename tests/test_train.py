@@ -21,15 +21,18 @@ SMALL = ["--flagfile=" + os.path.join(ROOT, "tiny.flags"), "--d_model=32", "--n_
          "--total_steps=20", "--warmup_steps=2"]
 
 
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory):
-    """A small corpus of documents (so the tests don't tokenize the whole standard library)."""
-    d = tmp_path_factory.mktemp("docs")
+def word_corpus(d):
+    """40 documents of 300 random words in `d` (so the tests don't tokenize the standard library)."""
     rng = np.random.default_rng(0)
     words = [f"word{i}" for i in range(300)] + ["def", "return", "class", "(", ")", ":"]
     for i in range(40):
         (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
-    return str(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    return str(word_corpus(tmp_path_factory.mktemp("docs")))
 
 
 def run(args, run_dir, docs, data_dir, check=True, env_extra=None, **kw):
