@@ -2,10 +2,13 @@
 logit-parity report.
 
     python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/olmo3-7b-step0 --verify
-    python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/init --with_optimizer_state
+    python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/init --with_optimizer_state \
+        --pad_vocab=100352
+    python train.py --stage=1 --flagfile=stage1.flags --init_from=runs/init
+        # AI2's step-0 weights; HF checkpoints hold 100278 vocab rows, --pad_vocab adds OLMo-core's
+        # padding (stage1.flags' --vocab_size=100352) with OLMo-core's init
     python convert.py --from=orbax:runs/stage1/checkpoints/1413814 --to=hf:/models/mine --verify
-    python train.py --stage=1 --flagfile=stage1.flags --vocab_size=100278 --init_from=runs/init
-        # AI2's step-0 weights; HF checkpoints hold 100278 vocab rows, stage1.flags says OLMo-core's 100352
+        # the padded rows stay behind: HF gets dolma2's 100278 (--hf_vocab_size to choose)
 
 The Orbax side is exactly what train.py's CheckpointManager reads: `<dir>/checkpoints/<step>/`
 with the model's tensors under "model.*", and extra = {"model_config": ..., "stage": 0, ...}.
@@ -32,13 +35,13 @@ import json
 import math
 import os
 import resource
-import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
 from absl import app, flags, logging
+
+from olmo3 import cli
 
 # ---------------------------------------------------------------------------------------------
 # §0 Flags.
@@ -57,6 +60,13 @@ flags.DEFINE_bool("verify", False, "Run the HF model in torch and ours on the sa
 flags.DEFINE_float("max_kl", 1e-4, "--verify fails when the mean per-token KL(HF || ours) exceeds this (nats).")
 flags.DEFINE_integer("verify_seq", 256, "--verify: tokens per sequence.")
 flags.DEFINE_integer("verify_batch", 2, "--verify: sequences.")
+flags.DEFINE_integer("pad_vocab", None,
+                     "HF -> Orbax: pad the vocabulary to N rows, as OLMo-core trains (100352 for dolma2's "
+                     "100,278 tokens; stage1.flags' --vocab_size); the new rows get OLMo-core's init.")
+flags.DEFINE_integer("pad_seed", 0, "--pad_vocab: PRNG seed of the padded rows.")
+flags.DEFINE_integer("hf_vocab_size", None,
+                     "Orbax -> HF: rows to keep (default: a vocabulary padded past dolma2's 100,278 tokens "
+                     "is cut back to them, as AI2's HF checkpoints hold; otherwise all rows).")
 flags.DEFINE_float("shard_gb", 5.0, "HF output: start a new safetensors shard past this size (GB).")
 
 WINDOW = 128  # skip-step window (olmo3/optim.py WINDOW, OLMo-core rolling_interval_length)
@@ -64,13 +74,13 @@ WINDOW = 128  # skip-step window (olmo3/optim.py WINDOW, OLMo-core rolling_inter
 
 def _import():
     """Heavy imports after flag parsing, so --help is instant."""
-    global eqx, jax, olmo3, hf, checkpoint, ev, OLMo3, optim, schedules
+    global eqx, jax, olmo3, hf, checkpoint, heldout, load, OLMo3, optim, schedules, config_from_dict, config_to_dict
     import equinox as eqx
     import jax
 
     import olmo3
-    from olmo3 import checkpoint, hf, optim, schedules
-    from olmo3 import evaluation as ev
+    from olmo3 import checkpoint, heldout, hf, load, optim, schedules
+    from olmo3.config import config_from_dict, config_to_dict
     from olmo3.model import OLMo3
 
 
@@ -83,10 +93,8 @@ def _import():
 @functools.lru_cache(maxsize=1)
 def _lazy_tensor_types():
     import jax
-    import orbax.checkpoint as ocp
     import tensorstore as ts
-    from orbax.checkpoint import future
-    from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils as ts_utils
+    from orbax.checkpoint import future, multihost, type_handlers
 
     class LazyTensor(jax.ShapeDtypeStruct):
         """A ShapeDtypeStruct (so checkpoint.tensor_names lists it) whose `parts()` yields
@@ -96,24 +104,25 @@ def _lazy_tensor_types():
             super().__init__(tuple(shape), dtype)
             self.parts, self.axis, self.block = parts, axis, block
 
-    class SequentialNumpyHandler(ocp.type_handlers.NumpyHandler):
+    class SequentialNumpyHandler(type_handlers.NumpyHandler):
         """Writes LazyTensors in turn, part by part, as plain numpy arrays (typestr 'np.ndarray',
-        the same TensorStore spec as Orbax's numpy handler: restore is Orbax's stock reader)."""
+        the same TensorStore spec as Orbax's numpy handler: restore is Orbax's stock reader).
+        Public Orbax API only: `type_handlers.get_json_tspec_write` gives the spec Orbax's own
+        handler writes with; metadata files keep Orbax's default name (metadata_key None)."""
 
         def __init__(self):
             super().__init__(deepcopy_host_arrays=False)
 
-        async def _write(self, value, info, arg):
+        async def _write_parts(self, value, info, arg):
             await info.await_path_creation()
             chunk = value.shape  # one storage chunk per part: each part's write completes its
             if value.axis is not None:  # chunk, so nothing waits in memory for the rest of the array
                 chunk = tuple(value.block if d == value.axis else n for d, n in enumerate(value.shape))
-            spec = ts_utils.build_array_write_spec(
-                info=info, arg=arg, global_shape=value.shape, local_shape=chunk, dtype=value.dtype,
-                use_ocdbt=info.is_ocdbt_checkpoint,
-                process_index=ocdbt_utils.get_process_index_for_subdir(use_ocdbt=info.is_ocdbt_checkpoint),
-                metadata_key=self._metadata_key)
-            t = await ts.open(ts.Spec(spec.json), create=True, open=True, context=info.ts_context)
+            ocdbt = info.is_ocdbt_checkpoint  # OCDBT files live under a per-process subdirectory
+            spec = type_handlers.get_json_tspec_write(
+                info, use_ocdbt=ocdbt, global_shape=value.shape, local_shape=chunk, dtype=value.dtype,
+                process_index=multihost.process_index() if ocdbt else None, metadata_key=None, arg=arg)
+            t = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
             for index, part in value.parts():
                 if part.dtype != value.dtype:
                     raise ValueError(f"{info.name}: part has dtype {part.dtype}, expected {value.dtype}")
@@ -121,15 +130,15 @@ def _lazy_tensor_types():
                 del part
 
         async def serialize(self, values, infos, args=None):
-            args = args or [ocp.SaveArgs()] * len(values)
+            args = args or [type_handlers.SaveArgs()] * len(values)
 
             async def write_in_turn():
                 for value, info, arg in zip(values, infos, args):
-                    await self._write(value, info, arg)
+                    await self._write_parts(value, info, arg)
 
             return [future.CommitFutureAwaitingContractedSignals(write_in_turn(), name="lazy_tensors")]
 
-    ocp.type_handlers.register_type_handler(LazyTensor, SequentialNumpyHandler(),
+    type_handlers.register_type_handler(LazyTensor, SequentialNumpyHandler(),
                                             func=lambda t: issubclass(t, LazyTensor), override=True)
     return LazyTensor
 
@@ -139,11 +148,18 @@ def _lazy_tensor_types():
 # stores matrices [in, out] (torch Linear stores [out, in]); olmo3/hf.py's LAYER_MAP names them.
 # ---------------------------------------------------------------------------------------------
 def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float32",
-                with_optimizer_state: bool = False) -> "olmo3.Config":
+                with_optimizer_state: bool = False, pad_vocab: int | None = None,
+                pad_seed: int = 0) -> "olmo3.Config":
     _import()
     LazyTensor = _lazy_tensor_types()
-    config = ev.read_hf_config(src, param_dtype=param_dtype)
-    sd = ev.SafetensorsReader(src)
+    config = hf.read_hf_config(src, param_dtype=param_dtype)
+    hf_vocab = config.vocab_size
+    if pad_vocab is not None:
+        if pad_vocab < hf_vocab:
+            raise ValueError(f"--pad_vocab={pad_vocab} is smaller than {src}'s vocabulary of {hf_vocab} rows; "
+                             f"pass N >= {hf_vocab} (OLMo-core pads dolma2 to 100352)")
+        config = config.replace(vocab_size=pad_vocab)
+    sd = hf.SafetensorsReader(src)
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     dtype = np.dtype(config.pdtype)
     expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
@@ -158,18 +174,32 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
         _check_shape(src, sd, name, want_shape, transpose)
         return sd[name].T if transpose else sd[name]
 
+    def vocab_shape(shape, transpose):  # the HF tensor's share of a (possibly padded) vocab matrix
+        return (shape[0], hf_vocab) if transpose else (hf_vocab, shape[1])
+
     def single(name, shape, transpose):  # embed [V, d] in row blocks; lm_head [d, V] in column blocks
+        if len(shape) != 2:                                               # the final norm, whole
+            _check_shape(src, sd, name, shape, transpose)
+            return LazyTensor(shape, dtype, lambda: [((), np.asarray(sd[name], dtype))])
         axis = 1 if transpose else 0
         block = _block(shape, axis, dtype)
+        pad = padded_rows(name, shape[axis] - hf_vocab, shape[1 - axis])               # (V - V_hf, d)
 
         def parts():
             for a in range(0, shape[axis], block):
                 rows = np.asarray(sd[name][a:a + block], dtype)                  # HF rows a..a+block
+                if a + block > hf_vocab:  # the block runs into the padding
+                    rows = np.concatenate([rows, pad[max(a - hf_vocab, 0):a + block - hf_vocab]])
                 yield ((slice(None), slice(a, a + block)) if transpose else slice(a, a + block)), (
                     rows.T if transpose else rows)
-        _check_shape(src, sd, name, shape, transpose)
-        return LazyTensor(shape, dtype, parts, axis, block) if len(shape) == 2 else LazyTensor(
-            shape, dtype, lambda: [((), np.asarray(sd[name], dtype))])
+        _check_shape(src, sd, name, vocab_shape(shape, transpose), transpose)
+        return LazyTensor(shape, dtype, parts, axis, block)
+
+    def padded_rows(name, n, d):
+        """OLMo-core's init of the rows past the tokenizer: truncated normal, std 0.02, cut at
+        +-3 std (InitMethod.normal for the embedding and the output projection; DESIGN §2)."""
+        key = jax.random.fold_in(jax.random.key(pad_seed), 0 if name.startswith("model.embed") else 1)
+        return np.asarray(config.init_std * jax.random.truncated_normal(key, -3.0, 3.0, (n, d)), dtype)
 
     def stacked(suffix, shape, transpose):                               # (L, in, out), a layer at a time
         return LazyTensor(shape, dtype, lambda: ((i, np.asarray(hf_tensor(f"model.layers.{i}.{suffix}",
@@ -180,9 +210,9 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     for f, suffix, t in hf.LAYER_MAP:
         for i in range(config.n_layers):
             _check_shape(src, sd, f"model.layers.{i}.{suffix}", getattr(abstract.layers, f).shape[1:], t)
-    for name, shape, t in [("model.embed_tokens.weight", abstract.embed.shape, False),
+    for name, shape, t in [("model.embed_tokens.weight", vocab_shape(abstract.embed.shape, False), False),
                            ("model.norm.weight", abstract.norm.shape, False),
-                           ("lm_head.weight", abstract.lm_head.shape, True)]:
+                           ("lm_head.weight", vocab_shape(abstract.lm_head.shape, True), True)]:
         _check_shape(src, sd, name, shape, t)
     layers = {f: stacked(s, getattr(abstract.layers, f).shape, t) for f, s, t in hf.LAYER_MAP}
     model = eqx.tree_at(
@@ -195,8 +225,8 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     state = {"model": model}
     if with_optimizer_state:
         state["opt"] = zero_optimizer_state(abstract, LazyTensor)
-    extra = {"stage": 0, "model_config": ev.config_to_dict(config), "converted_from": f"hf:{os.path.abspath(src)}",
-             "with_optimizer_state": with_optimizer_state}
+    extra = {"stage": 0, "model_config": config_to_dict(config), "converted_from": f"hf:{os.path.abspath(src)}",
+             "with_optimizer_state": with_optimizer_state, "hf_vocab_size": hf_vocab}
     write_orbax(dst, step, state, extra)
     return config
 
@@ -254,17 +284,24 @@ def write_orbax(dst: str, step: int, state, extra: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # §3 Orbax -> HF: read one stacked tensor at a time, write its layers into the safetensors file(s).
 # ---------------------------------------------------------------------------------------------
-def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: float = 5.0) -> "olmo3.Config":
+def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: float = 5.0,
+                hf_vocab_size: int | None = None) -> "olmo3.Config":
     _import()
     run, step = checkpoint.locate(src)
     mgr = checkpoint.CheckpointManager(run, read_only=True)
+    step = mgr.verify(step)  # a damaged checkpoint is named before anything is written
     extra = mgr.read_extra(step)
-    step = mgr.latest_step() if step is None else step
     if "model_config" not in extra:
         raise ValueError(f"{src}: checkpoint extra has no model_config (not written by train.py or convert.py)")
-    config = ev.config_from_dict(extra["model_config"])
+    config = config_from_dict(extra["model_config"])
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     out_dtype = np.dtype(getattr(jax.numpy, hf_dtype or config.param_dtype))
+    hf_vocab = hf_vocab_size or extra.get("hf_vocab_size") or unpadded_vocab(config.vocab_size)
+    if not 0 < hf_vocab <= config.vocab_size:
+        raise ValueError(f"--hf_vocab_size={hf_vocab}: the checkpoint has {config.vocab_size} vocabulary rows")
+    if hf_vocab < config.vocab_size:
+        logging.info("dropping vocabulary rows %d..%d (OLMo-core's padding) from the HF output",
+                     hf_vocab, config.vocab_size - 1)
     L = config.n_layers
     layer_fields = {f for f, _, _ in hf.LAYER_MAP}
 
@@ -278,7 +315,8 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
 
     def hf_shape(field, transpose):
         s = our_shape(field)[1:] if field in layer_fields else our_shape(field)
-        return tuple(s[::-1]) if transpose else tuple(s)
+        s = tuple(s[::-1]) if transpose else tuple(s)
+        return (hf_vocab, *s[1:]) if field in ("embed", "lm_head") else s
 
     # Shards: tensors in plan order, a new file past shard_gb (HF's own index format).
     specs, shards, size = [], [[]], 0
@@ -295,39 +333,39 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
 
-    dst = os.path.abspath(dst)
-    if os.path.exists(dst) and os.listdir(dst):
-        raise FileExistsError(f"--to=hf:{dst} exists and is not empty; choose a new directory")
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=os.path.dirname(dst))
     try:
-        writers = [ev.SafetensorsWriter(os.path.join(tmp, f), s) for f, s in zip(files, shards)]
-        shard_of = {n: k for k, s in enumerate(shards) for n, _, _ in s}
-        for field, names, transpose in plan:
-            stacked = field in layer_fields
-            for i, part in read_parts(mgr, step, field, our_shape(field), config.pdtype, stacked, transpose):
-                name = names[i] if stacked else names[0]
-                writers[shard_of[name]].write(name, part.T if transpose else part)
-                del part
-        for w in writers:
-            w.close()
-        if len(files) > 1:
-            index = {"metadata": {"total_size": int(sum(np.prod(s[1]) * out_dtype.itemsize
-                                                        for sh in shards for s in sh))},
-                     "weight_map": {n: files[k] for n, k in shard_of.items()}}
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf.config_to_hf(config.replace(param_dtype=str(out_dtype))), f, indent=2)
-        if os.path.exists(dst):
-            os.rmdir(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with hf.new_hf_dir(dst, config.replace(param_dtype=str(out_dtype), vocab_size=hf_vocab)) as tmp:
+            writers = [hf.SafetensorsWriter(os.path.join(tmp, f), s) for f, s in zip(files, shards)]
+            shard_of = {n: k for k, s in enumerate(shards) for n, _, _ in s}
+            for field, names, transpose in plan:
+                stacked, row = field in layer_fields, 0   # row: HF rows of embed / lm_head written so far
+                for i, part in read_parts(mgr, step, field, our_shape(field), config.pdtype, stacked, transpose):
+                    name = names[i] if stacked else names[0]
+                    part = part.T if transpose else part
+                    if field in ("embed", "lm_head"):  # padded vocabulary rows stay behind
+                        part, row = part[:max(hf_vocab - row, 0)], row + len(part)
+                    if len(part):
+                        writers[shard_of[name]].write(name, part)
+                    del part
+            for w in writers:
+                w.close()
+            if len(files) > 1:
+                index = {"metadata": {"total_size": int(sum(np.prod(s[1]) * out_dtype.itemsize
+                                                            for sh in shards for s in sh))},
+                         "weight_map": {n: files[k] for n, k in shard_of.items()}}
+                with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                    json.dump(index, f, indent=2)
     finally:
         mgr.close()
     return config
+
+
+def unpadded_vocab(vocab_size: int) -> int:
+    """HF rows of a vocabulary: OLMo-core pads dolma2's 100,278 tokens (to 100352); rows past the
+    tokenizer are padding, which AI2's HF checkpoints do not hold. Smaller research
+    vocabularies are kept whole."""
+    import data
+    return min(vocab_size, data.VOCAB_SIZE)
 
 
 def read_parts(mgr, step, field, shape, dtype, stacked, transpose):
@@ -381,7 +419,7 @@ def verify(hf_dir: str, ours, *, seq: int = 256, batch: int = 2, seed: int = 0) 
         raise RuntimeError(f"--verify needs torch and transformers ({e}); pip install torch transformers") from e
     import jax.numpy as jnp
     ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    V = ours.config.vocab_size
+    V = ref.config.vocab_size
     rng = np.random.default_rng(seed)
     if V >= 100278:  # real text through the dolma2 tokenizer, as a user would feed it
         import data
@@ -393,7 +431,8 @@ def verify(hf_dir: str, ours, *, seq: int = 256, batch: int = 2, seed: int = 0) 
     with torch.no_grad():
         ref_logits = ref(torch.tensor(rows, dtype=torch.long)).logits.float().numpy()
     ours_logits = np.asarray(jax.vmap(ours)(jnp.asarray(rows, jnp.int32)))
-    return ev.logit_agreement(ref_logits, ours_logits)
+    # A padded vocabulary (--pad_vocab) is compared on the HF rows: the padding is not HF's to score.
+    return heldout.logit_agreement(ref_logits, ours_logits[..., :ref_logits.shape[-1]])
 
 
 def _peak_rss_gb() -> float:
@@ -426,19 +465,23 @@ def main(argv):
         raise app.UsageError("--from and --to must be one hf: and one orbax:")
     t0 = time.time()
     if src_kind == "hf":
+        if F.hf_vocab_size is not None:
+            raise app.UsageError("--hf_vocab_size only applies to --to=hf:")
         config = hf_to_orbax(src, dst, step=F.step, param_dtype=F.param_dtype or "float32",
-                             with_optimizer_state=F.with_optimizer_state)
+                             with_optimizer_state=F.with_optimizer_state, pad_vocab=F.pad_vocab,
+                             pad_seed=F.pad_seed)
         hf_dir, orbax_dir = src, dst
     else:
-        if F.with_optimizer_state:
-            raise app.UsageError("--with_optimizer_state only applies to --to=orbax:")
-        config = orbax_to_hf(src, dst, hf_dtype=F.hf_dtype, shard_gb=F.shard_gb)
+        for name in ("with_optimizer_state", "pad_vocab"):
+            if F[name].value:
+                raise app.UsageError(f"--{name} only applies to --to=orbax:")
+        config = orbax_to_hf(src, dst, hf_dtype=F.hf_dtype, shard_gb=F.shard_gb, hf_vocab_size=F.hf_vocab_size)
         hf_dir, orbax_dir = dst, src
     peak_gb = _peak_rss_gb()
     print(f"converted {src_kind}:{src} -> {dst_kind}:{dst}: {config.num_params():,} parameters in "
           f"{time.time() - t0:.1f} s, peak RSS {peak_gb:.2f} GB")
     if F.verify:
-        ours, _ = ev.load_model(orbax_dir)
+        ours, _ = load.load_model(orbax_dir)
         r = verify(hf_dir, ours, seq=F.verify_seq, batch=F.verify_batch)
         print(f"parity on {r['tokens']} tokens: KL(HF || ours) mean {r['kl_mean']:.3g} max {r['kl_max']:.3g} "
               f"nats | top-1 agreement {100 * r['top1']:.2f}% | top-10 overlap {100 * r['top10']:.2f}%")
@@ -449,4 +492,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["from", "to"])
-    app.run(main)
+    cli.run(main)  # a user's error: one line, exit 2 (olmo3/cli.py)

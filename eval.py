@@ -25,7 +25,8 @@ import numpy as np
 from absl import app, flags, logging
 
 import data
-from olmo3 import evaluation as ev
+from olmo3 import cli, comparison, heldout, load, scoring
+from olmo3.config import config_diff, config_from_dict
 
 # ---------------------------------------------------------------------------------------------
 # §0 Flags.
@@ -54,6 +55,8 @@ flags.DEFINE_integer("max_length", 2048, "Longest context the scorer feeds the m
 flags.DEFINE_integer("train_loss_window", 20, "--compare: training loss = mean over this many steps up to N.")
 flags.DEFINE_float("tol", 0.02, "--compare: loss differences (nats) below this are noise for the verdict.")
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Activations for evaluation.")
+flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), run "
+                  "anyway: every process evaluates on its own. Without it such a launch stops (olmo3/cluster.py).")
 flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
 
 
@@ -87,10 +90,10 @@ def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, data_dir=None, dat
 
 def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int) -> dict:
     """eval/<domain>/loss and /bpb per domain, plus token-weighted eval/all/loss and /bpb."""
-    lengths = ev.token_byte_lengths(model.config.vocab_size)
+    lengths = heldout.token_byte_lengths(model.config.vocab_size)
     out, ce, tok, nbytes = {}, 0.0, 0.0, 0.0
     for domain, ds in sets.items():
-        r = ev.heldout(model, ds, batch_size=batch_size, max_batches=max_batches, byte_lengths=lengths)
+        r = heldout.heldout(model, ds, batch_size=batch_size, max_batches=max_batches, byte_lengths=lengths)
         out[f"eval/{domain}/loss"], out[f"eval/{domain}/bpb"] = r["loss"], r["bpb"]
         ce, tok, nbytes = ce + r["ce_sum"], tok + r["tokens"], nbytes + r["bytes"]
     out["eval/all/loss"] = ce / tok
@@ -104,7 +107,7 @@ def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int) -> d
 # ---------------------------------------------------------------------------------------------
 def kl_report(model_a, model_b, sets: dict, instances: int) -> dict:
     rows = np.concatenate([np.stack([ds[i] for i in range(min(instances, len(ds)))]) for ds in sets.values()])
-    r = ev.model_agreement(model_a, model_b, rows.astype(np.int32))
+    r = heldout.model_agreement(model_a, model_b, rows.astype(np.int32))
     return {"kl/mean": r["kl_mean"], "kl/max": r["kl_max"], "kl/top1": r["top1"], "kl/top10": r["top10"]}
 
 
@@ -118,11 +121,11 @@ def task_name(path: str) -> str:
 
 
 def downstream_report(model, tasks, *, num_fewshot=0, limit=None, tokenizer=None, max_length=2048) -> dict:
-    scorer = ev.Scorer(model, tokenizer or data.dolma2(), max_length)
+    scorer = scoring.Scorer(model, tokenizer or data.dolma2(), max_length)
     out = {}
     for path in tasks:
-        docs, pool = ev.load_task(path)
-        r = ev.multiple_choice(scorer, docs, pool, num_fewshot=num_fewshot, limit=limit)
+        docs, pool = scoring.load_task(path)
+        r = scoring.multiple_choice(scorer, docs, pool, num_fewshot=num_fewshot, limit=limit)
         for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr"):
             out[f"task/{task_name(path)}/{k}"] = r[k]
     return out
@@ -136,7 +139,7 @@ def lm_eval_report(model, task_names, *, num_fewshot=0, limit=None, include=None
     except ImportError as e:
         raise app.UsageError(f"--lm_eval_tasks needs lm-eval: pip install lm-eval ({e})") from e
     results = lm_eval.simple_evaluate(
-        model=ev.lm_eval_adapter(model, max_length=max_length), tasks=list(task_names),
+        model=scoring.lm_eval_adapter(model, max_length=max_length), tasks=list(task_names),
         num_fewshot=num_fewshot, limit=limit, task_manager=TaskManager(include_path=include))
     out = {}
     for task, metrics in results["results"].items():
@@ -157,8 +160,8 @@ def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
         extra = CheckpointManager(run, read_only=True).read_extra(step)
         if "model_config" not in extra:
             raise ValueError(f"{run} step {step}: no model_config in the checkpoint; not a train.py run")
-        configs.append(ev.config_from_dict(extra["model_config"]))
-    diff = ev.config_diff(*configs)
+        configs.append(config_from_dict(extra["model_config"]))
+    diff = config_diff(*configs)
     if diff:
         raise ValueError(f"runs {run_a} and {run_b} have different model configs {diff} (A, B); a step-aligned "
                          "comparison needs the same architecture and vocabulary")
@@ -170,16 +173,16 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
                  out_dir=None, compute_dtype="float32") -> dict:
     """Rows per common step, the overall verdict, and the report paths. `sets_fn(config)` gives
     the held-out sets (built once, identical for both runs)."""
-    steps, notes = ev.iter_steps(run_a, run_b, steps)
+    steps, notes = comparison.iter_steps(run_a, run_b, steps)
     config = check_same_architecture(run_a, run_b, steps[0], steps[0])
     sets = sets_fn(config)
-    metrics = [ev.read_metrics(r) for r in (run_a, run_b)]
+    metrics = [comparison.read_metrics(r) for r in (run_a, run_b)]
     rows = []
     for step in steps:
         check_same_architecture(run_a, run_b, step, step)
-        ma, _ = ev.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype)
-        mb, _ = ev.load_model(os.path.join(run_b, "checkpoints", str(step)), compute_dtype=compute_dtype)
-        ta, tb = (ev.train_loss_at(m, step, train_loss_window) for m in metrics)
+        ma, _ = load.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype)
+        mb, _ = load.load_model(os.path.join(run_b, "checkpoints", str(step)), compute_dtype=compute_dtype)
+        ta, tb = (comparison.train_loss_at(m, step, train_loss_window) for m in metrics)
         ha = heldout_report(ma, sets, batch_size=batch_size, max_batches=max_batches)
         hb = heldout_report(mb, sets, batch_size=batch_size, max_batches=max_batches)
         row = {"step": step, "train_A": ta, "train_B": tb, "train_delta": tb - ta,
@@ -195,7 +198,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
                 k = f"task/{task_name(t)}"
                 row[f"{task_name(t)}_acc_delta"] = db[f"{k}/acc"] - da[f"{k}/acc"]
                 row[f"{task_name(t)}_acc_delta_se"] = math.hypot(da[f"{k}/acc_stderr"], db[f"{k}/acc_stderr"])
-        row["flag"] = ev.verdict(row["train_delta"], row["heldout_delta"], tol) or ""
+        row["flag"] = comparison.verdict(row["train_delta"], row["heldout_delta"], tol) or ""
         rows.append(row)
         logging.info("step %d: train delta %+.4f, held-out delta %+.4f, KL %.4g %s", step, row["train_delta"],
                      row["heldout_delta"], row["kl_AB"], row["flag"])
@@ -205,7 +208,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
                f"{rows[-1]['train_delta']:+.4f}, held-out delta {rows[-1]['heldout_delta']:+.4f} nats)")
     out = {"rows": rows, "verdict": verdict, "flagged": bool(final), "notes": notes}
     if out_dir:
-        out["paths"] = ev.write_report(rows, out_dir, f"B={run_b} vs A={run_a}", notes=[*notes, f"Verdict: {verdict}"])
+        out["paths"] = comparison.write_report(rows, out_dir, f"B={run_b} vs A={run_a}", notes=[*notes, f"Verdict: {verdict}"])
     return out
 
 
@@ -215,6 +218,9 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    # One process: under srun / mpirun with N > 1 tasks every copy would do the same work.
+    from olmo3 import cluster
+    cluster.start("eval.py", multi_process=False, independent_runs=F.independent_runs)
     from olmo3 import logs
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     sets_fn = lambda config: heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size,  # noqa: E731
@@ -232,7 +238,7 @@ def main(argv):
         sys.exit(2 if r["flagged"] else 0)
     if not F.model:
         raise app.UsageError("give --model (and optionally --model_b), or --compare=A,B")
-    model, info = ev.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype)
+    model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype)
     sets = sets_fn(info["config"])
     results = {"model": F.model, "step": info["step"],
                **heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)}
@@ -243,8 +249,8 @@ def main(argv):
         results.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot, limit=F.limit,
                                       include=F.lm_eval_include, max_length=F.max_length))
     if F.model_b:
-        model_b, info_b = ev.load_model(F.model_b, compute_dtype=F.compute_dtype)
-        diff = ev.config_diff(info["config"], info_b["config"])
+        model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype)
+        diff = config_diff(info["config"], info_b["config"])
         if diff:
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
         hb = heldout_report(model_b, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)
@@ -261,4 +267,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a user's error: one line, exit 2 (olmo3/cli.py)

@@ -4,6 +4,7 @@
     python train.py --stage=2 --flagfile=stage2.flags --init_from=<stage-1 checkpoint>
     python train.py --stage=3 --flagfile=stage3.flags --init_from=<stage-2 checkpoint>
     python train.py --flagfile=tiny.flags                   # CPU: tiny OLMo 3 on the stdlib corpus
+    sbatch --nodes=64 launch/slurm.sbatch stage1.flags /shared/runs/s1   # a cluster (README: On a cluster)
 
 Recipe numbers come from OLMo-core's `OLMo-3-1025-7B-{pretrain-1,midtrain,long-context}.py`
 (../shared/DESIGN.md §3). Step convention everywhere: a checkpoint labelled N holds the state
@@ -16,6 +17,8 @@ import os
 import sys
 
 from absl import app, flags, logging
+
+from olmo3 import cli
 
 # ---------------------------------------------------------------------------------------------
 # §0 Flags. Defaults are the stage-1 7B recipe; the flagfiles spell every number out.
@@ -80,31 +83,55 @@ flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp:128,data:1' (default:
 flags.DEFINE_string("coordinator", None, "jax.distributed coordinator host:port (multi-process runs).")
 flags.DEFINE_integer("num_processes", None, "jax.distributed process count.")
 flags.DEFINE_integer("process_id", None, "jax.distributed process index.")
+flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), let each "
+                  "process train alone instead of joining the others: deliberate replicas, each with its own "
+                  "--run_dir. Without it such a launch either joins or stops (olmo3/cluster.py).")
 flags.DEFINE_float("peak_tflops", None, "Per-device peak TFLOP/s for MFU (default: a known device's, or measured).")
 flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only and keep freed memory in "
                   "the process (olmo3/runtime.py; CPU benchmark step with remat save_proj: 8.76 s -> 7.10 s). "
                   "No effect on GPU/TPU hosts.")
 
 
+# Recipe numbers are checked as the flags are parsed, before any device work: NaN, inf or an
+# impossible value ends the command with one line (exit 2) instead of a poisoned run.
+def _finite(v):
+    return v is not None and math.isfinite(v)
+
+
+for _name, _ok, _want in [
+        ("lr", lambda v: _finite(v) and v > 0, "finite and > 0"),
+        ("b1", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
+        ("b2", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
+        ("eps", lambda v: _finite(v) and v > 0, "finite and > 0"),
+        ("weight_decay", lambda v: _finite(v) and v >= 0, "finite and >= 0"),
+        ("max_grad_norm", lambda v: _finite(v) and v > 0, "finite and > 0"),
+        ("z_loss", lambda v: _finite(v) and v >= 0, "finite and >= 0 (0 turns it off)"),
+        ("final_lr_ratio", lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
+        ("warmup_steps", lambda v: v >= 0, ">= 0"),
+        ("total_steps", lambda v: v > 0, "> 0"),
+        ("peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "finite and > 0")]:
+    flags.register_validator(_name, _ok, message=f"--{_name} must be {_want}")
+
+
 def main(argv):
-    try:
-        _main(argv)
-    except app.UsageError as e:
-        e.exitcode = 2  # a usage error is never retried by --resume_until_done
-        raise
-
-
-def _main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
     if F.resume_until_done:
+        import random
+
+        from olmo3.cluster import job_id
         from olmo3.launch import run_until_done, strip_flag
         args = strip_flag(strip_flag(sys.argv, "resume_until_done"), "resume") + ["--resume"]
-        sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts))
+        # The tasks of one cluster job draw the same backoff delays: a crash stops every task (JAX's
+        # heartbeat), so they restart together and find each other again; other jobs still differ.
+        rng = random.Random(job_id()) if job_id() else None
+        sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts, rng=rng))
     check_flags()
 
     # -----------------------------------------------------------------------------------------
-    # §1 Devices, mesh and processes.
+    # §1 Devices, mesh and processes. Under srun / mpirun / a TPU slice the processes join
+    # through JAX's own cluster detection; an environment that says N > 1 processes while JAX
+    # sees one stops here with exit status 2, before anything is written (olmo3/cluster.py).
     # -----------------------------------------------------------------------------------------
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
@@ -114,11 +141,11 @@ def _main(argv):
 
     import data
     import olmo3
-    from olmo3 import checkpoint, metrics as metrics_lib, optim, schedules, sharding
+    from olmo3 import checkpoint, cluster, metrics as metrics_lib, optim, schedules, sharding
     from olmo3.config import config_to_dict
     from olmo3.model import decay_mask
 
-    sharding.initialize_distributed(F.coordinator, F.num_processes, F.process_id)
+    cluster.start("train.py", F.coordinator, F.num_processes, F.process_id, independent_runs=F.independent_runs)
     mesh = sharding.make_mesh(F.mesh)
     rank, num_ranks = jax.process_index(), jax.process_count()
     n_devices = jax.device_count()  # global, across hosts
@@ -176,11 +203,11 @@ def _main(argv):
 
     abstract = sharding.abstract_state(eqx.filter_eval_shape(fresh_state), mesh)
     as_dict = lambda s: {"model": s[0], "opt": s[1]}  # noqa: E731  (names tensors "model.*", "opt.*")
-    start = ckpt.latest_step() if F.resume else None
+    start, state, extra = None, None, {}
+    if F.resume:  # the newest checkpoint that reads back; a damaged newer one is moved aside
+        start, state, extra = ckpt.restore_intact(as_dict(abstract), lambda e: check_resume(e, config))
     loader_state = None
     if start is not None:  # resume: the checkpoint labelled N means N steps are done
-        check_resume(ckpt.read_extra(start), config)  # before reading any array
-        state, extra = ckpt.restore(start, as_dict(abstract))
         model, opt_state = state["model"], state["opt"]
         loader_state = extra["loader"]
         logging.info("Resumed %s at step %d", F.run_dir, start)
@@ -286,14 +313,13 @@ def _main(argv):
             model, opt_state, m = train_step(model, opt_state, sharding.global_batch(batch, mesh))
             step += 1
             m = {k: float(v) for k, v in m.items()}
-            if not math.isfinite(m["train/loss"]):
-                raise FloatingPointError(
-                    f"train/loss is {m['train/loss']} at step {step}; the last good checkpoint is step "
-                    f"{ckpt.latest_step()} in {F.run_dir}/checkpoints. Lower --lr or check the data.")
+            check_finite(m, step, ckpt)
+            cli.mark_running()  # inputs are all checked: a failure from here on is retryable
             m.update(clock.step_done(step))  # raw in metrics.jsonl; a moving window on the progress line
             if step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps:
                 with clock.excluded("eval"):  # evaluations and saves are billed to no step
                     m.update(evaluate(model))
+                check_finite(m, step, ckpt)
             log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
             if step % F.save_interval == 0 or step == max_steps:
                 with clock.excluded("save"):
@@ -323,10 +349,25 @@ def check_flags():
     for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps"):
         if getattr(F, name) <= 0:
             raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")
+    if F.warmup_steps > F.total_steps:
+        raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.stage == 3 and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
+
+
+def check_finite(m: dict, step: int, ckpt) -> None:
+    """A NaN / inf training or held-out loss stops the run before anything is saved (exit 3,
+    never retried: a rerun resumes into the same numbers). The parameters and moments are
+    checked again by every save (olmo3/checkpoint.py)."""
+    bad = {k: v for k, v in m.items() if k.endswith("loss") and not math.isfinite(v)}
+    if bad:
+        last = ckpt.latest_step()
+        where = (f"The last good checkpoint is {ckpt.directory}/{last}: resume from it" if last is not None
+                 else "No checkpoint was written yet: start again")
+        raise cli.NonFiniteError(f"step {step}: NaN or inf in {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+                                 f"nothing was saved. {where} with a lower --lr, or check the data of the steps since")
 
 
 def resolve_data() -> dict:
@@ -367,4 +408,4 @@ def check_resume(extra: dict, config) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)  # a user's error: one line, exit 2, never retried (olmo3/cli.py)

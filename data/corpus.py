@@ -131,6 +131,9 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
         weight = float(w)
         if not weight > 0:
             raise ValueError(f"mixture {spec!r}: weight of {source!r} must be > 0, got {w}")
+        if source not in ("stdlib", "stdlib-code", "stdlib-docs") and not os.path.isdir(source):
+            raise FileNotFoundError(f"corpus directory {source!r} does not exist; pass a directory of "
+                                    ".txt/.jsonl/.jsonl.gz files or 'stdlib'")
         out.append((source, weight))
     if not out:
         raise ValueError(f"mixture {spec!r} names no source")

@@ -16,31 +16,7 @@ from jaxtyping import UInt32
 from data import storage
 from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
 
-DTYPE = np.uint32
-ITEMSIZE = 4
-
-
-class _LocalTokenFile:
-    """The one place a token file is touched: size and a token range. Local files are memmapped;
-    a remote reader (data/storage.py) only needs `nbytes` and `read`."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.nbytes = os.path.getsize(path)
-        self._mm = None
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        if self._mm is None:  # opened lazily: cheap to construct, safe to share between threads
-            self._mm = np.memmap(self.path, dtype=DTYPE, mode="r")
-        return np.array(self._mm[start:stop])
-
-
-def _open_token_file(path: str):
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"token file {path!r} does not exist; check the path or rebuild with `python -m data.prepare`")
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"token file {path!r} is a directory; pass the .npy token files inside it")
-    return _LocalTokenFile(path)
+ITEMSIZE = storage.ITEMSIZE
 
 
 class FSLDataset:
@@ -72,7 +48,7 @@ class FSLDataset:
         self.paths = paths
         self.seq_len = int(seq_len)
         self.vocab_size, self.eos_id, self.pad_id = int(vocab_size), int(eos_id), int(pad_id)
-        self._files = storage.open_token_files(paths, _open_token_file)  # URLs: data/storage.py
+        self._files = storage.open_token_files(paths)  # local memmaps and URLs: data/storage.py
         for k, f in enumerate(self._files):
             if f.nbytes == 0:
                 raise ValueError(f"token file {f.path!r} is empty; rebuild it with `python -m data.prepare`")

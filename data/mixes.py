@@ -6,7 +6,7 @@ by replacing `{TOKENIZER}` with the directory name the token files were written 
 prefixing the data root, exactly as OLMo-core's `DataMix.build` does.
 
 Where the lists come from, in order: `mixes_dir=` / `$OLMO3_MIXES_DIR`; `data/mixes/` (written by
-`tools/write_mixes.py` from an OLMo-core checkout); the `olmo_core/data/mixes/` directory of an
+`python -m data.write_mixes` from an OLMo-core checkout); the `olmo_core/data/mixes/` directory of an
 installed `ai2-olmo-core` package (found without importing it).
 
 The mixes of the recipe (OLMo-core `src/scripts/official/OLMo3/README.md` and the official 7B
@@ -77,7 +77,7 @@ def _mix_file(name: str, mixes_dir: str | None) -> str:
         f"unknown data mix {name!r}. Available: {', '.join(have) if have else '(none found)'}. "
         f"Searched {search_dirs(mixes_dir) or [PACKAGE_DIR]}. OLMo-core's lists come with its PyPI "
         "package: `pip install --no-deps ai2-olmo-core==3.0.0` (only its data files are read), or "
-        "`python tools/write_mixes.py --olmo_core=PATH_TO_OLMO_CORE_CHECKOUT`.")
+        "`python -m data.write_mixes --olmo_core=PATH_TO_OLMO_CORE_CHECKOUT`.")
 
 
 def read_mix(name: str, mixes_dir: str | None = None) -> list[tuple[str, str]]:

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
+from absl import logging
 
 from data import corpus as corpus_lib
 from data.dataset import FSLDataset
@@ -439,16 +440,22 @@ def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dic
     matches its recorded size and sha256; otherwise it is rebuilt. With several processes, call it
     from one (process 0) and let the others wait: concurrent rebuilds are identical but redundant.
     """
+    sources = corpus_lib.parse_mixture(corpus)  # a missing source is the user's error: nothing written
+    first, reason = not os.path.exists(os.path.join(out_dir, MANIFEST)), None
     try:
-        manifest = verify(out_dir)
-        current = [{"source": s, "sha256": inputs_digest(s)} for s, _ in corpus_lib.parse_mixture(corpus)]
-        stale = (manifest["source"] != corpus or manifest["inputs"] != current
-                 or manifest["heldout_fraction"] != _effective_heldout(prepare_kwargs.get("heldout_fraction"))
-                 or manifest["max_tokens_per_file"] != prepare_kwargs.get("max_tokens_per_file", DEFAULT_MAX_TOKENS_PER_FILE)
-                 or manifest["mixture_tokens"] != prepare_kwargs.get("mixture_tokens"))
-    except (OSError, ValueError):
-        stale = True
-    if stale:
+        manifest = None if first else verify(out_dir)
+        if manifest is not None and (
+                manifest["source"] != corpus
+                or manifest["inputs"] != [{"source": s, "sha256": inputs_digest(s)} for s, _ in sources]
+                or manifest["heldout_fraction"] != _effective_heldout(prepare_kwargs.get("heldout_fraction"))
+                or manifest["max_tokens_per_file"] != prepare_kwargs.get("max_tokens_per_file", DEFAULT_MAX_TOKENS_PER_FILE)
+                or manifest["mixture_tokens"] != prepare_kwargs.get("mixture_tokens")):
+            reason = "its source or settings changed"
+    except (OSError, ValueError) as e:  # a truncated or replaced token file, a torn manifest
+        reason = " ".join(str(e).split())
+    if first or reason is not None:
+        if reason is not None:  # kept as it always was: rebuilt, but never silently
+            logging.warning("rebuilding the prepared corpus in %s: %s", out_dir, reason)
         manifest = prepare(corpus, out_dir, **prepare_kwargs)
     return split_paths(out_dir, manifest)
 

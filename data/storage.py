@@ -21,7 +21,7 @@ Three things make that safe at scale:
   in a long outage. Permanent errors (missing file, short file, permission) are raised at once.
 - Exact bytes. A read returns exactly `4 * count` bytes or raises; there is no partial result.
 
-Public API: `open_token_files(paths)` -> readers with `.path`, `.nbytes`, `.read(start, stop)`
+Public API: `open_token_files(paths)` -> LocalTokenFile or RemoteTokenFile readers with `.path`, `.nbytes`, `.read(start, stop)`
 (the interface data/dataset.py uses), `RemoteTokenFile.read_tokens(start, count)`, `is_remote`.
 """
 import concurrent.futures
@@ -44,7 +44,8 @@ import numpy as np
 import tensorstore as ts
 from jaxtyping import UInt32
 
-ITEMSIZE = 4  # uint32 tokens (OLMo-core writes dolma2 token ids as uint32)
+DTYPE = np.uint32  # OLMo-core writes dolma2 token ids as headerless uint32
+ITEMSIZE = 4
 REMOTE_SCHEMES = ("http", "https", "gs", "s3")
 
 
@@ -170,7 +171,10 @@ def _store_and_key(url: str) -> tuple[ts.KvStore, str]:
 
 
 def _read_once(url: str, start: int, stop: int, timeout: float) -> bytes:
-    """Bytes [start, stop) of `url`, exactly, or an error naming the URL (one attempt)."""
+    """Bytes [start, stop) of `url`, exactly, or an error naming the URL (one attempt). An empty
+    range asks nothing: at the end of a file it is past the end, and a strict server answers 416."""
+    if start == stop:
+        return b""
     store, key = _store_and_key(url)
     fut = store.read(key, byte_range=slice(start, stop))
     try:
@@ -224,6 +228,38 @@ def _head_size(url: str, timeout: float) -> int | None:
         raise
 
 
+_CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
+
+
+def _range_total(url: str, start: int, timeout: float) -> int:
+    """The file size an HTTP server states in Content-Range, asking for the byte at `start` (which
+    must exist, or `start` 0 of a possibly empty file: a 416 there means size 0)."""
+    req = urllib.request.Request(url, headers={"Range": f"bytes={start}-{start}", "Accept-Encoding": "identity"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, content_range = r.status, r.headers.get("Content-Range", "")
+            body = r.read(2) if status == 206 else b""
+    except urllib.error.HTTPError as e:
+        if e.code in (404, 410):
+            raise FileNotFoundError(f"no token file at {url} (HTTP {e.code}). Check the mix name, "
+                                    "--data_root and --tokenizer.") from e
+        if e.code != 416:
+            raise
+        status, content_range, body = 416, e.headers.get("Content-Range", ""), b""
+    m = _CONTENT_RANGE.fullmatch(content_range.strip())
+    if status == 200:
+        raise RemoteFileError(f"{url}: the server ignores HTTP Range requests; token files are read by "
+                              "byte range, so use a root (mirror) that supports them")
+    if m is None or (status == 416 and start != 0):
+        raise RemoteFileError(f"{url}: HTTP {status} with Content-Range {content_range!r} for bytes "
+                              f"{start}-{start}; the server does not state the file's size")
+    if status == 206 and (not m.group(1) == m.group(2) == str(start) or len(body) != 1):
+        # Another range, or a body cut short: a broken answer, retried like a dropped connection.
+        raise http.client.HTTPException(f"{url}: asked for byte {start}, got Content-Range "
+                                        f"{content_range!r} with {len(body)} byte(s)")
+    return int(m.group(3))
+
+
 def _exists(url: str, offset: int, timeout: float) -> bool:
     try:
         _read_once(url, offset, offset + 1, timeout)
@@ -253,12 +289,24 @@ def _probe_size(url: str, policy: RetryPolicy, error: type = RemoteFileError) ->
 
 
 def fetch_size(url: str, policy: RetryPolicy = DEFAULT_RETRY, error: type = RemoteFileError) -> int:
-    """The size in bytes of the object at `url`, checked with two range reads at its end."""
-    n = None
+    """The size in bytes of the object at `url`, checked at its end.
+
+    HTTP(S) never asks for a byte past the end (a strict server answers 416, a lenient one a
+    malformed 206): the size is HEAD's Content-Length, else the total of a one-byte range's
+    Content-Range, and the check reads the last byte, whose Content-Range must state the same
+    total. gs:// and s3:// probe by range reads, which their APIs answer past the end too."""
     if urllib.parse.urlsplit(url).scheme in ("http", "https"):
         n = _with_retries("HEAD", url, lambda: _head_size(url, policy.timeout), policy, error)
-    if n is None:
-        n = _probe_size(url, policy, error)
+        if n is None:
+            n = _with_retries("asking the size of", url, lambda: _range_total(url, 0, policy.timeout), policy, error)
+        if n:
+            total = _with_retries("checking the end of", url, lambda: _range_total(url, n - 1, policy.timeout),
+                                  policy, error)
+            if total != n:
+                raise RemoteFileError(f"{url}: the server reported {n} bytes but its ranges say {total}; it "
+                                      "does not report sizes reliably (a compressing proxy?). Use another mirror.")
+        return n
+    n = _probe_size(url, policy, error)
     if n and n % ITEMSIZE == 0:  # the last token is there, and nothing after it
         read_bytes(url, n - ITEMSIZE, n, policy, error)
         if _with_retries("checking the end of", url, lambda: _exists(url, n, policy.timeout), policy, error):
@@ -311,6 +359,28 @@ def save_manifest(path: str, sizes: dict[str, int]):
 
 # --- readers -----------------------------------------------------------------------------------
 
+class LocalTokenFile:
+    """A token file on local disk, memmapped: `nbytes`, `read(start, stop)` (token indices)."""
+
+    def __init__(self, path: str):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"token file {path!r} does not exist; check the path or rebuild with "
+                                    "`python -m data.prepare`")
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"token file {path!r} is a directory; pass the .npy token files inside it")
+        self.path = path
+        self.nbytes = os.path.getsize(path)
+        self._mm = None
+
+    def read(self, start: int, stop: int) -> UInt32[np.ndarray, " n"]:
+        if self._mm is None:  # opened lazily: cheap to construct, safe to share between threads
+            self._mm = np.memmap(self.path, dtype=DTYPE, mode="r")
+        return np.array(self._mm[start:stop])
+
+    def __repr__(self) -> str:
+        return f"LocalTokenFile({self.path!r}, {self.nbytes} bytes)"
+
+
 class RemoteTokenFile:
     """A token file behind a URL: `nbytes`, `read(start, stop)` (token indices), `read_tokens`."""
 
@@ -340,20 +410,17 @@ class RemoteTokenFile:
 
 def open_token_files(
     paths: Sequence[str],
-    open_local: Callable | None = None,
     *,
     manifest: str | None = None,
     refresh: bool = False,
     threads: int = 64,
     policy: RetryPolicy | None = None,
 ) -> list:
-    """Readers for `paths`, in order. Local paths and file:// URLs go to `open_local(path)`
-    (data/dataset.py's memmap reader); remote URLs become RemoteTokenFile, their sizes taken from
+    """Readers for `paths`, in order. Local paths and file:// URLs become LocalTokenFile (a
+    memmap); remote URLs become RemoteTokenFile, their sizes taken from
     the sidecar `manifest` (default `default_manifest_path()`) or fetched in parallel and recorded.
     `refresh=True` re-fetches every size. Raises before any read if the root is unreachable, a
     file is missing, or a size is not a whole number of uint32 tokens."""
-    if open_local is None:
-        from data.dataset import _open_token_file as open_local
     policy = policy or DEFAULT_RETRY  # read at call time, so a caller (or a test) can set the default
     remote = list(dict.fromkeys(p for p in paths if is_remote(p)))
     sizes: dict[str, int] = {}
@@ -399,5 +466,5 @@ def open_token_files(
         if is_remote(p):
             out.append(RemoteTokenFile(p, sizes[p], policy))
         else:
-            out.append(open_local(local_path(p)))
+            out.append(LocalTokenFile(local_path(p)))
     return out

@@ -1,8 +1,19 @@
-"""OLMo 3 in JAX/Equinox: the model and its machinery."""
-from olmo3.config import Config, YaRN
+"""OLMo 3 in JAX/Equinox: the model and its machinery.
 
-__all__ = ["Config", "YaRN"]
-from olmo3.model import OLMo3  # noqa: E402
-from olmo3 import hf  # noqa: E402,F401
+`olmo3.Config`, `olmo3.YaRN`, `olmo3.OLMo3` and `olmo3.hf` are loaded on first use, so that a
+script importing a light module (`olmo3.cli`, `olmo3.launch`) starts without importing JAX.
+"""
+import importlib
 
-__all__ += ["OLMo3", "hf"]
+_EXPORTS = {"Config": "olmo3.config", "YaRN": "olmo3.config", "OLMo3": "olmo3.model"}
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name == "hf":
+        return importlib.import_module("olmo3.hf")
+    raise AttributeError(f"module 'olmo3' has no attribute {name!r}")
+
+
+__all__ = ["Config", "YaRN", "OLMo3", "hf"]

@@ -22,19 +22,63 @@ abstract state via eqx.combine. Dtypes follow the abstract state (orbax casts).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import threading
 import time
 from typing import Any, Optional
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from jaxtyping import PyTree
 
+from olmo3.cli import NonFiniteError, UserError
+
 CHECKPOINTS = "checkpoints"
+
+
+class DamagedCheckpointError(UserError):
+    """A complete checkpoint that does not read back: `.step`, `.file` (the damaged file, or the
+    step directory when no single file can be named)."""
+
+    def __init__(self, message: str, step: int, file: str):
+        super().__init__(message)
+        self.step, self.file = step, file
+
+
+# Status codes of TensorStore / Orbax errors that a retry can cure (a flaky object store); any
+# other failure to read a complete checkpoint means its bytes are damaged.
+_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED", "CANCELLED")
+_JSON_FILES = ("_CHECKPOINT_METADATA", "extra/metadata", "state/_METADATA", "state/_sharding")
+
+
+def _json_files(step_dir: str) -> list[str]:
+    meta = [os.path.join(step_dir, f) for f in _JSON_FILES]
+    arrays = os.path.join(step_dir, "state", "array_metadatas")
+    if os.path.isdir(arrays):
+        meta += sorted(os.path.join(arrays, f) for f in os.listdir(arrays))
+    return meta
+
+
+def damaged_file(step_dir: str, error: BaseException) -> str:
+    """The file of a checkpoint step that does not read: the first JSON metadata file that does
+    not parse, else the local file named by the storage error, else the step directory."""
+    for path in _json_files(step_dir):
+        try:
+            with open(path) as f:
+                json.load(f)
+        except FileNotFoundError:
+            continue
+        except (ValueError, OSError):
+            return path
+    m = re.search(r'local file "([^"]+)"', str(error))
+    return m.group(1) if m and os.path.isfile(m.group(1)) else step_dir
 
 
 class MissingTensorsError(ValueError):
@@ -107,6 +151,28 @@ def locate(path: str) -> tuple[str, Optional[int]]:
                             f"{CHECKPOINTS}/<step> directory")
 
 
+# The skip-step windows record each step's raw loss and grad norm, a skipped NaN one included
+# (OLMo-core semantics): a non-finite value there is the record of a skipped step, not damage.
+FINITE_EXEMPT = ("loss_window", "gnorm_window")
+
+
+@jax.jit
+def _finite_flags(leaves: list) -> jax.Array:
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def nonfinite_tensors(flat: dict[str, Any]) -> list[str]:
+    """Names of the float tensors of `flat` (tensor_names' dict) holding a NaN or inf, found by
+    one jitted reduction per tensor on the devices that hold it (a bool per tensor comes back).
+    Cost at the 7B shape: README, "When things go wrong"."""
+    names = [n for n, x in flat.items() if isinstance(x, (jax.Array, np.ndarray))
+             and jnp.issubdtype(x.dtype, jnp.inexact) and not n.endswith(FINITE_EXEMPT)]
+    if not names:
+        return []
+    ok = np.asarray(_finite_flags([flat[n] for n in names]))
+    return [n for n, good in zip(names, ok) if not good]
+
+
 class CheckpointManager:
     """Saves and restores (state PyTree, extra JSON) under `<run_dir>/checkpoints/<step>/`."""
 
@@ -177,6 +243,14 @@ class CheckpointManager:
             raise FileExistsError(f"checkpoint {self.directory}/{step} already exists; a "
                                   "checkpoint label is written once (N = steps done)")
         flat = tensor_names(state)
+        bad = nonfinite_tensors(flat)
+        if bad:
+            last = self.latest_step()
+            where = (f"The last good checkpoint is {self.directory}/{last}: resume from it" if last is not None
+                     else "No checkpoint was written yet: start again")
+            raise NonFiniteError(f"step {step}: {len(bad)} tensor(s) hold NaN or inf, e.g. {bad[:3]}; checkpoint "
+                                 f"{step} was not written. {where} with a lower --lr, or check the data of "
+                                 "the steps since")
         self._mgr.wait_until_finished()   # orbax would wait here anyway; this times only our save
         with self._lock:
             self._started[int(step)] = time.perf_counter()
@@ -216,8 +290,26 @@ class CheckpointManager:
     def read_extra(self, step: Optional[int] = None) -> dict:
         """The JSON `extra` of a checkpoint (cheap: no arrays read)."""
         step = self._resolve(step)
-        out = self._mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+        with self._reading(step):
+            out = self._mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
         return dict(out["extra"] or {})
+
+    @contextlib.contextmanager
+    def _reading(self, step: int):
+        """Orbax reads of checkpoint `step`: a failure that is not transient becomes
+        DamagedCheckpointError naming the damaged file."""
+        try:
+            yield
+        except (MissingTensorsError, UserError):
+            raise
+        except Exception as e:  # noqa: BLE001 -- classified here
+            if str(e).split(":", 1)[0].strip() in _TRANSIENT or isinstance(e, (ConnectionError, TimeoutError)):
+                raise
+            where = os.path.join(self.directory, str(step))
+            file = damaged_file(where, e)
+            raise DamagedCheckpointError(
+                f"checkpoint {where} is damaged: {file} does not read back ({' '.join(str(e).split())[:200]}); "
+                f"intact checkpoints: {[s for s in self.all_steps() if s != step] or 'none'}", step, file) from e
 
     def restore(self, step: Optional[int], abstract_state: PyTree) -> tuple[PyTree, dict]:
         """Read checkpoint `step` (None: the latest) into the structure, shapes, dtypes and
@@ -227,7 +319,8 @@ class CheckpointManager:
         from a {"model", "opt"} checkpoint); every tensor asked for must exist with its shape."""
         step = self._resolve(step)
         want = {k: _abstract(v) for k, v in tensor_names(abstract_state).items()}
-        meta = self._mgr.item_metadata(step)["state"]
+        with self._reading(step):
+            meta = self._mgr.item_metadata(step)["state"]
         stored = dict(meta.tree if hasattr(meta, "tree") else meta)
         where = f"{self.directory}/{step}"
         missing = sorted(set(want) - set(stored))
@@ -243,12 +336,69 @@ class CheckpointManager:
                                  f"{tuple(a.shape)}; check the model flags against the "
                                  "checkpoint's config")
         restore_args = ocp.checkpoint_utils.construct_restore_args(want)
-        out = self._mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(want, restore_args, partial_restore=True),
-            extra=ocp.args.JsonRestore()))
+        with self._reading(step):
+            out = self._mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(want, restore_args, partial_restore=True),
+                extra=ocp.args.JsonRestore()))
         flat = out["state"]
         arrays, static = eqx.partition(abstract_state, _is_leaf_array)
         leaves_paths, treedef = jax.tree_util.tree_flatten_with_path(arrays)
         names = [".".join(_key_name(k) for k in p) or "_root" for p, _ in leaves_paths]
         restored = jax.tree_util.tree_unflatten(treedef, [flat[n] for n in names])
         return eqx.combine(restored, static), dict(out["extra"] or {})
+
+    def verify(self, step: Optional[int] = None) -> int:
+        """Check checkpoint `step` (None: the latest) as far as it goes without reading arrays:
+        every JSON metadata file parses, Orbax lists its tensors, its extra reads. Returns the
+        step; raises DamagedCheckpointError naming the damaged file (eval.py, convert.py)."""
+        step = self._resolve(step)
+        with self._reading(step):
+            for path in _json_files(os.path.join(self.directory, str(step))):
+                if os.path.exists(path):
+                    with open(path) as f:
+                        json.load(f)
+            self._mgr.item_metadata(step)
+            self._mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+        return step
+
+    def restore_intact(self, abstract_state: PyTree, check_extra=None) -> tuple[Optional[int], PyTree, dict]:
+        """Resume: restore the newest checkpoint that reads back whole. (step, state, extra), or
+        (None, None, {}) when there is none at all.
+
+        A damaged newer checkpoint (a truncated file, a torn copy) is logged with the file that
+        does not read, and moved aside to `<run_dir>/damaged/<N>[-<time>]`, never deleted, so the
+        next save of label N is possible and the bytes stay for inspection. `check_extra(extra)`
+        runs before any array is read (train.py's config / stage / recipe-constant check): its
+        errors are the user's and end the resume."""
+        damaged = []
+        result = (None, None, {})
+        for step in reversed(self.all_steps()):
+            try:
+                if check_extra is not None:
+                    check_extra(self.read_extra(step))
+                state, extra = self.restore(step, abstract_state)
+            except DamagedCheckpointError as e:
+                logging.warning("%s; falling back to the previous checkpoint", e)
+                damaged.append(step)
+                continue
+            result = (step, state, extra)
+            break
+        for step in damaged:
+            self._move_aside(step)
+        return result
+
+    def _move_aside(self, step: int) -> None:
+        """Rename a damaged step directory to <run_dir>/damaged/ (process 0; the others wait)."""
+        from jax.experimental import multihost_utils
+        if jax.process_index() == 0:
+            src = os.path.join(self.directory, str(step))
+            dst_dir = os.path.join(os.path.dirname(self.directory), "damaged")
+            os.makedirs(dst_dir, exist_ok=True)
+            dst = os.path.join(dst_dir, str(step))
+            if os.path.exists(dst):
+                dst = f"{dst}-{int(time.time())}"
+            os.rename(src, dst)
+            logging.warning("moved damaged checkpoint %s aside to %s", src, dst)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"olmo3: damaged checkpoint {step} moved aside")
+        self._mgr.reload()

@@ -7,11 +7,13 @@ HF names (DESIGN §2): `model.embed_tokens.weight` [V, d]; `model.layers.N.self_
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import struct
 import tempfile
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import equinox as eqx
 import jax
@@ -82,10 +84,9 @@ def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
 
 def config_from_hf(hf: Mapping[str, Any], **overrides) -> Config:
     """Our Config from an HF Olmo3 `config.json` dict."""
-    archs = hf.get("architectures") or []
-    if hf.get("model_type") != "olmo3" and "Olmo3ForCausalLM" not in archs:
-        raise ValueError(f"HF config is model_type={hf.get('model_type')!r}, architectures={archs}; "
-                         "expected an Olmo3ForCausalLM (model_type 'olmo3') checkpoint")
+    if hf.get("model_type") != "olmo3":  # what transformers' AutoConfig dispatches on
+        raise ValueError(f"HF config has model_type {hf.get('model_type')!r}, architectures "
+                         f"{hf.get('architectures')}; expected an Olmo3ForCausalLM checkpoint (model_type 'olmo3')")
     if hf.get("tie_word_embeddings"):
         raise ValueError("HF config has tie_word_embeddings=true; OLMo 3 has an untied lm_head")
     n_layers = int(hf["num_hidden_layers"])
@@ -128,6 +129,29 @@ def config_to_hf(c: Config) -> dict:
         "eos_token_id": EOS_ID if EOS_ID < c.vocab_size else None,
         "pad_token_id": PAD_ID if PAD_ID < c.vocab_size else None,
     }
+
+
+# ---- HF model directories -------------------------------------------------------------------
+def is_hf_dir(path: str) -> bool:
+    """An HF model directory: config.json beside the safetensors files."""
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def read_hf_config(path: str, **overrides) -> Config:
+    """Our Config from `<path>/config.json`; a missing or malformed file is an error naming it."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{cfg_path!r} not found: expected an HF model directory "
+                                "(config.json + *.safetensors)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path!r} is not valid JSON ({e}); download or convert the model again") from None
+    try:
+        return config_from_hf(raw, **overrides)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{cfg_path!r}: {e}") from None
 
 
 # ---- tensors --------------------------------------------------------------------------------
@@ -204,6 +228,48 @@ class SafetensorsReader(Mapping):
         return len(self._where)
 
 
+class SafetensorsWriter:
+    """Write one safetensors file tensor by tensor: the header (every name, dtype and shape) is
+    known up front, then each tensor's bytes are appended in header order."""
+
+    def __init__(self, path: str, specs: Sequence[tuple[str, tuple, np.dtype]], metadata: Optional[dict] = None):
+        header, offset = {}, 0
+        for name, shape, dtype in specs:
+            nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": ST_NAMES[np.dtype(dtype)], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        header["__metadata__"] = metadata or {"format": "pt"}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * ((-len(raw)) % 8)  # the data starts 8-byte aligned
+        self._order = [s[0] for s in specs]
+        self._specs = {s[0]: s for s in specs}
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._next, self._rows = 0, 0
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        """Append `array`: the whole tensor, or its next block of rows (leading axis)."""
+        want = self._order[self._next] if self._next < len(self._order) else None
+        if name != want:
+            raise RuntimeError(f"SafetensorsWriter: expected tensor {want!r} next, got {name!r}")
+        _, shape, dtype = self._specs[name]
+        shape = tuple(shape)
+        block = tuple(array.shape)
+        if block != shape:
+            if not shape or block[1:] != shape[1:] or self._rows + block[0] > shape[0]:
+                raise ValueError(f"tensor {name!r}: block {block} does not continue shape {shape} at row {self._rows}")
+        self._f.write(np.ascontiguousarray(array, dtype=dtype).tobytes())
+        self._rows += block[0] if block != shape else (shape[0] if shape else 1)
+        if self._rows >= (shape[0] if shape else 1):
+            self._next, self._rows = self._next + 1, 0
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise RuntimeError(f"SafetensorsWriter closed after {self._next} of {len(self._order)} tensors")
+        self._f.close()
+
+
 def _take(sd: Mapping, name: str, shape: tuple, transpose: bool) -> np.ndarray:
     if name not in sd:
         raise KeyError(f"HF checkpoint has no tensor {name!r}")
@@ -221,12 +287,7 @@ def from_hf(path_or_state_dict: Union[str, os.PathLike, Mapping[str, Any]], conf
     if isinstance(path_or_state_dict, (str, os.PathLike)):
         path = os.fspath(path_or_state_dict)
         if config is None:
-            cfg_path = os.path.join(path, "config.json")
-            try:
-                with open(cfg_path) as f:
-                    config = config_from_hf(json.load(f), **overrides)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"{cfg_path!r} not found: from_hf needs an HF model directory") from None
+            config = read_hf_config(path, **overrides)
         sd: Mapping = SafetensorsReader(path)
     else:
         sd = path_or_state_dict
@@ -268,25 +329,34 @@ def state_dict(model: OLMo3) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
-def to_hf(model: OLMo3, path: Union[str, os.PathLike]) -> None:
-    """Write an HF directory (config.json + model.safetensors) that `from_pretrained` loads.
-
-    Written into a temporary sibling directory and renamed into place, so a crash never leaves
-    a half-written checkpoint at `path`.
-    """
-    from safetensors.numpy import save_file
-    path = os.fspath(path)
+@contextlib.contextmanager
+def new_hf_dir(path: Union[str, os.PathLike], config: Config):
+    """Yields a temporary sibling of `path` to fill with safetensors files; on success writes
+    config.json for `config` and renames the directory into place, on failure removes it. A
+    crash never leaves a half-written HF checkpoint at `path`, and `path` must be new or empty."""
+    path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and os.listdir(path):
-        raise FileExistsError(f"to_hf: {path!r} exists and is not empty; choose a new directory")
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=parent)
+        raise FileExistsError(f"{path!r} exists and is not empty; choose a new directory for the HF checkpoint")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=os.path.dirname(path))
+    try:
+        yield tmp
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config_to_hf(config), f, indent=2)
+        if os.path.exists(path):
+            os.rmdir(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def to_hf(model: OLMo3, path: Union[str, os.PathLike]) -> None:
+    """Write an HF directory (config.json + model.safetensors) that `from_pretrained` loads, in the
+    model's own dtype (bf16 stays bf16), atomically (`new_hf_dir`)."""
     sd = state_dict(model)
-    if model.config.param_dtype == "bfloat16":  # safetensors' numpy API has no bf16: store fp32
-        sd = {k: v.astype(np.float32) for k, v in sd.items()}
-    save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config_to_hf(model.config), f, indent=2)
-    if os.path.exists(path):
-        os.rmdir(path)
-    os.rename(tmp, path)
+    with new_hf_dir(path, model.config) as tmp:
+        w = SafetensorsWriter(os.path.join(tmp, "model.safetensors"), [(k, v.shape, v.dtype) for k, v in sd.items()])
+        for k, v in sd.items():
+            w.write(k, v)
+        w.close()

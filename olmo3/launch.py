@@ -9,7 +9,8 @@ inside a long queue outage (DESIGN §4, bug 5). Here the delay doubles per conse
 to `max_delay_s`, with "equal jitter" (half fixed, half random) so that many jobs restarting
 together do not stampede the scheduler; a run that lived `reset_after_s` made progress, so the
 failure count starts over; `max_attempts=None` never gives up. Exit codes that a rerun cannot
-fix (2: absl/argparse usage error, bad flags) stop at once.
+fix stop at once: 2, a user's error (flags, paths, input files), and 3, a non-finite state
+(olmo3/cli.py).
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ import sys
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
-# Exit codes a rerun cannot fix: 2 = usage error (absl.app and argparse exit 2 on bad flags).
-NON_RETRYABLE = frozenset({2})
+# Exit codes a rerun cannot fix (olmo3/cli.py): 2 = a user's error, 3 = non-finite state (a rerun
+# would resume from the last good checkpoint into the same numbers).
+NON_RETRYABLE = frozenset({2, 3})
 
 
 def backoff_delay(failures: int, base_delay_s: float, max_delay_s: float,

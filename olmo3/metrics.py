@@ -207,6 +207,20 @@ def perf(step_time_s: float, tokens_per_step: int, flops_per_step: dict, peak_fl
     return out
 
 
+def read_jsonl(path: str) -> list[dict]:
+    """The JSON objects of a JSON Lines file (metrics.jsonl, task files); blank lines skipped. A
+    malformed line is an error naming the file and line."""
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+    return out
+
+
 class StepClock:
     """Step times for the progress line: raw per step for metrics.jsonl, and over a moving
     window for the tokens/s, MFU and ETA a reader watches, so one slow step moves them little.

@@ -1,6 +1,6 @@
 """Process settings that XLA's CPU backend rewards. Call `tune_cpu()` before JAX starts a backend.
 
-Both were found by profiling the issue-8 CPU config (bench_cpu.flags: d_model 512, 8 layers,
+Both were found by profiling the issue-8 CPU config (benchmarks/bench_cpu.flags: d_model 512, 8 layers,
 vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10.2; each is a measured fix, not folklore:
 
 1. YNNPACK for dots only. XLA:CPU hands dots AND reductions to YNNPACK by default. The softmax
@@ -15,7 +15,7 @@ vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10.2; each is a measured 
    cost: the process keeps its peak heap (RSS never shrinks), as a training process does anyway.
 
 Accelerator hosts are left alone (their steps do not run on these allocators), and a user's
-own XLA_FLAGS win over (1). Measure with and without: `python bench.py ... --notune_cpu`.
+own XLA_FLAGS win over (1). Measure with and without: `python benchmarks/bench.py ... --notune_cpu`.
 """
 from __future__ import annotations
 

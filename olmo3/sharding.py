@@ -27,7 +27,6 @@ Run `python -m olmo3.sharding` for the per-device memory of the 7B at 128 and 51
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Optional, Union
 
 import equinox as eqx
@@ -381,33 +380,20 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
 # Processes
 # --------------------------------------------------------------------------------------------
 def initialize_distributed(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None) -> tuple[int, int]:
+                           process_id: Optional[int] = None, *,
+                           independent_runs: bool = False) -> tuple[int, int]:
     """Start JAX's multi-controller runtime when launched as several processes; returns the data
     rank and rank count (jax.process_index(), jax.process_count()).
 
     Several processes means: flags (coordinator "host:port", num_processes > 1, process_id), or
     the environment JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID (each flag wins
-    over its variable). Anything else is a single process and nothing is initialized. Must run
-    before any other JAX call. CPU collectives go through gloo (DESIGN §7)."""
-    env = os.environ
-    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
-    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
-        num_processes = int(env["JAX_NUM_PROCESSES"])
-    if process_id is None and env.get("JAX_PROCESS_ID"):
-        process_id = int(env["JAX_PROCESS_ID"])
-    if coordinator is None and (num_processes or 1) <= 1:
-        return jax.process_index(), jax.process_count()
-    missing = [name for name, v in (("coordinator address (--coordinator / JAX_COORDINATOR_ADDRESS)",
-                                     coordinator),
-                                    ("--num_processes / JAX_NUM_PROCESSES", num_processes),
-                                    ("--process_id / JAX_PROCESS_ID", process_id)) if v is None]
-    if missing:
-        raise ValueError(f"multi-process launch needs all of: {', '.join(missing)} missing")
-    if not 0 <= process_id < num_processes:
-        raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only affects CPU devices
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                               process_id=process_id)
+    over its variable), or a cluster engine that `jax.distributed.initialize()` detects by
+    itself (SLURM's srun, Open MPI's mpirun, Cloud TPU, Kubernetes; olmo3/cluster.py). An
+    environment that announces several processes JAX cannot join raises cluster.ClusterError
+    (a ValueError), unless `independent_runs`. Must run before any other JAX call; scripts call
+    `cluster.start`, which adds the guard against silent replicas and the first log line."""
+    from olmo3 import cluster
+    cluster.initialize(coordinator, num_processes, process_id, independent_runs=independent_runs)
     return jax.process_index(), jax.process_count()
 
 

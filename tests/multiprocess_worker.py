@@ -1,8 +1,10 @@
 """One process of the 2-process run in tests/test_multiprocess.py (not a test itself).
 
-    python tests/multiprocess_worker.py PORT PROCESS_ID OUT_DIR
+    python tests/multiprocess_worker.py PORT PROCESS_ID OUT_DIR    # explicit coordinator 127.0.0.1:PORT
+    python tests/multiprocess_worker.py auto PROCESS_ID OUT_DIR    # a launcher's variables only
 
-Each process owns 2 CPU devices (4 global), joins jax.distributed on 127.0.0.1:PORT, builds the
+Each process owns 2 CPU devices (4 global), joins jax.distributed (through explicit values, or
+through JAX's own detection of the SLURM / Open MPI variables tests/fake_srun.py sets), builds the
 sharded state with `init_sharded`, feeds ITS rows of each global batch (data rank = process
 index), runs STEPS steps, and all processes save one Orbax checkpoint into OUT_DIR/run. Process 0
 writes the losses and the final params (gathered from every process) to OUT_DIR/result.npz.
@@ -19,8 +21,15 @@ import jax  # noqa: E402
 from olmo3 import sharding as sh  # noqa: E402
 
 
-def main(port: int, process_id: int, out_dir: str) -> None:
-    rank, num_ranks = sh.initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
+def main(port: str, process_id: int, out_dir: str) -> None:
+    if port == "auto":   # no flags: olmo3.cluster detects the engine, JAX fills in the rest
+        from olmo3 import cluster
+        launch = cluster.initialize()
+        cluster.check(launch)
+        assert launch.engine in ("slurm", "open-mpi") and launch.processes == 2, launch
+        rank, num_ranks = jax.process_index(), jax.process_count()
+    else:
+        rank, num_ranks = sh.initialize_distributed(f"127.0.0.1:{port}", 2, process_id)
     assert (rank, num_ranks) == (process_id, 2) and jax.device_count() == 4, jax.devices()
     jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -54,4 +63,4 @@ def main(port: int, process_id: int, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

@@ -22,7 +22,7 @@ D, L, H, HD, MLP, V, B, T = 64, 4, 2, 32, 128, 512, 2, 64
 
 def run_bench(*extra):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.join(ROOT, "bench.py"), "--model=tiny", f"--d_model={D}",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--model=tiny", f"--d_model={D}",
            f"--n_layers={L}", f"--n_heads={H}", f"--n_kv_heads={H}", f"--head_dim={HD}",
            f"--mlp_hidden={MLP}", "--window=16", f"--vocab_size={V}", f"--batch={B}",
            f"--seq_len={T}", "--loss_chunk=48", "--remat=none", "--steps=1", "--warmup=1",
@@ -51,7 +51,7 @@ def test_bench_smoke_with_torch():
 
 def test_bench_rejects_bad_seq_len():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model=tiny",
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--model=tiny",
                           "--seq_len=100000", "--steps=1"], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "--seq_len=100000 exceeds max_position_embeddings" in out.stderr

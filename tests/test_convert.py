@@ -9,11 +9,13 @@ import sys
 
 import equinox as eqx
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
 import olmo3
-from olmo3 import checkpoint, evaluation as ev, hf, optim, schedules
+from olmo3 import checkpoint, heldout, hf, load, optim, schedules
+from olmo3.config import config_to_dict
 from test_model import hf_config, random_hf_model
 
 torch = pytest.importorskip("torch")
@@ -72,7 +74,7 @@ def test_hf_orbax_hf_round_trip_is_bit_exact(tmp_path, dtype, monkeypatch):
 def test_parity_fp32_against_transformers(tmp_path):
     random_hf_dir(tmp_path / "hf", num_attention_heads=4, num_key_value_heads=2)
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "orbax"))
-    ours, info = ev.load_model(str(tmp_path / "orbax"))
+    ours, info = load.load_model(str(tmp_path / "orbax"))
     assert info["step"] == 0 and info["kind"] == "orbax"
     r = convert.verify(str(tmp_path / "hf"), ours, seq=48, batch=2)
     assert r["kl_mean"] < 1e-6 and r["kl_max"] < 1e-6, r
@@ -86,7 +88,7 @@ def test_checkpoint_restores_the_way_train_py_warm_starts(tmp_path, monkeypatch)
     ref = random_hf_dir(tmp_path / "hf")
     monkeypatch.setattr(convert, "PART_BYTES", 4096)  # every tensor written in several parts
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True)
-    config = ev.read_hf_config(str(tmp_path / "hf"))
+    config = hf.read_hf_config(str(tmp_path / "hf"))
     opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))
     abstract = eqx.filter_eval_shape(lambda: (lambda m: {"model": m, "opt": opt.init(m)})(
         olmo3.OLMo3(config, jax.random.key(1))))
@@ -104,8 +106,44 @@ def test_checkpoint_restores_the_way_train_py_warm_starts(tmp_path, monkeypatch)
     assert jax.tree.structure(warm) == jax.tree.structure(fresh)
     for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves(fresh)):
         assert a.dtype == b.dtype and a.shape == b.shape and not np.any(np.asarray(a))
-    assert extra["model_config"] == ev.config_to_dict(config) and extra["stage"] == 0
+    assert extra["model_config"] == config_to_dict(config) and extra["stage"] == 0
 
+
+
+def test_pad_vocab_as_olmo_core_and_back(tmp_path, monkeypatch):
+    """--pad_vocab: HF's 500 rows exactly, then rows drawn as OLMo-core's InitMethod.normal draws
+    the embedding and output projection (truncated normal, std 0.02, cut at +-3 std); logits on the
+    real rows equal transformers' once the softmax over the padding is undone; the way back to HF
+    drops the padding (bit-exact round trip). Parts of 16 rows, so one part straddles row 500."""
+    ref = random_hf_dir(tmp_path / "hf", vocab_size=500)
+    monkeypatch.setattr(convert, "PART_BYTES", 4096)
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o"), pad_vocab=640, with_optimizer_state=True)
+    ours, info = load.load_model(str(tmp_path / "o"))
+    assert info["config"].vocab_size == 640 and ours.embed.shape == (640, 64) and ours.lm_head.shape == (64, 640)
+    sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+    np.testing.assert_array_equal(ours.embed[:500], sd["model.embed_tokens.weight"])
+    np.testing.assert_array_equal(ours.lm_head[:, :500], sd["lm_head.weight"].T)
+    for pad in (np.asarray(ours.embed[500:]), np.asarray(ours.lm_head[:, 500:])):
+        assert np.abs(pad).max() <= 3 * 0.02 and abs(pad.mean()) < 2e-3
+        assert 0.0185 < pad.std() < 0.0210  # trunc. normal at +-3 sd: 0.02 x 0.9866 = 0.0197
+    assert not np.array_equal(np.asarray(ours.embed[500:]), np.asarray(ours.lm_head[:, 500:]).T)
+    r = convert.verify(str(tmp_path / "hf"), ours, seq=32, batch=2)
+    assert r["kl_mean"] < 1e-6 and r["top1"] == 1.0, r
+    convert.orbax_to_hf(str(tmp_path / "o"), str(tmp_path / "hf2"))   # the checkpoint knows its HF vocab
+    a, b = raw_tensors(tmp_path / "hf"), raw_tensors(tmp_path / "hf2")
+    assert set(a) == set(b) and all(a[k] == b[k] for k in a)
+    with open(tmp_path / "hf2" / "config.json") as f:
+        assert json.load(f)["vocab_size"] == 500
+    convert.orbax_to_hf(str(tmp_path / "o"), str(tmp_path / "hf3"), hf_vocab_size=640)  # or keep them all
+    assert raw_tensors(tmp_path / "hf3")["model.embed_tokens.weight"][1] == (640, 64)
+    with pytest.raises(ValueError, match="--pad_vocab=400 is smaller than .* 500 rows"):
+        convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o2"), pad_vocab=400)
+
+
+def test_unpadded_vocab_is_dolma2():
+    """A train.py checkpoint carries no HF vocab: rows past dolma2's 100,278 tokens are padding."""
+    assert convert.unpadded_vocab(100352) == 100278 and convert.unpadded_vocab(100278) == 100278
+    assert convert.unpadded_vocab(512) == 512
 
 def test_cli_verify_fails_above_max_kl(tmp_path):
     random_hf_dir(tmp_path / "hf")
@@ -124,10 +162,10 @@ def test_train_py_checkpoint_to_hf(tmp_path):
     model = olmo3.OLMo3(config, jax.random.key(3))
     opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))
     mgr = checkpoint.CheckpointManager(str(tmp_path / "run"), async_save=False)
-    mgr.save(5, {"model": model, "opt": opt.init(model)}, {"model_config": ev.config_to_dict(config), "stage": 1})
+    mgr.save(5, {"model": model, "opt": opt.init(model)}, {"model_config": config_to_dict(config), "stage": 1})
     mgr.close()
     convert.orbax_to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
-    got, want = ev.SafetensorsReader(str(tmp_path / "hf")), hf.state_dict(model)
+    got, want = hf.SafetensorsReader(str(tmp_path / "hf")), hf.state_dict(model)
     assert set(got) == set(want)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
@@ -135,7 +173,7 @@ def test_train_py_checkpoint_to_hf(tmp_path):
     x = np.arange(24)[None] * 5 % 512
     with torch.no_grad():
         ref_logits = ref(torch.tensor(x)).logits.numpy()
-    r = ev.logit_agreement(ref_logits[0], np.asarray(model(jax.numpy.asarray(x[0], jax.numpy.int32))))
+    r = heldout.logit_agreement(ref_logits[0], np.asarray(model(jax.numpy.asarray(x[0], jax.numpy.int32))))
     assert r["kl_max"] < 1e-6 and r["top1"] == 1.0
 
 
@@ -174,13 +212,17 @@ def test_bad_inputs(tmp_path):
 
 # ---- slow -----------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_train_py_init_from_converted_checkpoint(tmp_path):
+@pytest.mark.parametrize("pad_vocab", [None, 100352], ids=["hf_vocab", "pad_vocab"])
+def test_train_py_init_from_converted_checkpoint(tmp_path, pad_vocab):
     """train.py --init_from=<converted dir> starts from the HF weights: its step-1 loss equals the
-    HF model's own (torch) loss on the same first batch."""
+    HF model's own (torch) loss on the same first batch. With --pad_vocab=100352 (stage1.flags'
+    vocabulary) the torch logits get the padded columns appended (lm_head's input, captured by a
+    hook, times the converted checkpoint's padding columns)."""
     import data
     random_hf_dir(tmp_path / "hf", vocab_size=100278, hidden_size=32, intermediate_size=64,
                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, sliding_window=16)
-    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True)
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True,
+                        pad_vocab=pad_vocab)
     docs = tmp_path / "docs"
     docs.mkdir()
     for i, name in enumerate(sorted(os.listdir(os.path.join(ROOT, "olmo3")))):
@@ -191,7 +233,8 @@ def test_train_py_init_from_converted_checkpoint(tmp_path):
            "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--window=16",
            f"--data={docs}", "--seq_len=32", "--global_batch=8", "--max_steps=1", "--total_steps=10",
            "--warmup_steps=1", f"--run_dir={run}", f"--init_from={tmp_path / 'init'}", "--save_interval=1",
-           "--eval_interval=1", "--loader_workers=0", "--seed=7", "--z_loss=0"]
+           "--eval_interval=1", "--loader_workers=0", "--seed=7", "--z_loss=0",
+           *([f"--vocab_size={pad_vocab}"] if pad_vocab else [])]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -199,9 +242,15 @@ def test_train_py_init_from_converted_checkpoint(tmp_path):
     splits = data.ensure_corpus(str(tmp_path / "data" / "docs"), str(docs))
     batch = data.get_batch(data.FSLDataset(splits["train"], 32), 8, 7, 0)
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    seen = []
+    ref.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(inp[0]))
     with torch.no_grad():
         t = torch.tensor(batch["tokens"], dtype=torch.long)
-        lp = torch.log_softmax(ref(t).logits[:, :-1], -1)
+        logits = ref(t).logits
+        if pad_vocab:
+            pad = np.asarray(load.load_model(str(tmp_path / "init"))[0].lm_head[:, 100278:])
+            logits = torch.cat([logits, seen[0] @ torch.from_numpy(pad)], -1)
+        lp = torch.log_softmax(logits[:, :-1], -1)
         want = -lp.gather(-1, t[:, 1:, None]).mean().item()
     assert abs(loss - want) < 1e-4, (loss, want)
 
@@ -220,8 +269,8 @@ def _write_random_hf(path, cfg: olmo3.Config, seed=0):
                      "down_proj": (d, cfg.mlp_hidden)}.get(field, (d,))
             specs.append((f"model.layers.{i}.{suffix}", shape))
     specs += [("model.norm.weight", (d,)), ("lm_head.weight", (V, d))]
-    bf16 = np.dtype(ev.ml_dtypes.bfloat16)
-    w = ev.SafetensorsWriter(os.path.join(path, "model.safetensors"), [(n, s, bf16) for n, s in specs])
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    w = hf.SafetensorsWriter(os.path.join(path, "model.safetensors"), [(n, s, bf16) for n, s in specs])
     for n, s in specs:
         w.write(n, (0.02 * rng.standard_normal(s, np.float32)).astype(bf16))
     w.close()

@@ -1,4 +1,4 @@
-"""eval.py and olmo3/evaluation.py against independent references: a numpy cross entropy and the
+"""eval.py and its machinery (olmo3/heldout.py, scoring.py, comparison.py, load.py) against independent references: a numpy cross entropy and the
 training step for held-out loss, full forwards for the KV cache, hand-built prompts for few-shot
 scoring, lm-eval-harness's own evaluator for the adapter, and two tiny runs (one on a heavily
 repeated stream) for the step-aligned comparison."""
@@ -15,7 +15,8 @@ import pytest
 
 import data
 import olmo3
-from olmo3 import evaluation as ev, optim, schedules
+from olmo3 import heldout, hf, load, optim, schedules, scoring
+from olmo3.config import config_to_dict
 from olmo3.checkpoint import CheckpointManager
 from olmo3.step import make_train_step
 
@@ -69,8 +70,8 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
     rows = np.random.default_rng(0).integers(0, 500, size=(24, 33))
     rows[:, 10] = data.EOS_ID % 512  # any id; bpb must count real bytes of each target token
     ds = data.FSLDataset(token_file(tmp_path / "h.npy", rows), 33, vocab_size=512)
-    lengths = ev.token_byte_lengths(512)
-    got = ev.heldout(model, ds, batch_size=8, max_batches=2, byte_lengths=lengths)
+    lengths = heldout.token_byte_lengths(512)
+    got = heldout.heldout(model, ds, batch_size=8, max_batches=2, byte_lengths=lengths)
     assert got["batches"] == 2 and got["tokens"] == 2 * 8 * 32
 
     ce, n, nbytes = 0.0, 0, 0
@@ -86,7 +87,7 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
             batch = {k: jnp.asarray(v) for k, v in data.get_batch(ds, 8, 0, 0).items() if k != "step"}
             m0 = olmo3.OLMo3(CFG, jax.random.key(0))
             _, _, metrics = step(m0, optim.SkipStepAdamW(schedules.constant_schedule(1e-3)).init(m0), batch)
-            one = ev.heldout(model, ds, batch_size=8, max_batches=1)
+            one = heldout.heldout(model, ds, batch_size=8, max_batches=1)
             np.testing.assert_allclose(one["loss"], float(metrics["train/loss"]), rtol=1e-6)
     np.testing.assert_allclose(got["loss"], ce / n, rtol=1e-5)
     assert got["bytes"] == nbytes
@@ -100,14 +101,14 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
 def test_logit_agreement_against_direct_formulas():
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(5, 40)), rng.normal(size=(5, 40))
-    r = ev.logit_agreement(a, b)
+    r = heldout.logit_agreement(a, b)
     pa, pb = np.exp(log_softmax64(a)), np.exp(log_softmax64(b))
     kl = [sum(pa[i, j] * math.log(pa[i, j] / pb[i, j]) for j in range(40)) for i in range(5)]
     np.testing.assert_allclose([r["kl_mean"], r["kl_max"]], [np.mean(kl), np.max(kl)], rtol=1e-9)
     top = lambda x: set(np.argsort(-x)[:10])  # noqa: E731
     assert r["top10"] == pytest.approx(np.mean([len(top(a[i]) & top(b[i])) / 10 for i in range(5)]))
     assert r["top1"] == np.mean(a.argmax(-1) == b.argmax(-1))
-    same = ev.logit_agreement(a, a + 3.0)  # a constant shift is the same distribution
+    same = heldout.logit_agreement(a, a + 3.0)  # a constant shift is the same distribution
     assert same["kl_max"] < 1e-12 and same["top1"] == 1.0 and same["top10"] == 1.0
 
 
@@ -119,29 +120,29 @@ def test_kv_cache_matches_full_forward_and_greedy_oracle():
     c = model.config
     kc = jnp.zeros((c.n_layers, 64, c.n_kv_heads, c.head_dim))
     vc = jnp.zeros_like(kc)
-    l1, kc, vc = ev._extend_jit(model, kc, vc, jnp.asarray(tokens[:25]), jnp.int32(0))   # prefill
+    l1, kc, vc = scoring._extend_jit(model, kc, vc, jnp.asarray(tokens[:25]), jnp.int32(0))   # prefill
     parts = [np.asarray(l1)]
     for t in range(25, 40):                                                            # decode
-        lt, kc, vc = ev._extend_jit(model, kc, vc, jnp.asarray(tokens[t:t + 1]), jnp.int32(t))
+        lt, kc, vc = scoring._extend_jit(model, kc, vc, jnp.asarray(tokens[t:t + 1]), jnp.int32(t))
         parts.append(np.asarray(lt))
     np.testing.assert_allclose(np.concatenate(parts), full, atol=1e-4, rtol=1e-4)
 
     seq = list(tokens[:9])
     for _ in range(12):  # oracle: a full forward per generated token, no cache
         seq.append(int(np.argmax(forward(model, seq)[-1])))
-    assert ev.Scorer(model).generate(tokens[:9], 12) == seq[9:]
+    assert scoring.Scorer(model).generate(tokens[:9], 12) == seq[9:]
 
 
 def test_loglikelihood_and_rolling_against_oracle():
     model = olmo3.OLMo3(CFG, jax.random.key(2))
     t = [int(x) for x in np.random.default_rng(2).integers(0, 256, size=21)]
     lp_full = log_softmax64(forward(model, t))
-    ll, greedy = ev.Scorer(model).loglikelihood(t[:15], t[15:])
+    ll, greedy = scoring.Scorer(model).loglikelihood(t[:15], t[15:])
     np.testing.assert_allclose(ll, sum(lp_full[j - 1, t[j]] for j in range(15, 21)), rtol=1e-5)
     assert greedy == all(lp_full[j - 1].argmax() == t[j] for j in range(15, 21))
     # rolling with max_length 8: each token predicted from at most the 8 tokens before it, the
     # windows sharing context (oracle: one forward per token over its own context)
-    scorer = ev.Scorer(model, max_length=8)
+    scorer = scoring.Scorer(model, max_length=8)
     seq = [256] + t
     want = 0.0
     for j in range(1, len(seq)):
@@ -150,7 +151,7 @@ def test_loglikelihood_and_rolling_against_oracle():
         ctx = seq[max(0, b - 1 - 8):j]
         want += log_softmax64(forward(model, ctx))[-1, seq[j]]
     np.testing.assert_allclose(scorer.loglikelihood_rolling(t, 256), want, rtol=1e-5)
-    np.testing.assert_allclose(ev.Scorer(model).loglikelihood_rolling(t, 256),
+    np.testing.assert_allclose(scoring.Scorer(model).loglikelihood_rolling(t, 256),
                                sum(log_softmax64(forward(model, seq[:-1]))[j - 1, seq[j]]
                                    for j in range(1, len(seq))), rtol=1e-5)
 
@@ -160,7 +161,7 @@ def test_local_multiple_choice_task_end_to_end():
     model = olmo3.OLMo3(CFG, jax.random.key(3))
     tok = ByteTokenizer()
     path = os.path.join(FIXTURES, "tiny_mc.jsonl")
-    docs, pool = ev.load_task(path)
+    docs, pool = scoring.load_task(path)
     got = eval_script.downstream_report(model, [path], num_fewshot=1, tokenizer=tok)
     shot = pool[0]
     acc, acc_norm = [], []
@@ -182,7 +183,7 @@ def test_local_multiple_choice_task_end_to_end():
 
 def test_fewshot_prompt_from_the_task_itself():
     docs = [{"context": f"q{i}", "choices": ["a", "b"], "gold": i % 2} for i in range(6)]
-    p = ev.fewshot_prompt(docs[2], 2, docs, None, 3)
+    p = scoring.fewshot_prompt(docs[2], 2, docs, None, 3)
     shots, last = p.split("\n\n")[:-1], p.split("\n\n")[-1]
     assert last == "q2" and len(shots) == 3 and "q2 " not in p
     assert all(s in {f"q{i} {'ab'[i % 2]}" for i in range(6)} for s in shots) and len(set(shots)) == 3
@@ -223,10 +224,10 @@ generation_kwargs:
 metric_list:
   - metric: exact_match
 """)
-    res = lm_eval.simple_evaluate(model=ev.lm_eval_adapter(model, tok, max_length=256),
+    res = lm_eval.simple_evaluate(model=scoring.lm_eval_adapter(model, tok, max_length=256),
                                   tasks=["tiny_mc_local", "tiny_gen_local"], log_samples=True,
                                   task_manager=TaskManager(include_path=str(tmp_path)))
-    ours = ev.multiple_choice(ev.Scorer(model, tok, 256), *ev.load_task(os.path.join(FIXTURES, "tiny_mc.jsonl")))
+    ours = scoring.multiple_choice(scoring.Scorer(model, tok, 256), *scoring.load_task(os.path.join(FIXTURES, "tiny_mc.jsonl")))
     assert res["results"]["tiny_mc_local"]["acc,none"] == pytest.approx(ours["acc"])
     assert res["results"]["tiny_mc_local"]["acc_norm,none"] == pytest.approx(ours["acc_norm"])
     for sample in res["samples"]["tiny_gen_local"]:
@@ -278,16 +279,16 @@ def runs(tmp_path_factory):
                 f.write(json.dumps({"step": s, "train/loss": float(m["train/loss"])}) + "\n")
                 if s in SAVE:
                     mgr.save(s, {"model": model, "opt": state},
-                             {"model_config": ev.config_to_dict(RUN_CFG), "stage": 1})
+                             {"model_config": config_to_dict(RUN_CFG), "stage": 1})
         mgr.close()
         return run
 
     out = {"clean0": train("clean0", 0, lambda s: chain(np.random.default_rng(1000 + s), BATCH)),
            "clean1": train("clean1", 1, lambda s: chain(np.random.default_rng(5000 + s), BATCH)),
            "repeat": train("repeat", 0, lambda s: np.tile(repeated, (BATCH // 2, 1)))}
-    heldout = {d: data.FSLDataset(token_file(root / f"{d}.npy", chain(np.random.default_rng(k), 32)), SEQ,
+    heldout_sets = {d: data.FSLDataset(token_file(root / f"{d}.npy", chain(np.random.default_rng(k), 32)), SEQ,
                                   vocab_size=512) for k, d in ((9, "chain_a"), (10, "chain_b"))}
-    out["sets_fn"] = lambda config: heldout
+    out["sets_fn"] = lambda config: heldout_sets
     return out
 
 
@@ -336,24 +337,24 @@ def test_compare_bad_inputs(runs, tmp_path):
     other = str(tmp_path / "other")
     mgr = CheckpointManager(other, keep=None, async_save=False)
     cfg = RUN_CFG.replace(vocab_size=640)
-    mgr.save(30, {"model": olmo3.OLMo3(cfg, jax.random.key(0))}, {"model_config": ev.config_to_dict(cfg)})
+    mgr.save(30, {"model": olmo3.OLMo3(cfg, jax.random.key(0))}, {"model_config": config_to_dict(cfg)})
     mgr.close()
     with pytest.raises(ValueError, match=r"different model configs \{'vocab_size': \(512, 640\)\}"):
         eval_script.compare_runs(runs["clean0"], other, **kw)
     lonely = str(tmp_path / "lonely")
     mgr = CheckpointManager(lonely, keep=None, async_save=False)
-    mgr.save(7, {"model": olmo3.OLMo3(RUN_CFG, jax.random.key(0))}, {"model_config": ev.config_to_dict(RUN_CFG)})
+    mgr.save(7, {"model": olmo3.OLMo3(RUN_CFG, jax.random.key(0))}, {"model_config": config_to_dict(RUN_CFG)})
     mgr.close()
     with pytest.raises(ValueError, match="share no checkpoint step"):
         eval_script.compare_runs(runs["clean0"], lonely, **kw)
     with pytest.raises(ValueError, match="different vocab sizes"):
-        ev.model_agreement(olmo3.OLMo3(RUN_CFG, jax.random.key(0)), olmo3.OLMo3(cfg, jax.random.key(0)),
+        heldout.model_agreement(olmo3.OLMo3(RUN_CFG, jax.random.key(0)), olmo3.OLMo3(cfg, jax.random.key(0)),
                            np.zeros((1, 8), np.int32))
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(ValueError, match="corrupt or truncated"):
-        ev.SafetensorsReader(str(tmp_path / "hf"))
+        hf.SafetensorsReader(str(tmp_path / "hf"))
 
 
 def test_cli_one_model_two_models_and_two_runs(runs, tmp_path):
@@ -366,8 +367,8 @@ def test_cli_one_model_two_models_and_two_runs(runs, tmp_path):
     eval_script.main(["eval.py"])
     res = json.load(open(tmp_path / "one" / "eval.json"))
     assert res["step"] == 90 and res["eval/chain_a/loss_delta"] > 0.1 and res["kl/mean"] > 0.01
-    model, _ = ev.load_model(runs["clean0"])
-    want = ev.heldout(model, runs["sets_fn"](None)["chain_a"], batch_size=8, max_batches=2)["loss"]
+    model, _ = load.load_model(runs["clean0"])
+    want = heldout.heldout(model, runs["sets_fn"](None)["chain_a"], batch_size=8, max_batches=2)["loss"]
     assert res["eval/chain_a/loss"] == pytest.approx(want, rel=1e-6)
     F.unparse_flags()
     F(["eval.py", f"--model={runs['clean0']}", *common, f"--tasks={os.path.join(FIXTURES, 'tiny_mc.jsonl')}"])

@@ -43,9 +43,14 @@ def test_usage_error_is_not_retried(tmp_path):
     assert _run(tmp_path, "2", max_attempts=5)[:2] == (2, 1)
 
 
+def test_non_finite_state_is_not_retried(tmp_path):
+    """Exit 3 (olmo3/cli.py): a rerun would resume from the last good checkpoint into the same NaN."""
+    assert _run(tmp_path, "1,3", max_attempts=5)[:2] == (3, 2)
+
+
 def test_gives_up_after_max_attempts(tmp_path):
-    rc, runs, delays = _run(tmp_path, "3", max_attempts=3)
-    assert (rc, runs, len(delays)) == (3, 3, 2)
+    rc, runs, delays = _run(tmp_path, "4", max_attempts=3)
+    assert (rc, runs, len(delays)) == (4, 3, 2)
 
 
 def test_long_runs_reset_the_failure_count(tmp_path):

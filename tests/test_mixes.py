@@ -1,4 +1,4 @@
-"""Mix resolution (data/mixes.py) and the list writer (tools/write_mixes.py).
+"""Mix resolution (data/mixes.py) and the list writer (python -m data.write_mixes).
 
 Expected URLs are written out literally from OLMo-core's documented layout (DataMix.build:
 `{root}/{path with {TOKENIZER} replaced}`), not produced by the code under test.
@@ -88,7 +88,7 @@ def test_mix_to_dataset_on_a_local_root(tmp_path):
 
 
 def test_lists_found_in_an_installed_olmo_core(tmp_path, monkeypatch):
-    """With `pip install ai2-olmo-core`, its packaged lists resolve without tools/write_mixes.py."""
+    """With `pip install ai2-olmo-core`, its packaged lists resolve without python -m data.write_mixes."""
     pkg = tmp_path / "site" / "olmo_core"
     (pkg / "data" / "mixes").mkdir(parents=True)
     (pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
@@ -100,8 +100,8 @@ def test_lists_found_in_an_installed_olmo_core(tmp_path, monkeypatch):
 
 
 def _write_mixes(*args):
-    return subprocess.run([sys.executable, os.path.join(REPO, "tools", "write_mixes.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "data.write_mixes", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
 def test_write_mixes_from_a_checkout(tmp_path):
@@ -113,7 +113,7 @@ def test_write_mixes_from_a_checkout(tmp_path):
     r = _write_mixes(f"--olmo_core={tmp_path / 'OLMo-core'}", "--mixes=toy", f"--out_dir={out}")
     assert r.returncode == 0, r.stderr
     lines = (out / "toy.txt").read_text().splitlines()
-    assert lines[0].startswith("# toy: copied by tools/write_mixes.py from allenai/OLMo-core")
+    assert lines[0].startswith("# toy: copied by data/write_mixes.py from allenai/OLMo-core")
     assert lines[1:] == [ln for ln in TOY.splitlines() if ln and not ln.startswith("#")]
     assert [u for _, u in mixes.resolve_mix("toy", "/r", mixes_dir=str(out))][-1] == \
         "/r/preprocessed/toy/allenai/dolma2-tokenizer/code/000000.npy"
@@ -131,9 +131,9 @@ REAL = {"OLMo-mix-0625-official": 1016, "OLMo-midtraining-mix-0625-100B": None, 
 
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_written_recipe_mixes(name):
-    """Checks the generated lists when tools/write_mixes.py has been run (they are not committed)."""
+    """Checks the generated lists when python -m data.write_mixes has been run (they are not committed)."""
     if name not in mixes.available_mixes():
-        pytest.skip(f"{name} not written here; run tools/write_mixes.py --olmo_core=...")
+        pytest.skip(f"{name} not written here; run python -m data.write_mixes --olmo_core=...")
     pairs = mixes.resolve_mix(name)
     urls = [u for _, u in pairs]
     if REAL[name] is not None:

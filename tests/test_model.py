@@ -105,6 +105,23 @@ def test_to_hf_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+
+def test_to_hf_writes_bf16_as_bf16(tmp_path):
+    """A bf16 checkpoint goes to HF as BF16 tensors (half the bytes of fp32), bit for bit: read back
+    by transformers/torch, the independent reader, every tensor equals ours exactly."""
+    c = olmo3.Config.tiny(vocab_size=101, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=48,
+                          n_layers=4, window=5, param_dtype="bfloat16")
+    model = olmo3.OLMo3(c, jax.random.key(3))
+    hf.to_hf(model, tmp_path / "hf")
+    with open(tmp_path / "hf" / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    theirs = {k: v.float().numpy() for k, v in ref.state_dict().items()}
+    for name, ours in hf.state_dict(model).items():
+        assert ours.dtype == jnp.bfloat16, name
+        np.testing.assert_array_equal(ours.astype(np.float32), theirs[name], err_msg=name)
+
 def test_7b_preset_numbers():
     c = olmo3.Config.olmo3_7b()
     assert c.num_params() == 7_298_011_136

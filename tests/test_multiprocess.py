@@ -1,5 +1,7 @@
 """Two real processes (jax.distributed on 127.0.0.1, gloo CPU collectives, 2 devices each) train
-a tiny OLMo 3 for a few steps and agree with the single-process, single-device step.
+a tiny OLMo 3 for a few steps and agree with the single-process, single-device step. They join
+through explicit flags, or, as on a cluster, through nothing but the variables `srun` or Open MPI's
+`mpirun` set (tests/fake_srun.py), which JAX's own detection reads (olmo3/cluster.py).
 
 Tolerances as in tests/test_sharding.py (float32 reduction order): losses rtol 2e-6; the
 parameter update per weight in L2 norm 1e-3 relative (Adam's sign-like first step amplifies
@@ -54,14 +56,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_match_single_process(tmp_path):
+@pytest.mark.parametrize("launcher", ["flags", "slurm", pytest.param("mpirun", marks=pytest.mark.slow)])
+def test_two_processes_match_single_process(tmp_path, launcher):
+    import fake_srun
     worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu"}
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, worker, str(port), str(i), str(tmp_path)], env=env,
+    if launcher == "flags":
+        port, envs = str(_free_port()), [env, env]
+    elif launcher == "slurm":   # one task per node, two nodes: what launch/slurm.sbatch runs
+        job_id = fake_srun.job_id_for_free_port()
+        port, envs = "auto", [{**env, **fake_srun.srun_env(job_id, i, 2, 2)} for i in range(2)]
+    else:
+        free = fake_srun.free_derived_port()
+        port, envs = "auto", [{**env, **fake_srun.mpirun_env(i, 2, free)} for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, worker, port, str(i), str(tmp_path)], env=envs[i],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     outputs = []
@@ -110,15 +121,12 @@ def test_train_py_two_processes_match_one(tmp_path):
     shape (fsdp:4), same losses (rtol 2e-6, float32 reduction order), one checkpoint dir."""
     import json
 
-    from test_train import SMALL   # the tiny recipe of the train.py tests
+    from test_train import SMALL, word_corpus   # the tiny recipe and corpus of the train.py tests
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     corpus = tmp_path / "docs"
     corpus.mkdir()
-    rng = np.random.default_rng(0)
-    words = [f"word{i}" for i in range(300)] + ["def", "return", "class", "(", ")", ":"]
-    for i in range(40):
-        (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
+    word_corpus(corpus)
 
     def launch(run_dir, devices, extra):
         env = {k: v for k, v in os.environ.items()

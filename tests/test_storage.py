@@ -55,7 +55,7 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self, head=False):
         self.server.count(self.command)
-        if self.server.delay:  # a stand-in for network round-trip time (bench_remote.py)
+        if self.server.delay:  # a stand-in for network round-trip time (benchmarks/bench_remote.py)
             time.sleep(self.server.delay)
         if self._fault():
             return
@@ -80,7 +80,8 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
                 a, b = max(0, n - int(b)), n - 1
             else:
                 a, b = int(a), min(int(b), n - 1) if b else n - 1
-            if a >= n:
+            if a >= n:  # a strict server; the request is recorded: a client should never send it
+                self.server.past_end.append(rng)
                 self.send_response(416)
                 self.send_header("Content-Range", f"bytes */{n}")
                 self.send_header("Content-Length", "0")
@@ -107,7 +108,7 @@ class RangeServer(http.server.ThreadingHTTPServer):
     def __init__(self, root, lifetime=120.0):
         super().__init__(("127.0.0.1", 0), RangeHandler)
         self.root, self.no_head, self.no_range, self.faults, self.delay = str(root), False, False, [], 0.0
-        self.requests, self.faulted = {}, 0
+        self.requests, self.faulted, self.past_end = {}, 0, []
         self._lock, self._n = threading.Lock(), 0
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self._timer = threading.Timer(lifetime, self.shutdown)
@@ -293,14 +294,40 @@ def test_root_without_files_and_bad_sizes(tmp_path):
 
 @pytest.mark.parametrize("nbytes", [4, 4 * 1000, 4 * 16384, 4 * 16384 + 4, 4 * 70_001])
 def test_size_by_range_probing(tmp_path, nbytes):
-    """The gs:// and s3:// path (no HEAD): sizes found by byte-range reads alone."""
+    """Without HEAD: HTTP takes the size from a one-byte range's Content-Range; the gs:// and s3://
+    path finds it by byte-range reads alone (_probe_size)."""
     os.makedirs(tmp_path / "p")
     with open(tmp_path / "p" / "f.npy", "wb") as fh:
         fh.write(os.urandom(nbytes))
     with RangeServer(tmp_path) as srv:
         srv.no_head = True
         assert storage.fetch_size(f"{srv.url}/p/f.npy") == nbytes
-        assert "HEAD" in srv.requests  # it asked, got 405, and probed
+        assert "HEAD" in srv.requests and srv.past_end == []  # it asked, got 405, asked a range
+        assert storage._probe_size(f"{srv.url}/p/f.npy", FAST) == nbytes
+
+
+@pytest.mark.parametrize("no_head", [False, True], ids=["head", "no_head"])
+def test_http_never_asks_past_the_end(tmp_path, no_head):
+    """Against a strict server (416 with `bytes */size` past the end) no request starts at or after
+    a file's size: not while sizing, checking the end, opening, or reading every instance. An
+    empty file is sized 0 (from HEAD, or from the 416 to its byte 0 when there is no HEAD) and
+    rejected by the dataset as empty."""
+    rel = _corpus(tmp_path, SIZES, seed=6)
+    want = _plain_instances([tmp_path / r for r in rel], SEQ)
+    (tmp_path / "mix" / "empty.npy").write_bytes(b"")
+    with RangeServer(tmp_path) as srv:
+        srv.no_head = no_head
+        urls = [f"{srv.url}/{r}" for r in rel]
+        ds = data.FSLDataset(urls, SEQ)
+        for i, w in enumerate(want):
+            np.testing.assert_array_equal(ds[i], w)
+        for f in storage.open_token_files(urls):
+            assert f.read(f.num_tokens, f.num_tokens).size == 0 and f.read(0, 0).size == 0
+        assert storage.fetch_size(f"{srv.url}/mix/empty.npy") == 0
+        with pytest.raises(ValueError, match="empty.npy.*is empty"):
+            data.FSLDataset([f"{srv.url}/mix/empty.npy"], SEQ)
+        # Only without HEAD, and only for the empty file, is byte 0 asked for: its 416 means "empty".
+        assert srv.past_end == (["bytes=0-0"] * 2 if no_head else []), srv.past_end
 
 
 def test_manifest_errors(tmp_path):

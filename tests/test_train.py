@@ -22,15 +22,18 @@ SMALL = ["--flagfile=" + os.path.join(ROOT, "tiny.flags"), "--d_model=32", "--n_
          "--total_steps=20", "--warmup_steps=2"]
 
 
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory):
-    """A small corpus of documents (so the tests don't tokenize the whole standard library)."""
-    d = tmp_path_factory.mktemp("docs")
+def word_corpus(d):
+    """40 documents of 300 random words in `d` (so the tests don't tokenize the standard library)."""
     rng = np.random.default_rng(0)
     words = [f"word{i}" for i in range(300)] + ["def", "return", "class", "(", ")", ":"]
     for i in range(40):
         (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
-    return str(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    return str(word_corpus(tmp_path_factory.mktemp("docs")))
 
 
 def run(args, run_dir, docs, data_dir, check=True, env_extra=None, **kw):
@@ -152,11 +155,12 @@ def test_bad_inputs(uninterrupted, docs, tmp_path):
     assert p.returncode != 0 and "fingerprint" in p.stderr
     p = run(["--max_steps=6", "--resume", "--global_batch=8"], env_run, docs, base / "data", check=False)
     assert p.returncode != 0 and "--global_batch=4" in p.stderr
-    # Non-finite loss: stop with a clear message, keep the last good checkpoint.
+    # Non-finite state: stop with exit 3 and a clear message; the step-1 update already poisons
+    # the weights (its own loss is still finite), so no checkpoint at all may be written.
     p = run(["--lr=1e30", "--schedule=constant", "--max_steps=6", "--save_interval=1"],
             tmp_path / "nan", docs, base / "data", check=False)
-    assert p.returncode != 0 and "train/loss is" in p.stderr and "last good checkpoint" in p.stderr
-    assert "1" in os.listdir(tmp_path / "nan" / "checkpoints")
+    assert p.returncode == 3 and "NaN" in p.stderr and "No checkpoint was written yet" in p.stderr
+    assert not os.listdir(tmp_path / "nan" / "checkpoints")
     # A stage-2 start from a checkpoint without optimizer state.
     import jax
     import olmo3

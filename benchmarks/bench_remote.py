@@ -1,7 +1,7 @@
 """Reading token files over HTTP vs from local disk, through the training loader, in tokens/s.
 
-    python bench_remote.py                                  # 127.0.0.1 server, no added latency
-    python bench_remote.py --latency_ms=20 --workers=8,32   # a stand-in for a real object store
+    python benchmarks/bench_remote.py                                  # 127.0.0.1 server, no added latency
+    python benchmarks/bench_remote.py --latency_ms=20 --workers=8,32   # a stand-in for a real object store
 
 Serves a temporary corpus with the range server of tests/test_storage.py and times
 `data.Loader` (the prefetching loader train.py uses) over the same files read three ways: local
@@ -22,7 +22,7 @@ from absl import app, flags
 import data
 from data import storage
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_storage import RangeServer  # noqa: E402
 
 flags.DEFINE_integer("seq_len", 8192, "instance length (stage 1 uses 8192)")

@@ -1,7 +1,7 @@
 """Training throughput and MFU of the real step, optionally side by side with transformers+torch.
 
-    python bench.py --flagfile=bench_cpu.flags --compare_torch     # the CPU comparison (issue 8)
-    python bench.py --model=tiny --d_model=2048 --n_layers=16 ... --param_dtype=bfloat16 \
+    python benchmarks/bench.py --flagfile=benchmarks/bench_cpu.flags --compare_torch     # the CPU comparison (issue 8)
+    python benchmarks/bench.py --model=tiny --d_model=2048 --n_layers=16 ... --param_dtype=bfloat16 \
         --compute_dtype=bfloat16 --attention=cudnn --seq_len=8192     # a ~1B config on a GPU
 
 What is timed is exactly what train.py runs per step: the model under `jax.lax.scan`, the
@@ -51,6 +51,8 @@ flags.DEFINE_bool("compare_torch", False, "Also time transformers' Olmo3ForCausa
 flags.DEFINE_enum("torch_attention", "auto", ["auto", "eager", "sdpa"],
                   "transformers attention; auto times one step of each and keeps the faster.")
 flags.DEFINE_integer("torch_threads", None, "torch.set_num_threads (default: the cores we may use).")
+flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), "
+                  "benchmark each process on its own devices. Without it such a launch stops (olmo3/cluster.py).")
 flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only, keep freed memory in "
                   "the process (olmo3/runtime.py; torch in this process shares the allocator).")
 
@@ -143,6 +145,8 @@ def main(argv):
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
     tuned = runtime.tune_cpu() if F.tune_cpu else []
+    from olmo3 import cluster   # one process: under srun / mpirun with N > 1 tasks, stop (or --independent_runs)
+    cluster.start("bench.py", multi_process=False, independent_runs=F.independent_runs)
 
     import jax
     import numpy as np

@@ -1,7 +1,7 @@
 """Throughput of the data side: corpus preparation and the loader, in tokens/s.
 
-    python bench_data.py                       # embedded stdlib corpus, fresh build in a temp dir
-    python bench_data.py --seq_len=8192 --global_batch=16
+    python benchmarks/bench_data.py                       # embedded stdlib corpus, fresh build in a temp dir
+    python benchmarks/bench_data.py --seq_len=8192 --global_batch=16
 
 Targets (issue 3): prepare >= 1M tokens/s on 2 cores; the loader >= 20x what the tiny CPU
 training step consumes (~1-3k tokens/s), i.e. >= 60k tokens/s.

@@ -1,7 +1,7 @@
 """Write the OLMo 3 mix lists into data/mixes/ from an OLMo-core checkout.
 
     git clone https://github.com/allenai/OLMo-core /tmp/OLMo-core
-    python tools/write_mixes.py --olmo_core=/tmp/OLMo-core
+    python -m data.write_mixes --olmo_core=/tmp/OLMo-core
 
 The lists are facts published by AI2 (`src/olmo_core/data/mixes/<name>.txt`); this script only
 checks and normalizes them: every line is `label,relative/path/{TOKENIZER}/....npy`, comments and
@@ -12,13 +12,11 @@ renamed, so a failed run leaves the previous lists intact.
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from data import mixes  # noqa: E402
+from data import mixes
 
 MIX_DIR = "src/olmo_core/data/mixes"
 # The recipe's three stages and the perplexity sets (see data/mixes.py).
@@ -63,7 +61,7 @@ def read_source(root: str, name: str, rev: str = "HEAD") -> tuple[str, str]:
 
 
 def normalize(name: str, text: str, source: str) -> str:
-    out = [f"# {name}: copied by tools/write_mixes.py from {source}"]
+    out = [f"# {name}: copied by data/write_mixes.py from {source}"]
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):

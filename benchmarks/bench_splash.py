@@ -1,8 +1,8 @@
 """What block sparsity saves in olmo3/splash.py, and what can be timed without an accelerator.
 
-    python bench_splash.py                      # 7B FLOP report + a small CPU interpret timing
-    python bench_splash.py --time_seq=0         # FLOP report only
-    python bench_splash.py --block=512 --block=2048
+    python benchmarks/bench_splash.py                      # 7B FLOP report + a small CPU interpret timing
+    python benchmarks/bench_splash.py --time_seq=0         # FLOP report only
+    python benchmarks/bench_splash.py --block=512 --block=2048
 
 Part 1 (exact, no hardware): at the 7B shapes (32 heads x head_dim 128, seq 8192, window 4096 in
 the 24 sliding layers, 8 full layers; DESIGN.md §2) count the score tiles the kernel visits and

@@ -1,0 +1,104 @@
+"""How train.py, eval.py and convert.py end when something is wrong.
+
+    exit 0   done
+    exit 2   a user's error: a flag, a path or an input file. One line on stderr names the culprit
+             and the fix; no traceback (`--verbosity=1` adds it). Never retried by
+             --resume_until_done (olmo3/launch.py): a rerun cannot fix it.
+    exit 3   the state became non-finite (NaN / inf loss, parameters or moments). No checkpoint
+             of it was written; the line names the last good one. Not retried either: a rerun
+             would resume into the same numbers.
+    exit 1   anything else (a lost host, an I/O error mid-run, a bug): a traceback, retried.
+
+What counts as a user's error is decided by the exception's type, at the one place every
+script ends (`run`): our own `UserError`, absl's flag and usage errors, and the built-in types
+our input checks raise with a message naming the thing and the fix (ValueError, missing or
+existing files). Inputs are checked before the first step; once a run has made progress
+(`mark_running`, after train.py's first step) a missing or unreadable file is a fault of the
+storage, not of the command (a flaky mount, a lost host), and is retried; a ValueError (bad data
+deep in the corpus) stays final.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from typing import Callable, NoReturn
+
+from absl import app, flags, logging
+
+USER_ERROR = 2
+NON_FINITE = 3
+
+
+class UserError(ValueError):
+    """A flag, path or input file is wrong; the message names it and the fix."""
+
+
+class NonFiniteError(FloatingPointError):
+    """The training state or a loss is NaN / inf; the message names the last good checkpoint."""
+
+
+USER_ERRORS = (UserError, app.UsageError, flags.Error, ValueError, FileNotFoundError, FileExistsError,
+               IsADirectoryError, NotADirectoryError, PermissionError)
+
+
+_running = False
+
+
+def mark_running() -> None:
+    """The run has made progress: from now on only UserError / NonFiniteError end it for good."""
+    global _running
+    _running = True
+
+
+def exit_status(e: BaseException) -> int:
+    """The exit status for an exception that ended a script (see the table above)."""
+    if isinstance(e, NonFiniteError):
+        return NON_FINITE
+    if _running and isinstance(e, OSError):
+        return 1
+    return USER_ERROR if isinstance(e, USER_ERRORS) else 1
+
+
+def one_line(e: BaseException) -> str:
+    """The exception's message on one line."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def fail(prog: str, e: BaseException) -> NoReturn:
+    """Print `<prog>: error: <one line>` (and the traceback if --verbosity >= 1) and exit."""
+    status = exit_status(e)
+    if status == 1 or _verbose():
+        traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
+def _verbose() -> bool:
+    try:
+        return logging.get_verbosity() >= 1
+    except Exception:  # noqa: BLE001 -- logging not set up yet
+        return False
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """`absl.app.run(main)`, with flag-parsing errors and the errors above ending as one line."""
+    prog = os.path.basename(sys.argv[0])
+
+    def parse(argv: list[str]) -> list[str]:
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:
+            fail(prog, e)
+
+    def guarded(argv: list[str]) -> None:
+        try:
+            main(argv)
+        except SystemExit:
+            raise
+        except BaseException as e:  # noqa: BLE001 -- every ending goes through fail()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            fail(prog, e)
+
+    app.run(guarded, flags_parser=parse)

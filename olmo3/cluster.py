@@ -1,0 +1,300 @@
+"""Which cluster engine started this process, joining its other processes, and the guard
+against silent replicas.
+
+    launch = detect(os.environ)        # what the environment says: engine, process count, the variable
+    initialize(...)                    # explicit flags / JAX_* win; else jax.distributed.initialize()
+                                       #   with no arguments, which fills in coordinator, count and id
+    check(launch)                      # the environment says N > 1 but JAX sees 1 process, or the
+                                       #   devices do not add up: stop before the first step
+    start("train.py", ...)             # all three + the first log line; exit status 2, one line,
+                                       #   on a misconfigured cluster (the crash loop never retries 2)
+
+Why a guard: under `srun`, `mpirun` or on a multi-host TPU slice nobody sets `--coordinator`. If
+nothing joins the processes, each sees only its own devices, reports `process_count() == 1`,
+reads rank 0 of 1 of the data order and trains its own replica on the same batches, with nothing
+in the logs: the same class of silent bug as double sharding (DESIGN §4).
+
+What JAX's own detection (`jax.distributed.initialize()` with no arguments, jax/_src/clusters/,
+read for jax 0.10.2) needs, per engine; we read only the process count and the variables' names,
+never JAX's private classes, and let JAX do the bootstrapping:
+
+    Open MPI <= 4  OMPI_MCA_orte_hnp_uri (set by mpirun; the coordinator is the launcher's IP),
+                   OMPI_COMM_WORLD_SIZE / _RANK / _LOCAL_RANK. Open MPI 5 (PRRTE) no longer sets
+                   the URI: there the flags are needed.
+    SLURM          SLURM_JOB_ID, SLURM_STEP_NODELIST, SLURM_NTASKS, SLURM_PROCID, SLURM_LOCALID:
+                   all set inside an `srun` step, not in the batch script itself. The coordinator
+                   is the step's first node, port 61440 + SLURM_JOB_ID % 4096.
+    Cloud TPU      on GKE (XPK, JobSet): TPU_WORKER_HOSTNAMES (or TPU_PROCESS_ADDRESSES) and
+                   TPU_WORKER_ID, x MEGASCALE_NUM_SLICES slices; on a GCE TPU VM the worker list
+                   is in the metadata server, which JAX reads itself.
+    Kubernetes     KUBERNETES_SERVICE_HOST plus the `kubernetes` package (`pip install jax[k8s]`)
+                   and pod-read permission; the count comes from the API, not the environment.
+
+On SLURM and Open MPI, JAX on GPUs restricts each process to ONE GPU (number = its local rank),
+made for one task per GPU. With one task per node (launch/slurm.sbatch) that would silently
+train on one GPU of eight; `initialize` then hands JAX all the GPUs the task was given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import os
+import re
+import sys
+from typing import Mapping, Optional
+
+from absl import logging
+
+# The flag a user passes to run the processes of one launch as independent single-process runs.
+INDEPENDENT_FLAG = "--independent_runs"
+
+
+class ClusterError(ValueError):
+    """A launch this process cannot run as configured; the message is one line naming the
+    variable (or flag) and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What the environment says about this launch.
+
+    engine: "slurm", "open-mpi", "mpi" (MPICH / Intel MPI), "cloud-tpu", "kubernetes",
+        "flags", "JAX_* variables" or "none".
+    processes: the process count the environment announces (None: it does not say).
+    source: the variable that says it, e.g. "SLURM_NTASKS=64" ("" if none).
+    auto: jax.distributed.initialize() with no arguments can join these processes.
+    fix: when not `auto`, what is missing and how to launch instead."""
+    engine: str
+    processes: Optional[int] = None
+    source: str = ""
+    auto: bool = False
+    fix: str = ""
+
+
+def _int(value: Optional[str]) -> Optional[int]:
+    return int(value) if value is not None and value.strip().isdigit() else None
+
+
+def _flags_fix(size_var: str, rank_var: str) -> str:
+    return (f"pass --coordinator=<host of process 0>:<free port> --num_processes=${size_var} "
+            f"--process_id=${rank_var}")
+
+
+def _candidates(env: Mapping[str, str]) -> list[Launch]:
+    """Every engine whose variables are present, in JAX's detection order (Open MPI, SLURM,
+    Cloud TPU, Kubernetes), plus MPICH-style PMI launchers, which JAX does not detect."""
+    found = []
+    if "OMPI_COMM_WORLD_SIZE" in env or "OMPI_MCA_orte_hnp_uri" in env:
+        n = _int(env.get("OMPI_COMM_WORLD_SIZE"))
+        found.append(Launch("open-mpi", n, f"OMPI_COMM_WORLD_SIZE={n}", "OMPI_MCA_orte_hnp_uri" in env,
+                            "OMPI_MCA_orte_hnp_uri, which JAX's detection reads, is unset (Open MPI 5 no "
+                            "longer sets it). Fix: " + _flags_fix("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")))
+    if "SLURM_NTASKS" in env or "SLURM_NPROCS" in env:
+        var = "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS"
+        n = _int(env[var])
+        in_step = [v for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+                   if v not in env]
+        found.append(Launch("slurm", n, f"{var}={n}", var == "SLURM_NTASKS" and not in_step,
+                            f"this process was not started by srun ({', '.join(in_step) or 'SLURM_NTASKS'} "
+                            "unset). Fix: start every task with `srun python train.py ...`, as "
+                            "launch/slurm.sbatch does"))
+    if "PMI_SIZE" in env and "PMI_RANK" in env:   # MPICH / Intel MPI (Hydra)
+        n = _int(env["PMI_SIZE"])
+        found.append(Launch("mpi", n, f"PMI_SIZE={n}", False, "JAX does not detect MPICH / Intel MPI "
+                            "launches. Fix: " + _flags_fix("PMI_SIZE", "PMI_RANK")))
+    hosts_var = next((v for v in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES") if env.get(v)), None)
+    if hosts_var:
+        hosts = len([h for h in env[hosts_var].split(",") if h.strip()])
+        slices = _int(env.get("MEGASCALE_NUM_SLICES")) or 1
+        n = hosts * slices
+        source = f"{hosts_var} ({hosts} hosts)" + (f" x MEGASCALE_NUM_SLICES={slices}" if slices > 1 else "")
+        found.append(Launch("cloud-tpu", n, source, True,
+                            "JAX found no Cloud TPU VM here (libtpu missing?). Fix: install jax[tpu] on every host"))
+    if "KUBERNETES_SERVICE_HOST" in env and ("JOB_COMPLETION_INDEX" in env or "JOBSET_NAME" in env):
+        found.append(Launch("kubernetes", None, "JOB_COMPLETION_INDEX/JOBSET_NAME", True,
+                            "JAX's Kubernetes detection needs the kubernetes package and pod-read "
+                            "permission. Fix: pip install 'jax[k8s]', or "
+                            + _flags_fix("NUM_PROCESSES", "JOB_COMPLETION_INDEX")))
+    if not hosts_var and _on_cloud_tpu_vm():   # GCE TPU VM: the worker list is in the metadata server
+        found.append(Launch("cloud-tpu", None, "Cloud TPU VM (worker list in the GCE metadata)", True))
+    return found
+
+
+def _on_cloud_tpu_vm() -> bool:
+    """libtpu is installed and a TPU device node exists (public signals, no backend started)."""
+    return (importlib.util.find_spec("libtpu") is not None
+            and bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")))
+
+
+def detect(env: Mapping[str, str] = os.environ) -> Launch:
+    """The launch this environment describes: the first engine JAX can bootstrap, else the first
+    that announces more than one process (which `initialize` refuses), else a single process."""
+    found = _candidates(env)
+    usable = [c for c in found if c.auto]
+    if usable:
+        return usable[0]
+    many = [c for c in found if (c.processes or 1) > 1]
+    return many[0] if many else Launch("none", found[0].processes if found else None,
+                                       found[0].source if found else "")
+
+
+def job_id(env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The cluster job this process belongs to (shared by all its tasks), or None."""
+    if env.get("SLURM_JOB_ID"):
+        return "slurm:" + env["SLURM_JOB_ID"]
+    if env.get("OMPI_MCA_orte_hnp_uri"):
+        return "ompi:" + env["OMPI_MCA_orte_hnp_uri"].split(";")[0]
+    return None
+
+
+def local_gpu_ids(launch: Launch, env: Mapping[str, str] = os.environ) -> Optional[list[int]]:
+    """All GPUs of this task when SLURM / Open MPI run ONE task on this node (else None: JAX's
+    default, one GPU per task, is right for one task per GPU).
+
+    The GPUs are those CUDA enumerates for the task: CUDA_VISIBLE_DEVICES (set by SLURM's GPU
+    binding), else SLURM_GPUS_ON_NODE; jax_cuda_visible_devices counts after that masking."""
+    if launch.engine not in ("slurm", "open-mpi") or env.get("JAX_LOCAL_DEVICE_IDS"):
+        return None
+    if launch.engine == "slurm":
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+        first = re.match(r"\d+", per_node)
+        one_task = first is not None and int(first.group()) == 1
+    else:
+        one_task = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1"
+    if not one_task:
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() and visible.strip() != "NoDevFiles":
+        return list(range(len(visible.split(","))))
+    n = _int(env.get("SLURM_GPUS_ON_NODE"))
+    return list(range(n)) if n else None
+
+
+def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+               process_id: Optional[int] = None, *, independent_runs: bool = False,
+               env: Mapping[str, str] = os.environ) -> Launch:
+    """Join this launch's processes (before any other JAX call) and return what was detected.
+
+    Explicit values (flags, then JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)
+    win; values they leave out are filled by JAX's detection where it works. Without any, an
+    engine JAX detects (see the module docstring) is joined through jax.distributed.initialize()
+    with no arguments. An environment that announces N > 1 processes JAX cannot join is refused
+    here with a ClusterError, before JAX starts a backend. Call `check` afterwards."""
+    import jax
+
+    detected = detect(env)
+    if independent_runs:
+        if coordinator or num_processes or process_id is not None:
+            raise ClusterError(f"{INDEPENDENT_FLAG} contradicts --coordinator/--num_processes/--process_id; "
+                               "pass one or the other")
+        return dataclasses.replace(detected, engine=f"{detected.engine}, independent runs ({INDEPENDENT_FLAG})",
+                                   auto=False)
+    coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
+    explicit = coordinator is not None or (num_processes or 1) > 1 or process_id is not None
+    if explicit or (detected.auto and detected.processes != 1):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only (DESIGN §7)
+    if explicit:
+        given = [v for v in (coordinator, num_processes, process_id) if v is not None]
+        if len(given) < 3 and not detected.auto:
+            missing = [name for name, v in (("coordinator address (--coordinator / JAX_COORDINATOR_ADDRESS)",
+                                             coordinator),
+                                            ("--num_processes / JAX_NUM_PROCESSES", num_processes),
+                                            ("--process_id / JAX_PROCESS_ID", process_id)) if v is None]
+            raise ClusterError(f"multi-process launch needs all of: {', '.join(missing)} missing")
+        if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+            raise ClusterError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, local_device_ids=local_gpu_ids(detected, env))
+        engine = "flags" if len(given) == 3 else f"flags + {detected.engine}"
+        return dataclasses.replace(detected, engine=engine)
+    if detected.auto:
+        if detected.processes == 1:   # one task: nothing to join (and JAX would pin it to one GPU)
+            return detected
+        try:
+            jax.distributed.initialize(local_device_ids=local_gpu_ids(detected, env))
+        except ValueError as e:   # JAX found no engine after all (e.g. TPU variables on a CPU host)
+            if (detected.processes or 1) > 1:
+                raise ClusterError(f"{detected.source} says {detected.processes} processes, but "
+                                   f"jax.distributed.initialize() could not join them ({e}): "
+                                   f"{detected.fix}") from e
+            logging.warning("%s: jax.distributed.initialize() found nothing to join (%s); one process",
+                            detected.engine, e)
+            return dataclasses.replace(detected, engine=f"{detected.engine} (not joined)", auto=False)
+        return detected
+    if (detected.processes or 1) > 1:
+        raise ClusterError(_replica_message(detected, detected.fix))
+    return detected
+
+
+def _replica_message(launch: Launch, fix: str) -> str:
+    return (f"{launch.source} says this is one of {launch.processes} processes, but JAX sees only this "
+            f"one, so each would train its own replica on the same batches: {fix}; or pass "
+            f"{INDEPENDENT_FLAG} to run {launch.processes} separate single-process runs on purpose")
+
+
+def check(launch: Launch, *, process_count: Optional[int] = None, device_count: Optional[int] = None,
+          local_device_count: Optional[int] = None) -> None:
+    """The guard, after `initialize`: raise ClusterError when the environment announces N > 1
+    processes but JAX has one, or when the global device count is not process_count x
+    local_device_count (processes own different numbers of devices). The counts default to JAX's."""
+    import jax
+    if INDEPENDENT_FLAG in launch.engine:
+        return
+    p = jax.process_count() if process_count is None else process_count
+    g = jax.device_count() if device_count is None else device_count
+    n_local = jax.local_device_count() if local_device_count is None else local_device_count
+    if (launch.processes or 1) > 1 and p == 1:
+        raise ClusterError(_replica_message(
+            launch, launch.fix or "JAX joined no other process. Fix: drop --num_processes=1 / "
+                                  "JAX_NUM_PROCESSES=1 and let the processes join"))
+    if g != p * n_local:
+        raise ClusterError(f"JAX sees {g} global devices, but {p} processes x {n_local} local devices on "
+                           f"this one = {p * n_local}: the processes own different numbers of devices. "
+                           "Fix: give every task the same devices (e.g. #SBATCH --gpus-per-node=8 with "
+                           "--ntasks-per-node=1), or set JAX_LOCAL_DEVICE_IDS on each")
+    if launch.processes and launch.processes > 1 and p != launch.processes:
+        logging.warning("%s but JAX joined %d processes; the explicit values won", launch.source, p)
+
+
+def summary(launch: Launch) -> str:
+    """The first log line: engine, process id and count, local and global devices."""
+    import jax
+    source = f" ({launch.source})" if launch.source else (" (a single process)" if launch.engine == "none" else "")
+    return (f"cluster: {launch.engine}{source}: process {jax.process_index()} of {jax.process_count()}, "
+            f"{jax.local_device_count()} local / {jax.device_count()} global {jax.default_backend()} devices")
+
+
+def start(program: str, coordinator: Optional[str] = None, num_processes: Optional[int] = None,
+          process_id: Optional[int] = None, *, independent_runs: bool = False,
+          multi_process: bool = True) -> Launch:
+    """For scripts: initialize + check + the first log line. On a ClusterError print one line
+    to stderr and exit with status 2 (a user error; olmo3/launch.py never retries it) before
+    anything is written. `multi_process=False` (eval.py, bench.py) joins nothing and refuses an
+    environment that announces several processes."""
+    try:
+        if multi_process:
+            launch = initialize(coordinator, num_processes, process_id, independent_runs=independent_runs)
+        else:   # eval.py, bench.py: one process by design
+            launch = detect()
+            # Copies started by the engine (an srun step, mpirun, TPU pods) would all do the same
+            # work; SLURM's batch shell without srun is one copy, which is fine.
+            copies = (launch.processes or 1) > 1 and (launch.auto or launch.engine != "slurm")
+            if copies and not independent_runs:
+                raise ClusterError(f"{launch.source} says this is one of {launch.processes} processes, but "
+                                   f"{program} runs as one process: every copy would do the same work. "
+                                   f"Fix: run it as a single task (e.g. `srun --ntasks=1 python {program} "
+                                   f"...`), or pass {INDEPENDENT_FLAG} to run the copies on purpose")
+            if (launch.processes or 1) > 1:
+                how = f"independent runs ({INDEPENDENT_FLAG})" if copies else "one process"
+                launch = dataclasses.replace(launch, engine=f"{launch.engine}, {how}", processes=None)
+        check(launch)
+    except ClusterError as e:
+        print(f"{program}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    logging.info(summary(launch))
+    return launch

@@ -1,0 +1,41 @@
+"""A model from any checkpoint: an HF directory (config.json + safetensors) or an Orbax checkpoint
+written by train.py or convert.py (a run directory, its checkpoints/ directory, or one step).
+
+    load_model(path)  ->  (OLMo3, {"kind": "hf" | "orbax", "path", "step", "config"})
+
+The Orbax side reads the architecture from the checkpoint's own extra JSON ("model_config"), so
+eval.py and convert.py never need the flags a run was trained with.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import equinox as eqx
+import jax
+
+from olmo3 import checkpoint, hf
+from olmo3.config import config_from_dict
+from olmo3.model import OLMo3
+
+
+def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo3, dict]:
+    """An OLMo3 from an HF directory (config.json + safetensors) or an Orbax checkpoint (a run
+    directory, its checkpoints/ directory, or checkpoints/<N>). Returns (model, info), info holding
+    "kind", "step" and "config". `overrides` change non-architecture fields (compute_dtype...)."""
+    if hf.is_hf_dir(path):
+        config = hf.read_hf_config(path, **overrides)
+        model = hf.from_hf(hf.SafetensorsReader(path), config)
+        return model, {"kind": "hf", "path": path, "step": None, "config": config}
+    run, located = checkpoint.locate(path)
+    step = located if step is None else step
+    mgr = checkpoint.CheckpointManager(run, read_only=True)
+    step = mgr.verify(step)  # a damaged checkpoint is named (the file) before any array is read
+    extra = mgr.read_extra(step)
+    if "model_config" not in extra:
+        raise ValueError(f"checkpoint {run} step {step}: its extra JSON has no 'model_config'; it was not "
+                         "written by train.py or convert.py")
+    config = config_from_dict(extra["model_config"], **overrides)
+    abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
+    state, _ = mgr.restore(step, {"model": abstract})
+    mgr.close()
+    return state["model"], {"kind": "orbax", "path": run, "step": step, "config": config}

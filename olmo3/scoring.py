@@ -1,0 +1,277 @@
+"""Scoring text with a model: what lm-eval-harness asks of an LM, and multiple-choice tasks.
+
+    Scorer(model).loglikelihood(context, continuation)   sum log p(continuation | context), greedy?
+    Scorer(model).loglikelihood_rolling(tokens, prefix)  log p(tokens) in windows of max_length
+    Scorer(model).generate(prompt, n)                    greedy decoding with a KV cache
+    multiple_choice(scorer, docs, ...)                   acc / acc_norm with few-shot prompts
+    lm_eval_adapter(model)                               an `lm_eval.api.model.LM` over Scorer
+
+The KV-cache decoder (`_extend`) runs the model's own layer pieces (olmo3.model.attention_inputs /
+layer_output); only attention reads the cache, with the same causal and sliding-window masks.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Optional, Sequence, Union
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from olmo3 import rope
+from olmo3.heldout import logits_fn
+from olmo3.metrics import read_jsonl
+from olmo3.model import OLMo3, attention_inputs, layer_output, rms_norm
+
+
+# ---- KV-cache decoding ---------------------------------------------------------------------------
+def _extend(model: OLMo3, k_cache: jax.Array, v_cache: jax.Array, tokens: jax.Array, start: jax.Array):
+    """Run `tokens` [T] at positions start.. start+T-1 against the cache [L, S, KV, hd]; returns
+    (logits [T, V] fp32, k_cache, v_cache). The layer's projections, norms, RoPE and MLP are
+    OLMo3's own (olmo3.model.attention_inputs / layer_output); only attention reads the cache."""
+    c = model.config
+    T, S = tokens.shape[0], k_cache.shape[1]
+    pos = start + jnp.arange(T, dtype=jnp.int32)
+    tables = {"sliding": rope.cos_sin(pos, c.head_dim, c.rope_theta, None),
+              "full": rope.cos_sin(pos, c.head_dim, c.rope_theta, c.yarn)}
+    is_full = jnp.asarray([t == "full" for t in c.layer_types()])
+    kpos = jnp.arange(S)
+    causal = kpos[None, :] <= pos[:, None]                                   # (T, S)
+    in_window = (pos[:, None] - kpos[None, :]) < c.window
+
+    def layer(x, xs):
+        p, full, kc, vc = xs
+        dt = x.dtype
+        cos = jnp.where(full, tables["full"][0], tables["sliding"][0])
+        sin = jnp.where(full, tables["full"][1], tables["sliding"][1])
+        q, k, v = attention_inputs(c, p, x, cos, sin)                             # (T, H|KV, hd)
+        kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (start, 0, 0))
+        vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (start, 0, 0))
+        G = c.n_heads // c.n_kv_heads
+        qg = q.reshape(T, c.n_kv_heads, G, c.head_dim)                             # (T, KV, G, hd)
+        s = jnp.einsum("tkgd,skd->kgts", qg, kc.astype(dt), preferred_element_type=jnp.float32)
+        s = s * c.head_dim ** -0.5
+        mask = causal & (in_window | full)
+        s = jnp.where(mask[None, None], s, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(s, axis=-1).astype(dt)
+        o = jnp.einsum("kgts,skd->tkgd", probs, vc.astype(dt), preferred_element_type=jnp.float32)
+        return layer_output(c, p, x, o.astype(dt).reshape(T, c.q_dim)), (kc, vc)
+
+    x = model.embed[tokens].astype(c.dtype)
+    x, (k_cache, v_cache) = jax.lax.scan(layer, x, (model.layers, is_full, k_cache, v_cache))
+    h = rms_norm(x, model.norm, c.norm_eps)
+    return jnp.dot(h, model.lm_head.astype(h.dtype), preferred_element_type=jnp.float32), k_cache, v_cache
+
+
+_extend_jit = eqx.filter_jit(_extend, donate="all-except-first")  # the caches are updated in place
+
+
+Tokens = Union[Sequence[int], np.ndarray]  # token ids: a list or a 1-D integer array
+
+
+def _bucket(n: int, size: int = 64) -> int:
+    return max(size, -(-n // size) * size)
+
+
+class Scorer:
+    """Log-likelihoods and greedy generation for one model: what lm-eval-harness asks of an LM.
+
+    Token lists in, numbers out; `tokenizer` (encode/decode/eot_token) is only used by the
+    string-level helpers. Sequences are right-padded to buckets of 64 so jit compiles a handful
+    of shapes; padding after the last real token cannot change causal logits."""
+
+    def __init__(self, model: OLMo3, tokenizer=None, max_length: int = 2048):
+        self.model, self.tokenizer, self.max_length = model, tokenizer, max_length
+
+    def _check(self, tokens: list) -> None:
+        top = max(tokens, default=0)
+        if top >= self.model.config.vocab_size or min(tokens, default=0) < 0:
+            raise ValueError(f"token id {top} is outside the model's vocabulary of {self.model.config.vocab_size}: "
+                             "the tokenizer does not match the model")
+
+    def _logprobs(self, tokens: list) -> np.ndarray:
+        """log_softmax of the logits at every position of `tokens` (len <= max_length)."""
+        self._check(tokens)
+        n = len(tokens)
+        padded = np.zeros(_bucket(n), np.int32)
+        padded[:n] = tokens
+        logits = np.asarray(logits_fn()(self.model, jnp.asarray(padded)))[:n]
+        return logits - _logsumexp(logits)
+
+    def loglikelihood(self, context: Tokens, continuation: Tokens) -> tuple[float, bool]:
+        """(sum of log p(continuation | context), whether greedy decoding yields it)."""
+        context, continuation = [int(t) for t in context], [int(t) for t in continuation]
+        if not continuation:
+            raise ValueError("loglikelihood: empty continuation")
+        seq = (context + continuation)[-(self.max_length + 1):]
+        if len(seq) < 2:
+            raise ValueError("loglikelihood: an empty context needs a prefix token (e.g. eos)")
+        lp = self._logprobs(seq[:-1])
+        targets = np.asarray(seq[1:])
+        k = len(continuation)
+        rows, tg = lp[-k:], targets[-k:]
+        return float(rows[np.arange(k), tg].sum()), bool((rows.argmax(-1) == tg).all())
+
+    def loglikelihood_rolling(self, tokens: Tokens, prefix: int) -> float:
+        """log p(tokens) given a single prefix token, in windows of max_length predictions, each
+        with as much preceding context as fits (lm-eval's rolling windows, context length 1)."""
+        t = [int(prefix)] + [int(x) for x in tokens]
+        total = 0.0
+        for a in range(1, len(t), self.max_length):
+            b = min(a + self.max_length, len(t))
+            lo = max(0, b - 1 - self.max_length)
+            lp = self._logprobs(t[lo:b - 1])
+            idx = np.arange(a, b)
+            total += float(lp[idx - 1 - lo, np.asarray(t)[idx]].sum())
+        return total
+
+    def generate(self, prompt: Tokens, max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]] = None,
+                 eos_id: Optional[int] = None) -> list[int]:
+        """Greedy decoding with a KV cache: one prefill, then one token per step."""
+        c = self.model.config
+        prompt = [int(t) for t in prompt][-(self.max_length - 1):]
+        self._check(prompt)
+        max_new_tokens = max(0, min(max_new_tokens, self.max_length - len(prompt)))
+        S = _bucket(len(prompt) + max_new_tokens)
+        kc = jnp.zeros((c.n_layers, S, c.n_kv_heads, c.head_dim), c.dtype)
+        vc = jnp.zeros_like(kc)
+        padded = np.zeros(_bucket(len(prompt)), np.int32)
+        padded[:len(prompt)] = prompt
+        if len(padded) > S:
+            padded = padded[:S]
+        logits, kc, vc = _extend_jit(self.model, kc, vc, jnp.asarray(padded), jnp.int32(0))
+        nxt = int(np.argmax(np.asarray(logits[len(prompt) - 1])))
+        out: list[int] = []
+        pos = len(prompt)
+        while len(out) < max_new_tokens:
+            out.append(nxt)
+            if (eos_id is not None and nxt == eos_id) or (stop is not None and stop(out)):
+                break
+            if len(out) == max_new_tokens:
+                break
+            logits, kc, vc = _extend_jit(self.model, kc, vc, jnp.asarray([nxt], jnp.int32), jnp.int32(pos))
+            pos += 1
+            nxt = int(np.argmax(np.asarray(logits[0])))
+        return out
+
+    # -- string level (lm-eval conventions) --------------------------------------------------
+    def split_encode(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's `_encode_pair`: trailing spaces of the context move to the continuation;
+        the whole string is encoded once and split after the context's tokens."""
+        tok = self.tokenizer
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            continuation = context[-n_spaces:] + continuation
+            context = context[:-n_spaces]
+        whole = encode(tok, context + continuation)
+        ctx = encode(tok, context) if context else [tok.eot_token]
+        if not context:
+            return ctx, whole
+        return ctx, whole[len(ctx):]
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of `text`; special-token strings in the text are encoded as plain text (tiktoken
+    refuses them by default)."""
+    try:
+        return tokenizer.encode(text, disallowed_special=())
+    except TypeError:  # not tiktoken
+        return tokenizer.encode(text)
+
+
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    m = x.max(-1, keepdims=True)
+    return m + np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+# ---- downstream multiple choice ------------------------------------------------------------------
+def load_task(path: str) -> tuple[list[dict], list[dict]]:
+    """(docs, few-shot pool) of a local multiple-choice task: jsonl lines with "context" (str),
+    "choices" (list of str) and "gold" (int). Few-shot examples come from `<name>.fewshot.jsonl`
+    next to it when present, else from the other documents of the task."""
+    docs = read_jsonl(path)
+    for i, d in enumerate(docs):
+        if not (isinstance(d.get("context"), str) and isinstance(d.get("choices"), list) and d["choices"]
+                and isinstance(d.get("gold"), int) and 0 <= d["gold"] < len(d["choices"])):
+            raise ValueError(f"{path}: document {i} needs 'context' (str), 'choices' (non-empty list) and "
+                             f"'gold' (an index into choices); got keys {sorted(d)}")
+    shots_path = path[:-len(".jsonl")] + ".fewshot.jsonl" if path.endswith(".jsonl") else None
+    pool = read_jsonl(shots_path) if shots_path and os.path.exists(shots_path) else None
+    return docs, pool
+
+
+def fewshot_prompt(doc: dict, index: int, docs: list[dict], pool: Optional[list[dict]], k: int,
+                   delimiter: str = " ", separator: str = "\n\n", seed: int = 1234) -> str:
+    """k solved examples (context + delimiter + gold choice), then the document's context."""
+    if k == 0:
+        return doc["context"]
+    candidates = pool if pool is not None else [d for j, d in enumerate(docs) if j != index]
+    if len(candidates) < k:
+        raise ValueError(f"num_fewshot={k} but only {len(candidates)} examples available")
+    rng = np.random.default_rng(seed + index)
+    shots = [candidates[j] for j in rng.choice(len(candidates), size=k, replace=False)]
+    return "".join(s["context"] + delimiter + s["choices"][s["gold"]] + separator for s in shots) + doc["context"]
+
+
+def mean_stderr(values: Sequence[float]) -> float:
+    """Standard error of a mean, sample std (ddof 1), as lm-eval's `mean_stderr`."""
+    v = np.asarray(values, np.float64)
+    return float(v.std(ddof=1) / math.sqrt(len(v))) if len(v) > 1 else float("nan")
+
+
+def multiple_choice(scorer: Scorer, docs: list[dict], pool: Optional[list[dict]] = None, *,
+                    num_fewshot: int = 0, delimiter: str = " ", limit: Optional[int] = None) -> dict:
+    """acc (argmax of sum log p) and acc_norm (argmax of log p / characters of the choice), each
+    with its standard error — lm-eval-harness's `multiple_choice` output type."""
+    acc, acc_norm = [], []
+    for i, doc in enumerate(docs[:limit] if limit else docs):
+        ctx = fewshot_prompt(doc, i, docs, pool, num_fewshot, delimiter)
+        lls = np.array([scorer.loglikelihood(*scorer.split_encode(ctx, delimiter + ch))[0] for ch in doc["choices"]])
+        lens = np.array([len(ch) for ch in doc["choices"]], np.float64)
+        acc.append(float(np.argmax(lls) == doc["gold"]))
+        acc_norm.append(float(np.argmax(lls / np.maximum(lens, 1)) == doc["gold"]))
+    return {"acc": float(np.mean(acc)), "acc_stderr": mean_stderr(acc), "acc_norm": float(np.mean(acc_norm)),
+            "acc_norm_stderr": mean_stderr(acc_norm), "n": len(acc)}
+
+
+# ---- the lm-eval-harness adapter -----------------------------------------------------------------
+def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_gen_toks: int = 256):
+    """An instance of `lm_eval.api.model.LM` driving our model (pip install lm-eval; 0.4.x).
+
+    loglikelihood and loglikelihood_rolling score with `Scorer`; generate_until decodes greedily
+    with the KV cache and cuts the text at the first stop string."""
+    from lm_eval.api.model import LM
+
+    import data
+    tok = tokenizer or data.dolma2()
+
+    class OLMo3LM(LM):
+        def __init__(self):
+            super().__init__()
+            self.scorer = Scorer(model, tok, max_length)
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return [self.scorer.loglikelihood(*self.scorer.split_encode(*r.args)) for r in requests]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            return [self.scorer.loglikelihood_rolling(encode(tok, r.args[0]), tok.eot_token) for r in requests]
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            out = []
+            for r in requests:
+                context, kwargs = r.args
+                kwargs = dict(kwargs or {})
+                until = kwargs.get("until") or [tok.decode([tok.eot_token])]
+                until = [until] if isinstance(until, str) else list(until)
+                n = int(kwargs.get("max_gen_toks", max_gen_toks))
+                stop = lambda ids: any(u in tok.decode(ids) for u in until)  # noqa: E731
+                ids = self.scorer.generate(encode(tok, context), n, stop=stop, eos_id=tok.eot_token)
+                text = tok.decode(ids)
+                for u in until:
+                    text = text.split(u)[0]
+                out.append(text)
+            return out
+
+    return OLMo3LM()

@@ -1,0 +1,298 @@
+"""Bad input never costs a run: every CLI (train.py, eval.py, convert.py) against the inputs a new
+user gets wrong, as subprocesses, the way a user meets them.
+
+Each case asserts the contract of olmo3/cli.py: the exit status (2 for a user's error, 3 for a
+non-finite state; both never retried by --resume_until_done), a last line
+`<script>: error: ...` naming the culprit, no traceback, and every file that existed before
+(checkpoints, prepared data, HF directories) byte-for-byte unchanged. The oracle for "unchanged"
+is a sha256 of every file under the test's directory, taken before each case.
+"""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+TINY = ["--model=tiny", "--d_model=32", "--n_layers=4", "--n_heads=2", "--n_kv_heads=2", "--head_dim=16",
+        "--mlp_hidden=64", "--window=16", "--seq_len=32", "--global_batch=4", "--total_steps=4",
+        "--warmup_steps=1", "--save_interval=2", "--eval_interval=2", "--loader_workers=0", "--notune_cpu"]
+
+
+def script(name, *args, cwd=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, name), *map(str, args)], capture_output=True,
+                          text=True, env=ENV, cwd=cwd or ROOT, timeout=300)
+
+
+def snapshot(root) -> dict:
+    out = {}
+    for dp, _, fs in os.walk(root):
+        for f in fs:
+            p = os.path.join(dp, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def truncate(path, keep=0.5):
+    with open(path, "r+b") as f:
+        f.truncate(int(os.path.getsize(path) * keep))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A corpus, a trained run (checkpoints 2 and 4), an HF model and damaged copies of each."""
+    w = tmp_path_factory.mktemp("bad")
+    for name, files in (("docs", ("model.py", "rope.py", "loss.py", "optim.py", "step.py", "schedules.py")),
+                        ("other", ("config.py", "hf.py", "sharding.py", "splash.py", "attention.py", "cli.py"))):
+        os.makedirs(w / name)
+        for f in files:
+            shutil.copy(os.path.join(ROOT, "olmo3", f), w / name / f"{f}.txt")
+    os.makedirs(w / "nan")
+    (w / "nan" / "a.jsonl").write_text('{"text": "fine"}\n{"text": NaN}\n')
+    p = script("train.py", *TINY, f"--data={w / 'docs'}", f"--run_dir={w / 'run'}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    shutil.copytree(w / "run", w / "damaged")
+    truncate(w / "damaged" / "checkpoints" / "4" / "state" / "_sharding")
+    shutil.copytree(w / "run", w / "badmetrics")
+    with open(w / "badmetrics" / "metrics.jsonl", "a") as f:
+        f.write("{not json\n")
+    # An HF directory (ours, written by olmo3.hf.to_hf) and broken copies of it.
+    p = script("convert.py", f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'hf'}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    cfg = json.loads((w / "hf" / "config.json").read_text())
+    for name, text in (("hf_badjson", json.dumps(cfg)[:40]), ("hf_llama", json.dumps({**cfg, "model_type": "llama"}))):
+        shutil.copytree(w / "hf", w / name)
+        (w / name / "config.json").write_text(text)
+    os.makedirs(w / "nonempty")
+    (w / "nonempty" / "keep.txt").write_text("mine")
+    (w / "bad.flags").write_text("--lr=nan\n")
+    return w
+
+
+def _cases(w):
+    """(id, script, args, status, culprit: text the error line must contain). `new` is a run
+    directory no case may leave a checkpoint in."""
+    T = [*TINY, f"--data={w / 'docs'}"]
+    new = w / "new_run"
+    return [
+        ("mesh_malformed", "train.py", [*T, f"--run_dir={new}", "--mesh=fsdp:x"], 2, "--mesh='fsdp:x'"),
+        ("mesh_impossible", "train.py", [*T, f"--run_dir={new}", "--mesh=fsdp:3"], 2, "--mesh='fsdp:3'"),
+        ("global_batch_indivisible", "train.py", [*T, f"--run_dir={new}", "--global_batch=3"], 2,
+         "global batch 3 is not divisible by the 2 global devices"),
+        ("corpus_missing", "train.py", [*TINY, f"--data={w / 'nowhere'}", f"--run_dir={new}"], 2,
+         f"corpus directory '{w / 'nowhere'}' does not exist"),
+        ("nan_in_data", "train.py", [*TINY, f"--data={w / 'nan'}", f"--run_dir={new}"], 2,
+         "a.jsonl:2: 'text' must be a string"),
+        ("init_from_missing", "train.py", [*T, "--stage=2", f"--run_dir={new}", f"--init_from={w / 'nowhere'}"],
+         2, f"{w / 'nowhere'}: not a run directory"),
+        ("flagfile_missing", "train.py", [f"--flagfile={w / 'none.flags'}"], 2, "Unable to open flagfile"),
+        ("lr_nan_flag", "train.py", [*T, f"--run_dir={new}", "--lr=nan"], 2, "--lr must be finite and > 0"),
+        ("lr_nan_flagfile", "train.py", [*T, f"--run_dir={new}", f"--flagfile={w / 'bad.flags'}"], 2,
+         "--lr must be finite and > 0"),
+        ("beta_out_of_range", "train.py", [*T, f"--run_dir={new}", "--b2=1.0"], 2, "--b2 must be in [0, 1)"),
+        ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
+        ("checkpoint_of_another_model", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--d_model=64",
+                                                     "--head_dim=32"], 2, "model config differs"),
+        ("checkpoint_of_another_stage", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--stage=2"], 2,
+         "checkpoint is stage 1, flags say --stage=2"),
+        ("fingerprint_mismatch", "train.py", [*TINY, f"--data={w / 'other'}", f"--run_dir={w / 'run'}", "--resume",
+                                              "--total_steps=6"], 2, "fingerprint"),
+        ("diverges", "train.py", [*T, f"--run_dir={new}", "--lr=1e30", "--max_grad_norm=1e30"], 3,
+         "No checkpoint was written yet"),
+        ("eval_no_model", "eval.py", [], 2, "give --model"),
+        ("eval_model_missing", "eval.py", [f"--model={w / 'nowhere'}"], 2, f"{w / 'nowhere'}: not a run directory"),
+        ("eval_damaged_checkpoint", "eval.py", [f"--model={w / 'damaged'}", f"--heldout={w / 'docs'}"], 2,
+         f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
+        ("eval_hf_config_not_json", "eval.py", [f"--model={w / 'hf_badjson'}"], 2,
+         f"{w / 'hf_badjson' / 'config.json'}' is not valid JSON"),
+        ("eval_metrics_not_json", "eval.py", [f"--compare={w / 'run'},{w / 'badmetrics'}", f"--out={w / 'report'}",
+                                              f"--heldout={w / 'docs'}"], 2, "metrics.jsonl:"),
+        ("convert_bad_spec", "convert.py", ["--from=foo", f"--to=hf:{w / 'out'}"], 2, "--from='foo'"),
+        ("convert_wrong_model_type", "convert.py", [f"--from=hf:{w / 'hf_llama'}", f"--to=orbax:{w / 'out'}"], 2,
+         "model_type 'llama'"),
+        ("convert_config_not_json", "convert.py", [f"--from=hf:{w / 'hf_badjson'}", f"--to=orbax:{w / 'out'}"], 2,
+         f"{w / 'hf_badjson' / 'config.json'}' is not valid JSON"),
+        ("convert_onto_nonempty", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'nonempty'}"], 2,
+         "exists and is not empty"),
+        ("convert_orbax_onto_existing", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'run'}"], 2,
+         "already holds checkpoints"),
+        ("convert_damaged_checkpoint", "convert.py", [f"--from=orbax:{w / 'damaged'}", f"--to=hf:{w / 'out'}"], 2,
+         f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
+    ]
+
+
+CASE_IDS = [c[0] for c in _cases(__import__("pathlib").Path("/w"))]
+
+
+@pytest.fixture(scope="module")
+def outcomes(world):
+    """Every case run once, three at a time (each is mostly interpreter start-up), each in its own
+    copy of the paths it may create; the tree is snapshot before and after all of them."""
+    from concurrent.futures import ThreadPoolExecutor
+    before = snapshot(world)
+
+    def one(case):
+        _, name, args, _, _ = case
+        args = [a.replace(str(world / "new_run"), str(world / f"new_{case[0]}"))
+                 .replace(str(world / "out"), str(world / f"out_{case[0]}")) for a in map(str, args)]
+        return case[0], script(name, *args)
+
+    with ThreadPoolExecutor(3) as pool:
+        done = dict(pool.map(one, _cases(world)))
+    after = snapshot(world)
+    changed = sorted(k for k, v in before.items() if after.get(k) != v)
+    return done, changed
+
+
+@pytest.mark.parametrize("case", CASE_IDS)
+def test_bad_input(world, outcomes, case):
+    _, name, args, status, culprit = next(c for c in _cases(world) if c[0] == case)
+    done, changed = outcomes
+    p = done[case]
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == status, (p.returncode, p.stderr[-3000:])
+    assert lines and lines[-1].startswith(f"{name}: error: "), p.stderr[-3000:]
+    assert culprit.replace("new_run", f"new_{case}") in lines[-1], lines[-1]
+    assert "Traceback" not in p.stderr + p.stdout, p.stderr[-3000:]
+    assert not changed, f"pre-existing files changed: {changed}"
+    ckpts = world / f"new_{case}" / "checkpoints"
+    assert not (os.path.isdir(ckpts) and os.listdir(ckpts)) and not os.path.exists(world / f"out_{case}")
+
+
+def test_exit_status_before_and_after_the_first_step(monkeypatch):
+    """Before the first step a missing file is the user's (2); after it, a file vanishing on a
+    flaky mount is retried (1). Bad values (2) and a non-finite state (3) stay final."""
+    from olmo3 import cli
+    monkeypatch.setattr(cli, "_running", False)
+    cases = [FileNotFoundError("x"), ValueError("x"), cli.UserError("x"), cli.NonFiniteError("x"),
+             OSError("x"), RuntimeError("x")]
+    assert [cli.exit_status(e) for e in cases] == [2, 2, 2, 3, 1, 1]
+    cli.mark_running()
+    assert [cli.exit_status(e) for e in cases] == [1, 2, 2, 3, 1, 1]
+
+
+def test_verbosity_brings_the_traceback_back(world):
+    p = script("eval.py", f"--model={world / 'nowhere'}", "--verbosity=1")
+    assert p.returncode == 2 and "Traceback" in p.stderr and p.stderr.strip().splitlines()[-1].startswith("eval.py: error:")
+
+
+def test_truncated_token_file_is_rebuilt_and_said(world, tmp_path):
+    """A prepared token file cut short is rebuilt (as always), and a warning names it."""
+    shutil.copytree(world / "run", tmp_path / "run")
+    data_dir = world / "data" / "docs"
+    token_file = data_dir / "train" / "train-00000.npy"
+    saved = token_file.read_bytes()
+    try:
+        truncate(token_file)
+        p = script("train.py", *TINY, f"--data={world / 'docs'}", f"--data_dir={data_dir}",
+                   f"--run_dir={tmp_path / 'run'}", "--resume", "--total_steps=6", "--max_steps=6")
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "rebuilding the prepared corpus" in p.stderr and "train-00000.npy" in p.stderr
+        assert token_file.read_bytes() == saved  # the same corpus, rebuilt exactly
+    finally:
+        token_file.write_bytes(saved)
+
+
+def _logged(run_dir) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return sum(1 for _ in open(path)) if os.path.exists(path) else 0
+
+
+def _losses(run_dir) -> dict:
+    """step -> train/loss from metrics.jsonl; a step logged again after a resume: last line wins."""
+    out = {}
+    for line in open(os.path.join(run_dir, "metrics.jsonl")):
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[rec["step"]] = rec["train/loss"]
+    return out
+
+
+RESUME = [*TINY[:-6], "--total_steps=6", "--warmup_steps=1", "--save_interval=2", "--eval_interval=2",
+          "--loader_workers=0", "--notune_cpu"]
+
+
+def test_damaged_newest_checkpoint_falls_back_exactly(world, tmp_path):
+    """The newest checkpoint loses half its _sharding file: --resume warns naming it, moves step 4
+    aside (never deletes it), resumes from step 2, and every logged loss equals an uninterrupted
+    run's (the oracle), so exactly-once data and the step convention survive the fallback."""
+    data = [f"--data={world / 'docs'}", f"--data_dir={world / 'data' / 'docs'}"]
+    p = script("train.py", *RESUME, *data, f"--run_dir={tmp_path / 'a'}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = script("train.py", *RESUME, *data, f"--run_dir={tmp_path / 'b'}", "--max_steps=4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    sharding_file = tmp_path / "b" / "checkpoints" / "4" / "state" / "_sharding"
+    truncate(sharding_file)
+    p = script("train.py", *RESUME, *data, f"--run_dir={tmp_path / 'b'}", "--resume")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"{sharding_file} does not read back" in p.stderr
+    assert (tmp_path / "b" / "damaged" / "4" / "state" / "_sharding").stat().st_size == \
+        (tmp_path / "a" / "checkpoints" / "4" / "state" / "_sharding").stat().st_size // 2
+    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["2", "4", "6"]
+    want = _losses(tmp_path / "a")
+    assert sorted(want) == [1, 2, 3, 4, 5, 6] and _losses(tmp_path / "b") == want
+
+
+@pytest.mark.slow
+def test_sigkill_anywhere(world, tmp_path):
+    """SIGKILL at random moments (mid-step, mid-save, mid-resume and mid-fallback included), at
+    least 20 times, rerunning with --resume after each, one checkpoint per step; before every
+    third rerun the newest checkpoint is damaged, so that resumes fall back (and some kills land
+    mid-fallback). After every kill each complete checkpoint reads back whole; each killed
+    sequence, run to its end, logs exactly the uninterrupted run's losses."""
+    import random
+    import signal
+    import time
+    sys.path.insert(0, ROOT)
+    from olmo3 import checkpoint
+    args = [*TINY[:-6], "--total_steps=8", "--warmup_steps=1", "--save_interval=1", "--eval_interval=4",
+            "--keep_checkpoints=2", "--loader_workers=0", "--notune_cpu", f"--data={world / 'docs'}",
+            f"--data_dir={world / 'data' / 'docs'}"]
+    p = script("train.py", *args, f"--run_dir={tmp_path / 'ref'}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = _losses(tmp_path / "ref")
+    rng, kills, finished, at, damaged = random.Random(0), 0, 0, [], 0
+    run = tmp_path / "run"
+    while kills < 20 or finished == 0:   # at least 20 kills, and every killed sequence run to its end
+        steps = sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) \
+            if os.path.isdir(run / "checkpoints") else []
+        if steps and kills % 3 == 2 and kills < 20:
+            truncate(run / "checkpoints" / str(steps[-1]) / "state" / "_sharding")
+            damaged += 1
+        # The kill is placed by progress, not wall time, so a loaded machine moves it too: after 0-3
+        # more logged steps (0: during start-up or resume), plus a random fraction of a step.
+        logged = _logged(run)
+        target, extra = logged + rng.randint(0, 3), rng.uniform(0.0, 1.5)
+        with open(tmp_path / "stderr.txt", "w+") as err:   # a file: a full pipe would stall the run
+            proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args, f"--run_dir={run}",
+                                     "--resume"], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
+            deadline = time.time() + 600
+            while kills < 20 and proc.poll() is None and _logged(run) < target and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(rng.uniform(1.0, 8.0) if target == logged else extra)
+            if kills < 20 and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+            proc.wait(timeout=600)
+            err.seek(0)
+            assert proc.returncode in (0, -signal.SIGKILL), err.read()[-3000:]
+        steps = []
+        if os.path.isdir(run / "checkpoints"):   # every complete checkpoint reads back
+            mgr = checkpoint.CheckpointManager(str(run), read_only=True)
+            steps = mgr.all_steps()
+            for step in steps:
+                mgr.verify(step)
+            mgr.close()
+        if proc.returncode == 0:   # a sequence finished: its losses are the uninterrupted run's
+            assert _losses(run) == want, (kills, finished)
+            finished += 1
+            shutil.rmtree(run)
+        else:
+            at.append(steps[-1] if steps else None)
+    print(f"\n{kills} SIGKILLs, {damaged} damaged newest checkpoints, {finished} killed sequences run to "
+          f"the end with the uninterrupted losses; newest checkpoint at each kill: {at}")

@@ -1,0 +1,308 @@
+"""Cluster launches (olmo3/cluster.py, launch/slurm.sbatch): which engine the environment names,
+joining through JAX's own detection, and the guard against silent replicas.
+
+The launchers are stood in for by tests/fake_srun.py: the variables a real `srun` (or Open MPI 4's
+`mpirun`) sets, nothing else; JAX reads only those. The end-to-end reference is train.py as ONE
+process on 4 devices: two "nodes" x 2 devices launched through the sbatch script's own srun line
+must give the same per-step losses (rtol 2e-6, float32 reduction order as in test_multiprocess),
+one checkpoint directory, and a single process must resume it to the uninterrupted run's losses.
+"""
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import fake_srun
+from olmo3 import cluster
+from olmo3.cluster import ClusterError, Launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SBATCH = os.path.join(ROOT, "launch", "slurm.sbatch")
+
+SLURM_STEP = fake_srun.srun_env(job_id=4096001, rank=3, ntasks=64, nodes=64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Detection: what each environment says (no processes started)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("env, engine, processes, auto, words", [
+    (SLURM_STEP, "slurm", 64, True, []),
+    # sbatch's own shell, no srun: SLURM_NTASKS says 64, but no step variables.
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "64", "SLURM_JOB_NUM_NODES": "64"}, "slurm", 64, False,
+     ["not started by srun", "SLURM_STEP_NODELIST", "srun python train.py"]),
+    ({"SLURM_NTASKS": "2"}, "slurm", 2, False, ["SLURM_JOB_ID"]),
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, "none", 1, False, []),   # salloc, one task
+    (fake_srun.mpirun_env(1, 4, 61500), "open-mpi", 4, True, []),
+    ({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"}, "open-mpi", 4, False,   # Open MPI 5
+     ["OMPI_MCA_orte_hnp_uri", "--num_processes=$OMPI_COMM_WORLD_SIZE"]),
+    ({"PMI_SIZE": "8", "PMI_RANK": "0"}, "mpi", 8, False, ["--process_id=$PMI_RANK"]),
+    ({"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3", "TPU_WORKER_ID": "2"}, "cloud-tpu", 4, True, []),
+    ({"TPU_WORKER_HOSTNAMES": "h0,h1", "TPU_WORKER_ID": "0", "MEGASCALE_NUM_SLICES": "4"},
+     "cloud-tpu", 8, True, []),
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "0"}, "kubernetes", None, True, []),
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, "none", None, False, []),   # any pod: not a launch
+    ({}, "none", None, False, []),
+])
+def test_detect(env, engine, processes, auto, words):
+    launch = cluster.detect(env)
+    assert (launch.engine, launch.processes, launch.auto) == (engine, processes, auto), launch
+    for w in words:
+        assert w in launch.fix
+    if processes and processes > 1:   # the line names the variable that says so
+        assert launch.source.split("=")[0].split(" ")[0] in env
+
+
+def test_detect_prefers_what_jax_can_join():
+    """srun of an Open MPI 5 program: the SLURM step is joinable, the MPI variables are not."""
+    env = {**SLURM_STEP, "OMPI_COMM_WORLD_SIZE": "64", "OMPI_COMM_WORLD_RANK": "3"}
+    assert cluster.detect(env).engine == "slurm"
+
+
+def test_job_id_is_shared_by_the_tasks_of_a_job():
+    """--resume_until_done seeds its backoff with it: the tasks of one job restart together."""
+    ids = {cluster.job_id(fake_srun.srun_env(job_id=42, rank=r, ntasks=4, nodes=2)) for r in range(4)}
+    assert ids == {"slurm:42"}
+    assert len({cluster.job_id(fake_srun.mpirun_env(r, 2, 61500)) for r in range(2)}) == 1
+    assert cluster.job_id({}) is None
+
+
+def test_one_task_per_node_gets_all_its_gpus():
+    """JAX pins a SLURM / Open MPI process to GPU <local rank>; with one task per node that would
+    be one GPU of eight, so the task's GPUs are handed over explicitly."""
+    one_per_node = cluster.detect(SLURM_STEP)
+    assert cluster.local_gpu_ids(one_per_node, {**SLURM_STEP, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) \
+        == list(range(8))
+    assert cluster.local_gpu_ids(one_per_node, {**SLURM_STEP, "SLURM_GPUS_ON_NODE": "4"}) == [0, 1, 2, 3]
+    assert cluster.local_gpu_ids(one_per_node, SLURM_STEP) is None             # CPU nodes: JAX's default
+    assert cluster.local_gpu_ids(one_per_node, {**SLURM_STEP, "CUDA_VISIBLE_DEVICES": "0,1",
+                                                "JAX_LOCAL_DEVICE_IDS": "0"}) is None   # the user's choice
+    per_gpu = fake_srun.srun_env(job_id=1, rank=3, ntasks=16, nodes=2)           # 8 tasks per node
+    assert cluster.local_gpu_ids(cluster.detect(per_gpu), {**per_gpu, "CUDA_VISIBLE_DEVICES": "0,1"}) is None
+    mpi = {**fake_srun.mpirun_env(0, 1, 61500), "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert cluster.local_gpu_ids(cluster.detect(mpi), mpi) == [0, 1, 2, 3]
+    tpu = {"TPU_WORKER_HOSTNAMES": "a,b", "CUDA_VISIBLE_DEVICES": "0"}
+    assert cluster.local_gpu_ids(cluster.detect(tpu), tpu) is None
+
+
+def test_guard():
+    slurm = Launch("slurm", 2, "SLURM_NTASKS=2", True)
+    with pytest.raises(ClusterError, match=r"SLURM_NTASKS=2 says this is one of 2 processes.*--independent_runs"):
+        cluster.check(slurm, process_count=1, device_count=8, local_device_count=8)
+    with pytest.raises(ClusterError, match=r"15 global devices, but 2 processes x 8 local devices"):
+        cluster.check(slurm, process_count=2, device_count=15, local_device_count=8)
+    cluster.check(slurm, process_count=2, device_count=16, local_device_count=8)
+    cluster.check(Launch("none"), process_count=1, device_count=8, local_device_count=8)
+    independent = cluster.initialize(independent_runs=True, env={"SLURM_NTASKS": "2", "SLURM_JOB_ID": "1"})
+    cluster.check(independent, process_count=1, device_count=8, local_device_count=8)
+    assert "independent runs" in independent.engine
+
+
+def test_initialize_refuses_before_touching_jax():
+    import jax
+    with pytest.raises(ClusterError, match="not started by srun"):
+        cluster.initialize(env={"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"})
+    with pytest.raises(ClusterError, match="contradicts"):
+        cluster.initialize(num_processes=2, independent_runs=True, env={})
+    assert not jax.distributed.is_initialized()
+
+
+# ---------------------------------------------------------------------------------------------
+# The guard in every script: one line, exit status 2, nothing written
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "bench.py"])
+def test_scripts_stop_on_silent_replicas(tmp_path, script):
+    args = {"train.py": [f"--flagfile={ROOT}/tiny.flags", f"--run_dir={tmp_path / 'run'}",
+                         f"--data_dir={tmp_path / 'data'}", "--resume_until_done"],
+            "eval.py": [f"--model={tmp_path / 'run'}", f"--out={tmp_path / 'out'}"],
+            "bench.py": ["--model=tiny"]}[script]
+    if script == "train.py":   # the issue's case: SLURM_NTASKS=2, one process, no srun step
+        slurm = {"SLURM_JOB_ID": "123", "SLURM_NTASKS": "2"}
+    else:   # one-process tools: `srun -N2 python eval.py` starts two copies (a bare batch shell, one)
+        slurm = fake_srun.srun_env(job_id=123, rank=0, ntasks=2, nodes=2)
+    env = fake_srun.clean_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **slurm)
+    path = os.path.join(ROOT, "benchmarks", script) if script == "bench.py" else os.path.join(ROOT, script)
+    p = subprocess.run([sys.executable, path, *args], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith(f"{script}: error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "SLURM_NTASKS=2" in errors[0] and "srun" in errors[0] and "--independent_runs" in errors[0]
+    assert os.listdir(tmp_path) == []   # no run dir, no data, no output
+
+
+def test_one_process_tools(monkeypatch):
+    """eval.py / bench.py in SLURM's batch shell (no srun) are one copy and run; started by srun
+    as N copies they stop, unless the copies are asked for."""
+    for var in list(os.environ):
+        if var.startswith(fake_srun.LAUNCHER_PREFIXES):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS", "64")
+    assert cluster.start("eval.py", multi_process=False).engine == "slurm, one process"
+    for var, value in fake_srun.srun_env(job_id=7, rank=1, ntasks=2, nodes=2).items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as e:
+        cluster.start("eval.py", multi_process=False)
+    assert e.value.code == 2
+    launch = cluster.start("eval.py", multi_process=False, independent_runs=True)
+    assert launch.engine == "slurm, independent runs (--independent_runs)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Joining through the launcher's variables alone: two real processes, and the data order they
+# read (every instance exactly once per epoch, DESIGN §4 bug 1) through the auto-detected ranks
+# ---------------------------------------------------------------------------------------------
+PROBE = textwrap.dedent("""
+    import sys
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    import data
+    from olmo3 import cluster
+    launch = cluster.start("probe")
+    rank, ranks = jax.process_index(), jax.process_count()
+    ids = multihost_utils.process_allgather(np.array([rank]))
+    # One epoch of the data order as train.py reads it (data rank = process index): all ranks' rows
+    n, gb, steps = 1003, 8, 1003 // 8
+    mine = np.concatenate([data.batch_indices(n, gb, 34521, 0, s, rank, ranks) for s in range(steps)])
+    seen = np.bincount(multihost_utils.process_allgather(mine).ravel(), minlength=n)
+    open(sys.argv[1] + f"/{rank}.txt", "w").write(
+        cluster.summary(launch) + " | " + ",".join(map(str, ids.ravel().tolist()))
+        + f" | seen once: {(seen == 1).sum()}, never: {(seen == 0).sum()}, more: {(seen > 1).sum()}")
+""")
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_processes_join_through_launcher_variables(tmp_path, launcher):
+    env = fake_srun.clean_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+                              XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    if launcher == "srun":
+        job_id = fake_srun.job_id_for_free_port()
+        envs = [fake_srun.srun_env(job_id, i, 2, 2) for i in range(2)]
+        engine = "slurm (SLURM_NTASKS=2)"
+    else:
+        port = fake_srun.free_derived_port()
+        envs = [fake_srun.mpirun_env(i, 2, port) for i in range(2)]
+        engine = "open-mpi (OMPI_COMM_WORLD_SIZE=2)"
+    procs = [subprocess.Popen([sys.executable, "-c", PROBE, str(tmp_path)], env={**env, **e},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for e in envs]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    for i in range(2):   # exactly once: 125 global batches of 8, the 3-instance tail never
+        assert (tmp_path / f"{i}.txt").read_text() == (
+            f"cluster: {engine}: process {i} of 2, 2 local / 4 global cpu devices | 0,1 | "
+            "seen once: 1000, never: 3, more: 0")
+
+
+def test_sbatch_srun_line(tmp_path):
+    """The sbatch script under a stand-in srun whose 'python' records what each task was given:
+    one task per node, the flagfile unchanged, the run dir, the crash loop, the user's flags."""
+    record = tmp_path / "record.py"
+    record.write_text("import json, os, sys\n"
+                      "rank = os.environ['SLURM_PROCID']\n"
+                      "json.dump({'argv': sys.argv[1:], 'env': {k: v for k, v in os.environ.items() "
+                      "if k.startswith('SLURM_')}}, open(sys.argv[0] + '.' + rank, 'w'))\n")
+    python = _executable(tmp_path / "python", f'exec "{sys.executable}" "{record}" "$@"')
+    env = _sbatch_env(tmp_path, nodes=3, PYTHON=str(python))
+    p = subprocess.run(["bash", SBATCH, "stage1.flags", "/shared/runs/s1", "--max_steps=5"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    tasks = [json.load(open(f"{record}.{r}")) for r in range(3)]
+    for r, t in enumerate(tasks):
+        assert t["argv"] == ["train.py", "--flagfile=stage1.flags", "--run_dir=/shared/runs/s1",
+                             "--attention=cudnn", "--resume_until_done", "--max_steps=5"]
+        assert t["env"]["SLURM_PROCID"] == str(r) and t["env"]["SLURM_LOCALID"] == "0"
+        assert t["env"]["SLURM_NTASKS"] == "3" and t["env"]["SLURM_STEP_NUM_NODES"] == "3"
+
+
+def _executable(path, body):
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def _sbatch_env(tmp_path, nodes, **extra):
+    """What sbatch gives its script (job id, node count, submit dir), with `srun` on PATH being
+    tests/fake_srun.py."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    _executable(bin_dir / "srun", f'exec "{sys.executable}" "{os.path.join(ROOT, "tests", "fake_srun.py")}" "$@"')
+    return fake_srun.clean_env(
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_ID=str(fake_srun.job_id_for_free_port()),
+        SLURM_JOB_NUM_NODES=str(nodes), SLURM_NNODES=str(nodes), SLURM_NTASKS=str(nodes),
+        SLURM_SUBMIT_DIR=ROOT, SLURM_JOB_NODELIST="localhost", **extra)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: train.py through the sbatch script (and through mpirun's variables)
+# ---------------------------------------------------------------------------------------------
+def _losses(run_dir):
+    out = {}
+    for line in open(os.path.join(run_dir, "metrics.jsonl")):
+        m = json.loads(line)
+        out[m["step"]] = m["train/loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """train.py as one process x 4 devices, 6 steps, uninterrupted: the reference."""
+    from test_train import SMALL, word_corpus
+    base = tmp_path_factory.mktemp("cluster_ref")
+    corpus = base / "docs"
+    corpus.mkdir()
+    word_corpus(corpus)
+    flags = [*SMALL[1:], f"--data={corpus}", f"--data_dir={base / 'data'}", "--mesh=fsdp:4",
+             "--save_interval=3", "--attention=xla"]
+    _train_one(base / "one", flags + ["--max_steps=6"])
+    return {"base": base, "flags": flags, "losses": _losses(base / "one")}
+
+
+def _train_one(run_dir, flags):
+    env = fake_srun.clean_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+                              XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--flagfile={ROOT}/tiny.flags",
+                        f"--run_dir={run_dir}", *flags], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["sbatch", "mpirun"])
+def test_two_nodes_match_one_process_and_resume(reference, tmp_path, launcher):
+    ref, run_dir = reference["losses"], tmp_path / "two"
+    two_devices = "--xla_force_host_platform_device_count=2"
+    if launcher == "sbatch":   # the script itself: its srun line, --resume_until_done and all
+        env = _sbatch_env(tmp_path, nodes=2, PYTHON=sys.executable, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+                          XLA_FLAGS=two_devices)
+        p = subprocess.run(["bash", SBATCH, f"{ROOT}/tiny.flags", str(run_dir), *reference["flags"],
+                            "--max_steps=3"], env=env, capture_output=True, text=True, timeout=900)
+        rc, log = p.returncode, p.stderr
+    else:
+        env = fake_srun.clean_env(PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=two_devices)
+        log_path = tmp_path / "log"
+        with open(log_path, "w") as log_file:
+            port = fake_srun.free_derived_port()
+            procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), f"--flagfile={ROOT}/tiny.flags",
+                                       f"--run_dir={run_dir}", *reference["flags"], "--max_steps=3"],
+                                      env={**env, **fake_srun.mpirun_env(i, 2, port)}, stdout=log_file,
+                                      stderr=subprocess.STDOUT) for i in range(2)]
+            rc = max(p.wait(timeout=900) for p in procs)
+        log = log_path.read_text()
+    assert rc == 0, log[-4000:]
+    engine = "slurm (SLURM_NTASKS=2)" if launcher == "sbatch" else "open-mpi (OMPI_COMM_WORLD_SIZE=2)"
+    for i in range(2):
+        assert f"cluster: {engine}: process {i} of 2, 2 local / 4 global cpu devices" in log
+    two = _losses(run_dir)
+    assert sorted(two) == [1, 2, 3]   # one writer: process 0
+    np.testing.assert_allclose([two[s] for s in (1, 2, 3)], [ref[s] for s in (1, 2, 3)], rtol=2e-6)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["3"]   # one checkpoint, written by both
+    # One process x 4 devices resumes the two-process checkpoint: steps 4..6 as if uninterrupted.
+    _train_one(run_dir, reference["flags"] + ["--max_steps=6", "--resume"])
+    resumed = _losses(run_dir)
+    np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)], [ref[s] for s in (4, 5, 6)], rtol=2e-6)
