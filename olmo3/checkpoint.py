@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from typing import Any, Optional
@@ -41,6 +42,7 @@ from jaxtyping import PyTree
 from olmo3.cli import NonFiniteError, UserError
 
 CHECKPOINTS = "checkpoints"
+DELETED = ".deleted"   # under checkpoints/: old steps on their way out (keep-N)
 
 
 class DamagedCheckpointError(UserError):
@@ -187,19 +189,30 @@ class CheckpointManager:
         self._started: dict[int, float] = {}
         self._finished: list[tuple[int, float]] = []
         self._lock = threading.Lock()
-        self._async = async_save and not read_only
+        self._async, self._read_only = async_save and not read_only, read_only
         async_options = (ocp.AsyncOptions(post_finalization_callback=self._on_finalized)
                          if self._async else None)
+        # Keep-N deletes old steps by RENAMING them into checkpoints/.deleted/ (one atomic rename)
+        # and we empty that folder later: a kill mid-delete then never leaves a half-deleted step
+        # that still looks complete (found by tests/test_bad_inputs.py's SIGKILL test). On gs://
+        # orbax deletes in place (no rename there).
         options = ocp.CheckpointManagerOptions(  # read-only: the values orbax would force, warning
             max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
             create=not read_only, read_only=read_only,
             cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save,
-            async_options=async_options)
+            async_options=async_options, todelete_subdir=None if read_only else DELETED)
         # Handlers named up front, so a fresh process can read metadata before any save.
         self._mgr = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(),
                            "extra": ocp.JsonCheckpointHandler()})
+        if not read_only:
+            self._purge_deleted()
+
+    def _purge_deleted(self) -> None:
+        """Empty checkpoints/.deleted/ (steps keep-N has already taken out of the list)."""
+        if jax.process_index() == 0:
+            shutil.rmtree(os.path.join(self.directory, DELETED), ignore_errors=True)
 
     # -- queries ---------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -252,6 +265,7 @@ class CheckpointManager:
                                  f"{step} was not written. {where} with a lower --lr, or check the data of "
                                  "the steps since")
         self._mgr.wait_until_finished()   # orbax would wait here anyway; this times only our save
+        self._purge_deleted()              # the steps the last save's keep-N renamed away
         with self._lock:
             self._started[int(step)] = time.perf_counter()
         try:
@@ -285,6 +299,8 @@ class CheckpointManager:
 
     def close(self) -> None:
         self._mgr.close()
+        if not self._read_only:
+            self._purge_deleted()
 
     # -- restore ---------------------------------------------------------------------------
     def read_extra(self, step: Optional[int] = None) -> dict:
