@@ -632,6 +632,8 @@ def _parse(spec: str, flag: str) -> tuple[str, str]:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    from olmo3 import logs
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     (src_kind, src), (dst_kind, dst) = _parse(F["from"].value, "from"), _parse(F.to, "to")
     if src_kind == dst_kind or "orbax" not in (src_kind, dst_kind):
         raise app.UsageError("--from and --to must be one orbax: and one hf: or olmo-core:")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 
 from absl import app, flags, logging
 
@@ -134,7 +133,8 @@ def main(argv):
     # through JAX's own cluster detection; an environment that says N > 1 processes while JAX
     # sees one stops here with exit status 2, before anything is written (olmo3/cluster.py).
     # -----------------------------------------------------------------------------------------
-    from olmo3 import runtime
+    from olmo3 import logs, runtime
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
     tuned = runtime.tune_cpu() if F.tune_cpu else []   # before JAX starts its backend
     import equinox as eqx
     import jax
@@ -151,8 +151,6 @@ def main(argv):
     n_devices = jax.device_count()  # global, across hosts
     microbatches = sharding.microbatches(F.global_batch, F.micro_batch, mesh)
     is_main = rank == 0
-    if tuned and is_main:
-        logging.info("CPU backend tuning (olmo3/runtime.py): %s", "; ".join(tuned))
 
     # -----------------------------------------------------------------------------------------
     # §2 Model. Stage 3 switches the full-attention layers to YaRN (factor 8 over 8192).
@@ -296,14 +294,18 @@ def main(argv):
     max_steps = F.max_steps if F.max_steps is not None else F.total_steps
     tokens_per_step = F.global_batch * F.seq_len
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
-    peak = metrics_lib.peak_flops(F.peak_tflops) * n_devices
     log = metrics_lib.MetricsWriter(F.run_dir, enabled=is_main)
+    # MFU's peak: --peak_tflops, the device's nominal peak, or measured (and kept honest) by process 0.
+    peak = metrics_lib.PeakFlops(F.peak_tflops, dtype=config.dtype) if is_main else None
+    clock = metrics_lib.StepClock(tokens_per_step, flops, n_devices, peak)
     if is_main:
-        log.info(f"OLMo 3 stage {F.stage}: {config.num_params():,} params, {n_devices} devices, mesh "
-                 f"{dict(mesh.shape)}, {microbatches} microbatch(es), {tokens_per_step:,} tokens/step, "
-                 f"steps {start + 1}..{max_steps}")
+        log.info(f"OLMo 3 stage {F.stage}: {config.num_params():,} params on {metrics_lib.device_description()}"
+                 f" | MFU = write-up FLOPs ({flops['writeup'] / tokens_per_step / 1e6:,.1f} MFLOP/token: 6 x "
+                 f"non-embedding params + full causal attention, DESIGN §6) / {peak.describe()}")
+        log.info(f"mesh {dict(mesh.shape)}, {microbatches} microbatch(es), {tokens_per_step:,} tokens/step, "
+                 f"steps {start + 1}..{max_steps}" + (f" | CPU tuning: {'; '.join(tuned)}" if tuned else ""))
+    paused = {}  # step -> seconds the loop waited for its checkpoint save to start
     step = start
-    t_last, done_since = time.perf_counter(), 0
     try:
         while step < max_steps:
             batch = next(loader)
@@ -312,21 +314,30 @@ def main(argv):
             step += 1
             m = {k: float(v) for k, v in m.items()}
             check_finite(m, step, ckpt)
-            now = time.perf_counter()
-            dt, t_last = now - t_last, now
-            done_since += 1
-            m.update(metrics_lib.perf(dt, tokens_per_step, flops, peak, step))
+            cli.mark_running()  # inputs are all checked: a failure from here on is retryable
+            m.update(clock.step_done(step))  # raw in metrics.jsonl; a moving window on the progress line
             if step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps:
-                m.update(evaluate(model))
+                with clock.excluded("eval"):  # evaluations and saves are billed to no step
+                    m.update(evaluate(model))
                 check_finite(m, step, ckpt)
-            log.write(step, m, eta_s=dt * (max_steps - step))
+            log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
             if step % F.save_interval == 0 or step == max_steps:
-                save(step)
-                t_last = time.perf_counter()  # don't bill the checkpoint to the next step
+                with clock.excluded("save"):
+                    save(step)
+                paused[step] = clock.last["save"]
+            report_saves(log, ckpt, paused)
     finally:
         ckpt.wait()
+        report_saves(log, ckpt, paused)
         loader.close()
         log.close()
+
+
+def report_saves(log, ckpt, paused: dict) -> None:
+    """One line per checkpoint whose async save has finished: its time, and how long training waited."""
+    for step, seconds in ckpt.finished_saves():
+        log.info(f"checkpoint {step} saved to {ckpt.directory}/{step} in {seconds:.1f} s "
+                 f"(training paused {paused.pop(step, 0.0):.2f} s)")
 
 
 def check_flags():
