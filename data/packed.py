@@ -135,7 +135,7 @@ class PackedFSLDataset:
     def __len__(self) -> int:
         return int(self._ends[-1])
 
-    def documents(self, i: int) -> list[tuple[int, int, int]]:
+    def documents(self, i: int | np.integer) -> list[tuple[int, int, int]]:
         """(file number, start, end) of each document of instance `i`, in instance order."""
         n = len(self)
         if not -n <= int(i) < n:

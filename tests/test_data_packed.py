@@ -139,3 +139,78 @@ def test_bad_inputs(tmp_path):
     np.arange(100, dtype=np.uint32).tofile(no_eos)
     with pytest.raises(ValueError, match="no document"):
         PackedFSLDataset([str(no_eos)], 64)
+
+
+# --- the loader over packed instances: same guarantees as over fixed-length ones ---------------
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_packed_exactly_once_per_epoch(tmp_path, num_ranks):
+    paths, _ = write_files(tmp_path, 7)
+    ds = PackedFSLDataset(paths, 64, source_group_size=2, source_permutation_seed=123)
+    gb = 4
+    spe = data.steps_per_epoch(len(ds), gb)
+    seen = []
+    for step in range(spe):
+        for r in range(num_ranks):
+            b = data.get_batch(ds, gb, 3, step, r, num_ranks)
+            seen += [row.tobytes() for row in b["tokens"]]
+            for row, seg, lm in zip(b["tokens"], b["segment_ids"], b["label_mask"]):
+                assert lm[row == PAD].sum() <= (row == PAD).sum()
+    want = sorted(ds[i]["tokens"].astype(np.int32).tobytes() for i in data.batch_indices(len(ds), spe * gb, 3, 0, 0, 0, 1))
+    assert sorted(seen) == want  # every instance of the truncated permutation exactly once
+
+
+def test_packed_loader_state_and_fingerprint(tmp_path):
+    paths, masks = write_files(tmp_path, 8)
+    ds = PackedFSLDataset(paths, 64, source_group_size=2)
+    with data.Loader(ds, 4, seed=5, workers=2) as loader:
+        for _ in range(3):
+            next(loader)
+        state = loader.state()
+        want = next(loader)
+    with data.Loader.from_state(ds, state, workers=0) as resumed:
+        got = next(resumed)
+    for k in ("tokens", "label_mask", "segment_ids"):
+        np.testing.assert_array_equal(got[k], want[k])
+    for other in (PackedFSLDataset(paths, 64, source_group_size=1),         # another grouping
+                  PackedFSLDataset(paths, 64, source_group_size=2, source_permutation_seed=1),
+                  PackedFSLDataset(paths, 64, source_group_size=2, label_mask_paths=masks),
+                  data.FSLDataset(paths, 64)):                                # fixed-length instances
+        assert other.fingerprint != ds.fingerprint
+        with pytest.raises(ValueError, match="fingerprint"):
+            data.Loader.from_state(other, state)
+
+
+def test_label_mask_reaches_the_loss_as_olmo_core(tmp_path):
+    """Our (labels, weights, counted) against OLMo-core's `get_labels` on packed batches with
+    label-mask files and the repetition filter's instance mask."""
+    import jax.numpy as jnp
+    import torch
+    from olmo_core.data.utils import get_labels
+
+    from olmo3.loss import IGNORE, labels_and_weights
+    paths, masks = write_files(tmp_path, 9)
+    ds = PackedFSLDataset(paths, 64, label_mask_paths=masks)
+    b = data.get_batch(ds, 4, 0, 0)
+    b["instance_mask"][1] = False
+    labels, weights, counted = labels_and_weights(jnp.asarray(b["tokens"]), jnp.asarray(b["instance_mask"]),
+                                                  jnp.asarray(b["label_mask"]))
+    ref = get_labels({"input_ids": torch.tensor(b["tokens"], dtype=torch.long),
+                      "label_mask": torch.tensor(b["label_mask"])}).numpy()
+    np.testing.assert_array_equal(np.asarray(labels), ref)
+    np.testing.assert_array_equal(np.asarray(counted), ref != IGNORE)  # padding: never counted
+    np.testing.assert_array_equal(np.asarray(weights), (ref != IGNORE) & b["instance_mask"][:, None])
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_eval_batch_covers_a_small_domain(tmp_path, num_ranks):
+    """3 documents, 4 rows per batch over 2 ranks: every document once, the filler row masked."""
+    d = np.array([5, 6, EOS, 7, EOS, 8, 9, 10, EOS], np.uint32)
+    d.tofile(tmp_path / "val.npy")
+    ds = PaddedFSLDataset([str(tmp_path / "val.npy")], 8)
+    assert len(ds) == 3
+    rows = [data.get_eval_batch(ds, 4, 0, r, num_ranks) for r in range(num_ranks)]
+    lm = np.concatenate([b["label_mask"] for b in rows])
+    assert lm.sum() == 9 and sorted(lm.sum(1).tolist()) == [0, 2, 3, 4]
+    toks = np.concatenate([b["tokens"] for b in rows])
+    assert sorted(t[m].tolist() for t, m in zip(toks, lm)) == [[], [5, 6, EOS], [7, EOS], [8, 9, 10, EOS]]
