@@ -17,8 +17,15 @@ tests/test_data_packed.py checks ours equal OLMo-core's instance for instance.
 Why it is built this way: the packing is a pure function of the file list, their sizes and
 contents, so every host computes the same instances and `data.order` can shuffle their indices
 exactly as for `FSLDataset`; nothing but the fingerprint goes into a checkpoint. Packing scans
-every token once (eos search) and keeps three small index arrays per group in memory.
-`cache_dir` keeps them on disk, keyed like the fingerprint, so a restart does not rescan.
+every token once (eos search) and keeps three small index arrays per group in memory;
+`cache_dir` keeps them on disk, keyed by the files, so a restart does not rescan. Equal-length
+documents are ordered by numpy's default argsort, as in OLMo-core; train.py lets process 0 pack
+first and the others read its cache, so hosts with different CPUs (whose argsort may order ties
+differently) still agree when the cache directory is shared.
+
+Document boundaries come from the eos tokens, local or remote files alike. OLMo-core takes a
+remote file's boundaries from its `.csv.gz` metadata instead; the two agree whenever every
+document ends in eos (AI2's published token files do), and only then.
 
 Label masks: OLMo-core's SFT data (open-instruct `convert_sft_data_for_olmocore.py`) stores one
 bool per token beside the ids (`labels_mask_*.npy`); `label_mask_paths` gives one per token file.
