@@ -31,10 +31,11 @@ def short_docs(d):
     return d
 
 
-def run(args, run_dir, docs, data_dir, check=True):
+def run(args, run_dir, docs, data_dir, check=True, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     # Two devices: the batch rows and the padded held-out rows are split across them.
-    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                **(env_extra or {})})
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *PACKED, f"--data={docs}",
            f"--data_dir={data_dir}", f"--run_dir={run_dir}", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -76,3 +77,26 @@ def test_packed_resume_is_bit_exact(tmp_path):
     p = run(["--max_steps=6", "--save_interval=2", "--resume", "--source_group_size=1"], tmp_path / "b", docs,
             tmp_path / "data", check=False)
     assert p.returncode == 2 and "fingerprint" in p.stderr
+
+
+@pytest.mark.slow  # two train.py runs: ~70 s on 2 cores
+def test_small_heldout_domain_is_evaluated(tmp_path):
+    """3 held-out documents on 4 devices: padded instances evaluate them (filler rows masked);
+    fixed-length windows hold less than one row per device and skip the domain."""
+    rng = np.random.default_rng(2)
+    (tmp_path / "docs").mkdir()
+    words = [f"w{i}" for i in range(200)]
+    for i in range(14):  # prepare holds out a quarter of a source's documents: 3 here
+        (tmp_path / "docs" / f"doc{i}.txt").write_text(" ".join(rng.choice(words, rng.integers(2, 20))))
+    four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    for padded in (True, False):
+        run_dir = tmp_path / f"run{padded}"
+        p = run(["--max_steps=1", "--save_interval=1", "--eval_padded" if padded else "--noeval_padded"], run_dir,
+                str(tmp_path / "docs"), tmp_path / "data", env_extra=four)
+        m = metrics(run_dir)[1]
+        if padded:
+            assert np.isfinite(m["eval/docs/loss"])
+        else:
+            assert "eval/docs/loss" not in m and "not evaluated" in p.stderr
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["splits"]["heldout/docs"]["documents"] < 4
