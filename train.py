@@ -66,6 +66,8 @@ flags.DEFINE_bool("packed", False, "OLMo-core packed instances (NumpyPackedFSLDa
 flags.DEFINE_integer("source_group_size", 1, "With --packed: token files packed together (OLMo-core source_group_size).")
 flags.DEFINE_integer("source_permutation_seed", None, "With --packed: shuffle the token files with this seed "
                      "before grouping (OLMo-core source_permutation_seed).")
+flags.DEFINE_bool("label_masks", False, "With --packed: train only on the tokens marked in the labels_mask_*.npy "
+                  "file beside each token_ids_*.npy (OLMo-core SFT data, open-instruct's file names).")
 flags.DEFINE_string("packing_cache", None, "With --packed: directory for the packing indices (default "
                     "<data dir>/packing; a restart reads them instead of rescanning every token).")
 flags.DEFINE_bool("doc_lengths", None, "Attention within documents (OLMo-core generate_doc_lengths); default on for "
@@ -189,7 +191,8 @@ def main(argv):
     if F.packed:  # every process packs the same instances; process 0 first, filling the cache
         pack = lambda: data.PackedFSLDataset(  # noqa: E731
             splits["train"], F.seq_len, source_group_size=F.source_group_size,
-            source_permutation_seed=F.source_permutation_seed, cache_dir=packing_cache())
+            source_permutation_seed=F.source_permutation_seed, cache_dir=packing_cache(),
+            label_mask_paths=[data.packed.label_mask_path(p) for p in splits["train"]] if F.label_masks else None)
         train_set = pack() if rank == 0 else None
         if num_ranks > 1:
             from jax.experimental import multihost_utils
@@ -381,8 +384,8 @@ def check_flags():
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.source_group_size < 1:
         raise app.UsageError(f"--source_group_size={F.source_group_size} must be >= 1")
-    if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None):
-        raise app.UsageError("--source_group_size / --source_permutation_seed only apply with --packed")
+    if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
+        raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply with --packed")
     if F.stage == 3 and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
 

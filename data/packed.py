@@ -50,6 +50,15 @@ def permute_sources(paths: Sequence[str], seed: int | None) -> list[int]:
     return order
 
 
+def label_mask_path(token_path: str) -> str:
+    """`.../labels_mask_X.npy` beside `.../token_ids_X.npy` (open-instruct's names for OLMo-core SFT data)."""
+    head, name = os.path.split(os.fspath(token_path))
+    if not name.startswith("token_ids_"):
+        raise ValueError(f"token file {token_path!r} is not named token_ids_*.npy, so its labels_mask_*.npy "
+                         "file cannot be found; name the pair token_ids_X.npy and labels_mask_X.npy")
+    return os.path.join(head, "labels_mask_" + name[len("token_ids_"):])
+
+
 def open_label_masks(paths: Sequence[str], files) -> list[np.ndarray]:
     """Memmaps of one-byte bool label masks, one per token file, checked to be the same length."""
     masks = []

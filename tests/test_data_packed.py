@@ -14,7 +14,7 @@ import pytest
 
 import data
 from data import packing
-from data.packed import PackedFSLDataset, batch_fields
+from data.packed import PackedFSLDataset, batch_fields, label_mask_path
 from data.padded import PaddedFSLDataset
 
 olmo_data = pytest.importorskip("olmo_core.data", reason="needs ai2-olmo-core and its imports (setup.cfg test extras)")
@@ -128,6 +128,9 @@ def test_pack_is_best_fit_decreasing():
 
 def test_bad_inputs(tmp_path):
     paths, masks = write_files(tmp_path, 6)
+    assert [label_mask_path(p) for p in paths] == masks  # train.py --label_masks: open-instruct's names
+    with pytest.raises(ValueError, match="token_ids_"):
+        label_mask_path(str(tmp_path / "train-00000.npy"))
     with pytest.raises(ValueError, match="label-mask files"):
         PackedFSLDataset(paths, 64, label_mask_paths=masks[:2])
     with pytest.raises(FileNotFoundError, match="labels_mask"):
