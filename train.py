@@ -63,7 +63,8 @@ flags.DEFINE_integer("global_batch", 512, "Instances per optimizer step: a recip
 flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: the whole per-device batch).")
 flags.DEFINE_bool("packed", False, "OLMo-core packed instances (NumpyPackedFSLDataset): whole documents packed "
                   "into --seq_len by best-fit decreasing, padded; padding is never trained on (data/packed.py).")
-flags.DEFINE_integer("source_group_size", 1, "With --packed: token files packed together (OLMo-core source_group_size).")
+flags.DEFINE_integer("source_group_size", 1, "With --packed: token files packed together (OLMo-core "
+                     "source_group_size).")
 flags.DEFINE_integer("source_permutation_seed", None, "With --packed: shuffle the token files with this seed "
                      "before grouping (OLMo-core source_permutation_seed).")
 flags.DEFINE_bool("label_masks", False, "With --packed: train only on the tokens marked in the labels_mask_*.npy "
@@ -385,7 +386,8 @@ def check_flags():
     if F.source_group_size < 1:
         raise app.UsageError(f"--source_group_size={F.source_group_size} must be >= 1")
     if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
-        raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply with --packed")
+        raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply "
+                             "with --packed")
     if F.stage == 3 and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
 

@@ -103,7 +103,8 @@ class PackedFSLDataset:
         if source_group_size < 1:
             raise ValueError(f"source_group_size must be >= 1, got {source_group_size}")
         if label_mask_paths is not None and len(label_mask_paths) != len(paths):
-            raise ValueError(f"{len(label_mask_paths)} label-mask files for {len(paths)} token files; pass one per file")
+            raise ValueError(f"{len(label_mask_paths)} label-mask files for {len(paths)} token files; "
+                             "pass one per file")
         order = permute_sources(paths, source_permutation_seed)
         self.paths = [paths[k] for k in order]
         self.label_mask_paths = None if label_mask_paths is None else [os.fspath(label_mask_paths[k]) for k in order]

@@ -159,7 +159,8 @@ def test_packed_exactly_once_per_epoch(tmp_path, num_ranks):
             seen += [row.tobytes() for row in b["tokens"]]
             for row, seg, lm in zip(b["tokens"], b["segment_ids"], b["label_mask"]):
                 assert lm[row == PAD].sum() <= (row == PAD).sum()
-    want = sorted(ds[i]["tokens"].astype(np.int32).tobytes() for i in data.batch_indices(len(ds), spe * gb, 3, 0, 0, 0, 1))
+    epoch = data.batch_indices(len(ds), spe * gb, 3, 0, 0, 0, 1)  # the whole truncated permutation
+    want = sorted(ds[i]["tokens"].astype(np.int32).tobytes() for i in epoch)
     assert sorted(seen) == want  # every instance of the truncated permutation exactly once
 
 
