@@ -131,9 +131,9 @@ class PackedFSLDataset:
         for k in files:
             key.update(f"{self.paths[k]},{self.file_sizes[k]},".encode())
         cached = cache_dir and os.path.join(os.fspath(cache_dir), f"packed-{key.hexdigest()[:32]}.npz")
-        if cached and os.path.isfile(cached):
+        if cached and os.path.isfile(cached):  # the key names the group's files, not their positions
             with np.load(cached) as z:
-                return {k: z[k] for k in z.files}
+                return {k: z[k] for k in z.files} | {"files": np.array(list(files), np.int64)}
         starts = np.cumsum([0] + [self.file_sizes[k] // storage.ITEMSIZE for k in files])
         spans = np.concatenate([packing.document_spans(self._files[k], self.eos_id, self.seq_len) + starts[j]
                                 for j, k in enumerate(files)])

@@ -218,3 +218,14 @@ def test_eval_batch_covers_a_small_domain(tmp_path, num_ranks):
     assert lm.sum() == 9 and sorted(lm.sum(1).tolist()) == [0, 2, 3, 4]
     toks = np.concatenate([b["tokens"] for b in rows])
     assert sorted(t[m].tolist() for t, m in zip(toks, lm)) == [[], [5, 6, EOS], [7, EOS], [8, 9, 10, EOS]]
+
+
+def test_cache_shared_between_file_orders(tmp_path):
+    """A cached group found at another position (another permutation) still reads its own files."""
+    paths, _ = write_files(tmp_path, 10)
+    PackedFSLDataset(paths, 64, cache_dir=tmp_path / "cache")  # fills the cache in file order
+    cached = PackedFSLDataset(paths, 64, source_permutation_seed=123, cache_dir=tmp_path / "cache")
+    fresh = PackedFSLDataset(paths, 64, source_permutation_seed=123)
+    assert len(cached) == len(fresh)
+    for i in range(len(fresh)):
+        np.testing.assert_array_equal(cached[i]["tokens"], fresh[i]["tokens"])
