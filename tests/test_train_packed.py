@@ -1,6 +1,7 @@
 """train.py --packed end to end: a save-and-resume run reproduces the uninterrupted run's losses
 exactly, the checkpoint's loader state names the packed dataset, and a resume over other data is
-refused; held-out domains are evaluated on padded instances however few documents they hold.
+refused; 2 processes train as 1; held-out domains are evaluated on padded instances however few
+documents they hold. All slow (several train.py runs each).
 
 The reference for a resumed run is the uninterrupted run (DESIGN §4, bug 2): equal bit for bit.
 """
@@ -100,3 +101,41 @@ def test_small_heldout_domain_is_evaluated(tmp_path):
             assert "eval/docs/loss" not in m and "not evaluated" in p.stderr
     manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     assert manifest["splits"]["heldout/docs"]["documents"] < 4
+
+
+@pytest.mark.slow  # three train.py processes: ~100 s on 2 cores
+def test_packed_two_processes_match_one(tmp_path):
+    """train.py --packed as 2 processes x 2 devices (process 0 packs into the shared cache, the
+    other reads it) against 1 process x 4 devices: the same losses (rtol 2e-6: float32 reduction
+    order) and the same held-out loss."""
+    import socket
+    import subprocess as sp
+    (tmp_path / "docs").mkdir()
+    docs = short_docs(tmp_path / "docs")
+
+    def launch(run_dir, devices, extra):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+        env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *PACKED, f"--data={docs}",
+               f"--data_dir={tmp_path / 'data'}", f"--run_dir={run_dir}", "--max_steps=3", "--save_interval=3",
+               "--mesh=fsdp:4", *extra]
+        return sp.Popen(cmd, env=env, stdout=sp.PIPE, stderr=sp.STDOUT, text=True)
+
+    def wait(procs):
+        for p in procs:
+            out = p.communicate(timeout=600)[0]
+            assert p.returncode == 0, f"train.py failed:\n{out[-4000:]}"
+
+    wait([launch(tmp_path / "one", 4, [])])
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    wait([launch(tmp_path / "two", 2, [f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"])
+          for i in range(2)])
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    np.testing.assert_allclose([two[s]["train/loss"] for s in one], [one[s]["train/loss"] for s in one], rtol=2e-6)
+    np.testing.assert_allclose(two[3]["eval/docs/loss"], one[3]["eval/docs/loss"], rtol=2e-6)
