@@ -17,7 +17,8 @@ F = train.F
 F(["train.py", "--flagfile=" + sys.argv[1]])
 out = {k: getattr(F, k) for k in ("stage", "model", "seq_len", "global_batch", "seed", "lr", "warmup_steps",
        "total_steps", "final_lr_ratio", "b1", "b2", "eps", "weight_decay", "max_grad_norm", "z_loss",
-       "schedule", "skip_steps", "repetition_filter", "vocab_size", "data")}
+       "schedule", "skip_steps", "repetition_filter", "vocab_size", "data", "packed", "doc_lengths",
+       "source_group_size", "source_permutation_seed")}
 from data import mixes
 out["splits"] = {k: v for k, v in train.resolve_data().items()} if mixes.available_mixes() else None
 print(json.dumps(out))
@@ -42,6 +43,7 @@ def test_stage1_flags():
     assert (F.b1, F.b2, F.eps, F.weight_decay, F.max_grad_norm, F.z_loss) == (0.9, 0.95, 1e-8, 0.1, 1.0, 1e-5)
     assert F.schedule == "cosine" and F.skip_steps and not F.repetition_filter
     assert F.vocab_size == 100352 and F.data == "mix:OLMo-mix-0625-official"
+    assert not F.packed  # NumpyFSLDatasetConfig in pretrain-1
 
 
 def test_stage2_flags():
@@ -60,6 +62,8 @@ def test_stage3_flags():
     assert F.lr == pytest.approx(2.0712e-4, rel=1e-4)
     assert olmo3.Config.preset(F.model).yarn.factor == 8.0
     assert F.data == "mix:OLMo-longmino-mix-0625"
+    # NumpyPackedFSLDatasetConfig(generate_doc_lengths=True, source_group_size=8, source_permutation_seed=123)
+    assert (F.packed, F.doc_lengths, F.source_group_size, F.source_permutation_seed) == (True, True, 8, 123)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
