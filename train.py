@@ -72,8 +72,9 @@ flags.DEFINE_string("packing_cache", None, "With --packed: directory for the pac
                     "<data dir>/packing; a restart reads them instead of rescanning every token).")
 flags.DEFINE_bool("doc_lengths", None, "Attention within documents (OLMo-core generate_doc_lengths); default on for "
                   "stage 3. Documents: the packed document lengths, or eos-delimited runs of a fixed-length instance.")
-flags.DEFINE_bool("eval_padded", True, "Held-out loss on padded instances, one whole document each (OLMo-core "
-                  "NumpyPaddedFSLDataset), so no domain is skipped; --noeval_padded: fixed-length windows.")
+flags.DEFINE_bool("eval_padded", False, "Held-out loss on padded instances, one whole document each (OLMo-core "
+                  "NumpyPaddedFSLDataset; the stage flagfiles), so no domain is skipped; default: fixed-length "
+                  "windows, the batches eval.py scores, so its number equals the run's own eval/<domain>/loss.")
 flags.DEFINE_bool("repetition_filter", False, "OLMo-core n-gram repetition filter (off in the official 7B scripts).")
 flags.DEFINE_integer("loader_workers", 2, "Background data workers (never changes the batches).")
 flags.DEFINE_bool("allow_data_change", False, "Resume even if the data fingerprint differs (deliberate data swap).")

@@ -18,7 +18,7 @@ F(["train.py", "--flagfile=" + sys.argv[1]])
 out = {k: getattr(F, k) for k in ("stage", "model", "seq_len", "global_batch", "seed", "lr", "warmup_steps",
        "total_steps", "final_lr_ratio", "b1", "b2", "eps", "weight_decay", "max_grad_norm", "z_loss",
        "schedule", "skip_steps", "repetition_filter", "vocab_size", "data", "packed", "doc_lengths",
-       "source_group_size", "source_permutation_seed")}
+       "source_group_size", "source_permutation_seed", "eval_padded")}
 from data import mixes
 out["splits"] = {k: v for k, v in train.resolve_data().items()} if mixes.available_mixes() else None
 print(json.dumps(out))
@@ -44,6 +44,7 @@ def test_stage1_flags():
     assert F.schedule == "cosine" and F.skip_steps and not F.repetition_filter
     assert F.vocab_size == 100352 and F.data == "mix:OLMo-mix-0625-official"
     assert not F.packed  # NumpyFSLDatasetConfig in pretrain-1
+    assert F.eval_padded  # OLMo-core's LM evaluators: NumpyPaddedFSLDataset
 
 
 def test_stage2_flags():
@@ -52,6 +53,7 @@ def test_stage2_flags():
     assert F.global_batch * F.seq_len == 2 ** 21
     assert (F.lr, F.warmup_steps, F.total_steps, F.schedule) == (2.0712352850360292e-4, 0, 47_684, "linear")
     assert F.data == "mix:OLMo-midtraining-mix-0625-100B"
+    assert F.eval_padded
 
 
 def test_stage3_flags():
@@ -64,6 +66,7 @@ def test_stage3_flags():
     assert F.data == "mix:OLMo-longmino-mix-0625"
     # NumpyPackedFSLDatasetConfig(generate_doc_lengths=True, source_group_size=8, source_permutation_seed=123)
     assert (F.packed, F.doc_lengths, F.source_group_size, F.source_permutation_seed) == (True, True, 8, 123)
+    assert F.eval_padded
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
