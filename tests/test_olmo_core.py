@@ -2,7 +2,6 @@
 trains and checkpoints a small OLMo 3 with OLMo-core's own model, train module, SkipStepAdamW and
 Checkpointer): logits, parameters and Adam moments after conversion, one further training step,
 the way back into OLMo-core, and the command line."""
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,9 +22,7 @@ from olmo3 import checkpoint, heldout, load, olmo_core, optim, schedules, step  
 from olmo3.model import OLMo3, decay_mask  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("convert", os.path.join(ROOT, "convert.py"))
-convert = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(convert)
+from test_convert import convert  # noqa: E402  (one convert.py per process: absl flags are global)
 
 
 @pytest.fixture(scope="module")
