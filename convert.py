@@ -1,5 +1,5 @@
-"""Convert OLMo 3 weights between Hugging Face safetensors and our Orbax checkpoints, with a
-logit-parity report.
+"""Convert OLMo 3 weights between Hugging Face safetensors, AI2's OLMo-core training checkpoints
+(Adam moments included) and our Orbax checkpoints, with a logit-parity report.
 
     python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/olmo3-7b-step0 --verify
     python convert.py --from=hf:/models/Olmo-3-1025-7B --to=orbax:runs/init --with_optimizer_state \
@@ -9,6 +9,10 @@ logit-parity report.
         # padding (stage1.flags' --vocab_size=100352) with OLMo-core's init
     python convert.py --from=orbax:runs/stage1/checkpoints/1413814 --to=hf:/models/mine --verify
         # the padded rows stay behind: HF gets dolma2's 100278 (--hf_vocab_size to choose)
+    python convert.py --from=olmo-core:https://olmo-checkpoints.org/ai2-llm/Olmo-3-1025-7B/stage2/step47684/ \
+        --to=orbax:runs/ai2-stage2      # AI2's weights AND its SkipStepAdamW moments (§4), then
+    python train.py --stage=3 --flagfile=stage3.flags --init_from=runs/ai2-stage2   # warm Adam
+    python convert.py --from=orbax:runs/stage3 --to=olmo-core:ckpt/step2000      # and back (§4)
 
 The Orbax side is exactly what train.py's CheckpointManager reads: `<dir>/checkpoints/<step>/`
 with the model's tensors under "model.*", and extra = {"model_config": ..., "stage": 0, ...}.
@@ -47,15 +51,18 @@ from olmo3 import cli
 # §0 Flags.
 # ---------------------------------------------------------------------------------------------
 F = flags.FLAGS
-flags.DEFINE_string("from", None, "Source: hf:<dir> (config.json + *.safetensors) or orbax:<run dir | checkpoints/<N>>.")
-flags.DEFINE_string("to", None, "Destination: orbax:<run dir> or hf:<dir> (must not exist or be empty).")
-flags.DEFINE_integer("step", 0, "Checkpoint label written on the Orbax side (0: a starting point).")
+flags.DEFINE_string("from", None, "Source: hf:<dir> (config.json + *.safetensors), orbax:<run dir | checkpoints/<N>> "
+                    "or olmo-core:<stepN dir | save folder | URL of a stepN dir> (OLMo-core trainer checkpoint).")
+flags.DEFINE_string("to", None, "Destination: orbax:<run dir>, hf:<dir> or olmo-core:<dir> (must not exist or be empty).")
+flags.DEFINE_integer("step", 0, "Checkpoint label written on the Orbax side (0: a starting point; from olmo-core: "
+                     "default its training step).")
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"],
                   "Orbax parameter dtype (default float32: train.py's master weights; bf16 -> fp32 is exact).")
 flags.DEFINE_enum("hf_dtype", None, ["float32", "bfloat16"], "HF output dtype (default: the checkpoint's param dtype).")
 flags.DEFINE_bool("with_optimizer_state", False,
                   "Also write zero fp32 Adam moments (Adam count 0), so train.py --init_from can start from "
-                  "these weights exactly as from a fresh init.")
+                  "these weights exactly as from a fresh init. From olmo-core: default true, the checkpoint's "
+                  "own SkipStepAdamW moments and count (--nowith_optimizer_state: weights only).")
 flags.DEFINE_bool("verify", False, "Run the HF model in torch and ours on the same tokens; report KL/top-1/top-10.")
 flags.DEFINE_float("max_kl", 1e-4, "--verify fails when the mean per-token KL(HF || ours) exceeds this (nats).")
 flags.DEFINE_integer("verify_seq", 256, "--verify: tokens per sequence.")
@@ -74,12 +81,12 @@ WINDOW = 128  # skip-step window (olmo3/optim.py WINDOW, OLMo-core rolling_inter
 
 def _import():
     """Heavy imports after flag parsing, so --help is instant."""
-    global eqx, jax, olmo3, hf, checkpoint, heldout, load, OLMo3, optim, schedules, config_from_dict, config_to_dict
+    global eqx, jax, olmo3, hf, checkpoint, heldout, load, olmo_core, OLMo3, optim, schedules, config_from_dict, config_to_dict
     import equinox as eqx
     import jax
 
     import olmo3
-    from olmo3 import checkpoint, heldout, hf, load, optim, schedules
+    from olmo3 import checkpoint, heldout, hf, load, olmo_core, optim, schedules
     from olmo3.config import config_from_dict, config_to_dict
     from olmo3.model import OLMo3
 
@@ -407,7 +414,174 @@ def read_parts(mgr, step, field, shape, dtype, stacked, transpose):
 
 
 # ---------------------------------------------------------------------------------------------
-# §4 Parity: the HF model in torch vs ours on the same tokens (DESIGN §5: the write-up reached
+# §4 OLMo-core <-> Orbax: AI2's own training checkpoints (torch distributed checkpoints), Adam
+# moments included, so that stage 2 / 3 start from AI2's warm Adam (DESIGN §3). Names, layouts
+# and the optimizer-state mapping are in olmo3/olmo_core.py; the Orbax side is §1's LazyTensor.
+# ---------------------------------------------------------------------------------------------
+def olmo_core_to_orbax(src: str, dst: str, *, step: int | None = None, param_dtype: str = "float32",
+                       with_optimizer_state: bool = True) -> "olmo3.Config":
+    """An OLMo-core checkpoint (olmo3/olmo_core.py's locate: a stepN dir, local or URL) as
+    <dst>/checkpoints/<label>: the model, and SkipStepAdamW's moments and count as our OptState
+    (train.py --init_from's {"model", "opt"}). Label: `step`, else the checkpoint's step."""
+    _import()
+    LazyTensor = _lazy_tensor_types()
+    step_dir, dcp_dir, oc_step = olmo_core.locate(src)
+    reader = olmo_core.DistCheckpointReader(dcp_dir)
+    config, config_from = olmo_core.read_config(step_dir, reader, param_dtype=param_dtype)
+    logging.info("%s: model config from %s", src, config_from)
+    abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
+    names = olmo_core.param_names(config.n_layers)
+    for field, layer, name, t in names:  # every shape is checked before anything is written
+        ours = (getattr(abstract.layers, field).shape[1:] if layer is not None else getattr(abstract, field).shape)
+        want = tuple(ours[::-1]) if t else tuple(ours)
+        got = reader.shape(f"model.{name}") if f"model.{name}" in reader.tensors else "missing"
+        if got != want:
+            raise ValueError(f"{dcp_dir}: tensor model.{name} is {got}, the model config ({config_from}) implies {want}")
+
+    def tree(key, dtype):  # our model's structure, each leaf read from the checkpoint when Orbax writes it
+        def lazy(field, stacked, name, t):
+            shape = (getattr(abstract.layers, field) if stacked else getattr(abstract, field)).shape
+            if stacked:                                                        # (L, in, out), a layer at a time
+                return LazyTensor(shape, dtype, lambda: ((i, olmo_core.read_layer(reader, key(f"blocks.{i}.{name}"), t, dtype))
+                                                         for i in range(config.n_layers)), 0, 1)
+            if len(shape) == 1:
+                return LazyTensor(shape, dtype, lambda: [((), olmo_core.read_layer(reader, key(name), t, dtype))])
+            axis = 1 if t else 0  # embed [V, d] in row blocks, lm_head [d, V] in column blocks (as §2)
+            block = _block(shape, axis, dtype)
+
+            def parts():
+                whole = olmo_core.read_layer(reader, key(name), t, dtype)  # one tensor in memory at a time
+                for a in range(0, shape[axis], block):
+                    yield ((slice(None), slice(a, a + block)) if axis else slice(a, a + block)), (
+                        whole[:, a:a + block] if axis else whole[a:a + block])
+            return LazyTensor(shape, dtype, parts, axis, block)
+        layers = eqx.tree_at(lambda l: [getattr(l, f) for f, _, _ in olmo_core.LAYER_MAP], abstract.layers,
+                             [lazy(f, True, s, t) for f, s, t in olmo_core.LAYER_MAP])
+        return eqx.tree_at(lambda m: (m.embed, m.layers, m.norm, m.lm_head), abstract,
+                           (lazy("embed", False, "embeddings.weight", False), layers,
+                            lazy("norm", False, "lm_head.norm.weight", False),
+                            lazy("lm_head", False, "lm_head.w_out.weight", True)))
+
+    state = {"model": tree(lambda n: f"model.{n}", np.dtype(config.pdtype))}
+    extra = {"stage": 0, "model_config": config_to_dict(config), "converted_from": f"olmo-core:{step_dir}",
+             "olmo_core_step": oc_step, "with_optimizer_state": with_optimizer_state}
+    if with_optimizer_state:
+        count, counts = olmo_core.adam_count(reader)
+        if len(counts) > 1:
+            logging.warning("%s: parameters disagree on the Adam step %s; using %d", src, sorted(counts), count)
+        if count == 0 and oc_step:  # OLMo-core before step_increment_bugfix never advanced `step`
+            logging.warning("%s: Adam step 0 at training step %d: written without OLMo-core's "
+                            "step_increment_bugfix; bias correction restarts here", src, oc_step)
+        opt = optim.SkipStepAdamW(schedules.constant_schedule(0.0), window=WINDOW)
+        abstract_opt = eqx.filter_eval_shape(opt.init, abstract)
+        scalar = lambda v: LazyTensor((), np.int32, lambda: [((), np.asarray(v, np.int32))])  # noqa: E731
+        moments = [tree(lambda n, m=m: f"optim.state.{n}.{m}", np.dtype(np.float32)) for m in olmo_core.MOMENTS.values()]
+        opt_state = eqx.tree_at(lambda s: (s.step, s.count, s.mu, s.nu), abstract_opt,
+                                (scalar(oc_step if oc_step is not None else count), scalar(count), *moments))
+        zeros = lambda s: LazyTensor(s.shape, s.dtype, lambda: [((), np.zeros(s.shape, s.dtype))])  # noqa: E731
+        # Empty skip-step windows: OLMo-core does not checkpoint its own (olmo3/olmo_core.py).
+        opt_state = eqx.tree_at(lambda s: (s.loss_window, s.gnorm_window, s.n_seen), opt_state,
+                                (zeros(abstract_opt.loss_window), zeros(abstract_opt.gnorm_window),
+                                 zeros(abstract_opt.n_seen)))
+        state["opt"] = opt_state
+        extra["adam_count"] = count
+    write_orbax(dst, step if step is not None else (oc_step or 0), state, extra)
+    return config
+
+
+def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
+    """Our checkpoint as an OLMo-core one: <dst>/model_and_optim/ (DCP) + config.json +
+    .metadata.json, loadable by OLMo-core's Checkpointer.load with load_trainer_state=False (its
+    stage-2/3 scripts' setting; no train/ state is written). Adam moments and count go along when
+    the checkpoint holds them; parameters and moments are fp32 (OLMo-core's master weights)."""
+    _import()
+    run, step = checkpoint.locate(src)
+    mgr = checkpoint.CheckpointManager(run, read_only=True)
+    step = mgr.verify(step)
+    extra = mgr.read_extra(step)
+    if "model_config" not in extra:
+        raise ValueError(f"{src}: checkpoint extra has no model_config (not written by train.py or convert.py)")
+    config = config_from_dict(extra["model_config"])
+    abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
+    stored = mgr.stored_tensors(step)
+    with_opt = "opt.count" in stored
+    if os.path.exists(dst) and os.listdir(dst):
+        raise FileExistsError(f"--to=olmo-core:{dst} exists and is not empty; choose a new directory")
+    f32 = np.dtype(np.float32)
+    specs, source = {}, {}  # OLMo-core name -> (shape, dtype); -> (our stored name, layer or None, transpose)
+    for field, layer, name, t in olmo_core.param_names(config.n_layers):
+        ours = getattr(abstract.layers, field).shape[1:] if layer is not None else getattr(abstract, field).shape
+        shape = tuple(ours[::-1]) if t else tuple(ours)
+        path = f"layers.{field}" if layer is not None else field
+        specs[f"model.{name}"] = (shape, f32)
+        source[f"model.{name}"] = (f"model.{path}", layer, t)
+        if with_opt:
+            for ours_m, theirs in olmo_core.MOMENTS.items():
+                specs[f"optim.state.{name}.{theirs}"] = (shape, f32)
+                source[f"optim.state.{name}.{theirs}"] = (f"opt.{ours_m}.{path}", layer, t)
+            specs[f"optim.state.{name}.step"] = ((), f32)
+    count = float(np.asarray(read_stored(mgr, step, "opt.count", ()))) if with_opt else None
+
+    def produce(name):  # called by torch's writer, one tensor at a time
+        if name.endswith(".step"):
+            return np.asarray(count, f32)
+        ours, layer, t = source[name]
+        a = np.asarray(read_stored(mgr, step, ours, layer), f32)
+        return a.T if t else a
+
+    groups = {}
+    if with_opt:  # param groups as OLMo-core's flattened optimizer state dict holds them. On load
+        # OLMo-core keeps its own config's initial_lr (OptimConfig.fixed_fields) and its scheduler
+        # resets lr every step; betas, eps and weight decay come from here: our recipe's.
+        lr = float((extra.get("flags") or {}).get("lr") or schedules.STAGE1_PEAK)
+        for _, _, name, _ in olmo_core.param_names(config.n_layers):
+            wd = 0.0 if name == "embeddings.weight" else optim.WEIGHT_DECAY  # the recipe's groups (olmo3/model.py)
+            groups.update({f"optim.param_groups.{name}.lr": lr, f"optim.param_groups.{name}.initial_lr": lr,
+                           f"optim.param_groups.{name}.betas": tuple(optim.BETAS),
+                           f"optim.param_groups.{name}.eps": optim.EPS,
+                           f"optim.param_groups.{name}.weight_decay": wd})
+    try:
+        tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".tmp-olmo-core-{os.path.basename(dst)}")
+        os.makedirs(tmp)
+        olmo_core.write_dist_checkpoint(os.path.join(tmp, olmo_core.MODEL_AND_OPTIM), specs, produce, groups)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({"model": olmo_core.config_to_olmo_core(config)}, f, indent=1)
+        with open(os.path.join(tmp, ".metadata.json"), "w") as f:
+            json.dump({"ephemeral": False}, f)
+        if os.path.isdir(dst):
+            os.rmdir(dst)
+        os.rename(tmp, dst)
+    except BaseException:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        mgr.close()
+    return config
+
+
+def read_stored(mgr, step, name, index):
+    """One stored tensor of our checkpoint (`index` None), or layer `index` of a stacked one,
+    through TensorStore (train.py / convert.py's OCDBT + zarr layout), else through Orbax."""
+    import tensorstore as ts
+    state_dir = os.path.join(mgr.directory, str(step), "state")
+    try:
+        t = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{state_dir}", "path": name}},
+                    open=True, read=True, context=ts.Context({"cache_pool": {"total_bytes_limit": 0}})).result()
+    except ValueError:
+        shape = mgr.stored_tensors(step)[name]
+        want = jax.ShapeDtypeStruct(shape, np.float32 if name != "opt.count" else np.int32)
+        for key in reversed(name.split(".")):
+            want = {key: want}
+        state, _ = mgr.restore(step, want)
+        for key in name.split("."):
+            state = state[key]
+        return np.asarray(state if index is None else state[index])
+    return (t if index is None else t[index]).read().result()
+
+
+# ---------------------------------------------------------------------------------------------
+# §5 Parity: the HF model in torch vs ours on the same tokens (DESIGN §5: the write-up reached
 # KL ~1.5e-3 in bf16, 98.75% top-1; two correct fp32 implementations agree to ~1e-6 or better).
 # ---------------------------------------------------------------------------------------------
 def verify(hf_dir: str, ours, *, seq: int = 256, batch: int = 2, seed: int = 0) -> dict:
@@ -450,18 +624,33 @@ def _peak_rss_gb() -> float:
 
 def _parse(spec: str, flag: str) -> tuple[str, str]:
     kind, sep, path = (spec or "").partition(":")
-    if not sep or kind not in ("hf", "orbax") or not path:
-        raise app.UsageError(f"--{flag}={spec!r}: expected hf:<dir> or orbax:<dir>")
+    if not sep or kind not in ("hf", "orbax", "olmo-core") or not path:
+        raise app.UsageError(f"--{flag}={spec!r}: expected hf:<dir>, orbax:<dir> or olmo-core:<dir or URL>")
     return kind, path
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    from olmo3 import logs
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     (src_kind, src), (dst_kind, dst) = _parse(F["from"].value, "from"), _parse(F.to, "to")
-    if src_kind == dst_kind:
-        raise app.UsageError("--from and --to must be one hf: and one orbax:")
+    if src_kind == dst_kind or "orbax" not in (src_kind, dst_kind):
+        raise app.UsageError("--from and --to must be one orbax: and one hf: or olmo-core:")
     t0 = time.time()
+    if "olmo-core" in (src_kind, dst_kind):  # §4
+        for name in ("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"):
+            if F[name].present:
+                raise app.UsageError(f"--{name} applies to hf: conversions, not olmo-core:")
+        if src_kind == "olmo-core":
+            config = olmo_core_to_orbax(src, dst, step=F.step if F["step"].present else None,
+                                        param_dtype=F.param_dtype or "float32",
+                                        with_optimizer_state=F.with_optimizer_state if F["with_optimizer_state"].present else True)
+        else:
+            config = orbax_to_olmo_core(src, dst)
+        print(f"converted {src_kind}:{src} -> {dst_kind}:{dst}: {config.num_params():,} parameters in "
+              f"{time.time() - t0:.1f} s, peak RSS {_peak_rss_gb():.2f} GB")
+        return
     if src_kind == "hf":
         if F.hf_vocab_size is not None:
             raise app.UsageError("--hf_vocab_size only applies to --to=hf:")

@@ -267,6 +267,8 @@ def main(argv):
     # One process: under srun / mpirun with N > 1 tasks every copy would do the same work.
     from olmo3 import cluster
     cluster.start("eval.py", multi_process=False, independent_runs=F.independent_runs)
+    from olmo3 import logs
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     sets_fn = lambda config: heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size,  # noqa: E731
                                           data_dir=F.eval_data_dir, data_mix=F.data_mix, data_root=F.data_root)
     if F.compare:

@@ -68,6 +68,21 @@ flags.DEFINE_string("tokenizer", "dolma2", "Tokenizer of the token files.")
 flags.DEFINE_integer("seq_len", 8192, "Tokens per instance.")
 flags.DEFINE_integer("global_batch", 512, "Instances per optimizer step: a recipe constant, never derived from devices.")
 flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: the whole per-device batch).")
+flags.DEFINE_bool("packed", False, "OLMo-core packed instances (NumpyPackedFSLDataset): whole documents packed "
+                  "into --seq_len by best-fit decreasing, padded; padding is never trained on (data/packed.py).")
+flags.DEFINE_integer("source_group_size", 1, "With --packed: token files packed together (OLMo-core "
+                     "source_group_size).")
+flags.DEFINE_integer("source_permutation_seed", None, "With --packed: shuffle the token files with this seed "
+                     "before grouping (OLMo-core source_permutation_seed).")
+flags.DEFINE_bool("label_masks", False, "With --packed: train only on the tokens marked in the labels_mask_*.npy "
+                  "file beside each token_ids_*.npy (OLMo-core SFT data, open-instruct's file names).")
+flags.DEFINE_string("packing_cache", None, "With --packed: directory for the packing indices (default "
+                    "<data dir>/packing; a restart reads them instead of rescanning every token).")
+flags.DEFINE_bool("doc_lengths", None, "Attention within documents (OLMo-core generate_doc_lengths); default on for "
+                  "stage 3. Documents: the packed document lengths, or eos-delimited runs of a fixed-length instance.")
+flags.DEFINE_bool("eval_padded", False, "Held-out loss on padded instances, one whole document each (OLMo-core "
+                  "NumpyPaddedFSLDataset; the stage flagfiles), so no domain is skipped; default: fixed-length "
+                  "windows, the batches eval.py scores, so its number equals the run's own eval/<domain>/loss.")
 flags.DEFINE_bool("repetition_filter", False, "OLMo-core n-gram repetition filter (off in the official 7B scripts).")
 flags.DEFINE_integer("loader_workers", 2, "Background data workers (never changes the batches).")
 flags.DEFINE_bool("allow_data_change", False, "Resume even if the data fingerprint differs (deliberate data swap).")
@@ -141,7 +156,8 @@ def main(argv):
     # through JAX's own cluster detection; an environment that says N > 1 processes while JAX
     # sees one stops here with exit status 2, before anything is written (olmo3/cluster.py).
     # -----------------------------------------------------------------------------------------
-    from olmo3 import runtime
+    from olmo3 import logs, runtime
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
     tuned = runtime.tune_cpu() if F.tune_cpu else []   # before JAX starts its backend
     import equinox as eqx
     import jax
@@ -158,8 +174,6 @@ def main(argv):
     n_devices = jax.device_count()  # global, across hosts
     microbatches = sharding.microbatches(F.global_batch, F.micro_batch, mesh)
     is_main = rank == 0
-    if tuned and is_main:
-        logging.info("CPU backend tuning (olmo3/runtime.py): %s", "; ".join(tuned))
 
     # -----------------------------------------------------------------------------------------
     # §2 Model. Stage 3 switches the full-attention layers to YaRN (factor 8 over 8192).
@@ -177,12 +191,28 @@ def main(argv):
                              f"{config.max_position_embeddings}")
 
     # -----------------------------------------------------------------------------------------
-    # §3 Data: OLMo-core fixed-length instances, one seeded permutation per epoch, each rank
-    # reading its own rows of each global batch exactly once (DESIGN §4).
+    # §3 Data: OLMo-core fixed-length or packed instances, one seeded permutation per epoch,
+    # each rank reading its own rows of each global batch exactly once (DESIGN §4); held-out
+    # domains as padded instances, one whole document each (OLMo-core's validation sets).
     # -----------------------------------------------------------------------------------------
     splits = resolve_data()
-    train_set = data.FSLDataset(splits["train"], F.seq_len)
-    heldout = {name.split("/", 1)[1]: data.FSLDataset(paths, F.seq_len)
+    if F.packed:  # every process packs the same instances; process 0 first, filling the cache
+        pack = lambda: data.PackedFSLDataset(  # noqa: E731
+            splits["train"], F.seq_len, source_group_size=F.source_group_size,
+            source_permutation_seed=F.source_permutation_seed, cache_dir=packing_cache(),
+            label_mask_paths=[data.packed.label_mask_path(p) for p in splits["train"]] if F.label_masks else None)
+        train_set = pack() if rank == 0 else None
+        if num_ranks > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("olmo3: instances packed")
+        if train_set is None:
+            train_set = pack()
+        if is_main:
+            logging.info("Packed %s", train_set)
+    else:
+        train_set = data.FSLDataset(splits["train"], F.seq_len)
+    heldout_set = data.PaddedFSLDataset if F.eval_padded else data.FSLDataset
+    heldout = {name.split("/", 1)[1]: heldout_set(paths, F.seq_len)
                for name, paths in splits.items() if name.startswith("heldout/") and paths}
     if config.vocab_size < data.VOCAB_SIZE:
         raise app.UsageError(f"--vocab_size={config.vocab_size} is smaller than the tokenizer's {data.VOCAB_SIZE}")
@@ -259,12 +289,19 @@ def main(argv):
     # §6 The step: gradients under shard_map (FSDP x DP), optimizer update on the sharded state.
     # -----------------------------------------------------------------------------------------
     specs = sharding.param_specs(model, mesh)
+    use_segments = F.doc_lengths if F.doc_lengths is not None else F.stage == 3
     train_step = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
-                                          chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=F.stage == 3)
-    eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=F.stage == 3)
+                                          chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=use_segments)
+    eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=use_segments)
 
     def eval_plan(ds):
-        """(rows per batch, batches): rows a multiple of the device count, at most --eval_batches."""
+        """(rows per batch, batches): rows a multiple of the device count, at most --eval_batches.
+        Padded instances: a last partial batch is filled with label-masked rows, so every domain
+        is evaluated; all its documents when they fit in --eval_batches global batches."""
+        if F.eval_padded:
+            rows = -(-len(ds) // max(F.eval_batches, 1))
+            rows = min(F.global_batch, -(-rows // n_devices) * n_devices)
+            return rows, min(F.eval_batches, -(-len(ds) // rows))
         rows = min(F.global_batch, max(n_devices, len(ds) // max(F.eval_batches, 1)))
         rows -= rows % n_devices
         return rows, (min(F.eval_batches, len(ds) // rows) if rows else 0)
@@ -282,7 +319,10 @@ def main(argv):
             rows, batches = eval_plans[domain]
             ce = n = 0.0
             for b in range(batches):
-                batch = data.get_batch(ds, rows, 0, b, rank, num_ranks)  # seed 0: a fixed order
+                if F.eval_padded:  # documents in file order
+                    batch = data.get_eval_batch(ds, rows, b, rank, num_ranks)
+                else:
+                    batch = data.get_batch(ds, rows, 0, b, rank, num_ranks)  # seed 0: a fixed order
                 s, c = eval_fn(model, sharding.global_batch(batch, mesh))
                 ce, n = ce + float(s), n + float(c)
             if n:
@@ -326,14 +366,18 @@ def main(argv):
     max_steps = F.max_steps if F.max_steps is not None else F.total_steps
     tokens_per_step = F.global_batch * F.seq_len
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
-    peak = metrics_lib.peak_flops(F.peak_tflops) * n_devices
     log = metrics_lib.MetricsWriter(F.run_dir, enabled=is_main)
+    # MFU's peak: --peak_tflops, the device's nominal peak, or measured (and kept honest) by process 0.
+    peak = metrics_lib.PeakFlops(F.peak_tflops, dtype=config.dtype) if is_main else None
+    clock = metrics_lib.StepClock(tokens_per_step, flops, n_devices, peak)
     if is_main:
-        log.info(f"OLMo 3 stage {F.stage}: {config.num_params():,} params, {n_devices} devices, mesh "
-                 f"{dict(mesh.shape)}, {microbatches} microbatch(es), {tokens_per_step:,} tokens/step, "
-                 f"steps {start + 1}..{max_steps}")
+        log.info(f"OLMo 3 stage {F.stage}: {config.num_params():,} params on {metrics_lib.device_description()}"
+                 f" | MFU = write-up FLOPs ({flops['writeup'] / tokens_per_step / 1e6:,.1f} MFLOP/token: 6 x "
+                 f"non-embedding params + full causal attention, DESIGN §6) / {peak.describe()}")
+        log.info(f"mesh {dict(mesh.shape)}, {microbatches} microbatch(es), {tokens_per_step:,} tokens/step, "
+                 f"steps {start + 1}..{max_steps}" + (f" | CPU tuning: {'; '.join(tuned)}" if tuned else ""))
+    paused = {}  # step -> seconds the loop waited for its checkpoint save to start
     step = start
-    t_last, done_since = time.perf_counter(), 0
     try:
         while step < max_steps:
             batch = next(loader)
@@ -342,24 +386,33 @@ def main(argv):
             step += 1
             m = {k: float(v) for k, v in m.items()}
             check_finite(m, step, ckpt)
-            now = time.perf_counter()
-            dt, t_last = now - t_last, now
-            done_since += 1
-            m.update(metrics_lib.perf(dt, tokens_per_step, flops, peak, step))
+            cli.mark_running()  # inputs are all checked: a failure from here on is retryable
+            m.update(clock.step_done(step))  # raw in metrics.jsonl; a moving window on the progress line
             if step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps:
-                m.update(evaluate(model))
+                with clock.excluded("eval"):  # evaluations and saves are billed to no step
+                    m.update(evaluate(model))
                 check_finite(m, step, ckpt)
             if downstream is not None and step % F.downstream_eval_interval == 0:
-                m.update(downstream(model))
-                t_last = time.perf_counter()  # nor the evaluation
-            log.write(step, m, eta_s=dt * (max_steps - step))
+                with clock.excluded("downstream"):  # nor the downstream evaluation
+                    m.update(downstream(model))
+            log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
             if step % F.save_interval == 0 or step == max_steps:
-                save(step)
-                t_last = time.perf_counter()  # don't bill the checkpoint to the next step
+                with clock.excluded("save"):
+                    save(step)
+                paused[step] = clock.last["save"]
+            report_saves(log, ckpt, paused)
     finally:
         ckpt.wait()
+        report_saves(log, ckpt, paused)
         loader.close()
         log.close()
+
+
+def report_saves(log, ckpt, paused: dict) -> None:
+    """One line per checkpoint whose async save has finished: its time, and how long training waited."""
+    for step, seconds in ckpt.finished_saves():
+        log.info(f"checkpoint {step} saved to {ckpt.directory}/{step} in {seconds:.1f} s "
+                 f"(training paused {paused.pop(step, 0.0):.2f} s)")
 
 
 def check_flags():
@@ -375,6 +428,11 @@ def check_flags():
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
+    if F.source_group_size < 1:
+        raise app.UsageError(f"--source_group_size={F.source_group_size} must be >= 1")
+    if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
+        raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply "
+                             "with --packed")
     if F.stage == 3 and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
 
@@ -412,6 +470,19 @@ def resolve_data() -> dict:
             data.ensure_corpus(out, F.data)
         multihost_utils.sync_global_devices("olmo3: corpus prepared")
     return data.ensure_corpus(out, F.data)
+
+
+def packing_cache() -> str | None:
+    """Where the packing indices are kept: --packing_cache, else beside the prepared corpus (or
+    the run directory's parent for a remote mix); None (pack in memory) when that is remote."""
+    from data import storage
+    if F.packing_cache or F.data_dir:
+        where = F.packing_cache or os.path.join(F.data_dir, "packing")
+    elif storage.is_remote(F.run_dir):
+        return None
+    else:
+        where = os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", "packing")
+    return None if storage.is_remote(where) else where
 
 
 def check_resume(extra: dict, config) -> None:

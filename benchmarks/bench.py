@@ -142,7 +142,8 @@ def timed(fn) -> tuple[float, float]:
 
 def main(argv):
     del argv
-    from olmo3 import runtime
+    from olmo3 import logs, runtime
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
     tuned = runtime.tune_cpu() if F.tune_cpu else []
     from olmo3 import cluster   # one process: under srun / mpirun with N > 1 tasks, stop (or --independent_runs)
     cluster.start("bench.py", multi_process=False, independent_runs=F.independent_runs)

@@ -1,5 +1,5 @@
 """The data side of the OLMo 3 recipe: dolma2 tokenizer, corpus preparation, the OLMo-core
-fixed-length token dataset, the exactly-once global order, and the resumable loader.
+fixed-length token dataset, its packed and padded variants, the exactly-once global order, and the resumable loader.
 
 `data.prepare` is the corpus-preparation module (also `python -m data.prepare`); its main entry
 points are re-exported lazily so that `python -m data.prepare` does not import itself twice.
@@ -9,8 +9,10 @@ import importlib
 from data import tokenizer
 from data.dataset import FSLDataset
 from data.filters import repetition_mask
-from data.loader import Loader, get_batch, segment_ids
+from data.loader import Loader, get_batch, get_eval_batch, segment_ids
 from data.order import batch_indices, steps_per_epoch
+from data.packed import PackedFSLDataset
+from data.padded import PaddedFSLDataset
 from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, dolma2
 
 _FROM_PREPARE = ("ensure_corpus", "load_manifest", "open_split", "verify")
@@ -25,6 +27,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "EOS_ID", "PAD_ID", "VOCAB_SIZE", "FSLDataset", "Loader", "batch_indices", "dolma2", "get_batch",
+    "EOS_ID", "PAD_ID", "VOCAB_SIZE", "FSLDataset", "Loader", "PackedFSLDataset", "PaddedFSLDataset",
+    "batch_indices", "dolma2", "get_batch", "get_eval_batch",
     "repetition_mask", "segment_ids", "steps_per_epoch", "tokenizer", *_FROM_PREPARE,
 ]

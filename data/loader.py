@@ -1,7 +1,8 @@
 """The training data loader: batches for consecutive global steps, prefetched in the background.
 
 The batch of global step s is `get_batch(dataset, global_batch, seed, s, rank, num_ranks)`, a
-pure function; workers only compute it ahead of time and batches are handed out strictly in step
+pure function of the dataset (fixed-length `FSLDataset` or packed `PackedFSLDataset`, the same
+order either way); workers only compute it ahead of time and batches are handed out strictly in step
 order, so the worker count and the history of the loader cannot change what a step sees (DESIGN
 §4, bug 3). The loader's state is just the next step to deliver plus what identifies the data
 (seed, fingerprint, batch shape): a small JSON value saved atomically with the model state.
@@ -17,6 +18,7 @@ from jaxtyping import Int32, Integer
 from data.dataset import FSLDataset
 from data.filters import repetition_mask
 from data.order import batch_indices, steps_per_epoch
+from data.packed import PackedFSLDataset, batch_fields
 
 
 def segment_ids(tokens: Integer[np.ndarray, "batch seq"], eos_id: int) -> Int32[np.ndarray, "batch seq"]:
@@ -27,7 +29,7 @@ def segment_ids(tokens: Integer[np.ndarray, "batch seq"], eos_id: int) -> Int32[
 
 
 def get_batch(
-    dataset: FSLDataset,
+    dataset: FSLDataset | PackedFSLDataset,
     global_batch: int,
     seed: int,
     step: int,
@@ -39,22 +41,39 @@ def get_batch(
 
     Returns numpy arrays: `tokens` int32 [local_batch, seq_len]; `instance_mask` bool [local_batch]
     (False = masked by the repetition filter; all True when the filter is off); `segment_ids`
-    int32 [local_batch, seq_len]; and `step` (int).
+    int32 [local_batch, seq_len] (from eos positions for fixed-length instances, from the
+    document lengths for packed ones); for packed / padded datasets `label_mask` bool
+    [local_batch, seq_len] (False on padding and on masked labels); and `step` (int).
     """
     spe = steps_per_epoch(len(dataset), global_batch)
     epoch = step // spe
     idx = batch_indices(len(dataset), global_batch, seed, epoch, step % spe, rank, num_ranks)
-    raw = np.stack([dataset[i] for i in idx])  # (local_batch, seq_len) uint32
-    if repetition_filter:
-        mask = repetition_mask(raw)
+    return _rows(dataset, [dataset[i] for i in idx], repetition_filter) | {"step": int(step)}
+
+
+def _rows(dataset, instances: list, repetition_filter: bool = False) -> dict:
+    if isinstance(instances[0], dict):  # packed / padded: tokens, label_mask, doc_lens
+        out = batch_fields(instances)
     else:
-        mask = np.ones(len(idx), dtype=bool)
-    return {
-        "tokens": raw.astype(np.int32),  # ids < 100278 fit; int32 is what the model embeds
-        "instance_mask": mask,
-        "segment_ids": segment_ids(raw, dataset.eos_id),
-        "step": int(step),
-    }
+        raw = np.stack(instances)  # (local_batch, seq_len) uint32
+        out = {"tokens": raw, "segment_ids": segment_ids(raw, dataset.eos_id)}
+    raw = out["tokens"]
+    out["tokens"] = raw.astype(np.int32)  # ids < 100278 fit; int32 is what the model embeds
+    out["instance_mask"] = repetition_mask(raw) if repetition_filter else np.ones(len(raw), dtype=bool)
+    return out
+
+
+def get_eval_batch(dataset: PackedFSLDataset, rows: int, batch: int, rank: int = 0, num_ranks: int = 1) -> dict:
+    """Rank `rank`'s share of held-out batch `batch`: instances [batch * rows, (batch + 1) * rows)
+    in dataset order, rank r taking rows r, r + R, ... Rows past the end of the dataset are
+    filler whose label mask is all False, so a domain of any size fills whole device batches and
+    its loss counts exactly its own tokens."""
+    if num_ranks < 1 or rows % num_ranks:
+        raise ValueError(f"num_ranks={num_ranks} must divide rows={rows}")
+    idx = np.arange(batch * rows, (batch + 1) * rows)[rank::num_ranks]
+    filler = {"tokens": np.full(dataset.seq_len, dataset.pad_id, np.uint32),
+              "label_mask": np.zeros(dataset.seq_len, bool), "doc_lens": np.array([dataset.seq_len], np.int32)}
+    return _rows(dataset, [dataset[i] if i < len(dataset) else filler for i in idx])
 
 
 class Loader:
@@ -62,7 +81,7 @@ class Loader:
 
     def __init__(
         self,
-        dataset: FSLDataset,
+        dataset: FSLDataset | PackedFSLDataset,
         global_batch: int,
         seed: int,
         rank: int = 0,
@@ -144,7 +163,7 @@ class Loader:
     @classmethod
     def from_state(
         cls,
-        dataset: FSLDataset,
+        dataset: FSLDataset | PackedFSLDataset,
         state: dict,
         rank: int = 0,
         num_ranks: int = 1,

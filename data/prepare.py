@@ -105,10 +105,13 @@ def encode_documents(docs: Iterable[corpus_lib.Document], workers: int) -> Itera
 
 
 class _Progress:
-    """A one-line progress report with tokens/s on stderr."""
+    """Progress with tokens/s on stderr: one line redrawn in place on a terminal; in a log file
+    (not a terminal, where carriage returns pile up into one endless line) a line every 30 s."""
 
     def __init__(self, label: str, enabled: bool):
         self.label, self.enabled = label, enabled
+        self.tty = sys.stderr.isatty()
+        self.every = 0.5 if self.tty else 30.0
         self.t0 = self.last = time.perf_counter()
         self.tokens = self.docs = 0
 
@@ -116,20 +119,20 @@ class _Progress:
         self.tokens += tokens
         self.docs += docs
         now = time.perf_counter()
-        if self.enabled and now - self.last > 0.5:
+        if self.enabled and now - self.last > self.every:
             self.last = now
-            self._print("\r")
+            self._print(final=False)
 
-    def _print(self, end: str):
+    def _print(self, final: bool):
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        sys.stderr.write(f"{end}{self.label}: {self.docs:,} docs, {self.tokens / 1e6:.2f}M tokens, "
-                         f"{self.tokens / dt / 1e6:.2f}M tokens/s   ")
+        text = (f"{self.label}: {self.docs:,} docs, {self.tokens / 1e6:.2f}M tokens, "
+                f"{self.tokens / dt / 1e6:.2f}M tokens/s")
+        sys.stderr.write(f"\r{text}   " + ("\n" if final else "") if self.tty else text + "\n")
         sys.stderr.flush()
 
     def done(self):
         if self.enabled:
-            self._print("\r")
-            sys.stderr.write("\n")
+            self._print(final=True)
 
 
 class _SplitWriter:

@@ -26,6 +26,8 @@ import contextlib
 import json
 import os
 import re
+import shutil
+import threading
 import time
 from typing import Any, Optional
 
@@ -40,6 +42,7 @@ from jaxtyping import PyTree
 from olmo3.cli import NonFiniteError, UserError
 
 CHECKPOINTS = "checkpoints"
+DELETED = ".deleted"   # under checkpoints/: old steps on their way out (keep-N)
 
 
 class DamagedCheckpointError(UserError):
@@ -181,14 +184,35 @@ class CheckpointManager:
         if read_only and not os.path.isdir(self.directory):
             raise FileNotFoundError(f"no checkpoint directory {self.directory}; pass the run "
                                     "directory that holds checkpoints/ (or a checkpoints/<step>)")
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not read_only, read_only=read_only,
-            cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
+        # Save durations for "checkpoint N saved in S s": orbax calls back from its finalize
+        # thread once a save's files are written; the main thread reads them in `finished_saves`.
+        self._started: dict[int, float] = {}
+        self._finished: list[tuple[int, float]] = []
+        self._lock = threading.Lock()
+        self._async, self._read_only = async_save and not read_only, read_only
+        async_options = (ocp.AsyncOptions(post_finalization_callback=self._on_finalized)
+                         if self._async else None)
+        # Keep-N deletes old steps by RENAMING them into checkpoints/.deleted/ (one atomic rename)
+        # and we empty that folder later: a kill mid-delete then never leaves a half-deleted step
+        # that still looks complete (found by tests/test_bad_inputs.py's SIGKILL test). On gs://
+        # orbax deletes in place (no rename there).
+        options = ocp.CheckpointManagerOptions(  # read-only: the values orbax would force, warning
+            max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
+            create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save,
+            async_options=async_options, todelete_subdir=None if read_only else DELETED)
         # Handlers named up front, so a fresh process can read metadata before any save.
         self._mgr = ocp.CheckpointManager(
             self.directory, options=options,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(),
                            "extra": ocp.JsonCheckpointHandler()})
+        if not read_only:
+            self._purge_deleted()
+
+    def _purge_deleted(self) -> None:
+        """Empty checkpoints/.deleted/ (steps keep-N has already taken out of the list)."""
+        if jax.process_index() == 0:
+            shutil.rmtree(os.path.join(self.directory, DELETED), ignore_errors=True)
 
     # -- queries ---------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -240,8 +264,34 @@ class CheckpointManager:
             raise NonFiniteError(f"step {step}: {len(bad)} tensor(s) hold NaN or inf, e.g. {bad[:3]}; checkpoint "
                                  f"{step} was not written. {where} with a lower --lr, or check the data of "
                                  "the steps since")
-        self._mgr.save(int(step), force=True, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(flat), extra=ocp.args.JsonSave(extra)))
+        self._mgr.wait_until_finished()   # orbax would wait here anyway; this times only our save
+        self._purge_deleted()              # the steps the last save's keep-N renamed away
+        with self._lock:
+            self._started[int(step)] = time.perf_counter()
+        try:
+            self._mgr.save(int(step), force=True, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(flat), extra=ocp.args.JsonSave(extra)))
+        except BaseException:
+            with self._lock:
+                self._started.pop(int(step), None)
+            raise
+        if not self._async:   # written and committed already
+            self._on_finalized()
+
+    def _on_finalized(self) -> None:
+        # One save is in flight at a time, so the oldest started one is the one that finished.
+        now = time.perf_counter()
+        with self._lock:
+            if self._started:
+                step = min(self._started)
+                self._finished.append((step, now - self._started.pop(step)))
+
+    def finished_saves(self) -> list[tuple[int, float]]:
+        """(step, seconds from `save` until its files were written) of each save finished since
+        the last call, oldest first. Cheap: call it after every training step."""
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
 
     def wait(self) -> None:
         """Block until every pending save is committed (renamed into place)."""
@@ -249,6 +299,8 @@ class CheckpointManager:
 
     def close(self) -> None:
         self._mgr.close()
+        if not self._read_only:
+            self._purge_deleted()
 
     # -- restore ---------------------------------------------------------------------------
     def read_extra(self, step: Optional[int] = None) -> dict:
@@ -274,6 +326,13 @@ class CheckpointManager:
             raise DamagedCheckpointError(
                 f"checkpoint {where} is damaged: {file} does not read back ({' '.join(str(e).split())[:200]}); "
                 f"intact checkpoints: {[s for s in self.all_steps() if s != step] or 'none'}", step, file) from e
+
+    def stored_tensors(self, step: Optional[int] = None) -> dict[str, tuple]:
+        """{dotted name: shape} of every tensor checkpoint `step` holds (no array is read)."""
+        step = self._resolve(step)
+        with self._reading(step):
+            meta = self._mgr.item_metadata(step)["state"]
+        return {k: tuple(v.shape) for k, v in dict(meta.tree if hasattr(meta, "tree") else meta).items()}
 
     def restore(self, step: Optional[int], abstract_state: PyTree) -> tuple[PyTree, dict]:
         """Read checkpoint `step` (None: the latest) into the structure, shapes, dtypes and

@@ -12,8 +12,10 @@
 What counts as a user's error is decided by the exception's type, at the one place every
 script ends (`run`): our own `UserError`, absl's flag and usage errors, and the built-in types
 our input checks raise with a message naming the thing and the fix (ValueError, missing or
-existing files). A script raises these only for inputs; faults mid-run come as OSError,
-RuntimeError or XLA errors, which stay retryable.
+existing files). Inputs are checked before the first step; once a run has made progress
+(`mark_running`, after train.py's first step) a missing or unreadable file is a fault of the
+storage, not of the command (a flaky mount, a lost host), and is retried; a ValueError (bad data
+deep in the corpus) stays final.
 """
 from __future__ import annotations
 
@@ -40,10 +42,21 @@ USER_ERRORS = (UserError, app.UsageError, flags.Error, ValueError, FileNotFoundE
                IsADirectoryError, NotADirectoryError, PermissionError)
 
 
+_running = False
+
+
+def mark_running() -> None:
+    """The run has made progress: from now on only UserError / NonFiniteError end it for good."""
+    global _running
+    _running = True
+
+
 def exit_status(e: BaseException) -> int:
     """The exit status for an exception that ended a script (see the table above)."""
     if isinstance(e, NonFiniteError):
         return NON_FINITE
+    if _running and isinstance(e, OSError):
+        return 1
     return USER_ERROR if isinstance(e, USER_ERRORS) else 1
 
 

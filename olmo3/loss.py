@@ -4,6 +4,8 @@ OLMo-core semantics (DESIGN §3): float32 logits; labels -100 are ignored; z-los
 1e-5 * logsumexp^2 over non-ignored tokens; both are means over the non-ignored tokens of the
 global batch. Tokens of instances masked by the repetition filter contribute nothing to the
 numerator but still count in the denominator (OLMo-core's InstanceFilter semantics).
+A per-token label mask (packed and padded instances: padding; SFT: prompt tokens) removes
+targets from both, as OLMo-core's `get_labels` does.
 
 The lm_head matmul runs in chunks of `chunk` tokens, so only [chunk, vocab] logits are ever alive.
 Plain: under `jax.checkpoint`, the backward recomputes them chunk by chunk. Fused (`z_loss=`,
@@ -134,15 +136,22 @@ def _fused_ce_bwd(chunk, z_loss, res, g):
 _fused_ce.defvjp(_fused_ce_fwd, _fused_ce_bwd)
 
 
-def labels_and_weights(tokens: jax.Array, instance_mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def labels_and_weights(tokens: jax.Array, instance_mask: jax.Array,
+                       label_mask: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Next-token labels for [B, T] tokens, the loss weights, and the denominator mask.
 
-    labels[b, t] = tokens[b, t + 1]; the last position has no target (-100). weights are 0 on
-    ignored positions and on instances masked by the repetition filter; `counted` marks the
-    positions in the denominator (every non-ignored label, masked instances included).
+    labels[b, t] = tokens[b, t + 1]; the last position has no target (-100). `label_mask` [B, T]
+    (packed / padded instances, SFT label masks) marks the tokens that may be targets: position t
+    is ignored when label_mask[b, t + 1] is False, as OLMo-core's `get_labels` masks before the
+    shift; padding is never trained on and never counted. weights are 0 on ignored positions and
+    on instances masked by the repetition filter; `counted` marks the positions in the
+    denominator (every non-ignored label, masked instances included).
     """
     B = tokens.shape[0]
     labels = jnp.concatenate([tokens[:, 1:], jnp.full((B, 1), IGNORE, tokens.dtype)], axis=1)
+    if label_mask is not None:
+        target_ok = jnp.concatenate([label_mask[:, 1:], jnp.zeros((B, 1), bool)], axis=1)
+        labels = jnp.where(target_ok, labels, IGNORE)
     counted = (labels != IGNORE).astype(jnp.float32)
     weights = counted * instance_mask.astype(jnp.float32)[:, None]
     return labels, weights, counted

@@ -6,39 +6,81 @@ steps after the checkpoint are superseded by the rerun's lines, last one wins).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import math
 import os
 import resource
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
+from absl import logging
 
-# Nominal dense bf16 peaks per device, TFLOP/s (vendor datasheets; TPU numbers per chip).
-NOMINAL_PEAK_TFLOPS = {
-    "H100": 989.0,   # SXM, dense bf16
-    "H200": 989.0,   # same tensor cores as H100 SXM
-    "TPU v5p": 459.0,
-    "TPU7x": 2307.0,  # Ironwood, dense bf16 (the write-up used ~508-513 achieved at 44.5% MFU)
-}
+# Nominal dense bf16 peak per JAX device, TFLOP/s: (device_kind, how it matches, TFLOP/s, source).
+# NVIDIA datasheets print bf16 "with sparsity"; the dense figure is half. TPU figures are per chip
+# from the Cloud TPU docs; a chip is one JAX device except on Ironwood, whose two TensorCores are
+# two devices (the write-up's 508-513 TFLOP/s/device at 44.5% MFU implies ~1150 per device).
+# TPU kinds match exactly ("TPU v5" is v5p, "TPU v5 lite" is v5e); GPU kinds by prefix, the
+# specific ones first ("NVIDIA H100 80GB HBM3" is the SXM part).
+NOMINAL_PEAKS = (
+    ("NVIDIA H100 PCIe", "prefix", 756.0, "NVIDIA H100 datasheet, PCIe: 1,513 with sparsity"),
+    ("NVIDIA H100 NVL", "prefix", 835.0, "NVIDIA H100 datasheet, NVL: 1,671 with sparsity"),
+    ("NVIDIA H100", "prefix", 989.0, "NVIDIA H100 datasheet, SXM: 1,979 with sparsity"),
+    ("NVIDIA H200 NVL", "prefix", 835.0, "NVIDIA H200 datasheet, NVL: 1,671 with sparsity"),
+    ("NVIDIA H200", "prefix", 989.0, "NVIDIA H200 datasheet, SXM: 1,979 with sparsity"),
+    ("NVIDIA A100", "prefix", 312.0, "NVIDIA A100 datasheet: 312 dense, 624 with sparsity"),
+    ("TPU v4", "exact", 275.0, "Cloud TPU v4 docs"),
+    ("TPU v5 lite", "exact", 197.0, "Cloud TPU v5e docs"),
+    ("TPU v5", "exact", 459.0, "Cloud TPU v5p docs"),
+    ("TPU v5p", "exact", 459.0, "Cloud TPU v5p docs"),
+    ("TPU v6 lite", "exact", 918.0, "Cloud TPU v6e (Trillium) docs"),
+    ("TPU7x", "exact", 2307.0 / 2, "Cloud TPU7x (Ironwood) docs: 2,307 per chip, two devices per chip"),
+)
+
+
+def nominal_peak(device_kind: str) -> Optional[tuple[float, str]]:
+    """(dense bf16 TFLOP/s per device, source) for a known accelerator, else None."""
+    kind = device_kind.strip().lower()
+    for name, how, tflops, source in NOMINAL_PEAKS:
+        name = name.lower()
+        if kind == name or (how == "prefix" and kind.startswith(name)):
+            return tflops, source
+    return None
 
 
 def nominal_peak_tflops() -> Optional[float]:
-    kind = jax.devices()[0].device_kind
-    for name, tflops in NOMINAL_PEAK_TFLOPS.items():
-        if name.lower() in kind.lower():
-            return tflops
-    return None
+    """The default device's nominal dense bf16 TFLOP/s per device, or None (CPUs, unknown kinds)."""
+    found = nominal_peak(jax.devices()[0].device_kind)
+    return found[0] if found else None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; DESIGN §7: name the CPU beside every CPU figure)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def device_description() -> str:
+    """'<count> x <kind>' of the global devices, with the CPU model on a CPU backend."""
+    d = jax.devices()[0]
+    kind = f"cpu ({cpu_model()})" if d.platform == "cpu" else d.device_kind
+    return f"{jax.device_count()} x {kind}"
 
 
 def measure_matmul_peak(n: int = 2048, dtype=None, repeats: int = 5) -> float:
     """FLOP/s of an n x n matmul on the default device, best of `repeats` (a same-run peak)."""
     import jax.numpy as jnp
-    dtype = dtype or jnp.float32
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
+    f, a = _matmul(n, jnp.dtype(dtype or jnp.float32))
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -47,13 +89,101 @@ def measure_matmul_peak(n: int = 2048, dtype=None, repeats: int = 5) -> float:
     return 2.0 * n ** 3 / best
 
 
+@functools.lru_cache(maxsize=2)
+def _matmul(n: int, dtype) -> tuple:
+    """The compiled, warmed-up matmul and its operand, kept: a run re-measures its peak often."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    return f, a
+
+
 def peak_flops(flag_tflops: Optional[float]) -> float:
     """Per-device peak FLOP/s for MFU: the flag, else the device's nominal peak, else a matmul
-    peak measured now (CPUs and unknown devices)."""
+    peak measured now (CPUs and unknown devices). One figure, fixed; a training run uses
+    `PeakFlops`, which keeps a measured peak honest while the run goes on."""
     if flag_tflops:
         return flag_tflops * 1e12
     nominal = nominal_peak_tflops()
     return nominal * 1e12 if nominal else measure_matmul_peak()
+
+
+class PeakFlops:
+    """The per-device peak FLOP/s that MFU divides by, and where it came from.
+
+    --peak_tflops wins, then a known accelerator's nominal peak (NOMINAL_PEAKS). Otherwise
+    (CPUs, unknown devices) the peak is the best n x n matmul rate measured in this run. Load on
+    a shared machine can only make a measurement low, never high, so the best of several is
+    the estimate, and it is re-measured: briefly after each of the first `early_steps` steps,
+    then every `refresh_s` seconds, and at once whenever a step ran faster than the peak
+    (MFU above 100% means the peak is wrong, not that the step beat the hardware). If the
+    re-measurement still falls short, the step's own rate becomes the peak: the device has just
+    shown it can do that much. `update` returns the seconds it spent, to bill to no step.
+    """
+
+    def __init__(self, flag_tflops: Optional[float] = None, *, device_kind: Optional[str] = None,
+                 dtype=None, measure: Optional[Callable[[int], float]] = None,
+                 clock: Callable[[], float] = time.perf_counter, early_steps: int = 5,
+                 refresh_s: float = 600.0):
+        self.clock, self.early_steps, self.refresh_s = clock, early_steps, refresh_s
+        kind = device_kind if device_kind is not None else jax.devices()[0].device_kind
+        nominal = nominal_peak(kind)
+        self.measured = not flag_tflops and nominal is None
+        self.measurements = self._updates = 0
+        if flag_tflops:
+            self.value, self.source = flag_tflops * 1e12, "--peak_tflops"
+        elif nominal:
+            self.value, self.source = nominal[0] * 1e12, f"{kind}, dense bf16 ({nominal[1]})"
+        else:
+            import jax.numpy as jnp
+            dtype = jnp.dtype(dtype or jnp.float32)
+            n = 2048 if kind.lower() == "cpu" else 8192   # big enough to reach the peak
+            self.source = (f"measured: best {n}x{n} {dtype.name} matmul on this device, "
+                           f"re-measured during the run")
+            self._measure = measure or (lambda repeats: measure_matmul_peak(n, dtype, repeats))
+            self.value = 0.0
+            self._remeasure(repeats=5)
+        self._last = self.clock()
+
+    def describe(self) -> str:
+        return f"peak {_tflops(self.value)} TFLOP/s/device ({self.source})"
+
+    def _remeasure(self, repeats: int) -> float:
+        self.measurements += 1
+        self.value = max(self.value, self._measure(repeats))
+        return self.value
+
+    def update(self, step: int, achieved: float) -> float:
+        """After step `step` ran at `achieved` FLOP/s per device: re-measure if due, or if
+        `achieved` beats the peak. Returns the seconds spent (billed to no step)."""
+        t0 = self.clock()
+        self._updates += 1
+        if achieved > self.value:
+            if self.measured:
+                old = self.value
+                self._remeasure(repeats=5)
+                logging.info("MFU would exceed 100%%: step %d ran at %s TFLOP/s/device, above the measured "
+                             "peak of %s; re-measured: %s", step, _tflops(achieved), _tflops(old),
+                             _tflops(self.value))
+            if achieved > self.value:
+                # A measured peak: the matmul is not this device's best kernel (normal, say so).
+                # A nominal or --peak_tflops one: the figure or the FLOP count is wrong (warn).
+                (logging.info if self.measured else logging.warning)(
+                    "step %d ran at %s TFLOP/s/device, above the peak of %s (%s); the peak is now "
+                    "that rate", step, _tflops(achieved), _tflops(self.value), self.source)
+                self.value = achieved
+                if not self.measured:
+                    self.source += "; raised to a rate this run reached"
+        elif self.measured and (self._updates <= self.early_steps or t0 - self._last >= self.refresh_s):
+            self._remeasure(repeats=2)
+        else:
+            return 0.0
+        self._last = self.clock()
+        return self._last - t0
+
+
+def _tflops(flops: float) -> str:
+    return f"{flops / 1e12:.4g}"
 
 
 def memory_bytes() -> dict:
@@ -91,6 +221,85 @@ def read_jsonl(path: str) -> list[dict]:
     return out
 
 
+class StepClock:
+    """Step times for the progress line: raw per step for metrics.jsonl, and over a moving
+    window for the tokens/s, MFU and ETA a reader watches, so one slow step moves them little.
+
+    A step's time runs from the end of the previous step's bookkeeping to the end of this step
+    (data wait included); time spent inside `excluded(kind)` (evaluation, checkpoint saves) and
+    in peak measurements is billed to no step. The first step of a process compiles, so it
+    leaves the window once a second step exists. The ETA adds the remaining evaluations and
+    saves at the duration of the last one of each kind.
+    """
+
+    def __init__(self, tokens_per_step: int, flops_per_step: dict, n_devices: int,
+                 peak: Optional[PeakFlops], window: int = 20,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.tokens_per_step, self.flops, self.n_devices = tokens_per_step, flops_per_step, n_devices
+        self.peak, self.window, self.clock = peak, window, clock
+        self.times: list[float] = []      # the window, oldest first
+        self.last: dict[str, float] = {}  # kind -> seconds of the last excluded span
+        self._mark = clock()
+        self._excluded = 0.0
+        self._steps = 0
+
+    @contextlib.contextmanager
+    def excluded(self, kind: str):
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            dt = self.clock() - t0
+            self.last[kind] = dt
+            self._excluded += dt
+
+    def step_done(self, step: int) -> dict:
+        """Close step `step`: its raw metrics and the windowed ones (perf/*_smoothed)."""
+        now = self.clock()
+        dt = max(now - self._mark - self._excluded, 1e-9)
+        self._mark, self._excluded = now, 0.0
+        self._steps += 1
+        if self.peak is None:   # processes other than 0 log nothing: time only
+            out = {"perf/step_time_s": dt, "perf/tokens_per_s": self.tokens_per_step / dt}
+        else:
+            achieved = max(self.flops.values()) / dt / self.n_devices
+            self._excluded += self.peak.update(step, achieved)   # may raise the peak: before MFU
+            out = perf(dt, self.tokens_per_step, self.flops, self.peak.value * self.n_devices, step)
+            out["perf/peak_tflops_per_device"] = self.peak.value / 1e12
+        if self._steps == 2 and self.times:
+            self.times.clear()   # drop the compiling first step
+        self.times = (self.times + [dt])[-self.window:]
+        mean = sum(self.times) / len(self.times)
+        out["perf/tokens_per_s_smoothed"] = self.tokens_per_step / mean
+        for convention, f in self.flops.items() if self.peak else ():
+            out[f"perf/mfu_{convention}_smoothed"] = f / mean / (self.peak.value * self.n_devices)
+        return out
+
+    def eta_s(self, step: int, max_steps: int, eval_interval: int, save_interval: int) -> float:
+        """Seconds left: steps at the windowed step time, plus the evaluations (every
+        eval_interval, every save_interval and at the end) and saves still to come."""
+        if not self.times:
+            return math.nan
+        evals = _events_left(step, max_steps, eval_interval, save_interval)
+        saves = _events_left(step, max_steps, save_interval)
+        return (sum(self.times) / len(self.times) * (max_steps - step)
+                + evals * self.last.get("eval", 0.0) + saves * self.last.get("save", 0.0))
+
+
+def _events_left(step: int, max_steps: int, *intervals: int) -> int:
+    """Steps in (step, max_steps] that are a multiple of one of `intervals` (one or two), or
+    the last step (train.py evaluates and saves there too)."""
+    n = sum(_multiples(step, max_steps, i) for i in intervals)
+    if len(intervals) == 2:
+        n -= _multiples(step, max_steps, math.lcm(*intervals))
+    return n + int(max_steps > step and all(max_steps % i for i in intervals))
+
+
+def _multiples(lo: int, hi: int, every: int) -> int:
+    """How many multiples of `every` lie in (lo, hi]."""
+    return max(hi // every - lo // every, 0)
+
+
 class MetricsWriter:
     """metrics.jsonl + TensorBoard event files + a progress line on stderr (process 0 only)."""
 
@@ -120,14 +329,14 @@ class MetricsWriter:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
         line = (f"step {step:>7d} | loss {metrics.get('train/loss', float('nan')):.4f} | "
-                f"{metrics.get('perf/tokens_per_s', 0):,.0f} tok/s | "
-                f"MFU {100 * metrics.get('perf/mfu_writeup', float('nan')):.1f}%")
+                f"{metrics.get('perf/tokens_per_s_smoothed', metrics.get('perf/tokens_per_s', 0)):,.0f} tok/s | "
+                f"MFU {100 * metrics.get('perf/mfu_writeup_smoothed', metrics.get('perf/mfu_writeup', math.nan)):.1f}%")
         if metrics.get("optim/step_skipped"):
             line += " | SKIPPED"
         evals = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("eval/")}
         if evals:
             line += " | held-out " + " ".join(f"{d} {v:.3f}" for d, v in evals.items())
-        if eta_s is not None:
+        if eta_s is not None and math.isfinite(eta_s):
             line += f" | ETA {_hms(eta_s)}"
         print(line, file=sys.stderr, flush=True)
 

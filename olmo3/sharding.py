@@ -238,7 +238,7 @@ def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int
                 raise ValueError(f"{rows} rows per device do not split into microbatches="
                                  f"{microbatches}; derive it with olmo3.sharding.microbatches()")
             # Global loss denominator: counted tokens of the WHOLE batch (DESIGN §4, bug 4).
-            counted = labels_and_weights(batch["tokens"], batch["instance_mask"])[2]
+            counted = labels_and_weights(batch["tokens"], batch["instance_mask"], batch.get("label_mask"))[2]
             n = jnp.maximum(jax.lax.psum(jnp.sum(counted), (DATA, FSDP)), 1.0)
 
             def objective(p, mb):

@@ -25,7 +25,7 @@ def loss_sums(model: OLMo3, batch: dict, *, chunk: int, use_segments: bool,
     """(CE sum, logsumexp^2 sum, counted tokens) over a [B, T] batch. `z_loss`: the multiplier
     the caller differentiates ce + z_loss * z with (fuses the lm_head gradient, olmo3/loss.py)."""
     tokens = batch["tokens"]
-    labels, weights, counted = labels_and_weights(tokens, batch["instance_mask"])
+    labels, weights, counted = labels_and_weights(tokens, batch["instance_mask"], batch.get("label_mask"))
     segs = batch["segment_ids"] if use_segments else None
 
     def one(t, s):
@@ -72,7 +72,8 @@ def make_train_step(optimizer, *, microbatches: int = 1, chunk: int = 1024, z_lo
     single-program gradient (olmo3/sharding.py passes its shard_map version)."""
 
     def default_grad_fn(model, batch):
-        n = jnp.maximum(jnp.sum(labels_and_weights(batch["tokens"], batch["instance_mask"])[2]), 1.0)
+        counted = labels_and_weights(batch["tokens"], batch["instance_mask"], batch.get("label_mask"))[2]
+        n = jnp.maximum(jnp.sum(counted), 1.0)
         grads, ce, z = accumulate_grads(model, batch, n, microbatches=microbatches, chunk=chunk,
                                         z_loss=z_loss, use_segments=use_segments)
         return grads, ce / n, z / n

@@ -105,6 +105,22 @@ def test_keep_last_n_and_async_save_is_safe_to_donate(tmp_path):
     assert mgr.read_extra(4) == {"step": 4}
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_finished_saves_reports_each_save_once(tmp_path, async_save):
+    """train.py prints "checkpoint N saved in S s" from this: every save, once, in order."""
+    mgr = CheckpointManager(str(tmp_path), keep=2, async_save=async_save)
+    net = make_net(jax.random.key(0))
+    seen = []
+    for step in (1, 2, 3):
+        mgr.save(step, {"model": net})
+        seen += mgr.finished_saves()
+    mgr.wait()
+    seen += mgr.finished_saves()
+    assert [s for s, _ in seen] == [1, 2, 3] and all(t >= 0 for _, t in seen)
+    assert mgr.finished_saves() == []
+    mgr.close()
+
+
 def test_partial_restore_and_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
         CheckpointManager(str(tmp_path / "nope"), read_only=True)

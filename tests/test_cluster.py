@@ -252,14 +252,11 @@ def _losses(run_dir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """train.py as one process x 4 devices, 6 steps, uninterrupted: the reference."""
-    from test_train import SMALL
+    from test_train import SMALL, word_corpus
     base = tmp_path_factory.mktemp("cluster_ref")
     corpus = base / "docs"
     corpus.mkdir()
-    rng = np.random.default_rng(0)
-    words = [f"word{i}" for i in range(300)] + ["def", "return", "class", "(", ")", ":"]
-    for i in range(40):
-        (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
+    word_corpus(corpus)
     flags = [*SMALL[1:], f"--data={corpus}", f"--data_dir={base / 'data'}", "--mesh=fsdp:4",
              "--save_interval=3", "--attention=xla"]
     _train_one(base / "one", flags + ["--max_steps=6"])

@@ -18,7 +18,8 @@ F(["train.py", "--flagfile=" + sys.argv[1]])
 out = {k: getattr(F, k) for k in ("stage", "model", "seq_len", "global_batch", "seed", "lr", "warmup_steps",
        "total_steps", "final_lr_ratio", "b1", "b2", "eps", "weight_decay", "max_grad_norm", "z_loss",
        "schedule", "skip_steps", "repetition_filter", "vocab_size", "data", "downstream_tasks",
-       "downstream_eval_interval")}
+       "downstream_eval_interval", "packed", "doc_lengths", "source_group_size", "source_permutation_seed",
+       "eval_padded")}
 from data import mixes
 out["splits"] = {k: v for k, v in train.resolve_data().items()} if mixes.available_mixes() else None
 print(json.dumps(out))
@@ -44,6 +45,8 @@ def test_stage1_flags():
     assert F.schedule == "cosine" and F.skip_steps and not F.repetition_filter
     assert F.vocab_size == 100352 and F.data == "mix:OLMo-mix-0625-official"
     assert (F.downstream_tasks, F.downstream_eval_interval) == (["fast"], 10_000)  # OLMo-core's in-loop set
+    assert not F.packed  # NumpyFSLDatasetConfig in pretrain-1
+    assert F.eval_padded  # OLMo-core's LM evaluators: NumpyPaddedFSLDataset
 
 
 def test_stage2_flags():
@@ -53,6 +56,7 @@ def test_stage2_flags():
     assert (F.lr, F.warmup_steps, F.total_steps, F.schedule) == (2.0712352850360292e-4, 0, 47_684, "linear")
     assert F.data == "mix:OLMo-midtraining-mix-0625-100B"
     assert F.downstream_tasks == []  # OLMo-3-1025-7B-midtrain.py has no downstream evaluator
+    assert F.eval_padded
 
 
 def test_stage3_flags():
@@ -63,6 +67,9 @@ def test_stage3_flags():
     assert F.lr == pytest.approx(2.0712e-4, rel=1e-4)
     assert olmo3.Config.preset(F.model).yarn.factor == 8.0
     assert F.data == "mix:OLMo-longmino-mix-0625"
+    # NumpyPackedFSLDatasetConfig(generate_doc_lengths=True, source_group_size=8, source_permutation_seed=123)
+    assert (F.packed, F.doc_lengths, F.source_group_size, F.source_permutation_seed) == (True, True, 8, 123)
+    assert F.eval_padded
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

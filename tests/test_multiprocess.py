@@ -121,15 +121,12 @@ def test_train_py_two_processes_match_one(tmp_path):
     shape (fsdp:4), same losses (rtol 2e-6, float32 reduction order), one checkpoint dir."""
     import json
 
-    from test_train import SMALL   # the tiny recipe of the train.py tests
+    from test_train import SMALL, word_corpus   # the tiny recipe and corpus of the train.py tests
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     corpus = tmp_path / "docs"
     corpus.mkdir()
-    rng = np.random.default_rng(0)
-    words = [f"word{i}" for i in range(300)] + ["def", "return", "class", "(", ")", ":"]
-    for i in range(40):
-        (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
+    word_corpus(corpus)
 
     def launch(run_dir, devices, extra):
         env = {k: v for k, v in os.environ.items()

@@ -4,6 +4,7 @@ The reference for a resumed run is the uninterrupted run: losses must be equal b
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,15 +22,18 @@ SMALL = ["--flagfile=" + os.path.join(ROOT, "tiny.flags"), "--d_model=32", "--n_
          "--total_steps=20", "--warmup_steps=2"]
 
 
-@pytest.fixture(scope="module")
-def docs(tmp_path_factory):
-    """A small corpus of documents (so the tests don't tokenize the whole standard library)."""
-    d = tmp_path_factory.mktemp("docs")
+def word_corpus(d):
+    """40 documents of 300 random words in `d` (so the tests don't tokenize the standard library)."""
     rng = np.random.default_rng(0)
     words = [f"word{i}" for i in range(300)] + ["def", "return", "class", "(", ")", ":"]
     for i in range(40):
         (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
-    return str(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    return str(word_corpus(tmp_path_factory.mktemp("docs")))
 
 
 def run(args, run_dir, docs, data_dir, check=True, env_extra=None, **kw):
@@ -55,7 +59,8 @@ def losses(run_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, docs):
     base = tmp_path_factory.mktemp("runs")
-    run(["--max_steps=6", "--save_interval=3"], base / "a", docs, base / "data")
+    p = run(["--max_steps=6", "--save_interval=3"], base / "a", docs, base / "data")
+    (base / "a.out").write_text(p.stdout + p.stderr)
     return base
 
 
@@ -93,6 +98,31 @@ def test_sigkill_during_async_save_then_resume(uninterrupted, docs, tmp_path):
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]
     assert sorted(int(n) for n in os.listdir(ckpts) if n.isdigit())[-1] == 6
     print("killed during a save in progress:", caught_tmp)
+
+
+ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ (\S+):\d+\]", re.M)
+
+
+def test_output_is_our_lines_unless_verbosity(uninterrupted, docs, tmp_path):
+    """By default a run prints our lines only: the header naming the peak and the FLOP
+    convention, progress lines, and one line per checkpoint saved; no library INFO lines
+    (Orbax's save steps, JAX's backend probing). absl's --verbosity brings those back."""
+    out = (uninterrupted / "a.out").read_text()
+    assert ABSL_PREFIX.findall(out) == [], out[:3000]
+    lines = out.splitlines()
+    header = next(i for i, ln in enumerate(lines) if ln.startswith("OLMo 3 stage 1:"))
+    assert not any(ln.startswith(("step ", "checkpoint ")) for ln in lines[:header])
+    assert "write-up FLOPs" in lines[header] and "peak" in lines[header]
+    assert "measured" in lines[header] and "cpu (" in lines[header]     # a CPU: measured, model named
+    assert [ln.split()[1] for ln in lines if ln.startswith("step ")] == [str(s) for s in range(1, 7)]
+    saved = [ln for ln in lines if ln.startswith("checkpoint ")]
+    assert [ln.split()[1] for ln in saved] == ["3", "6"] and all(" saved to " in ln for ln in saved)
+    for ln in lines:                                                     # MFU never above 100%
+        if ln.startswith("step "):
+            assert float(re.search(r"MFU ([\d.]+)%", ln).group(1)) <= 100.0
+    p = run(["--max_steps=1", "--save_interval=1", "--verbosity=0"], tmp_path, docs, uninterrupted / "data")
+    libraries = {f for f in ABSL_PREFIX.findall(p.stderr) if f not in ("train.py", "checkpoint.py")}
+    assert {"checkpoint_manager.py", "async_checkpointer.py"} <= libraries, p.stderr[:3000]
 
 
 def test_stage2_warm_start(uninterrupted, docs, tmp_path):

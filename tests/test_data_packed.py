@@ -1,0 +1,231 @@
+"""Packed and padded instances equal OLMo-core's, instance for instance.
+
+The reference is OLMo-core itself: `NumpyPackedFSLDatasetConfig` / `NumpyPaddedFSLDatasetConfig`
+from the installed `ai2-olmo-core` package (built as its stage-3 script builds them) on the same
+token files. Compared per instance: token ids, label masks, document lengths. The files hold
+documents longer than seq_len, empty documents (an eos alone), runs of eos, a tail without eos,
+and random per-token label masks; several data seeds, sequence lengths, group sizes and
+permutation seeds.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import data
+from data import packing
+from data.packed import PackedFSLDataset, batch_fields, label_mask_path
+from data.padded import PaddedFSLDataset
+
+olmo_data = pytest.importorskip("olmo_core.data", reason="needs ai2-olmo-core and its imports (setup.cfg test extras)")
+
+EOS, PAD, VOCAB = data.EOS_ID, data.PAD_ID, data.VOCAB_SIZE
+
+
+def write_files(d, seed, n_files=5, max_len=300):
+    """Token files of random documents (lengths 1..max_len, some eos-only, some back to back)
+    and matching one-byte label-mask files; the last file ends without an eos."""
+    rng = np.random.default_rng(seed)
+    paths, masks = [], []
+    for f in range(n_files):
+        docs = []
+        for _ in range(rng.integers(5, 40)):
+            n = int(rng.choice([1, 1, 2, rng.integers(1, max_len), rng.integers(1, 40)]))
+            docs.append(np.append(rng.integers(0, 1000, n - 1), EOS))  # n tokens, eos last
+        ids = np.concatenate(docs).astype(np.uint32)
+        if f == n_files - 1:
+            ids = np.append(ids, rng.integers(0, 1000, 7)).astype(np.uint32)  # tail: no document
+        ids[rng.random(len(ids)) < 0.01] = PAD  # pad ids inside documents are ordinary tokens
+        paths.append(str(d / f"token_ids_part_{f:04d}.npy"))
+        masks.append(str(d / f"labels_mask_part_{f:04d}.npy"))
+        ids.tofile(paths[-1])
+        (rng.random(len(ids)) < 0.7).tofile(masks[-1])
+    return paths, masks
+
+
+def tokenizer():
+    return olmo_data.TokenizerConfig(vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=PAD)
+
+
+def assert_same(ours, theirs):
+    assert len(ours) == len(theirs)
+    for i in range(len(theirs)):
+        a, b = ours[i], theirs[i]
+        np.testing.assert_array_equal(a["tokens"], b["input_ids"].numpy(), err_msg=f"instance {i}")
+        np.testing.assert_array_equal(a["label_mask"], b["label_mask"].numpy(), err_msg=f"instance {i}")
+        if "doc_lens" in b:
+            np.testing.assert_array_equal(a["doc_lens"], b["doc_lens"].numpy(), err_msg=f"instance {i}")
+        assert a["tokens"].dtype == np.uint32 and len(a["tokens"]) == ours.seq_len
+
+
+@pytest.mark.parametrize("seed,seq_len,group,perm,masks", [
+    (0, 64, 1, None, False),
+    (1, 128, 2, 123, True),
+    (2, 256, 8, 123, False),   # stage 3's group size and permutation seed (long-context script)
+    (3, 64, 3, 7, True),
+])
+def test_packed_equals_olmo_core(tmp_path, monkeypatch, seed, seq_len, group, perm, masks):
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    paths, mask_paths = write_files(tmp_path, seed)
+    lm = mask_paths if masks else None
+    theirs = olmo_data.NumpyPackedFSLDatasetConfig(
+        tokenizer=tokenizer(), paths=paths, sequence_length=seq_len, generate_doc_lengths=True,
+        source_group_size=group, source_permutation_seed=perm, label_mask_paths=lm,
+        dtype=olmo_data.NumpyDatasetDType.uint32, work_dir=str(tmp_path / "work")).build()
+    theirs.prepare()
+    ours = PackedFSLDataset(paths, seq_len, source_group_size=group, source_permutation_seed=perm,
+                            label_mask_paths=lm)
+    assert len(ours) > 10
+    assert_same(ours, theirs)
+    # Same answer from the on-disk cache of the packing.
+    cached = PackedFSLDataset(paths, seq_len, source_group_size=group, source_permutation_seed=perm,
+                              label_mask_paths=lm, cache_dir=tmp_path / "cache")
+    again = PackedFSLDataset(paths, seq_len, source_group_size=group, source_permutation_seed=perm,
+                             label_mask_paths=lm, cache_dir=tmp_path / "cache")
+    assert len(os.listdir(tmp_path / "cache")) == len(ours._groups)
+    for i in range(len(ours)):
+        for other in (cached, again):
+            np.testing.assert_array_equal(ours[i]["tokens"], other[i]["tokens"])
+    assert ours.fingerprint == again.fingerprint
+
+
+@pytest.mark.parametrize("seed,seq_len,masks", [(0, 64, False), (1, 128, True), (4, 32, True)])
+def test_padded_equals_olmo_core(tmp_path, monkeypatch, seed, seq_len, masks):
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    paths, mask_paths = write_files(tmp_path, seed)
+    lm = mask_paths if masks else None
+    theirs = olmo_data.NumpyPaddedFSLDatasetConfig(
+        tokenizer=tokenizer(), paths=paths, sequence_length=seq_len, label_mask_paths=lm,
+        dtype=olmo_data.NumpyDatasetDType.uint32, work_dir=str(tmp_path / "work")).build()
+    theirs.prepare()
+    ours = PaddedFSLDataset(paths, seq_len, label_mask_paths=lm)
+    assert_same(ours, theirs)
+    # Every instance is one document: its length is the first doc_len, padding never in the mask.
+    for i in range(len(ours)):
+        x = ours[i]
+        assert not x["label_mask"][x["doc_lens"][0]:].any()
+
+
+def test_segment_ids_and_doc_lengths(tmp_path):
+    paths, _ = write_files(tmp_path, 5)
+    ds = PackedFSLDataset(paths, 64)
+    b = batch_fields([ds[i] for i in range(4)])
+    for row in range(4):
+        lens = ds[row]["doc_lens"]
+        assert lens.sum() == 64
+        assert (np.diff(b["segment_ids"][row]) >= 0).all() and b["segment_ids"][row][-1] == len(lens) - 1
+    # OLMo-core's doc lengths from eos positions agree on these files (every document ends in eos).
+    for i in range(len(ds)):
+        np.testing.assert_array_equal(ds[i]["doc_lens"], packing.document_lengths(ds[i]["tokens"], EOS))
+
+
+def test_pack_is_best_fit_decreasing():
+    """A hand-checked case: 5, 4, 3, 3, 2, 1 into 8: [5, 3], [4, 3, 1], [2]."""
+    order, inst = packing.pack(np.array([3, 5, 1, 4, 3, 2]), 8)
+    lens = np.array([3, 5, 1, 4, 3, 2])[order]
+    assert sorted(sorted(lens[k] for k in b) for b in inst) == [[1, 3, 4], [2], [3, 5]]
+
+
+def test_bad_inputs(tmp_path):
+    paths, masks = write_files(tmp_path, 6)
+    assert [label_mask_path(p) for p in paths] == masks  # train.py --label_masks: open-instruct's names
+    with pytest.raises(ValueError, match="token_ids_"):
+        label_mask_path(str(tmp_path / "train-00000.npy"))
+    with pytest.raises(ValueError, match="label-mask files"):
+        PackedFSLDataset(paths, 64, label_mask_paths=masks[:2])
+    with pytest.raises(FileNotFoundError, match="labels_mask"):
+        PackedFSLDataset(paths, 64, label_mask_paths=[str(tmp_path / "nope.npy")] * len(paths))
+    np.ones(3, np.bool_).tofile(masks[0])
+    with pytest.raises(ValueError, match="written together"):
+        PackedFSLDataset(paths, 64, label_mask_paths=masks)
+    no_eos = tmp_path / "no_eos.npy"
+    np.arange(100, dtype=np.uint32).tofile(no_eos)
+    with pytest.raises(ValueError, match="no document"):
+        PackedFSLDataset([str(no_eos)], 64)
+
+
+# --- the loader over packed instances: same guarantees as over fixed-length ones ---------------
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4])
+def test_packed_exactly_once_per_epoch(tmp_path, num_ranks):
+    paths, _ = write_files(tmp_path, 7)
+    ds = PackedFSLDataset(paths, 64, source_group_size=2, source_permutation_seed=123)
+    gb = 4
+    spe = data.steps_per_epoch(len(ds), gb)
+    seen = []
+    for step in range(spe):
+        for r in range(num_ranks):
+            b = data.get_batch(ds, gb, 3, step, r, num_ranks)
+            seen += [row.tobytes() for row in b["tokens"]]
+            for row, seg, lm in zip(b["tokens"], b["segment_ids"], b["label_mask"]):
+                assert lm[row == PAD].sum() <= (row == PAD).sum()
+    epoch = data.batch_indices(len(ds), spe * gb, 3, 0, 0, 0, 1)  # the whole truncated permutation
+    want = sorted(ds[i]["tokens"].astype(np.int32).tobytes() for i in epoch)
+    assert sorted(seen) == want  # every instance of the truncated permutation exactly once
+
+
+def test_packed_loader_state_and_fingerprint(tmp_path):
+    paths, masks = write_files(tmp_path, 8)
+    ds = PackedFSLDataset(paths, 64, source_group_size=2)
+    with data.Loader(ds, 4, seed=5, workers=2) as loader:
+        for _ in range(3):
+            next(loader)
+        state = loader.state()
+        want = next(loader)
+    with data.Loader.from_state(ds, state, workers=0) as resumed:
+        got = next(resumed)
+    for k in ("tokens", "label_mask", "segment_ids"):
+        np.testing.assert_array_equal(got[k], want[k])
+    for other in (PackedFSLDataset(paths, 64, source_group_size=1),         # another grouping
+                  PackedFSLDataset(paths, 64, source_group_size=2, source_permutation_seed=1),
+                  PackedFSLDataset(paths, 64, source_group_size=2, label_mask_paths=masks),
+                  data.FSLDataset(paths, 64)):                                # fixed-length instances
+        assert other.fingerprint != ds.fingerprint
+        with pytest.raises(ValueError, match="fingerprint"):
+            data.Loader.from_state(other, state)
+
+
+def test_label_mask_reaches_the_loss_as_olmo_core(tmp_path):
+    """Our (labels, weights, counted) against OLMo-core's `get_labels` on packed batches with
+    label-mask files and the repetition filter's instance mask."""
+    import jax.numpy as jnp
+    import torch
+    from olmo_core.data.utils import get_labels
+
+    from olmo3.loss import IGNORE, labels_and_weights
+    paths, masks = write_files(tmp_path, 9)
+    ds = PackedFSLDataset(paths, 64, label_mask_paths=masks)
+    b = data.get_batch(ds, 4, 0, 0)
+    b["instance_mask"][1] = False
+    labels, weights, counted = labels_and_weights(jnp.asarray(b["tokens"]), jnp.asarray(b["instance_mask"]),
+                                                  jnp.asarray(b["label_mask"]))
+    ref = get_labels({"input_ids": torch.tensor(b["tokens"], dtype=torch.long),
+                      "label_mask": torch.tensor(b["label_mask"])}).numpy()
+    np.testing.assert_array_equal(np.asarray(labels), ref)
+    np.testing.assert_array_equal(np.asarray(counted), ref != IGNORE)  # padding: never counted
+    np.testing.assert_array_equal(np.asarray(weights), (ref != IGNORE) & b["instance_mask"][:, None])
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_eval_batch_covers_a_small_domain(tmp_path, num_ranks):
+    """3 documents, 4 rows per batch over 2 ranks: every document once, the filler row masked."""
+    d = np.array([5, 6, EOS, 7, EOS, 8, 9, 10, EOS], np.uint32)
+    d.tofile(tmp_path / "val.npy")
+    ds = PaddedFSLDataset([str(tmp_path / "val.npy")], 8)
+    assert len(ds) == 3
+    rows = [data.get_eval_batch(ds, 4, 0, r, num_ranks) for r in range(num_ranks)]
+    lm = np.concatenate([b["label_mask"] for b in rows])
+    assert lm.sum() == 9 and sorted(lm.sum(1).tolist()) == [0, 2, 3, 4]
+    toks = np.concatenate([b["tokens"] for b in rows])
+    assert sorted(t[m].tolist() for t, m in zip(toks, lm)) == [[], [5, 6, EOS], [7, EOS], [8, 9, 10, EOS]]
+
+
+def test_cache_shared_between_file_orders(tmp_path):
+    """A cached group found at another position (another permutation) still reads its own files."""
+    paths, _ = write_files(tmp_path, 10)
+    PackedFSLDataset(paths, 64, cache_dir=tmp_path / "cache")  # fills the cache in file order
+    cached = PackedFSLDataset(paths, 64, source_permutation_seed=123, cache_dir=tmp_path / "cache")
+    fresh = PackedFSLDataset(paths, 64, source_permutation_seed=123)
+    assert len(cached) == len(fresh)
+    for i in range(len(fresh)):
+        np.testing.assert_array_equal(cached[i]["tokens"], fresh[i]["tokens"])

@@ -1,0 +1,205 @@
+"""What a run prints: the MFU peak, the moving-window tokens/s and ETA, and the log filter.
+
+A fake clock and a fake peak measurement stand in for time and the matmul, so every figure
+below is exact arithmetic on the scripted step times (the reference), never a timing.
+"""
+import logging as std_logging
+import math
+import os
+
+import numpy as np
+import pytest
+
+from olmo3 import logs, metrics
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, seconds):
+        self.t += seconds
+
+
+class FakeMeasure:
+    """A matmul peak measurement returning scripted FLOP/s, taking `cost` fake seconds each."""
+
+    def __init__(self, clock, values, cost=0.5):
+        self.clock, self.values, self.cost, self.calls = clock, list(values), cost, 0
+
+    def __call__(self, repeats):
+        self.clock.advance(self.cost)
+        value = self.values[min(self.calls, len(self.values) - 1)]
+        self.calls += 1
+        return value
+
+
+def run_steps(step_clock, clock, times, start=0):
+    out = []
+    for i, dt in enumerate(times):
+        clock.advance(dt)
+        out.append(step_clock.step_done(start + i + 1))
+    return out
+
+
+FLOPS = {"writeup": 150e9, "sliding": 120e9}   # per step
+TOKENS = 2048
+
+
+def test_peak_too_low_is_remeasured_not_clamped():
+    """A busy machine measures 100 GFLOP/s at start; a 1 s step of 150 GFLOP proves that wrong.
+    The step triggers a re-measurement (200 now), MFU is 150/200, and the 0.5 s of measuring is
+    billed to no step."""
+    clock = FakeClock()
+    measure = FakeMeasure(clock, [100e9, 200e9])
+    peak = metrics.PeakFlops(device_kind="cpu", measure=measure, clock=clock, early_steps=0)
+    assert peak.value == 100e9 and measure.calls == 1 and "measured" in peak.describe()
+    sc = metrics.StepClock(TOKENS, FLOPS, 1, peak, clock=clock)
+    m1, m2 = run_steps(sc, clock, [1.0, 1.0])
+    assert measure.calls == 2 and peak.value == 200e9
+    assert m1["perf/mfu_writeup"] == pytest.approx(150 / 200)
+    assert m1["perf/mfu_sliding"] == pytest.approx(120 / 200)
+    assert m1["perf/peak_tflops_per_device"] == pytest.approx(0.2)
+    assert m2["perf/step_time_s"] == pytest.approx(1.0)        # the measurement is not in it
+    assert measure.calls == 2                                   # 75% needs no re-measurement
+
+
+def test_step_faster_than_any_measurement_becomes_the_peak(caplog):
+    """If the matmul never reaches what a step did, the step's rate is the peak: MFU 100%, and a
+    line says so; never a figure above 100%."""
+    clock = FakeClock()
+    peak = metrics.PeakFlops(device_kind="cpu", measure=FakeMeasure(clock, [100e9]), clock=clock,
+                             early_steps=0)
+    sc = metrics.StepClock(TOKENS, FLOPS, 1, peak, clock=clock)
+    with caplog.at_level(std_logging.INFO, logger="absl"):   # absl logs through its own logger
+        (m,) = run_steps(sc, clock, [1.0])
+    assert peak.value == pytest.approx(150e9)
+    assert m["perf/mfu_writeup"] == pytest.approx(1.0)
+    assert any("above the peak" in r.getMessage() for r in caplog.records)
+
+
+def test_flag_peak_too_low_warns_and_rises(caplog):
+    """--peak_tflops below what a step reached: a warning, and the step's rate as the peak."""
+    clock = FakeClock()
+    peak = metrics.PeakFlops(0.1, device_kind="NVIDIA H200", clock=clock)   # 100 GFLOP/s
+    sc = metrics.StepClock(TOKENS, FLOPS, 1, peak, clock=clock)
+    with caplog.at_level(std_logging.WARNING, logger="absl"):
+        (m,) = run_steps(sc, clock, [1.0])
+    assert m["perf/mfu_writeup"] == pytest.approx(1.0) and "raised" in peak.describe()
+    assert any(r.levelno == std_logging.WARNING and "above the peak" in r.getMessage() for r in caplog.records)
+
+
+def test_early_and_periodic_remeasurements():
+    """Short measurements after the first `early_steps` steps, then one per `refresh_s`; the
+    peak is the best of all (a low one, from a busy moment, never lowers it)."""
+    clock = FakeClock()
+    measure = FakeMeasure(clock, [50e9, 80e9, 60e9, 90e9, 40e9, 95e9, 30e9], cost=0.1)
+    peak = metrics.PeakFlops(device_kind="cpu", measure=measure, clock=clock, early_steps=3,
+                             refresh_s=100.0)
+    sc = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, clock=clock)
+    run_steps(sc, clock, [10.0] * 3)
+    assert measure.calls == 1 + 3 and peak.value == 90e9           # max(50, 80, 60, 90)
+    run_steps(sc, clock, [10.0] * 9, start=3)                      # 90 s: not yet due
+    assert measure.calls == 4
+    run_steps(sc, clock, [10.0] * 2, start=12)                     # past 100 s: one more
+    assert measure.calls == 5 and peak.value == 90e9               # 40 does not lower it
+
+
+def test_mfu_never_above_100_percent_on_a_noisy_machine():
+    """Random step times and random (often low) peak measurements: no step's MFU, raw or
+    windowed, exceeds 1 in either convention."""
+    rng = np.random.default_rng(0)
+    clock = FakeClock()
+    measure = FakeMeasure(clock, list(rng.uniform(20e9, 160e9, 500)), cost=0.2)
+    peak = metrics.PeakFlops(device_kind="cpu", measure=measure, clock=clock, refresh_s=30.0)
+    sc = metrics.StepClock(TOKENS, FLOPS, 1, peak, window=7, clock=clock)
+    for m in run_steps(sc, clock, rng.uniform(0.8, 3.0, 300)):
+        for k in ("perf/mfu_writeup", "perf/mfu_sliding", "perf/mfu_writeup_smoothed",
+                  "perf/mfu_sliding_smoothed"):
+            assert 0 < m[k] <= 1.0 + 1e-12, (k, m[k])
+
+
+@pytest.mark.parametrize("kind,tflops", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                         ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+                                         ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0),
+                                         ("TPU v6 lite", 918.0), ("TPU7x", 1153.5)])
+def test_nominal_peak_of_known_devices(kind, tflops):
+    """Datasheet figures (dense bf16) by JAX device_kind; no measurement on a known device."""
+    def never(repeats):
+        raise AssertionError("a known device's peak is never measured")
+    peak = metrics.PeakFlops(device_kind=kind, measure=never)
+    assert peak.value == tflops * 1e12
+    assert kind in peak.describe() and "dense bf16" in peak.describe()
+    assert peak.update(1, 0.5 * tflops * 1e12) == 0.0
+
+
+def test_unknown_and_flag_peaks():
+    assert metrics.nominal_peak("cpu") is None and metrics.nominal_peak("TPU v4 lite") is None
+    assert metrics.nominal_peak("NVIDIA GeForce RTX 4090") is None   # falls back to measuring
+    peak = metrics.PeakFlops(123.0, device_kind="NVIDIA H100 80GB HBM3")
+    assert peak.value == 123e12 and "--peak_tflops" in peak.describe()
+
+
+def test_windowed_tokens_per_s_and_eta():
+    """The window's mean step time, not the last step's, drives tokens/s and the ETA; the
+    compiling first step leaves the window; evaluations and saves add their last duration."""
+    clock = FakeClock()
+    peak = metrics.PeakFlops(1.0, device_kind="cpu", clock=clock)   # a flag: no measuring
+    sc = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, window=4, clock=clock)
+    times = [30.0, 2.0, 2.0, 2.0, 10.0, 2.0, 2.0, 2.0, 2.0]          # compile, then one slow step
+    out = run_steps(sc, clock, times)
+    assert [m["perf/step_time_s"] for m in out] == pytest.approx(times)          # raw, per step
+    assert [m["perf/tokens_per_s"] for m in out] == pytest.approx([TOKENS / t for t in times])
+    for i, m in enumerate(out):                                                   # numpy reference
+        window = times[max(1, i - 3):i + 1] if i else times[:1]
+        assert m["perf/tokens_per_s_smoothed"] == pytest.approx(TOKENS / np.mean(window))
+    assert out[4]["perf/tokens_per_s_smoothed"] == pytest.approx(TOKENS / 4.0)  # 2,2,2,10
+    # ETA at step 9 of 100, eval every 10, save every 25: brute-force count of what is left.
+    with sc.excluded("eval"):
+        clock.advance(7.0)
+    with sc.excluded("save"):
+        clock.advance(3.0)
+    step, max_steps = 9, 100
+    evals = sum(1 for s in range(step + 1, max_steps + 1) if s % 10 == 0 or s % 25 == 0 or s == max_steps)
+    saves = sum(1 for s in range(step + 1, max_steps + 1) if s % 25 == 0 or s == max_steps)
+    expect = np.mean(times[-4:]) * (max_steps - step) + 7.0 * evals + 3.0 * saves
+    assert sc.eta_s(step, max_steps, 10, 25) == pytest.approx(expect)
+    clock.advance(2.0)
+    assert sc.step_done(10)["perf/step_time_s"] == pytest.approx(2.0)   # eval and save not billed
+
+
+@pytest.mark.parametrize("step,max_steps", [(0, 1), (0, 200), (3, 6), (7, 7), (49, 201), (99, 100)])
+@pytest.mark.parametrize("intervals", [(1,), (3,), (50,), (50, 100), (3, 4), (7, 1000)])
+def test_events_left_against_brute_force(step, max_steps, intervals):
+    expect = sum(1 for s in range(step + 1, max_steps + 1)
+                 if any(s % i == 0 for i in intervals) or s == max_steps)
+    assert metrics._events_left(step, max_steps, *intervals) == expect
+
+
+def test_progress_line_shows_the_window_and_jsonl_keeps_raw(tmp_path, capsys):
+    import json
+    w = metrics.MetricsWriter(str(tmp_path))
+    w.write(5, {"train/loss": 3.0, "perf/tokens_per_s": 100.0, "perf/tokens_per_s_smoothed": 800.0,
+                "perf/mfu_writeup": 0.1, "perf/mfu_writeup_smoothed": 0.4}, eta_s=math.nan)
+    w.close()
+    line = capsys.readouterr().err.strip()
+    assert line == "step       5 | loss 3.0000 | 800 tok/s | MFU 40.0%"   # no ETA when unknown
+    assert json.loads(open(tmp_path / "metrics.jsonl").readline())["perf/tokens_per_s"] == 100.0
+
+
+def _record(path, level):
+    return std_logging.LogRecord("absl", level, path, 1, "msg", None, None)
+
+
+def test_log_filter_keeps_ours_and_warnings():
+    ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(metrics.__file__))),
+                        "olmo3", "checkpoint.py")
+    library = "/usr/lib/python3/site-packages/orbax/checkpoint/checkpoint_manager.py"
+    f = logs._OursOrWarnings()
+    assert logs.is_ours(ours) and not logs.is_ours(library)
+    assert f.filter(_record(ours, std_logging.INFO))
+    assert not f.filter(_record(library, std_logging.INFO))
+    assert f.filter(_record(library, std_logging.WARNING)) and f.filter(_record(library, std_logging.ERROR))

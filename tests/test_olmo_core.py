@@ -1,0 +1,331 @@
+"""convert.py's olmo-core: path against OLMo-core itself (tests/olmo_core_reference.py builds,
+trains and checkpoints a small OLMo 3 with OLMo-core's own model, train module, SkipStepAdamW and
+Checkpointer): logits, parameters and Adam moments after conversion, one further training step,
+the way back into OLMo-core, and the command line."""
+import json
+import os
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("olmo_core.train.train_module", reason="pip install --no-deps ai2-olmo-core==3.0.0 + test extras")
+
+import olmo_core_reference as R  # noqa: E402
+
+from olmo3 import checkpoint, heldout, load, olmo_core, optim, schedules, step  # noqa: E402
+from olmo3.model import OLMo3, decay_mask  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_convert import convert  # noqa: E402  (one convert.py per process: absl flags are global)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """OLMo-core's run saved at step2, converted to Orbax once; the reference numbers."""
+    d = tmp_path_factory.mktemp("olmo_core")
+    eval_tokens = R.batches(seed=5)[0]
+    out = R.build(str(d / "run"), eval_tokens)
+    out["eval_tokens"] = eval_tokens
+    out["config"] = convert.olmo_core_to_orbax(str(d / "run" / "step2"), str(d / "orbax"))
+    out["dir"] = d
+    return out
+
+
+def restore(orbax_dir, config):
+    abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
+    opt = optim.SkipStepAdamW(schedules.constant_schedule(0.0))
+    run, s = checkpoint.locate(orbax_dir)
+    mgr = checkpoint.CheckpointManager(run, read_only=True)
+    s = mgr.latest_step() if s is None else s
+    state, extra = mgr.restore(s, {"model": abstract, "opt": eqx.filter_eval_shape(opt.init, abstract)})
+    mgr.close()
+    return state["model"], state["opt"], extra, s
+
+
+def ours_by_olmo_core_name(tree, n_layers):
+    """OLMo-core parameter name -> our tensor in OLMo-core's layout (transposed back)."""
+    out = {}
+    for field, layer, name, t in olmo_core.param_names(n_layers):
+        a = np.asarray(getattr(tree.layers, field)[layer] if layer is not None else getattr(tree, field))
+        out[name] = a.T if t else a
+    return out
+
+
+def test_config_read_from_olmo_core_config_json(ref):
+    c = ref["config"]
+    assert (c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.head_dim, c.mlp_hidden, c.window) == (
+        R.VOCAB, 64, 4, 4, 16, 192, R.WINDOW)
+    assert c.layer_pattern == ("sliding", "sliding", "sliding", "full") and c.norm_eps == 1e-6
+    assert c.rope_theta == 500_000 and c.yarn is None
+
+
+def test_logits_equal_olmo_core_fp32(ref):
+    """Our forward on the converted weights vs OLMo-core's Transformer on the same tokens: every one
+    of the 100352 padded-vocabulary logits, sliding and full layers, QK-norm gains away from 1."""
+    model, info = load.load_model(str(ref["dir"] / "orbax"))
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(ref["eval_tokens"], jnp.int32)))
+    theirs = ref["logits"]
+    assert ours.shape == theirs.shape == (R.BATCH, R.SEQ, R.VOCAB)
+    r = heldout.logit_agreement(theirs, ours)
+    assert r["kl_max"] < 1e-9 and r["top1"] == 1.0, r  # fp32 floor (DESIGN §5: ~1e-6 or better)
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
+    pad = slice(R.TOKENIZER_VOCAB, None)  # the padded rows of lm_head score like any other
+    np.testing.assert_allclose(ours[..., pad], theirs[..., pad], rtol=0, atol=1e-5)
+
+
+def test_params_and_adam_moments_bit_equal(ref):
+    model, opt, extra, label = restore(str(ref["dir"] / "orbax"), ref["config"])
+    st = ref["state"]
+    L = ref["config"].n_layers
+    params = ours_by_olmo_core_name(model, L)
+    mu, nu = ours_by_olmo_core_name(opt.mu, L), ours_by_olmo_core_name(opt.nu, L)
+    assert len(params) == len([k for k in st if k.startswith("model.")]) == 3 + 11 * L
+    for name in params:
+        np.testing.assert_array_equal(params[name], st[f"model.{name}"], err_msg=name)
+        np.testing.assert_array_equal(mu[name], st[f"optim.state.{name}.exp_avg"], err_msg=name)
+        np.testing.assert_array_equal(nu[name], st[f"optim.state.{name}.exp_avg_sq"], err_msg=name)
+        assert st[f"optim.state.{name}.step"] == R.STEPS
+    assert mu["embeddings.weight"].dtype == np.float32 and np.abs(mu["embeddings.weight"]).max() > 0
+    # Adam count = OLMo-core's per-parameter step; training step = the checkpoint's; windows empty
+    assert int(opt.count) == R.STEPS and int(opt.step) == R.STEPS and label == R.STEPS
+    assert int(opt.n_seen) == 0 and not np.any(np.asarray(opt.loss_window))
+    assert extra["olmo_core_step"] == R.STEPS and extra["adam_count"] == R.STEPS
+
+
+def test_one_further_step_matches_olmo_core(ref):
+    """Step 3 here (olmo3/step.py + olmo3/optim.py) vs step 3 in OLMo-core (its train module) from
+    the same converted state and batch. Same recipe on both sides: CE + z-loss 1e-5, clip at 1.0,
+    linear lr at the same schedule position (OptState.step = 2 -> n = 3), no decay on the
+    embedding, skip-step inactive (fewer than 64 losses seen on both sides: OLMo-core's windows
+    start empty after a load, ours are empty after conversion).
+
+    What differs is only fp32 summation order (XLA vs torch kernels): loss equal to 1e-7 relative,
+    grad norm to 3e-6. Adam divides by sqrt(nu) + 1e-8, which amplifies a ulp-level gradient
+    difference where nu is tiny (rare tokens' rows of lm_head). Measured here (Intel Xeon, CPU):
+    params within 4.9e-7 absolute (lm_head; norm gains 1.2e-7 = 1 ulp at 1.0) of an update of
+    7e-4; moments within 6e-6 of their largest value. Tolerances: 1e-6 and 2e-5."""
+    model, opt, _, _ = restore(str(ref["dir"] / "orbax"), ref["config"])
+    sched = schedules.linear_schedule(R.LR, 0, R.MAX_STEPS)
+    m3 = ref["metrics3"]
+    assert float(sched(opt.step)) == pytest.approx(m3["optim/LR (group 0)"], rel=1e-6)
+    optimizer = optim.SkipStepAdamW(sched, decay_mask=decay_mask, max_grad_norm=1.0)
+    train_step = step.make_train_step(optimizer, chunk=R.SEQ, z_loss=1e-5)
+    batch = {"tokens": jnp.asarray(ref["batch3"], jnp.int32), "instance_mask": jnp.ones((R.BATCH,), bool)}
+    model, opt, metrics = train_step(model, opt, batch)
+    assert float(metrics["train/loss"]) == pytest.approx(m3["train/CE loss"], rel=1e-6)
+    assert float(metrics["optim/grad_norm"]) == pytest.approx(m3["optim/total grad norm"], rel=1e-5)
+    assert float(metrics["optim/step_skipped"]) == m3["optim/step skipped"] == 0.0
+    assert int(opt.count) == R.STEPS + 1
+    st = ref["state3"]
+    L = ref["config"].n_layers
+    params = ours_by_olmo_core_name(model, L)
+    mu, nu = ours_by_olmo_core_name(opt.mu, L), ours_by_olmo_core_name(opt.nu, L)
+    moved = 0.0
+    for name in params:
+        before = ref["state"][f"model.{name}"]
+        moved = max(moved, float(np.abs(st[f"model.{name}"] - before).max()))
+        np.testing.assert_allclose(params[name], st[f"model.{name}"], rtol=0, atol=1e-6, err_msg=name)
+        for ours_m, key in ((mu, "exp_avg"), (nu, "exp_avg_sq")):
+            theirs = st[f"optim.state.{name}.{key}"]
+            np.testing.assert_allclose(ours_m[name], theirs, rtol=0, atol=2e-5 * float(np.abs(theirs).max()),
+                                       err_msg=f"{name}.{key}")
+    assert moved > 5e-4  # the step really moved the weights (by ~lr), far beyond the tolerance
+
+
+def test_back_to_olmo_core_loads_in_olmo_core_bit_exact(ref, tmp_path):
+    """Orbax -> OLMo-core: OLMo-core builds the model from our config.json (TransformerConfig.from_dict)
+    and its Checkpointer loads our DCP directory (load_trainer_state=False, as its stage-2/3
+    scripts do); every parameter and moment equals the original checkpoint's."""
+    from olmo_core.nn.attention import AttentionBackendName
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.train.checkpoint import Checkpointer
+    convert.orbax_to_olmo_core(str(ref["dir"] / "orbax"), str(tmp_path / "back"))
+    cfg = TransformerConfig.from_dict(json.load(open(tmp_path / "back" / "config.json"))["model"])
+    cfg.block.sequence_mixer.backend = AttentionBackendName.torch  # the CPU backend; flash is OLMo-core's default
+    assert cfg.num_params == R.olmo_core_config().num_params
+    tm = R.train_module(cfg.build(init_device="cpu"), torch)
+    Checkpointer(work_dir=str(tmp_path / "work")).load(str(tmp_path / "back"), tm, load_trainer_state=False)
+    got = R.numpy_state(tm)
+    assert set(got) == set(ref["state"])
+    for k, v in ref["state"].items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+def test_weights_only_and_step_label(ref, tmp_path):
+    """--nowith_optimizer_state: the model alone (train.py --init_weights_only); --step relabels."""
+    convert.olmo_core_to_orbax(str(ref["dir"] / "run" / "step2"), str(tmp_path / "w"), step=0, with_optimizer_state=False)
+    mgr = checkpoint.CheckpointManager(str(tmp_path / "w"), read_only=True)
+    assert mgr.all_steps() == [0] and not any(k.startswith("opt.") for k in mgr.stored_tensors(0))
+    np.testing.assert_array_equal(np.asarray(convert.read_stored(mgr, 0, "model.embed", None)),
+                                  ref["state"]["model.embeddings.weight"])
+
+
+def test_torch_missing_is_one_clear_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(olmo_core.UserError, match="needs torch.*pip install"):
+        olmo_core.torch_module()
+
+
+def test_command_line(ref, tmp_path):
+    """The save folder (newest stepN) -> Orbax through convert.py; bad inputs are one line, exit 2."""
+    def run(*args):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), *args], capture_output=True,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    r = run(f"--from=olmo-core:{ref['dir'] / 'run'}", f"--to=orbax:{tmp_path / 'o'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "converted olmo-core:" in r.stdout
+    assert checkpoint.CheckpointManager(str(tmp_path / "o"), read_only=True).all_steps() == [R.STEPS]
+    r = run(f"--from=olmo-core:{ref['dir'] / 'run'}", f"--to=orbax:{tmp_path / 'z'}", "--verify")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-1000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("convert.py: error: --verify applies to hf:")
+    # the other user errors are the types cli.run turns into that one line and exit 2
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        convert.olmo_core_to_orbax(str(tmp_path / "nothing"), str(tmp_path / "x"))
+    with pytest.raises(FileNotFoundError, match="not an OLMo-core checkpoint"):
+        convert.olmo_core_to_orbax(str(tmp_path / "o"), str(tmp_path / "y"))
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        convert.olmo_core_to_orbax(str(ref["dir"] / "run"), str(tmp_path / "o"))
+    with pytest.raises(FileExistsError, match="not empty"):
+        convert.orbax_to_olmo_core(str(tmp_path / "o"), str(ref["dir"] / "run"))
+
+
+def test_url_reads_by_byte_range_like_local(ref, tmp_path):
+    """olmo-core:http://.../step2, the form of OLMo-core's own load_path, through data/storage.py's
+    byte-range reads (test_storage's range server): the Orbax checkpoint equals the local one's."""
+    from test_storage import RangeServer
+    with RangeServer(ref["dir"] / "run") as srv:
+        convert.olmo_core_to_orbax(f"{srv.url}/step2/", str(tmp_path / "remote"))
+        assert srv.requests.get("GET", 0) > 0
+    local, remote = (checkpoint.CheckpointManager(str(d), read_only=True) for d in (ref["dir"] / "orbax", tmp_path / "remote"))
+    names = local.stored_tensors()
+    assert names == remote.stored_tensors()
+    for name in names:
+        a, b = (np.asarray(convert.read_stored(m, R.STEPS, name, None)) for m in (local, remote))
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+@pytest.mark.slow
+def test_train_py_stage2_warm_start_from_olmo_core(ref, tmp_path):
+    """train.py --stage=2 --init_from=<converted OLMo-core checkpoint>: its first loss equals
+    OLMo-core's own loss (its model, loaded by its Checkpointer) on the same first batch, and the
+    step continues AI2's Adam: the saved Adam count is the checkpoint's + 1."""
+    import data
+    from olmo_core.train.checkpoint import Checkpointer
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, name in enumerate(sorted(os.listdir(os.path.join(ROOT, "olmo3")))):
+        if name.endswith(".py"):
+            (docs / f"{i}.txt").write_text(open(os.path.join(ROOT, "olmo3", name)).read())
+    run = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", "--model=tiny", "--d_model=64",
+           "--n_layers=4", "--n_heads=4", "--n_kv_heads=4", "--head_dim=16", "--mlp_hidden=192",
+           f"--window={R.WINDOW}", f"--vocab_size={R.VOCAB}", f"--data={docs}", f"--seq_len={R.SEQ}",
+           "--global_batch=4", "--max_steps=1", "--total_steps=10", "--warmup_steps=0", f"--lr={R.LR}", f"--run_dir={run}",
+           f"--init_from={ref['dir'] / 'orbax'}", "--save_interval=1", "--eval_interval=1",
+           "--loader_workers=0", "--seed=7"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "PYTHONPATH": ROOT}
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    loss = json.loads(open(run / "metrics.jsonl").readline())["train/loss"]
+    splits = data.ensure_corpus(str(tmp_path / "data" / "docs"), str(docs))
+    batch = torch.as_tensor(data.get_batch(data.FSLDataset(splits["train"], R.SEQ), 4, 7, 0)["tokens"],
+                            dtype=torch.long)
+    tm = R.train_module(R.olmo_core_config().build(init_device="cpu"), torch)
+    Checkpointer(work_dir=str(tmp_path / "work")).load(str(ref["dir"] / "run" / "step2"), tm, load_trainer_state=False)
+    with torch.no_grad():
+        lp = torch.log_softmax(tm.model(batch)[:, :-1].float(), -1)
+        want = -lp.gather(-1, batch[:, 1:, None]).mean().item()
+    assert abs(loss - want) < 1e-5, (loss, want)
+    _, opt, _, label = restore(str(run), ref["config"])
+    assert label == 1 and int(opt.count) == R.STEPS + 1
+
+
+@pytest.mark.slow
+def test_peak_rss_is_one_tensor_not_the_state(tmp_path):
+    """A 474M-parameter OLMo-core-shaped checkpoint with moments (5.7 GB fp32: d_model 1024, 16
+    layers, MLP 4096, vocab 100352) through convert.py both ways, each in its own process: peak
+    RSS is the process (~0.45 GB with torch, JAX and Orbax loaded) plus about two copies of the
+    largest tensor (the 411 MB embedding: its stored bytes and the decoded tensor), not the state.
+    Measured (Intel(R) Xeon(R) Processor, 2 cores, two runs): 1.71-1.92 GB in 62-72 s there,
+    1.66-1.74 GB in 61 s back."""
+    import olmo3
+    c = olmo3.Config.tiny(d_model=1024, n_layers=16, n_heads=8, n_kv_heads=8, head_dim=128, mlp_hidden=4096,
+                          window=4096, vocab_size=R.VOCAB)
+    src = tmp_path / "oc" / "step100"
+    rng = np.random.default_rng(0)
+    specs = {}
+    for field, layer, name, t in olmo_core.param_names(c.n_layers):
+        shape = {"embed": (c.vocab_size, c.d_model), "lm_head": (c.vocab_size, c.d_model), "norm": (c.d_model,),
+                 "q_proj": (c.q_dim, c.d_model), "k_proj": (c.kv_dim, c.d_model), "v_proj": (c.kv_dim, c.d_model),
+                 "o_proj": (c.d_model, c.q_dim), "q_norm": (c.q_dim,), "k_norm": (c.kv_dim,),
+                 "gate_proj": (c.mlp_hidden, c.d_model), "up_proj": (c.mlp_hidden, c.d_model),
+                 "down_proj": (c.d_model, c.mlp_hidden)}.get(field, (c.d_model,))
+        specs[f"model.{name}"] = specs[f"optim.state.{name}.exp_avg"] = specs[f"optim.state.{name}.exp_avg_sq"] = (
+            shape, np.float32)
+        specs[f"optim.state.{name}.step"] = ((), np.float32)
+    state_gb = sum(4 * int(np.prod(s)) for s, _ in specs.values()) / 1e9
+
+    def produce(name):
+        shape, _ = specs[name]
+        return np.asarray(100.0, np.float32) if name.endswith(".step") else rng.standard_normal(shape, np.float32)
+    olmo_core.write_dist_checkpoint(str(src / "model_and_optim"), specs, produce, {})
+    (src / "config.json").write_text(json.dumps({"model": olmo_core.config_to_olmo_core(c)}))
+
+    def peak(*args):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), *args], capture_output=True, text=True,
+                           cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+        assert r.returncode == 0, r.stderr[-2000:]
+        return float(r.stdout.split("peak RSS ")[1].split()[0]), r.stdout.strip()
+    there, out1 = peak(f"--from=olmo-core:{src}", f"--to=orbax:{tmp_path / 'orbax'}")
+    back, out2 = peak(f"--from=orbax:{tmp_path / 'orbax'}", f"--to=olmo-core:{tmp_path / 'back'}")
+    print(f"state {state_gb:.2f} GB | {out1} | {out2}")
+    assert there < 0.45 * state_gb and back < 0.45 * state_gb, (state_gb, there, back)
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_checkpoint_reassembled(tmp_path):
+    """A checkpoint OLMo-core saved from FSDP over 2 processes (every tensor in 2 shards, as AI2's
+    are in many): our conversion equals what OLMo-core's own loader (torch's resharding) puts into
+    an unsharded model, bit for bit, weights and moments."""
+    import socket
+    from olmo_core.train.checkpoint import Checkpointer
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "olmo_core_fsdp_worker.py"), str(tmp_path / "run"),
+                        port], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dcp_dir = tmp_path / "run" / "step2" / "model_and_optim"
+    reader = olmo_core.DistCheckpointReader(str(dcp_dir))
+    assert len(reader.tensors["model.embeddings.weight"].chunks) == 2
+    tm = R.train_module(R.olmo_core_config().build(init_device="cpu"), torch)
+    Checkpointer(work_dir=str(tmp_path / "work")).load(str(tmp_path / "run" / "step2"), tm, load_trainer_state=False)
+    want = R.numpy_state(tm)
+    # no config.json here (no ConfigSaverCallback): the shapes, with this model's head_dim
+    with pytest.raises(olmo_core.UserError, match="head_dim 128"):
+        convert.olmo_core_to_orbax(str(tmp_path / "run"), str(tmp_path / "never"))
+    (tmp_path / "run" / "step2" / "config.json").write_text(json.dumps({"model": R.olmo_core_config().as_config_dict()}))
+    config = convert.olmo_core_to_orbax(str(tmp_path / "run"), str(tmp_path / "orbax"))
+    model, opt, _, _ = restore(str(tmp_path / "orbax"), config)
+    L = config.n_layers
+    for tree, key in ((model, "model.{}"), (opt.mu, "optim.state.{}.exp_avg"), (opt.nu, "optim.state.{}.exp_avg_sq")):
+        for name, a in ours_by_olmo_core_name(tree, L).items():
+            np.testing.assert_array_equal(a, want[key.format(name)], err_msg=key.format(name))
+    assert int(opt.count) == R.STEPS
+
+
+def test_metadata_pickle_cannot_run_code(tmp_path):
+    """`.metadata` is a pickle (possibly fetched from a URL): one naming any other callable is
+    refused with one line, before it can run."""
+    import pickle
+    d = tmp_path / "model_and_optim"
+    d.mkdir()
+    (d / ".metadata").write_bytes(pickle.dumps(os.system))  # pickles a reference to os.system
+    with pytest.raises(olmo_core.UserError, match="does not read as torch distributed-checkpoint metadata"):
+        olmo_core.DistCheckpointReader(str(d))

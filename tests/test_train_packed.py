@@ -1,0 +1,141 @@
+"""train.py --packed end to end: a save-and-resume run reproduces the uninterrupted run's losses
+exactly, the checkpoint's loader state names the packed dataset, and a resume over other data is
+refused; 2 processes train as 1; held-out domains are evaluated on padded instances however few
+documents they hold. All slow (several train.py runs each).
+
+The reference for a resumed run is the uninterrupted run (DESIGN §4, bug 2): equal bit for bit.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from test_train import SMALL  # noqa: E402  (the small model of the train tests)
+
+PACKED = [*SMALL, "--packed", "--source_group_size=2", "--source_permutation_seed=123", "--doc_lengths",
+          "--global_batch=4", "--eval_batches=2"]
+
+
+def short_docs(d):
+    """60 documents of 2..20 random words: several fit one 64-token instance, so packing matters."""
+    rng = np.random.default_rng(1)
+    words = [f"w{i}" for i in range(200)] + ["def", "return", "(", ")", ":"]
+    for i in range(60):
+        (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, rng.integers(2, 20))))
+    return d
+
+
+def run(args, run_dir, docs, data_dir, check=True, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # Two devices: the batch rows and the padded held-out rows are split across them.
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+                **(env_extra or {})})
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *PACKED, f"--data={docs}",
+           f"--data_dir={data_dir}", f"--run_dir={run_dir}", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return p
+
+
+def metrics(run_dir):
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            out[m["step"]] = m  # a rerun after resume supersedes: last one wins
+    return out
+
+
+@pytest.mark.slow  # four train.py runs: ~3 min on 2 cores
+def test_packed_resume_is_bit_exact(tmp_path):
+    (tmp_path / "docs").mkdir()
+    docs = str(short_docs(tmp_path / "docs"))
+    run(["--max_steps=4", "--save_interval=2"], tmp_path / "a", docs, tmp_path / "data")
+    run(["--max_steps=2", "--save_interval=2"], tmp_path / "b", docs, tmp_path / "data")
+    run(["--max_steps=4", "--save_interval=2", "--resume"], tmp_path / "b", docs, tmp_path / "data")
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [a[s]["train/loss"] for s in a] == [b[s]["train/loss"] for s in a]  # exact
+    assert a[4]["eval/docs/loss"] == b[4]["eval/docs/loss"]  # held-out: padded instances
+
+    # The checkpoint's loader state is the packed dataset's (the same packing as train.py's).
+    with open(tmp_path / "b" / "checkpoints" / "4" / "extra" / "metadata") as f:
+        loader = json.load(f)["loader"]
+    train = sorted(os.path.join(tmp_path / "data" / "train", n) for n in os.listdir(tmp_path / "data" / "train")
+                   if n.endswith(".npy"))
+    packed = data.PackedFSLDataset(train, 64, source_group_size=2, source_permutation_seed=123)
+    assert loader["fingerprint"] == packed.fingerprint and loader["step"] == 4
+
+    # Resuming with another packing (or fixed-length instances) is refused with one line.
+    p = run(["--max_steps=6", "--save_interval=2", "--resume", "--source_group_size=1"], tmp_path / "b", docs,
+            tmp_path / "data", check=False)
+    assert p.returncode == 2 and "fingerprint" in p.stderr
+
+
+@pytest.mark.slow  # two train.py runs: ~70 s on 2 cores
+def test_small_heldout_domain_is_evaluated(tmp_path):
+    """3 held-out documents on 4 devices: padded instances evaluate them (filler rows masked);
+    fixed-length windows hold less than one row per device and skip the domain."""
+    rng = np.random.default_rng(2)
+    (tmp_path / "docs").mkdir()
+    words = [f"w{i}" for i in range(200)]
+    for i in range(14):  # prepare holds out a quarter of a source's documents: 3 here
+        (tmp_path / "docs" / f"doc{i}.txt").write_text(" ".join(rng.choice(words, rng.integers(2, 20))))
+    four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    for padded in (True, False):
+        run_dir = tmp_path / f"run{padded}"
+        p = run(["--max_steps=1", "--save_interval=1", "--eval_padded" if padded else "--noeval_padded"], run_dir,
+                str(tmp_path / "docs"), tmp_path / "data", env_extra=four)
+        m = metrics(run_dir)[1]
+        if padded:
+            assert np.isfinite(m["eval/docs/loss"])
+        else:
+            assert "eval/docs/loss" not in m and "not evaluated" in p.stderr
+    manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    assert manifest["splits"]["heldout/docs"]["documents"] < 4
+
+
+@pytest.mark.slow  # three train.py processes: ~100 s on 2 cores
+def test_packed_two_processes_match_one(tmp_path):
+    """train.py --packed as 2 processes x 2 devices (process 0 packs into the shared cache, the
+    other reads it) against 1 process x 4 devices: the same losses (rtol 2e-6: float32 reduction
+    order) and the same held-out loss."""
+    import socket
+    import subprocess as sp
+    (tmp_path / "docs").mkdir()
+    docs = short_docs(tmp_path / "docs")
+
+    def launch(run_dir, devices, extra):
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+        env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *PACKED, f"--data={docs}",
+               f"--data_dir={tmp_path / 'data'}", f"--run_dir={run_dir}", "--max_steps=3", "--save_interval=3",
+               "--mesh=fsdp:4", *extra]
+        return sp.Popen(cmd, env=env, stdout=sp.PIPE, stderr=sp.STDOUT, text=True)
+
+    def wait(procs):
+        for p in procs:
+            out = p.communicate(timeout=600)[0]
+            assert p.returncode == 0, f"train.py failed:\n{out[-4000:]}"
+
+    wait([launch(tmp_path / "one", 4, [])])
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    wait([launch(tmp_path / "two", 2, [f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"])
+          for i in range(2)])
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    np.testing.assert_allclose([two[s]["train/loss"] for s in one], [one[s]["train/loss"] for s in one], rtol=2e-6)
+    np.testing.assert_allclose(two[3]["eval/docs/loss"], one[3]["eval/docs/loss"], rtol=2e-6)
