@@ -94,6 +94,8 @@ def test_lists_found_in_an_installed_olmo_core(tmp_path, monkeypatch):
     (pkg / "__init__.py").write_text("raise ImportError('must not be imported')\n")
     (pkg / "data" / "mixes" / "toy-installed.txt").write_text(TOY)
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    for name in [m for m in sys.modules if m == "olmo_core" or m.startswith("olmo_core.")]:
+        monkeypatch.delitem(sys.modules, name)  # another test imported the real one: find_spec would see it
     monkeypatch.delenv("OLMO3_MIXES_DIR", raising=False)
     assert "toy-installed" in mixes.available_mixes()
     assert mixes.mix_paths("toy-installed", "/r")[0] == "/r/preprocessed/toy/allenai/dolma2-tokenizer/web/000000.npy"
