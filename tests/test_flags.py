@@ -70,6 +70,7 @@ def test_stage3_flags():
     # NumpyPackedFSLDatasetConfig(generate_doc_lengths=True, source_group_size=8, source_permutation_seed=123)
     assert (F.packed, F.doc_lengths, F.source_group_size, F.source_permutation_seed) == (True, True, 8, 123)
     assert F.eval_padded
+    assert F.downstream_tasks == []  # OLMo-3-1025-7B-long-context.py has no downstream evaluator
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
