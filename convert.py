@@ -541,20 +541,12 @@ def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
                            f"optim.param_groups.{name}.eps": optim.EPS,
                            f"optim.param_groups.{name}.weight_decay": wd})
     try:
-        tmp = os.path.join(os.path.dirname(os.path.abspath(dst)), f".tmp-olmo-core-{os.path.basename(dst)}")
-        os.makedirs(tmp)
-        olmo_core.write_dist_checkpoint(os.path.join(tmp, olmo_core.MODEL_AND_OPTIM), specs, produce, groups)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({"model": olmo_core.config_to_olmo_core(config)}, f, indent=1)
-        with open(os.path.join(tmp, ".metadata.json"), "w") as f:
-            json.dump({"ephemeral": False}, f)
-        if os.path.isdir(dst):
-            os.rmdir(dst)
-        os.rename(tmp, dst)
-    except BaseException:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with checkpoint.new_directory(dst, "OLMo-core checkpoint") as tmp:
+            olmo_core.write_dist_checkpoint(os.path.join(tmp, olmo_core.MODEL_AND_OPTIM), specs, produce, groups)
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump({"model": olmo_core.config_to_olmo_core(config)}, f, indent=1)
+            with open(os.path.join(tmp, ".metadata.json"), "w") as f:
+                json.dump({"ephemeral": False}, f)
     finally:
         mgr.close()
     return config

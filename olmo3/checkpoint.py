@@ -27,9 +27,10 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import equinox as eqx
 import jax
@@ -173,6 +174,26 @@ def nonfinite_tensors(flat: dict[str, Any]) -> list[str]:
         return []
     ok = np.asarray(_finite_flags([flat[n] for n in names]))
     return [n for n, good in zip(names, ok) if not good]
+
+
+@contextlib.contextmanager
+def new_directory(path: Union[str, os.PathLike], what: str = "checkpoint"):
+    """Yields a temporary sibling of `path` to fill; on success it is renamed into place, on
+    failure removed. A crash never leaves a half-written `what` at `path`, and `path` must be
+    new or empty (HF and OLMo-core checkpoints written by convert.py; Orbax does its own)."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and os.listdir(path):
+        raise FileExistsError(f"{path!r} exists and is not empty; choose a new directory for the {what}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(path)}-", dir=os.path.dirname(path))
+    try:
+        yield tmp
+        if os.path.exists(path):
+            os.rmdir(path)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 class CheckpointManager:

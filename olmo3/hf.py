@@ -10,9 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import struct
-import tempfile
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import equinox as eqx
@@ -334,21 +332,11 @@ def new_hf_dir(path: Union[str, os.PathLike], config: Config):
     """Yields a temporary sibling of `path` to fill with safetensors files; on success writes
     config.json for `config` and renames the directory into place, on failure removes it. A
     crash never leaves a half-written HF checkpoint at `path`, and `path` must be new or empty."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and os.listdir(path):
-        raise FileExistsError(f"{path!r} exists and is not empty; choose a new directory for the HF checkpoint")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-hf-", dir=os.path.dirname(path))
-    try:
+    from olmo3.checkpoint import new_directory
+    with new_directory(path, "HF checkpoint") as tmp:
         yield tmp
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config_to_hf(config), f, indent=2)
-        if os.path.exists(path):
-            os.rmdir(path)
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def to_hf(model: OLMo3, path: Union[str, os.PathLike]) -> None:

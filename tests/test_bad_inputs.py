@@ -206,12 +206,8 @@ def _logged(run_dir) -> int:
 
 def _losses(run_dir) -> dict:
     """step -> train/loss from metrics.jsonl; a step logged again after a resume: last line wins."""
-    out = {}
-    for line in open(os.path.join(run_dir, "metrics.jsonl")):
-        rec = json.loads(line)
-        if "train/loss" in rec:
-            out[rec["step"]] = rec["train/loss"]
-    return out
+    from test_train import losses
+    return losses(run_dir)
 
 
 RESUME = [*TINY[:-6], "--total_steps=6", "--warmup_steps=1", "--save_interval=2", "--eval_interval=2",

@@ -17,6 +17,7 @@ import olmo3
 from olmo3 import checkpoint, heldout, hf, load, optim, schedules
 from olmo3.config import config_to_dict
 from test_model import hf_config, random_hf_model
+from test_train import source_corpus
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -223,11 +224,7 @@ def test_train_py_init_from_converted_checkpoint(tmp_path, pad_vocab):
                   num_attention_heads=2, num_key_value_heads=2, head_dim=16, sliding_window=16)
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "init"), with_optimizer_state=True,
                         pad_vocab=pad_vocab)
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i, name in enumerate(sorted(os.listdir(os.path.join(ROOT, "olmo3")))):
-        if name.endswith(".py"):
-            (docs / f"{i}.txt").write_text(open(os.path.join(ROOT, "olmo3", name)).read())
+    docs = source_corpus(tmp_path / "docs")
     run = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--model=tiny", "--d_model=32", "--n_layers=4",
            "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--window=16",

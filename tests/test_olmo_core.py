@@ -22,6 +22,7 @@ from olmo3 import checkpoint, heldout, load, olmo_core, optim, schedules, step  
 from olmo3.model import OLMo3, decay_mask  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from test_train import source_corpus  # noqa: E402
 from test_convert import convert  # noqa: E402  (one convert.py per process: absl flags are global)
 
 
@@ -217,11 +218,7 @@ def test_train_py_stage2_warm_start_from_olmo_core(ref, tmp_path):
     step continues AI2's Adam: the saved Adam count is the checkpoint's + 1."""
     import data
     from olmo_core.train.checkpoint import Checkpointer
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i, name in enumerate(sorted(os.listdir(os.path.join(ROOT, "olmo3")))):
-        if name.endswith(".py"):
-            (docs / f"{i}.txt").write_text(open(os.path.join(ROOT, "olmo3", name)).read())
+    docs = source_corpus(tmp_path / "docs")
     run = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--stage=2", "--model=tiny", "--d_model=64",
            "--n_layers=4", "--n_heads=4", "--n_kv_heads=4", "--head_dim=16", "--mlp_hidden=192",

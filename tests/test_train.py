@@ -31,6 +31,15 @@ def word_corpus(d):
     return d
 
 
+def source_corpus(d):
+    """One document per olmo3/*.py file, in `d` (created): real code, a few thousand tokens."""
+    d.mkdir()
+    for i, name in enumerate(sorted(os.listdir(os.path.join(ROOT, "olmo3")))):
+        if name.endswith(".py"):
+            (d / f"{i}.txt").write_text(open(os.path.join(ROOT, "olmo3", name)).read())
+    return d
+
+
 @pytest.fixture(scope="module")
 def docs(tmp_path_factory):
     return str(word_corpus(tmp_path_factory.mktemp("docs")))
@@ -47,13 +56,18 @@ def run(args, run_dir, docs, data_dir, check=True, env_extra=None, **kw):
     return p
 
 
-def losses(run_dir):
+def metrics_by_step(run_dir):
+    """step -> the metrics logged for it; a rerun after resume supersedes: last one wins."""
     out = {}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
             m = json.loads(line)
-            out[m["step"]] = m["train/loss"]  # a rerun after resume supersedes: last one wins
+            out[m["step"]] = m
     return out
+
+
+def losses(run_dir):
+    return {s: m["train/loss"] for s, m in metrics_by_step(run_dir).items()}
 
 
 @pytest.fixture(scope="module")

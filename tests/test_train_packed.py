@@ -46,12 +46,8 @@ def run(args, run_dir, docs, data_dir, check=True, env_extra=None):
 
 
 def metrics(run_dir):
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            m = json.loads(line)
-            out[m["step"]] = m  # a rerun after resume supersedes: last one wins
-    return out
+    from test_train import metrics_by_step
+    return metrics_by_step(run_dir)
 
 
 @pytest.mark.slow  # four train.py runs: ~3 min on 2 cores
