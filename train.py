@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 
 from absl import app, flags, logging
 
@@ -345,12 +344,9 @@ def main(argv):
         ds_rows = -(-(F.downstream_batch or 8) // n_devices) * n_devices
 
         def downstream(model):
-            t0 = time.perf_counter()
-            out = oe_tasks.evaluate(model, labels, score_fn=score_fn, encode=encode, pad_id=data.PAD_ID,
-                                    limit=F.downstream_limit, max_length=F.seq_len, batch_rows=ds_rows,
-                                    requests_cache=rows_cache)
-            out["downstream/seconds"] = time.perf_counter() - t0
-            return out
+            return oe_tasks.evaluate(model, labels, score_fn=score_fn, encode=encode, pad_id=data.PAD_ID,
+                                     limit=F.downstream_limit, max_length=F.seq_len, batch_rows=ds_rows,
+                                     requests_cache=rows_cache)
 
     # -----------------------------------------------------------------------------------------
     # §7 Checkpoints: model + optimizer + loader state in one atomic step directory.
@@ -395,6 +391,7 @@ def main(argv):
             if downstream is not None and step % F.downstream_eval_interval == 0:
                 with clock.excluded("downstream"):  # nor the downstream evaluation
                     m.update(downstream(model))
+                m["downstream/seconds"] = clock.last["downstream"]
             log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
             if step % F.save_interval == 0 or step == max_steps:
                 with clock.excluded("save"):
@@ -443,11 +440,8 @@ def check_finite(m: dict, step: int, ckpt) -> None:
     checked again by every save (olmo3/checkpoint.py)."""
     bad = {k: v for k, v in m.items() if k.endswith("loss") and not math.isfinite(v)}
     if bad:
-        last = ckpt.latest_step()
-        where = (f"The last good checkpoint is {ckpt.directory}/{last}: resume from it" if last is not None
-                 else "No checkpoint was written yet: start again")
         raise cli.NonFiniteError(f"step {step}: NaN or inf in {', '.join(f'{k}={v}' for k, v in bad.items())}; "
-                                 f"nothing was saved. {where} with a lower --lr, or check the data of the steps since")
+                                 f"nothing was saved. {ckpt.what_to_resume()}")
 
 
 def resolve_data() -> dict:

@@ -250,6 +250,13 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
+    def what_to_resume(self) -> str:
+        """The advice a non-finite state ends with: the last good checkpoint, or none yet."""
+        last = self.latest_step()
+        where = (f"The last good checkpoint is {self.directory}/{last}: resume from it" if last is not None
+                 else "No checkpoint was written yet: start again")
+        return f"{where} with a lower --lr, or check the data of the steps since"
+
     def _resolve(self, step: Optional[int]) -> int:
         steps = self.all_steps()
         if step is None:
@@ -279,12 +286,8 @@ class CheckpointManager:
         flat = tensor_names(state)
         bad = nonfinite_tensors(flat)
         if bad:
-            last = self.latest_step()
-            where = (f"The last good checkpoint is {self.directory}/{last}: resume from it" if last is not None
-                     else "No checkpoint was written yet: start again")
             raise NonFiniteError(f"step {step}: {len(bad)} tensor(s) hold NaN or inf, e.g. {bad[:3]}; checkpoint "
-                                 f"{step} was not written. {where} with a lower --lr, or check the data of "
-                                 "the steps since")
+                                 f"{step} was not written. {self.what_to_resume()}")
         self._mgr.wait_until_finished()   # orbax would wait here anyway; this times only our save
         self._purge_deleted()              # the steps the last save's keep-N renamed away
         with self._lock:
