@@ -112,6 +112,8 @@ flags.DEFINE_float("peak_tflops", None, "Per-device peak TFLOP/s for MFU (defaul
 flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only and keep freed memory in "
                   "the process (olmo3/runtime.py; CPU benchmark step with remat save_proj: 8.76 s -> 7.10 s). "
                   "No effect on GPU/TPU hosts.")
+flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: the XLA flags MaxText and JAX-Toolbox train "
+                  "LLMs with (olmo3/runtime.py); your own XLA_FLAGS entries win one by one.")
 
 
 # Recipe numbers are checked as the flags are parsed, before any device work: NaN, inf or an
@@ -157,7 +159,8 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
-    tuned = runtime.tune_cpu() if F.tune_cpu else []   # before JAX starts its backend
+    tuned = ((runtime.tune_cpu() if F.tune_cpu else [])   # before JAX starts its backend
+             + (runtime.tune_gpu() if F.tune_gpu else []))
     import equinox as eqx
     import jax
 
@@ -371,7 +374,7 @@ def main(argv):
                  f" | MFU = write-up FLOPs ({flops['writeup'] / tokens_per_step / 1e6:,.1f} MFLOP/token: 6 x "
                  f"non-embedding params + full causal attention, DESIGN §6) / {peak.describe()}")
         log.info(f"mesh {dict(mesh.shape)}, {microbatches} microbatch(es), {tokens_per_step:,} tokens/step, "
-                 f"steps {start + 1}..{max_steps}" + (f" | CPU tuning: {'; '.join(tuned)}" if tuned else ""))
+                 f"steps {start + 1}..{max_steps}" + (f" | tuning: {'; '.join(tuned)}" if tuned else ""))
     paused = {}  # step -> seconds the loop waited for its checkpoint save to start
     step = start
     try:

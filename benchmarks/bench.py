@@ -55,6 +55,8 @@ flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun
                   "benchmark each process on its own devices. Without it such a launch stops (olmo3/cluster.py).")
 flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only, keep freed memory in "
                   "the process (olmo3/runtime.py; torch in this process shares the allocator).")
+flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: MaxText's / JAX-Toolbox's XLA flags "
+                  "(olmo3/runtime.py); your own XLA_FLAGS entries win one by one.")
 
 
 def cores() -> int:
@@ -144,7 +146,7 @@ def main(argv):
     del argv
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
-    tuned = runtime.tune_cpu() if F.tune_cpu else []
+    tuned = (runtime.tune_cpu() if F.tune_cpu else []) + (runtime.tune_gpu() if F.tune_gpu else [])
     from olmo3 import cluster   # one process: under srun / mpirun with N > 1 tasks, stop (or --independent_runs)
     cluster.start("bench.py", multi_process=False, independent_runs=F.independent_runs)
 
@@ -169,7 +171,7 @@ def main(argv):
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
     device = jax.devices()[0]
     print(f"device: {device.platform} {device.device_kind} x{jax.device_count()} | cores {cores()} | "
-          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} | CPU tuning: {', '.join(tuned) or 'none'}")
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} | tuning: {', '.join(tuned) or 'none'}")
     print(f"config: {F.model} d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}/"
           f"{config.n_kv_heads}x{config.head_dim} mlp={config.mlp_hidden} window={config.window} "
           f"vocab={config.vocab_size} | batch {F.batch} x seq {F.seq_len} | {config.param_dtype} params, "

@@ -74,3 +74,90 @@ def tune_cpu() -> list[str]:
         if ok:
             applied.append("malloc: one arena, no mmap, no trim")
     return applied
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the XLA flags MaxText and NVIDIA's JAX-Toolbox train LLMs with. Sources:
+#   [MT] MaxText MaxText/configs/a3/llama_2_7b/1vm.sh (Llama-2-7B, 8 x H100, FSDP 8, scanned layers)
+#   [JT] NVIDIA JAX-Toolbox rosetta/docs/GPU_performance.md ("Tips for high-performance LLMs")
+# Each name was checked against jaxlib 0.10.2 (an unknown XLA flag aborts the process; the test
+# parses them all on the CPU backend). Left out on purpose: --xla_gpu_graph_level and
+# --xla_gpu_enable_triton_softmax_fusion ([MT], gone from this XLA), and
+# --xla_disable_hlo_passes=rematerialization ([MT]: turns XLA's fallback when memory is short
+# into an out-of-memory error; our --remat flag is the memory knob).
+# ---------------------------------------------------------------------------------------------
+GPU_XLA_FLAGS = (
+    # Overlap the FSDP all-gathers / reduce-scatters with the layers' matmuls. [MT] [JT]
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    # Collectives on their own highest-priority stream, so compute does not starve them. [MT] [JT]
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    # cuBLAS, not Triton, for the dense matmuls (cuBLAS is faster on them at LLM shapes). [MT] [JT]
+    "--xla_gpu_enable_triton_gemm=false",
+    # Combine a scanned layer's collectives into one, thresholds at least one layer's weights:
+    # the 7B's layer is 202M parameters, 0.81 GB in fp32, so the gather takes 1 GiB ([JT] lists
+    # up to 8 GiB; [MT] 128 MiB for Llama-2-7B's bf16 layer); all-reduce 1 GiB; the reduce-scatter
+    # 128 MiB, twice [MT]'s 64 MiB as our gradients are fp32 ([JT] lists up to 8 GiB).
+    "--xla_gpu_all_gather_combine_threshold_bytes=1073741824",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=1073741824",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    # Combine across tensors of different shapes (q/k/v/o, the MLP), not only along one dim. [MT] [JT]
+    "--xla_gpu_enable_all_gather_combine_by_dim=false",
+    "--xla_gpu_enable_reduce_scatter_combine_by_dim=false",
+    # Gather layer i+1's weights while layer i computes, and reduce-scatter layer i's gradients
+    # while layer i-1 runs backward: the FSDP pipelining of the scan over layers. [MT] [JT]
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    # Unroll the layer scan by two so the pipelined collectives have a next iteration to overlap
+    # with ("scan loop unrolling and loop double buffering" [JT]). [MT] [JT]
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+# Environment the CUDA runtime reads at start-up. CUDA_DEVICE_MAX_CONNECTIONS=1: one hardware
+# queue, so kernels launch in the order the latency-hiding scheduler chose. [MT] [JT]
+# XLA_PYTHON_CLIENT_MEM_FRACTION: JAX preallocates 75% of the GPU by default; [MT] gives it 0.85,
+# [JT] "typically 0.9": the rest is left to cuDNN / cuBLAS workspaces and NCCL.
+GPU_ENV = (("CUDA_DEVICE_MAX_CONNECTIONS", "1"), ("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9"))
+_CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+def flag_name(flag: str) -> str:
+    """'--xla_foo=1' -> 'xla_foo' (XLA_FLAGS tokens are --name=value or --name)."""
+    return flag.lstrip("-").split("=", 1)[0]
+
+
+def add_xla_flags(defaults: tuple[str, ...] | list[str]) -> list[str]:
+    """Append to XLA_FLAGS each default whose flag the user has not set; returns those added.
+    Flag by flag: a user's own value for any one flag wins, the other defaults still apply."""
+    current = os.environ.get("XLA_FLAGS", "")
+    user = {flag_name(t) for t in current.split() if t.startswith("-")}
+    added = [f for f in defaults if flag_name(f) not in user]
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join([current.strip()] + added).strip()
+    return added
+
+
+def gpu_backend_expected() -> bool:
+    """True when this process's JAX will compute on an NVIDIA GPU: JAX_PLATFORMS names cuda (or
+    gpu) first, or it names nothing and a CUDA plugin is installed (and no TPU runtime)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip() in ("cuda", "gpu")
+    return (any(importlib.util.find_spec(m) for m in _CUDA_PLUGINS)
+            and importlib.util.find_spec("libtpu") is None)
+
+
+def tune_gpu() -> list[str]:
+    """Apply GPU_XLA_FLAGS and GPU_ENV when JAX will compute on an NVIDIA GPU; a user's own
+    XLA_FLAGS entry or environment variable wins, one by one. Returns what was applied (empty
+    elsewhere). Raises if JAX already started a backend: the flags would be ignored then."""
+    if not gpu_backend_expected():
+        return []
+    if _backends_started():
+        raise RuntimeError("olmo3.runtime.tune_gpu() must run before JAX starts a backend "
+                           "(before the first jax.devices() or array op)")
+    applied = add_xla_flags(GPU_XLA_FLAGS)
+    for name, value in GPU_ENV:
+        if name not in os.environ:
+            os.environ[name] = value
+            applied.append(f"{name}={value}")
+    return applied

@@ -69,3 +69,58 @@ def test_accelerator_hosts_untouched(monkeypatch):
     assert runtime.tune_cpu() == []          # returns before looking at JAX's backends
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert runtime.cpu_backend_expected()
+
+
+# tune_gpu() with JAX_PLATFORMS naming cuda, then the CPU backend parses every flag it set (XLA
+# parses GPU flags on any backend and aborts the process on a name it does not know).
+GPU_PROBE = textwrap.dedent("""
+    import json, os
+    from olmo3 import runtime
+    applied = runtime.tune_gpu()
+    seen = {"applied": applied, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "env": {k: os.environ.get(k) for k, _ in runtime.GPU_ENV}}
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax.numpy as jnp
+    seen["sum"] = float(jnp.arange(4.0).sum())
+    print(json.dumps(seen))
+""")
+
+
+def gpu_probe(**env):
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("XLA_FLAGS", "JAX_PLATFORMS") + tuple(k for k, _ in runtime.GPU_ENV)}
+    full_env.update(env, JAX_PLATFORMS="cuda")
+    out = subprocess.run([sys.executable, "-c", GPU_PROBE], env=full_env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_gpu_flags_set_for_a_gpu_and_known_to_this_xla():
+    out = gpu_probe()
+    assert out["xla_flags"].split() == list(runtime.GPU_XLA_FLAGS)
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out["applied"]
+    assert out["env"] == dict(runtime.GPU_ENV)
+    assert out["sum"] == 6.0          # the process survived XLA's parse of every flag
+
+
+def test_gpu_user_flags_win_one_by_one():
+    user = "--xla_gpu_enable_triton_gemm=true --xla_gpu_all_gather_combine_threshold_bytes=1024"
+    out = gpu_probe(XLA_FLAGS=user, CUDA_DEVICE_MAX_CONNECTIONS="8")
+    tokens = out["xla_flags"].split()
+    assert tokens[:2] == user.split()
+    for name in ("xla_gpu_enable_triton_gemm", "xla_gpu_all_gather_combine_threshold_bytes"):
+        assert [runtime.flag_name(t) for t in tokens].count(name) == 1, tokens
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in tokens   # the others still apply
+    assert out["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" not in out["applied"]
+
+
+def test_gpu_flags_not_set_for_a_cpu(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not runtime.gpu_backend_expected()
+    assert runtime.tune_gpu() == []       # returns before looking at JAX's backends
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+    assert runtime.tune_gpu() == []
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert runtime.gpu_backend_expected()
