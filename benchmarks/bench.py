@@ -34,6 +34,8 @@ for _name, _help in [("vocab_size", ""), ("d_model", ""), ("n_layers", ""), ("n_
                      ("window", "Sliding window (tokens a query sees, itself included)."),
                      ("max_position_embeddings", ""), ("splash_block_q", ""), ("splash_block_kv", "")]:
     flags.DEFINE_integer(_name, None, f"Override the preset's {_name}. {_help}")
+flags.DEFINE_list("layer_pattern", None, "Override the repeating layer types, e.g. 'sliding,full' "
+                  "(n_layers must be a multiple of its length; default: the preset's 3 sliding + 1 full).")
 flags.DEFINE_enum("attention", None, ["xla", "splash", "cudnn"], "Attention kernel (default: preset's).")
 flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Rematerialization policy.")
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype.")
@@ -41,6 +43,8 @@ flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/ma
 flags.DEFINE_integer("batch", 4, "Global batch (instances per step).")
 flags.DEFINE_integer("seq_len", 512, "Tokens per instance.")
 flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: all).")
+flags.DEFINE_integer("doc_len", None, "Documents of this many tokens per instance, masked from each other "
+                     "(segment ids, stage 3's intra-document masking); default: one document per instance.")
 flags.DEFINE_integer("loss_chunk", 1024, "Tokens per chunk of the lm_head + cross entropy.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp:8' (default: every device on fsdp).")
 flags.DEFINE_integer("warmup", 2, "Untimed steps (the first compiles).")
@@ -84,9 +88,12 @@ def build_ours(config, tokens_np):
     state = sharding.place((lambda m: (m, optimizer.init(m)))(olmo3.OLMo3(config, jax.random.key(0))), abstract)
     specs = sharding.param_specs(state[0], mesh)
     step_fn = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
-                                       chunk=F.loss_chunk)
+                                       chunk=F.loss_chunk, use_segments=F.doc_len is not None)
+    segment_ids = np.zeros_like(tokens_np)
+    if F.doc_len:   # documents 0, 1, 2, ... of doc_len tokens; the last one shorter if need be
+        segment_ids += (np.arange(F.seq_len, dtype=np.int32) // F.doc_len)[None]
     batch = sharding.global_batch({"tokens": tokens_np, "instance_mask": np.ones(F.batch, bool),
-                                   "segment_ids": np.zeros_like(tokens_np)}, mesh)
+                                   "segment_ids": segment_ids}, mesh)
     holder = {"state": state}
 
     def run_step():
@@ -160,23 +167,28 @@ def main(argv):
                                             "head_dim", "mlp_hidden", "window", "attention", "remat",
                                             "param_dtype", "compute_dtype", "max_position_embeddings",
                                             "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
+    if F.layer_pattern:
+        overrides["layer_pattern"] = tuple(F.layer_pattern)
     config = olmo3.Config.preset(F.model, **overrides)
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds max_position_embeddings="
                              f"{config.max_position_embeddings} of --model={F.model}")
+    if F.doc_len is not None and F.doc_len < 1:
+        raise app.UsageError(f"--doc_len={F.doc_len} must be >= 1")
     if F.steps < 1 or F.warmup < 0:
         raise app.UsageError(f"--steps={F.steps} must be >= 1 and --warmup={F.warmup} >= 0")
     tokens_np = np.random.default_rng(0).integers(0, config.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
     tokens_per_step = F.batch * F.seq_len
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
     device = jax.devices()[0]
-    print(f"device: {device.platform} {device.device_kind} x{jax.device_count()} | cores {cores()} | "
+    cpu = f" ({metrics_lib.cpu_model()})" if device.platform == "cpu" else ""   # CPUs differ: name it
+    print(f"device: {device.platform} {device.device_kind}{cpu} x{jax.device_count()} | cores {cores()} | "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} | tuning: {', '.join(tuned) or 'none'}")
     print(f"config: {F.model} d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}/"
           f"{config.n_kv_heads}x{config.head_dim} mlp={config.mlp_hidden} window={config.window} "
           f"vocab={config.vocab_size} | batch {F.batch} x seq {F.seq_len} | {config.param_dtype} params, "
           f"{config.compute_dtype} compute | attention={config.attention} remat={config.remat} "
-          f"loss_chunk={F.loss_chunk}")
+          f"loss_chunk={F.loss_chunk}" + (f" | documents of {F.doc_len} tokens" if F.doc_len else ""))
     print(f"params: {config.num_params():,} ({config.num_params(False):,} without the input embedding); "
           f"train FLOPs/token: {flops['writeup'] / tokens_per_step / 1e6:.1f} M (write-up), "
           f"{flops['sliding'] / tokens_per_step / 1e6:.1f} M (sliding)")

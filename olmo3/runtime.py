@@ -1,21 +1,36 @@
-"""Process settings that XLA's CPU backend rewards. Call `tune_cpu()` before JAX starts a backend.
+"""Process settings each backend rewards: `tune_cpu()` and `tune_gpu()`, called before JAX starts.
 
-Both were found by profiling the issue-8 CPU config (benchmarks/bench_cpu.flags: d_model 512, 8 layers,
-vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10.2; each is a measured fix, not folklore:
+    CPU backend:  XLA_FLAGS += YNNPACK for dots only
+                  malloc: one arena, no mmap, no trim          (freed temporaries stay mapped)
+                  a watcher thread: when  RSS - bytes malloc holds live  >  limit,  malloc_trim(0)
+    NVIDIA GPU:   XLA_FLAGS += the flags MaxText / JAX-Toolbox train LLMs with (GPU_XLA_FLAGS)
+                  env CUDA_DEVICE_MAX_CONNECTIONS=1, XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+    anything set by the user (one XLA_FLAGS entry, one environment variable) wins over ours.
+
+CPU: each setting was found by profiling the issue-8 CPU config (benchmarks/bench_cpu.flags:
+d_model 512, 8 layers, vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10.2:
 
 1. YNNPACK for dots only. XLA:CPU hands dots AND reductions to YNNPACK by default. The softmax
    normalizer of the chunked cross entropy (a sum of exp over [1024, 100278] logits) took 253 ms
    per chunk there, against 22 ms for XLA's own loop fusion over the same logits. Dots only:
-   step 8.76 s -> 8.08 s. (Also handing it elementwise ops: 11.04 s; no YNNPACK at all: 8.42 s.)
+   step 8.76 s -> 8.08 s (AMD EPYC). (Also handing it elementwise ops: 11.04 s; no YNNPACK at all: 8.42 s.)
 2. Keep freed memory in the process. XLA:CPU mallocs each step's temporaries; glibc hands any
    block over 32 MB straight back to the kernel on free (mmap/munmap), so every step faulted its
    ~3.9 GB of temporaries in again: 986k minor page faults and 1.9 s of system time per 8 s
    step. With one malloc arena that never mmaps and never trims, steady-state steps fault
-   nothing (a step that must grow the heap still does; seen once in six): 8.1 s -> 7.0 s. The
-   cost: the process keeps its peak heap (RSS never shrinks), as a training process does anyway.
+   nothing: 8.1 s -> 7.0 s.
+3. ...but bound what it keeps. A heap that never shrinks also keeps its holes: temporaries of
+   other shapes (evaluation, a checkpoint's host copies, 8 host devices allocating at once) land
+   beside each other and the heap's high-water mark ratchets up. A train.py run with 8 host
+   devices at stage-3 shapes (issue 14) was SIGKILLed at 24.4 GB RSS where glibc's defaults
+   finish at 10.1 GB. So a daemon thread reads, twice a second, the resident memory the heap
+   holds free (RSS minus the bytes malloc has handed out live) and returns it with
+   malloc_trim(0) when it exceeds `held_limit` (default: a quarter of physical memory): the
+   steady-state step keeps its temporaries mapped (the speed of 2), a run that fragments is
+   trimmed back to about glibc's default footprint. tests/test_runtime.py checks both.
 
-Accelerator hosts are left alone (their steps do not run on these allocators), and a user's
-own XLA_FLAGS win over (1). Measure with and without: `python benchmarks/bench.py ... --notune_cpu`.
+Accelerator hosts are left alone by tune_cpu (their steps do not run on these allocators).
+Measure with and without: `python benchmarks/bench.py ... --notune_cpu`.
 """
 from __future__ import annotations
 
@@ -23,12 +38,15 @@ import ctypes
 import importlib.util
 import os
 import sys
+import threading
+import time
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 YNN_DOTS_ONLY = "--xla_cpu_experimental_ynn_fusion_type=dot"
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
+WATCH_INTERVAL_S = 0.5
 
 
 def cpu_backend_expected() -> bool:
@@ -50,29 +68,74 @@ def _backends_started() -> bool:
         return True
 
 
-def tune_cpu() -> list[str]:
-    """Apply (1) and (2) above when the backend will be the CPU; returns what was applied
-    (empty on accelerator hosts). Raises if JAX already started a backend: too late then."""
+class _MallInfo2(ctypes.Structure):   # glibc >= 2.33 <malloc.h> struct mallinfo2
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _glibc():
+    """The C library this process loaded, if it is glibc with mallopt, mallinfo2, malloc_trim."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallinfo2.restype = _MallInfo2
+        libc.mallopt, libc.malloc_trim   # noqa: B018 -- AttributeError where missing
+        return libc
+    except (OSError, AttributeError, TypeError):   # macOS, Windows, musl, an old glibc
+        return None
+
+
+def held_free_bytes(libc) -> int:
+    """Resident bytes the heap holds but has not handed out: RSS - malloc's live bytes. (Also
+    counts the non-malloc resident memory, shared libraries and stacks: a few hundred MB.)"""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    info = libc.mallinfo2()
+    return rss - info.uordblks - info.hblkhd
+
+
+class _TrimWatcher(threading.Thread):
+    """(3) above: return held free memory to the kernel when it exceeds `limit` bytes."""
+
+    def __init__(self, libc, limit: int):
+        super().__init__(name="olmo3-malloc-trim", daemon=True)
+        self.libc, self.limit, self.trims = libc, limit, 0
+
+    def run(self):
+        while True:
+            time.sleep(WATCH_INTERVAL_S)
+            if held_free_bytes(self.libc) > self.limit:
+                self.libc.malloc_trim(0)   # every whole free page, not only the heap's top
+                self.trims += 1
+
+
+_watcher: _TrimWatcher | None = None
+
+
+def default_held_limit() -> int:
+    """A quarter of physical memory: above one CPU step's temporaries here (3.9 GB of 23 GB)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
+def tune_cpu(held_limit: int | None = None) -> list[str]:
+    """Apply (1)-(3) above when the backend will be the CPU; returns what was applied (empty on
+    accelerator hosts). `held_limit`: bytes of free memory the heap may keep resident (default
+    `default_held_limit()`). Raises if JAX already started a backend: too late then."""
+    global _watcher
     if not cpu_backend_expected():
         return []
     if _backends_started():
         raise RuntimeError("olmo3.runtime.tune_cpu() must run before JAX starts a backend "
                            "(before the first jax.devices() or array op)")
-    applied = []
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_experimental_ynn_fusion_type" not in xla_flags:
-        os.environ["XLA_FLAGS"] = f"{xla_flags} {YNN_DOTS_ONLY}".strip()
-        applied.append(YNN_DOTS_ONLY)
-    try:
-        mallopt = ctypes.CDLL(None).mallopt   # the C library this process already loaded
-    except (OSError, AttributeError, TypeError):   # no glibc (macOS, Windows): nothing to tune
-        mallopt = None
-    if mallopt is not None:
-        # -1 as size_t: never trim the heap top back to the kernel.
-        ok = all(mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0),
-                                                 (_M_TRIM_THRESHOLD, -1)))
-        if ok:
-            applied.append("malloc: one arena, no mmap, no trim")
+    applied = add_xla_flags([YNN_DOTS_ONLY])
+    libc = _glibc() if sys.platform.startswith("linux") else None
+    if libc is not None and _watcher is None:
+        # -1 as size_t: never trim the heap top back to the kernel (the watcher bounds it).
+        if all(libc.mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0),
+                                                     (_M_TRIM_THRESHOLD, -1))):
+            limit = held_limit or default_held_limit()
+            _watcher = _TrimWatcher(libc, limit)
+            _watcher.start()
+            applied.append(f"malloc: one arena, no mmap, trimmed above {limit / 2**30:.1f} GB held free")
     return applied
 
 

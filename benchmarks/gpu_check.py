@@ -1,0 +1,222 @@
+"""One prepared device check for an NVIDIA GPU: the attention kernels, throughput and stage-3 memory, as ONE table.
+
+    bash benchmarks/gpu_check.sh              # one H100 / H200, under 8 minutes
+    python benchmarks/gpu_check.py --smoke    # any CPU: tiny shapes, Pallas interpret mode (tests/test_gpu_check.py)
+
+    row            computes                                                  figures
+    kernel <case>  attention(impl="splash") (the Pallas Triton kernel on a    max |kernel - oracle| / max |oracle|
+                   GPU) against reference_attention in fp32, forward and      for out, dq, dk, dv
+                   d(sum(out * ct))/d(q, k, v); cases: causal, window,
+                   window + ragged documents (GQA 4:1 bf16), causal fp32
+    cudnn <case>   the model's logits, --attention=cudnn vs --attention=xla   max |err| / max |xla logits|
+                   (with documents cudnn hands off to the GPU kernel)
+    bench <impl>   benchmarks/bench.py --flagfile=benchmarks/bench_gpu_1b.flags  tokens/s, MFU of the nominal
+                   --attention=splash / cudnn (~1B, bf16, seq 8192)             bf16 peak (989 TFLOP/s H100/H200)
+    stage3         bench.py at the stage-3 shape: 7B width, two layers          step time, peak device memory
+                   (sliding + full), seq 65,536, YaRN, documents of 20,000      (memory_stats peak_bytes_in_use)
+                   tokens, splash
+
+Why it is built this way: GPU time is scarce (a device check gets minutes), so everything is
+prepared to run unattended once. Each row runs under its own guard: an exception, a timeout or
+an out-of-memory in one row becomes that row's text and the other rows still run and print.
+The throughput rows run bench.py itself in a subprocess (its own process: a crash or OOM there
+cannot take the table down, and what is measured is exactly what bench.py measures). The exit
+status is 1 when a row failed or a kernel error is over its tolerance, else 0; rows that cannot
+run on this backend (cuDNN on a CPU) say so and do not fail.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+F = flags.FLAGS
+flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: Pallas interpret mode), ~1 minute.")
+flags.DEFINE_integer("row_timeout", 170, "Seconds each bench.py subprocess may run (not in --smoke).")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Relative error tolerances of the kernel rows: bf16 inputs round q, k, v, p to 8 bits of
+# mantissa (and the oracle does not); fp32 may run its dots as TF32 on a GPU (10 bits).
+TOL = {"bfloat16": 3e-2, "float32": 5e-3}
+# A CPU-sized model for the smoke runs of bench.py: every flag path, seconds per step.
+SMOKE_MODEL = ["--d_model=64", "--n_heads=4", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=128",
+               "--vocab_size=512", "--splash_block_q=64", "--splash_block_kv=64", "--matmul_n=256",
+               "--steps=1", "--warmup=1"]
+
+
+def guarded(rows: list, name: str, fn) -> None:
+    """Append fn()'s (result, figures, ok) rows; an exception becomes this row's failure."""
+    t = time.perf_counter()
+    try:
+        out = fn()
+    except Exception as e:   # noqa: BLE001 -- the table must print whatever happens in one row
+        out = [(name, "FAILED", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}", False)]
+    for row in out:
+        rows.append(row)
+        print(f"[{time.perf_counter() - t:6.1f} s] {row[0]}: {row[1]} {row[2]}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# kernel: the GPU kernel against the dense fp32 oracle, forward and gradients.
+# ---------------------------------------------------------------------------------------------
+def kernel_rows(smoke: bool) -> list:
+    import jax
+    import jax.numpy as jnp
+
+    from olmo3.attention import attention, reference_attention
+
+    H, KV, T, D, W = (4, 2, 256, 64, 64) if smoke else (32, 8, 4096, 128, 1024)
+    blocks = {"block_q": 128, "block_kv": 128} if smoke else {}   # smoke: several blocks per row
+    # Ragged documents: 30% / 45% / the rest of the sequence, boundaries off the block grid.
+    bounds = jnp.array([int(T * 0.3) + 3, int(T * 0.75) + 5])
+    docs = jnp.searchsorted(bounds, jnp.arange(T), side="right").astype(jnp.int32)
+    cases = [("causal", "bfloat16", None, None), ("window", "bfloat16", W, None),
+             ("window+docs", "bfloat16", W, docs), ("causal fp32", "float32", None, docs)]
+    if smoke:
+        cases = cases[2:]
+    rows = []
+    for name, dtype, window, seg in cases:
+        kq, kk, kv_, kc = jax.random.split(jax.random.key(len(rows)), 4)
+        q = jax.random.normal(kq, (H, T, D), dtype)
+        k = jax.random.normal(kk, (KV, T, D), dtype)
+        v = jax.random.normal(kv_, (KV, T, D), dtype)
+        ct = jax.random.normal(kc, (H, T, D), jnp.float32)
+
+        def loss(q, k, v, fn):
+            out = fn(q, k, v)
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+
+        kernel = lambda q, k, v: attention(q, k, v, window=window, segment_ids=seg,  # noqa: E731
+                                           impl="splash", **blocks)
+        oracle = lambda q, k, v: reference_attention(q, k, v, window=window, segment_ids=seg)  # noqa: E731
+        grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(*a, fn), argnums=(0, 1, 2), has_aux=True))  # noqa: E731
+        (dq, dk, dv), out = grad(kernel)(q, k, v)
+        with jax.default_matmul_precision("highest"):
+            f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+            (rq, rk, rv), ref = grad(oracle)(*f32)
+        errs = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+                for n, a, b in (("out", out, ref), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv))}
+        ok = max(errs.values()) <= TOL[dtype]
+        gqa = f"{H}/{KV} heads" if H != KV else f"{H} heads"
+        rows.append((f"kernel {name}", "ok" if ok else f"OVER {TOL[dtype]:g}",
+                     " ".join(f"{n} {e:.1e}" for n, e in errs.items()) +
+                     f"; {dtype} {gqa} seq {T} hd {D}" + (f" window {window}" if window else ""), ok))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# cudnn: the model's logits with cuDNN attention against XLA's.
+# ---------------------------------------------------------------------------------------------
+def cudnn_rows(smoke: bool) -> list:
+    import jax
+    import jax.numpy as jnp
+
+    import olmo3
+
+    if jax.default_backend() != "gpu":
+        return [("cudnn", "skipped", f"cuDNN needs an NVIDIA GPU (backend: {jax.default_backend()})", True)]
+    T = 256 if smoke else 4096
+    cfg = olmo3.Config.preset("tiny", d_model=512, n_layers=4, n_heads=8, n_kv_heads=8, head_dim=64,
+                              mlp_hidden=1536, window=T // 4, max_position_embeddings=T,
+                              param_dtype="float32", compute_dtype="bfloat16")
+    tokens = jax.random.randint(jax.random.key(1), (T,), 0, cfg.vocab_size)
+    docs = (jnp.arange(T) // (T // 3 + 7)).astype(jnp.int32)
+    rows = []
+    for name, seg in (("causal+window", None), ("window+docs", docs)):
+        logits = {}
+        for impl in ("xla", "cudnn"):
+            model = olmo3.OLMo3(cfg.replace(attention=impl), jax.random.key(0))   # same weights
+            logits[impl] = jax.jit(lambda m, t: m(t, segment_ids=seg))(model, tokens)
+        err = float(jnp.max(jnp.abs(logits["cudnn"] - logits["xla"])) / jnp.max(jnp.abs(logits["xla"])))
+        ok = err <= TOL["bfloat16"]
+        rows.append((f"cudnn {name}", "ok" if ok else f"OVER {TOL['bfloat16']:g}",
+                     f"logits {err:.1e} of max; bf16, 4 layers, seq {T}", ok))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# bench / stage3: bench.py in a subprocess, its printed figures parsed.
+# ---------------------------------------------------------------------------------------------
+def run_bench(args: list[str], timeout: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    try:
+        out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), *args], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"bench.py ran past {timeout:.0f} s") from None
+    text = out.stdout + out.stderr
+    if out.returncode != 0:
+        tail = [line for line in text.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+        raise RuntimeError(f"bench.py exit {out.returncode}: {tail[0][:200]}")
+    figures = dict(re.findall(r"(\w+)=([-\w.]+)", text.strip().splitlines()[-1]))
+    step = re.search(r"^ours *: step min [\d.]+ s, median ([\d.]+) s", text, re.M)
+    mem = re.search(r"^memory: (.*)$", text, re.M)
+    return {"tokens_per_s": float(figures["tokens_per_s"]), "mfu_nominal": float(figures["mfu_nominal"]),
+            "mfu_measured": float(figures["mfu_measured"]), "step_s": float(step.group(1)) if step else float("nan"),
+            "memory": mem.group(1) if mem else "memory not reported"}
+
+
+def mfu_text(r: dict) -> str:
+    if r["mfu_nominal"] == r["mfu_nominal"]:   # not NaN: the device has a nominal peak
+        return f"MFU {r['mfu_nominal']:.1%} of nominal ({r['mfu_measured']:.1%} of measured matmul)"
+    return f"MFU {r['mfu_measured']:.1%} of the measured matmul peak (no nominal peak here)"
+
+
+def bench_rows(smoke: bool, impl: str) -> list:
+    import jax
+    if impl == "cudnn" and jax.default_backend() != "gpu":
+        return [(f"bench {impl}", "skipped", f"cuDNN needs an NVIDIA GPU (backend: {jax.default_backend()})", True)]
+    if smoke:
+        args = ["--model=tiny", "--n_layers=4", "--window=32", "--seq_len=128", "--batch=2", *SMOKE_MODEL]
+    else:
+        args = ["--flagfile=benchmarks/bench_gpu_1b.flags"]
+    r = run_bench(args + [f"--attention={impl}"], F.row_timeout)
+    shape = "smoke shapes" if smoke else "~1B (bench_gpu_1b.flags), bf16, 8 x 8192"
+    return [(f"bench {impl}", "ok", f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s']:.3f} s, "
+             f"{mfu_text(r)}; {shape}; {r['memory']}", True)]
+
+
+def stage3_rows(smoke: bool) -> list:
+    common = ["--model=olmo3_7b_long", "--layer_pattern=sliding,full", "--n_layers=2",
+              "--param_dtype=float32", "--compute_dtype=bfloat16", "--attention=splash", "--remat=save_proj",
+              "--batch=1"]
+    if smoke:
+        args = common + ["--seq_len=512", "--doc_len=200", "--window=128", "--loss_chunk=256", *SMOKE_MODEL]
+    else:   # the 7B's width and stage-3 vocabulary (stage3.flags), one 65,536-token instance
+        args = common + ["--vocab_size=100352", "--seq_len=65536", "--doc_len=20000", "--loss_chunk=4096",
+                         "--matmul_n=8192", "--steps=2", "--warmup=1"]
+    r = run_bench(args, F.row_timeout)
+    shape = "smoke shapes" if smoke else "7B width, 2 layers, seq 65,536, documents of 20,000"
+    return [("stage3", "ok", f"step {r['step_s']:.3f} s, {r['tokens_per_s']:,.0f} tokens/s, {r['memory']}; {shape}",
+             True)]
+
+
+def main(argv):
+    del argv
+    from olmo3 import runtime
+    runtime.tune_gpu()   # the same process settings train.py runs with (GPU hosts only)
+    import jax
+
+    from olmo3 import metrics as metrics_lib
+    t0 = time.perf_counter()
+    rows: list = []
+    guarded(rows, "kernel", lambda: kernel_rows(F.smoke))
+    guarded(rows, "cudnn", lambda: cudnn_rows(F.smoke))
+    guarded(rows, "bench splash", lambda: bench_rows(F.smoke, "splash"))
+    guarded(rows, "bench cudnn", lambda: bench_rows(F.smoke, "cudnn"))
+    guarded(rows, "stage3", lambda: stage3_rows(F.smoke))
+    print(f"\ngpu_check on {metrics_lib.device_description()}, jax {jax.__version__}"
+          f"{' (--smoke)' if F.smoke else ''}, {time.perf_counter() - t0:.0f} s\n")
+    print("| check | result | figures |\n|---|---|---|")
+    for name, result, figures, _ in rows:
+        print(f"| {name} | {result} | {figures} |")
+    sys.stdout.flush()
+    sys.exit(0 if all(ok for *_, ok in rows) else 1)
+
+
+if __name__ == "__main__":
+    app.run(main)
