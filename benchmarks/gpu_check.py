@@ -1,7 +1,7 @@
 """One prepared device check for an NVIDIA GPU: the attention kernels, throughput and stage-3 memory, as ONE table.
 
     bash benchmarks/gpu_check.sh              # one H100 / H200, under 8 minutes
-    python benchmarks/gpu_check.py --smoke    # any CPU: tiny shapes, Pallas interpret mode (tests/test_gpu_check.py)
+    python benchmarks/gpu_check.py --smoke    # any CPU: tiny shapes (tests/test_gpu_check.py)
 
     row            computes                                                  figures
     kernel <case>  attention(impl="splash") (the Pallas Triton kernel on a    max |kernel - oracle| / max |oracle|
@@ -35,8 +35,11 @@ import time
 from absl import app, flags
 
 F = flags.FLAGS
-flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: Pallas interpret mode), ~1 minute.")
-flags.DEFINE_integer("row_timeout", 170, "Seconds each bench.py subprocess may run (not in --smoke).")
+flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: the kernel rows in Pallas interpret mode, "
+                  "the bench rows with --attention=xla), ~1 minute.")
+flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, bench, stage3 (default: all).")
+flags.DEFINE_integer("row_timeout", 130, "Seconds each bench.py subprocess may run: 3 x 130 s + ~80 s of kernel and "
+                     "cuDNN rows stay inside gpu_check.sh's 475 s.")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Relative error tolerances of the kernel rows: bf16 inputs round q, k, v, p to 8 bits of
@@ -152,7 +155,7 @@ def run_bench(args: list[str], timeout: float) -> dict:
     if out.returncode != 0:
         tail = [line for line in text.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
         raise RuntimeError(f"bench.py exit {out.returncode}: {tail[0][:200]}")
-    figures = dict(re.findall(r"(\w+)=([-\w.]+)", text.strip().splitlines()[-1]))
+    figures = dict(re.findall(r"(\w+)=([-\w.]+)", out.stdout.strip().splitlines()[-1]))   # bench.py's last line
     step = re.search(r"^ours *: step min [\d.]+ s, median ([\d.]+) s", text, re.M)
     mem = re.search(r"^memory: (.*)$", text, re.M)
     return {"tokens_per_s": float(figures["tokens_per_s"]), "mfu_nominal": float(figures["mfu_nominal"]),
@@ -170,27 +173,28 @@ def bench_rows(smoke: bool, impl: str) -> list:
     import jax
     if impl == "cudnn" and jax.default_backend() != "gpu":
         return [(f"bench {impl}", "skipped", f"cuDNN needs an NVIDIA GPU (backend: {jax.default_backend()})", True)]
-    if smoke:
-        args = ["--model=tiny", "--n_layers=4", "--window=32", "--seq_len=128", "--batch=2", *SMOKE_MODEL]
+    if smoke:   # the kernel rows ran the kernel; here the subprocess and its parsing are checked
+        args = ["--model=tiny", "--n_layers=4", "--window=32", "--seq_len=128", "--batch=2", *SMOKE_MODEL,
+                "--attention=xla"]
     else:
-        args = ["--flagfile=benchmarks/bench_gpu_1b.flags"]
-    r = run_bench(args + [f"--attention={impl}"], F.row_timeout)
-    shape = "smoke shapes" if smoke else "~1B (bench_gpu_1b.flags), bf16, 8 x 8192"
+        args = ["--flagfile=benchmarks/bench_gpu_1b.flags", f"--attention={impl}"]
+    r = run_bench(args, F.row_timeout)
+    shape = "smoke shapes, --attention=xla" if smoke else "~1B (bench_gpu_1b.flags), bf16, 8 x 8192"
     return [(f"bench {impl}", "ok", f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s']:.3f} s, "
              f"{mfu_text(r)}; {shape}; {r['memory']}", True)]
 
 
 def stage3_rows(smoke: bool) -> list:
     common = ["--model=olmo3_7b_long", "--layer_pattern=sliding,full", "--n_layers=2",
-              "--param_dtype=float32", "--compute_dtype=bfloat16", "--attention=splash", "--remat=save_proj",
-              "--batch=1"]
+              "--param_dtype=float32", "--compute_dtype=bfloat16", "--remat=save_proj", "--batch=1"]
     if smoke:
-        args = common + ["--seq_len=512", "--doc_len=200", "--window=128", "--loss_chunk=256", *SMOKE_MODEL]
+        args = common + ["--seq_len=512", "--doc_len=200", "--window=128", "--loss_chunk=256", *SMOKE_MODEL,
+                         "--attention=xla"]
     else:   # the 7B's width and stage-3 vocabulary (stage3.flags), one 65,536-token instance
         args = common + ["--vocab_size=100352", "--seq_len=65536", "--doc_len=20000", "--loss_chunk=4096",
-                         "--matmul_n=8192", "--steps=2", "--warmup=1"]
+                         "--matmul_n=8192", "--steps=2", "--warmup=1", "--attention=splash"]
     r = run_bench(args, F.row_timeout)
-    shape = "smoke shapes" if smoke else "7B width, 2 layers, seq 65,536, documents of 20,000"
+    shape = "smoke shapes, --attention=xla" if smoke else "7B width, 2 layers, seq 65,536, documents of 20,000"
     return [("stage3", "ok", f"step {r['step_s']:.3f} s, {r['tokens_per_s']:,.0f} tokens/s, {r['memory']}; {shape}",
              True)]
 
@@ -204,11 +208,18 @@ def main(argv):
     from olmo3 import metrics as metrics_lib
     t0 = time.perf_counter()
     rows: list = []
-    guarded(rows, "kernel", lambda: kernel_rows(F.smoke))
-    guarded(rows, "cudnn", lambda: cudnn_rows(F.smoke))
-    guarded(rows, "bench splash", lambda: bench_rows(F.smoke, "splash"))
-    guarded(rows, "bench cudnn", lambda: bench_rows(F.smoke, "cudnn"))
-    guarded(rows, "stage3", lambda: stage3_rows(F.smoke))
+    parts = {"kernel": [("kernel", lambda: kernel_rows(F.smoke))],
+             "cudnn": [("cudnn", lambda: cudnn_rows(F.smoke))],
+             "bench": [("bench splash", lambda: bench_rows(F.smoke, "splash")),
+                       ("bench cudnn", lambda: bench_rows(F.smoke, "cudnn"))],
+             "stage3": [("stage3", lambda: stage3_rows(F.smoke))]}
+    unknown = set(F.only or ()) - set(parts)
+    if unknown:
+        raise app.UsageError(f"--only={','.join(F.only)}: unknown part(s) {sorted(unknown)}; choose from {list(parts)}")
+    for part, runs in parts.items():
+        if F.only is None or part in F.only:
+            for name, fn in runs:
+                guarded(rows, name, fn)
     print(f"\ngpu_check on {metrics_lib.device_description()}, jax {jax.__version__}"
           f"{' (--smoke)' if F.smoke else ''}, {time.perf_counter() - t0:.0f} s\n")
     print("| check | result | figures |\n|---|---|---|")

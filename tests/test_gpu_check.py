@@ -1,0 +1,39 @@
+"""benchmarks/gpu_check.py --smoke: the prepared GPU device check runs end to end on a CPU (tiny
+shapes; the kernel rows in Pallas interpret mode against the dense oracle), so it cannot rot
+between the rare runs on a GPU. The default test runs the kernel rows and one bench.py row
+(the stage-3 one: --doc_len, --layer_pattern and the parsing of bench.py's output); the slow
+one runs every row."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def smoke(*args):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--smoke",
+                          "--row_timeout=600", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert table[0] == "| check | result | figures |", table
+    return {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in table[2:]}
+
+
+def test_gpu_check_smoke_kernel_and_stage3():
+    rows = smoke("--only=kernel,stage3")
+    assert {k: v[0] for k, v in rows.items()} == {"kernel window+docs": "ok", "kernel causal fp32": "ok",
+                                                  "stage3": "ok"}
+    assert "tokens/s" in rows["stage3"][1] and "host_peak_rss_gb" in rows["stage3"][1]
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_every_row():
+    rows = smoke()
+    assert {k: v[0] for k, v in rows.items()} == {
+        "kernel window+docs": "ok", "kernel causal fp32": "ok", "cudnn": "skipped",
+        "bench splash": "ok", "bench cudnn": "skipped", "stage3": "ok"}
