@@ -398,7 +398,8 @@ def main(argv):
         else:
             hb = heldout_report(model_b, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)
             results.update({f"{k}_delta": hb[k] - results[k] for k in hb})
-        results.update(kl_report(model, model_b, sets, F.kl_instances))
+        if not F.position_buckets:  # KL reads fixed-length rows; padded documents carry padding
+            results.update(kl_report(model, model_b, sets, F.kl_instances))
     for k, v in results.items():
         line = f"{k:40s} {v:.5g}" if isinstance(v, float) else f"{k:40s} {v}"
         if k.startswith("downstream/") and not k.endswith("/n"):  # OLMo-core's name for AI2's curves

@@ -198,3 +198,43 @@ def test_eval_position_report_and_paired_deltas(tmp_path):
     diff = (ce_b[:, 0] - ce[:, 0])
     assert d["pos/all/0-16/loss_delta"] == pytest.approx(diff.sum() / n[:, 0].sum())
     assert d["pos/all/0-16/loss_delta_se"] == pytest.approx(heldout.ratio_se(diff, n[:, 0]))
+
+
+@pytest.mark.slow  # four train.py / eval.py processes: a few minutes on 2 cores
+def test_tiny_chain_end_to_end(tmp_path):
+    """The README's chain, shrunk (a smaller model, 1/8 of the sequence lengths, a few steps):
+    stage 1 -> warm stage-2 anneal -> stage 3 at 4x the length with YaRN and packed documents ->
+    eval.py's position buckets before (stage 2) and after (stage 3)."""
+    from test_train import word_corpus
+    docs = word_corpus(tmp_path / "docs")
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    shrink = ["--d_model=32", "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--window=8",
+              f"--data={docs}", f"--data_dir={tmp_path / 'data'}", "--eval_batches=1", "--loss_chunk=128"]
+
+    def run(script, *args):
+        p = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                           env=env, cwd=ROOT, timeout=900)
+        assert p.returncode == 0, p.stderr[-4000:]
+        return p
+
+    s1, s2, s3 = (str(tmp_path / n) for n in ("s1", "s2", "s3"))
+    run("train.py", "--flagfile=tiny.flags", *shrink, "--seq_len=32", "--total_steps=6", "--warmup_steps=2",
+        "--save_interval=6", f"--run_dir={s1}")
+    run("train.py", "--flagfile=tiny_stage2.flags", *shrink, "--total_steps=3", "--save_interval=3",
+        "--seq_len=32", f"--init_from={s1}/checkpoints/6", f"--run_dir={s2}")
+    p = run("train.py", "--flagfile=tiny_stage3.flags", *shrink, "--seq_len=128", "--yarn_original_max_position=32",
+            "--total_steps=3", "--warmup_steps=1", "--save_interval=3", f"--init_from={s2}/checkpoints/3",
+            f"--run_dir={s3}")
+    assert "Warm start (params + Adam moments)" in p.stderr and "Packed PackedFSLDataset" in p.stderr
+    from olmo3.checkpoint import CheckpointManager
+    yarn = CheckpointManager(s3, read_only=True).read_extra(3)["model_config"]["yarn"]  # YaRN 4 over 32
+    assert (yarn["factor"], yarn["original_max_position"]) == (4.0, 32)
+    out = tmp_path / "eval"
+    run("eval.py", f"--model={s2}", f"--model_b={s3}", f"--heldout={docs}", f"--eval_data_dir={tmp_path / 'data'}",
+        "--eval_seq_len=128", "--position_buckets=0.25,0.5,1", "--eval_batch_size=2", "--max_eval_batches=2",
+        f"--out={out}")
+    with open(out / "eval.json") as f:
+        r = json.load(f)
+    for lo, hi in ((0, 32), (32, 64), (64, 128)):
+        for k in ("loss", "se", "bpb", "loss_delta", "loss_delta_se"):
+            assert math.isfinite(r[f"pos/all/{lo}-{hi}/{k}"]), (lo, hi, k)
