@@ -11,6 +11,8 @@
     python eval.py --model=runs/tiny --lm_eval_tasks=hellaswag,arc_easy
     # OLMo's own in-loop tasks, offline (AI2's packaged requests; ICLMetric's numbers, OLMo-core's names)
     python eval.py --model=runs/tiny --olmo_tasks=fast --limit=100
+    # stage 3's long-context evidence: held-out documents, loss per position bucket, before -> after
+    python eval.py --model=runs/tiny_stage2 --model_b=runs/tiny_stage3 --eval_seq_len=1024 --position_buckets=0.25,0.5,1
 
 Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed batches, so a
 number here equals the run's own eval/<domain>/loss at that step. Bits per byte divide by the
