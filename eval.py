@@ -365,10 +365,11 @@ def main(argv):
         sys.exit(2 if r["flagged"] else 0)
     if not F.model:
         raise app.UsageError("give --model (and optionally --model_b), or --compare=A,B")
+    if F.position_buckets:  # a bad flag stops before any work
+        heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())
     results = {"model": F.model, "step": info["step"]}
     if F.position_buckets:  # padded held-out documents, loss per position bucket (long-context evidence)
-        heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)  # a bad flag stops before any work
         sets = padded_sets(F.heldout, F.eval_seq_len, data_dir=F.eval_data_dir, data_mix=F.data_mix,
                            data_root=F.data_root)
         rows_a = {}

@@ -103,6 +103,19 @@ def test_ratio_se_equals_standard_error_of_the_mean_for_equal_rows():
     assert math.isnan(heldout.ratio_se(x[:1], n[:1]))
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--position_buckets=0.3,1", "--eval_seq_len=64"], "position buckets"),
+    (["--yarn", "--yarn_factor=4"], "--yarn needs --yarn_factor and --yarn_original_max_position"),
+])
+def test_eval_bad_long_context_flags(tmp_path, args, message):
+    """One line naming the flag, exit status 2, before any checkpoint is read."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), f"--model={tmp_path / 'none'}", *args],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert message in p.stderr.strip().splitlines()[-1]
+
+
 def _log_softmax64(x):
     x = np.asarray(x, np.float64)
     x = x - x.max(-1, keepdims=True)
