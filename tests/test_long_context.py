@@ -219,6 +219,7 @@ def test_tiny_chain_end_to_end(tmp_path):
     stage 1 -> warm stage-2 anneal -> stage 3 at 4x the length with YaRN and packed documents ->
     eval.py's position buckets before (stage 2) and after (stage 3)."""
     from test_train import word_corpus
+    (tmp_path / "docs").mkdir()
     docs = word_corpus(tmp_path / "docs")
     env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     shrink = ["--d_model=32", "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--window=8",
