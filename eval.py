@@ -11,6 +11,8 @@
     python eval.py --model=runs/tiny --lm_eval_tasks=hellaswag,arc_easy
     # OLMo's own in-loop tasks, offline (AI2's packaged requests; ICLMetric's numbers, OLMo-core's names)
     python eval.py --model=runs/tiny --olmo_tasks=fast --limit=100
+    # stage 3's long-context evidence: held-out documents, loss per position bucket, before -> after
+    python eval.py --model=runs/tiny_stage2 --model_b=runs/tiny_stage3 --eval_seq_len=1024 --position_buckets=0.25,0.5,1
 
 Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed batches, so a
 number here equals the run's own eval/<domain>/loss at that step. Bits per byte divide by the
@@ -48,6 +50,14 @@ flags.DEFINE_integer("eval_seq_len", 256, "Tokens per held-out instance.")
 flags.DEFINE_integer("eval_batch_size", 8, "Held-out instances per batch.")
 flags.DEFINE_integer("max_eval_batches", 4, "Held-out batches per domain (the same fixed batches every time).")
 flags.DEFINE_integer("kl_instances", 8, "Held-out instances per domain for token-level KL.")
+flags.DEFINE_list("position_buckets", [], "Held-out loss by position: the buckets' upper ends as fractions of "
+                  "--eval_seq_len, e.g. 0.25,0.5,1 (stage 3's long-context evidence). Held-out documents are then "
+                  "padded instances, each scored from its first token (OLMo-core's validation sets), so a position "
+                  "is the number of tokens of its own document before it.")
+flags.DEFINE_bool("yarn", None, "Evaluate --model with YaRN on its full-attention layers (--yarn_factor, "
+                  "--yarn_original_max_position) or without it (--noyarn). Default: as the checkpoint was trained.")
+flags.DEFINE_float("yarn_factor", None, "With --yarn: the context extension factor.")
+flags.DEFINE_integer("yarn_original_max_position", None, "With --yarn: the context the model was trained at.")
 flags.DEFINE_list("tasks", [], "Local multiple-choice tasks: jsonl files with context/choices/gold.")
 flags.DEFINE_integer("num_fewshot", 0, "Few-shot examples per prompt.")
 flags.DEFINE_integer("limit", None, "At most this many documents per task.")
@@ -75,6 +85,12 @@ flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,c
 def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, data_dir=None, data_mix=None,
                  data_root=None) -> dict:
     """{domain: FSLDataset}."""
+    paths = heldout_paths(spec, data_dir=data_dir, data_mix=data_mix, data_root=data_root)
+    return {d: data.FSLDataset(p, seq_len, vocab_size=vocab_size) for d, p in sorted(paths.items())}
+
+
+def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) -> dict:
+    """{domain: [token files]}."""
     if data_mix:
         try:
             from data import mixes
@@ -93,7 +109,7 @@ def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, data_dir=None, dat
         paths = {k.split("/", 1)[1]: v for k, v in splits.items() if k.startswith("heldout/") and v}
     if not paths:
         raise ValueError(f"no held-out domains found in --heldout={spec!r} / --data_mix={data_mix!r}")
-    return {d: data.FSLDataset(p, seq_len, vocab_size=vocab_size) for d, p in sorted(paths.items())}
+    return paths
 
 
 def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int, batch_losses=None) -> dict:
@@ -110,6 +126,70 @@ def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int, batc
     out["eval/all/loss"] = ce / tok
     out["eval/all/bpb"] = ce / (math.log(2) * nbytes) if nbytes else float("nan")
     return out
+
+
+def padded_sets(spec: str, seq_len: int, *, data_dir=None, data_mix=None, data_root=None) -> dict:
+    """{domain: PaddedFSLDataset}: every held-out document as one instance from its first token."""
+    paths = heldout_paths(spec, data_dir=data_dir, data_mix=data_mix, data_root=data_root)
+    return {d: data.PaddedFSLDataset(p, seq_len) for d, p in sorted(paths.items())}
+
+
+def position_report(model, sets: dict, fractions, *, batch_size: int, max_batches: int, rows=None) -> dict:
+    """pos/<domain>/<lo>-<hi>/{loss,bpb,se} per position bucket, and pos/all/... over every
+    domain's documents (se: standard error over documents, heldout.ratio_se). `rows` (a dict)
+    receives each domain's per-document sums, for a paired comparison of two models."""
+    lengths = heldout.token_byte_lengths(model.config.vocab_size)
+    out, per = {}, {}
+    for domain, ds in sets.items():
+        bounds = heldout.bucket_bounds(fractions, ds.seq_len)
+        per[domain] = heldout.by_position(model, ds, bounds, batch_size=batch_size, max_batches=max_batches,
+                                          byte_lengths=lengths)
+    if rows is not None:
+        rows.update(per)
+    for domain, r in [*per.items(), ("all", _concat(per.values()))]:
+        ce, tok, nbytes = r["ce"], r["tokens"], r["bytes"]
+        for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            key = f"pos/{domain}/{lo}-{hi}"
+            out[f"{key}/loss"] = ce[:, k].sum() / max(tok[:, k].sum(), 1.0)
+            out[f"{key}/se"] = heldout.ratio_se(ce[:, k], tok[:, k])
+            out[f"{key}/bpb"] = ce[:, k].sum() / (math.log(2) * max(nbytes[:, k].sum(), 1.0))
+        out[f"pos/{domain}/documents"] = len(ce)
+    return {k: float(v) if isinstance(v, np.floating) else v for k, v in out.items()}
+
+
+def _concat(results) -> dict:
+    results = list(results)
+    return {k: np.concatenate([r[k] for r in results]) for k in ("ce", "tokens", "bytes")}
+
+
+def position_deltas(rows_a: dict, rows_b: dict) -> dict:
+    """pos/<domain>/<lo>-<hi>/loss_delta (B - A, the same documents and tokens) and its paired
+    standard error over documents: the noise a before/after comparison is judged against."""
+    out = {}
+    for domain in [*rows_a, "all"]:
+        a = _concat(rows_a.values()) if domain == "all" else rows_a[domain]
+        b = _concat(rows_b.values()) if domain == "all" else rows_b[domain]
+        bounds = next(iter(rows_a.values()))["bounds"]
+        for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            d, n = b["ce"][:, k] - a["ce"][:, k], a["tokens"][:, k]
+            out[f"pos/{domain}/{lo}-{hi}/loss_delta"] = float(d.sum() / max(n.sum(), 1.0))
+            out[f"pos/{domain}/{lo}-{hi}/loss_delta_se"] = heldout.ratio_se(d, n)
+    return out
+
+
+def yarn_override():
+    """load_model overrides for --yarn / --noyarn (none: the checkpoint's own setting)."""
+    if F.yarn is None:
+        if F.yarn_factor is not None or F.yarn_original_max_position is not None:
+            raise app.UsageError("--yarn_factor / --yarn_original_max_position only apply with --yarn")
+        return {}
+    if not F.yarn:
+        return {"yarn": None}
+    if F.yarn_factor is None or F.yarn_original_max_position is None:
+        raise app.UsageError("--yarn needs --yarn_factor and --yarn_original_max_position (e.g. 4 and 256 for "
+                             "tiny_stage3.flags' YaRN, 8 and 8192 for stage3.flags')")
+    from olmo3.config import YaRN
+    return {"yarn": YaRN(factor=F.yarn_factor, original_max_position=F.yarn_original_max_position)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,10 +365,19 @@ def main(argv):
         sys.exit(2 if r["flagged"] else 0)
     if not F.model:
         raise app.UsageError("give --model (and optionally --model_b), or --compare=A,B")
-    model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype)
-    sets = sets_fn(info["config"])
-    results = {"model": F.model, "step": info["step"],
-               **heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)}
+    if F.position_buckets:  # a bad flag stops before any work
+        heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)
+    model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())
+    results = {"model": F.model, "step": info["step"]}
+    if F.position_buckets:  # padded held-out documents, loss per position bucket (long-context evidence)
+        sets = padded_sets(F.heldout, F.eval_seq_len, data_dir=F.eval_data_dir, data_mix=F.data_mix,
+                           data_root=F.data_root)
+        rows_a = {}
+        results.update(position_report(model, sets, F.position_buckets, batch_size=F.eval_batch_size,
+                                       max_batches=F.max_eval_batches, rows=rows_a))
+    else:
+        sets = sets_fn(info["config"])
+        results.update(heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches))
     if F.tasks:
         results.update(downstream_report(model, F.tasks, num_fewshot=F.num_fewshot, limit=F.limit,
                                          max_length=F.max_length))
@@ -300,12 +389,20 @@ def main(argv):
                                       include=F.lm_eval_include, max_length=F.max_length))
     if F.model_b:
         model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype)
-        diff = config_diff(info["config"], info_b["config"])
+        # YaRN rescales positions only: a stage-3 model and its stage-2 start share inputs and vocabulary
+        diff = {k: v for k, v in config_diff(info["config"], info_b["config"]).items() if k != "yarn"}
         if diff:
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
-        hb = heldout_report(model_b, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)
-        results.update({f"{k}_delta": hb[k] - results[k] for k in hb})
-        results.update(kl_report(model, model_b, sets, F.kl_instances))
+        if F.position_buckets:
+            rows_b = {}
+            position_report(model_b, sets, F.position_buckets, batch_size=F.eval_batch_size,
+                            max_batches=F.max_eval_batches, rows=rows_b)
+            results.update(position_deltas(rows_a, rows_b))
+        else:
+            hb = heldout_report(model_b, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)
+            results.update({f"{k}_delta": hb[k] - results[k] for k in hb})
+        if not F.position_buckets:  # KL reads fixed-length rows; padded documents carry padding
+            results.update(kl_report(model, model_b, sets, F.kl_instances))
     for k, v in results.items():
         line = f"{k:40s} {v:.5g}" if isinstance(v, float) else f"{k:40s} {v}"
         if k.startswith("downstream/") and not k.endswith("/n"):  # OLMo-core's name for AI2's curves

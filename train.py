@@ -58,6 +58,9 @@ flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Re
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype (moments are fp32 always).")
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
 flags.DEFINE_bool("yarn", None, "YaRN on full-attention layers (default: on for stage 3).")
+flags.DEFINE_float("yarn_factor", 8.0, "YaRN: context extension factor (OLMo-core's long-context script: 8).")
+flags.DEFINE_integer("yarn_original_max_position", 8192, "YaRN: the context the model was trained at before "
+                     "(OLMo-core's old_context_len: 8192).")
 # Data.
 flags.DEFINE_string("data", "stdlib", "'stdlib' (embedded corpus), a directory of documents, or 'mix:NAME'.")
 flags.DEFINE_string("data_dir", None, "Where prepared token files live (default: <run_dir>/../data/<name>).")
@@ -186,7 +189,7 @@ def main(argv):
                                             "splash_block_kv") if getattr(F, k) is not None}
     use_yarn = F.yarn if F.yarn is not None else F.stage == 3
     if use_yarn:
-        overrides["yarn"] = olmo3.YaRN()
+        overrides["yarn"] = olmo3.YaRN(factor=F.yarn_factor, original_max_position=F.yarn_original_max_position)
     config = olmo3.Config.preset(F.model, **overrides)
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds the model's max_position_embeddings="
@@ -433,6 +436,9 @@ def check_flags():
     if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
         raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply "
                              "with --packed")
+    if F.yarn_factor < 1 or F.yarn_original_max_position <= 0:
+        raise app.UsageError(f"--yarn_factor={F.yarn_factor} must be >= 1 and --yarn_original_max_position="
+                             f"{F.yarn_original_max_position} positive")
     if F.stage == 3 and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
 

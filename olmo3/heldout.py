@@ -4,6 +4,10 @@ training-loss curve).
     heldout(model, dataset, ...)        held-out CE with the TRAINING loss function
                                         (olmo3.step.eval_loss), and bits per byte
     token_byte_lengths(vocab)           UTF-8 bytes per dolma2 token (the bpb denominator)
+    by_position(model, dataset, bounds) held-out CE per position bucket [bounds[k], bounds[k+1]):
+                                        ce[row, k] = sum_{t in bucket k} w[row, t] * CE(row, t),
+                                        loss_k = sum_row ce[row, k] / sum_row n[row, k],
+                                        with its standard error over rows (long-context evidence)
     logit_agreement(ref, other)         per-token KL(ref || other), top-1 agreement, top-k overlap
     model_agreement(a, b, tokens)       the same for two models on identical token rows
 """
@@ -14,10 +18,12 @@ import math
 from typing import Optional
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int, Integer
 
+from olmo3.loss import chunked_cross_entropy, labels_and_weights
 from olmo3.model import OLMo3
 from olmo3.step import eval_loss
 
@@ -76,6 +82,105 @@ def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int
     out = {"ce_sum": ce, "tokens": tokens, "bytes": nbytes, "loss": ce / tokens, "batches": n,
            "batch_losses": per_batch}
     out["bpb"] = ce / (math.log(2) * nbytes) if nbytes else float("nan")
+    return out
+
+
+# ---- held-out loss by position (stage 3's long-context evidence) --------------------------------
+def bucket_bounds(fractions, seq_len: int) -> tuple[int, ...]:
+    """Bucket edges in token positions from the buckets' upper ends as fractions of `seq_len`:
+    (0.25, 0.5, 1) at 1024 -> (0, 256, 512, 1024). Every edge must be a whole position."""
+    fr = [float(f) for f in fractions]
+    edges = [f * seq_len for f in fr]
+    if not fr or any(b <= a for a, b in zip([0.0, *edges], edges)) or fr[-1] != 1.0:
+        raise ValueError(f"position buckets {fr}: give increasing fractions of the sequence in (0, 1], the last 1")
+    if any(e != round(e) for e in edges):
+        raise ValueError(f"position buckets {fr} at sequence length {seq_len}: edges {edges} are not whole positions")
+    return (0, *(int(round(e)) for e in edges))
+
+
+def position_sums(model: OLMo3, batch: dict, *, bounds: tuple[int, ...], chunk: int = 1024,
+                  use_segments: bool = False) -> tuple[Float[jax.Array, "rows buckets"], Float[jax.Array, "rows buckets"]]:
+    """(CE sum, counted targets) per row and position bucket. Position t is the token that
+    predicts tokens[t + 1] (t + 1 tokens of context); bucket k holds bounds[k] <= t < bounds[k+1].
+    The same labels, weights and float32 cross entropy as the training loss (olmo3/loss.py), so
+    the buckets' sums add up to olmo3.step.eval_loss's."""
+    tokens = batch["tokens"]
+    labels, weights, counted = labels_and_weights(tokens, batch["instance_mask"], batch.get("label_mask"))
+    if use_segments:
+        h = jax.vmap(lambda t, s: model.hidden(t, segment_ids=s))(tokens, batch["segment_ids"])
+    else:
+        h = jax.vmap(lambda t: model.hidden(t))(tokens)
+    ce, n = [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        row_ce = functools.partial(chunked_cross_entropy, lm_head=model.lm_head, chunk=min(chunk, hi - lo))
+        s, _ = jax.vmap(lambda hb, lb, wb: row_ce(hb, labels=lb, weights=wb))(
+            h[:, lo:hi], labels[:, lo:hi], weights[:, lo:hi])
+        ce.append(s)
+        n.append(jnp.sum(counted[:, lo:hi], axis=1))
+    return jnp.stack(ce, axis=1), jnp.stack(n, axis=1)
+
+
+@functools.lru_cache(maxsize=8)
+def _position_fn(bounds: tuple[int, ...], chunk: int, use_segments: bool):
+    return eqx.filter_jit(functools.partial(position_sums, bounds=bounds, chunk=chunk, use_segments=use_segments))
+
+
+def ratio_se(num: Float[np.ndarray, " rows"], den: Float[np.ndarray, " rows"]) -> float:
+    """Standard error of sum(num) / sum(den) over independent rows (the delta method's ratio
+    estimator: rows are the sampling unit, the tokens inside a row are not independent)."""
+    num, den = np.asarray(num, np.float64), np.asarray(den, np.float64)
+    keep = den > 0
+    num, den = num[keep], den[keep]
+    m = len(den)
+    if m < 2:
+        return float("nan")
+    r = num.sum() / den.sum()
+    return float(math.sqrt(m / (m - 1) * np.sum((num - r * den) ** 2)) / den.sum())
+
+
+def by_position(model: OLMo3, dataset, bounds: tuple[int, ...], *, batch_size: int,
+                max_batches: Optional[int] = None, chunk: int = 1024, use_segments: bool = True,
+                byte_lengths: Optional[Int[np.ndarray, " vocab"]] = None) -> dict:
+    """Held-out CE per position bucket: {"bounds", "ce" [rows, K], "tokens" [rows, K], "bytes"
+    [rows, K], "loss" [K], "se" [K], "bpb" [K]}. The rows are a padded dataset's documents in file
+    order (each scored from its first token, so position = tokens of the same document before
+    it; data/padded.py), or a fixed-length dataset's fixed batches (seed 0, as `heldout`).
+    `se` is each bucket's standard error over rows (`ratio_se`)."""
+    import data
+    if bounds[-1] != dataset.seq_len:
+        raise ValueError(f"position buckets end at {bounds[-1]} but the held-out instances are "
+                         f"{dataset.seq_len} tokens; the last bucket must end at the sequence length")
+    padded = isinstance(dataset, data.PackedFSLDataset)
+    n = -(-len(dataset) // batch_size) if padded else len(dataset) // batch_size
+    if n == 0:
+        raise ValueError(f"held-out set {dataset!r} has {len(dataset)} instances, fewer than one batch of "
+                         f"{batch_size}; lower --eval_batch_size")
+    if max_batches is not None:
+        n = min(n, max_batches)
+    fn = _position_fn(tuple(bounds), chunk, use_segments)
+    ce, tok, nbytes = [], [], []
+    for b in range(n):
+        rows = data.get_eval_batch(dataset, batch_size, b) if padded else data.get_batch(dataset, batch_size, 0, b)
+        batch = {k: jnp.asarray(rows[k]) for k in ("tokens", "instance_mask", "segment_ids", "label_mask")
+                 if k in rows}
+        s, c = fn(model, batch)
+        keep = np.asarray(c).sum(1) > 0  # a padded set's filler rows count nothing
+        ce.append(np.asarray(s, np.float64)[keep])
+        tok.append(np.asarray(c, np.float64)[keep])
+        if byte_lengths is not None:  # target of position t is tokens[t + 1], where it is counted
+            target_ok = np.ones(rows["tokens"].shape, bool)[:, 1:]
+            if "label_mask" in rows:
+                target_ok = rows["label_mask"][:, 1:]
+            nb = np.where(target_ok, byte_lengths[rows["tokens"][:, 1:]], 0)
+            nbytes.append(np.stack([nb[:, lo:min(hi, nb.shape[1])].sum(1)
+                                    for lo, hi in zip(bounds[:-1], bounds[1:])], axis=1)[keep].astype(np.float64))
+    ce, tok = np.concatenate(ce), np.concatenate(tok)
+    out = {"bounds": tuple(bounds), "ce": ce, "tokens": tok, "rows": len(ce),
+           "loss": ce.sum(0) / np.maximum(tok.sum(0), 1.0),
+           "se": np.array([ratio_se(ce[:, k], tok[:, k]) for k in range(ce.shape[1])])}
+    if byte_lengths is not None:
+        out["bytes"] = np.concatenate(nbytes)
+        out["bpb"] = ce.sum(0) / (math.log(2) * np.maximum(out["bytes"].sum(0), 1.0))
     return out
 
 
