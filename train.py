@@ -24,7 +24,8 @@ from olmo3 import cli
 # §0 Flags. Defaults are the stage-1 7B recipe; the flagfiles spell every number out.
 # ---------------------------------------------------------------------------------------------
 F = flags.FLAGS
-flags.DEFINE_integer("stage", 1, "Recipe stage: 1 pretrain, 2 mid-training anneal, 3 long context.")
+flags.DEFINE_enum("stage", "1", ["1", "2", "3", "sft", "dpo"], "Recipe stage: 1 pretrain, 2 mid-training anneal, "
+                  "3 long context, sft supervised fine-tuning on chats (Think / Instruct), dpo preference tuning.")
 flags.DEFINE_string("run_dir", "runs/default", "Checkpoints, metrics.jsonl and TensorBoard events.")
 flags.DEFINE_integer("max_steps", None, "Stop after this many optimizer steps (default: schedule horizon).")
 flags.DEFINE_integer("save_interval", 1000, "Checkpoint every N steps (and at the end).")
@@ -67,6 +68,8 @@ flags.DEFINE_string("tokenizer", "dolma2", "Tokenizer of the token files.")
 flags.DEFINE_integer("seq_len", 8192, "Tokens per instance.")
 flags.DEFINE_integer("global_batch", 512, "Instances per optimizer step: a recipe constant, never derived from devices.")
 flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: the whole per-device batch).")
+flags.DEFINE_list("sft_heldout", [], "--stage=sft: directories of held-out chats (data.prepare_sft output), "
+                  "scored on their label-masked tokens as eval/<directory name>/loss.")
 flags.DEFINE_bool("packed", False, "OLMo-core packed instances (NumpyPackedFSLDataset): whole documents packed "
                   "into --seq_len by best-fit decreasing, padded; padding is never trained on (data/packed.py).")
 flags.DEFINE_integer("source_group_size", 1, "With --packed: token files packed together (OLMo-core "
@@ -90,6 +93,10 @@ flags.DEFINE_float("lr", 3e-4, "Peak learning rate.")
 flags.DEFINE_enum("schedule", None, ["cosine", "linear", "constant"], "Default: cosine (stage 1), linear (2, 3).")
 flags.DEFINE_integer("warmup_steps", 2000, "Linear warmup steps.")
 flags.DEFINE_integer("total_steps", 1_413_814, "Schedule horizon in steps.")
+flags.DEFINE_integer("epochs", None, "Set --total_steps to this many passes over the training instances (whole "
+                     "global batches per epoch x epochs; OLMo-core max_duration=Duration.epochs, SFT: 2).")
+flags.DEFINE_float("warmup_fraction", None, "Set --warmup_steps to round(fraction x total steps) (OLMo-core "
+                   "LinearWithWarmup(warmup_fraction=...); SFT: 0.03).")
 flags.DEFINE_float("final_lr_ratio", 0.1, "Cosine floor as a fraction of the peak (stage 1: 0.1).")
 flags.DEFINE_integer("joined_at", None, "Stage 1: AI2's joined cosine (pretrain-2 resumed at this step).")
 flags.DEFINE_float("weight_decay", 0.1, "Decoupled weight decay (not on the embedding).")
@@ -181,7 +188,7 @@ def main(argv):
                                             "head_dim", "mlp_hidden", "window", "attention", "remat",
                                             "param_dtype", "compute_dtype", "splash_block_q",
                                             "splash_block_kv") if getattr(F, k) is not None}
-    use_yarn = F.yarn if F.yarn is not None else F.stage == 3
+    use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft")  # SFT keeps stage 3's YaRN
     if use_yarn:
         overrides["yarn"] = olmo3.YaRN()
     config = olmo3.Config.preset(F.model, **overrides)
@@ -211,15 +218,21 @@ def main(argv):
     else:
         train_set = data.FSLDataset(splits["train"], F.seq_len)
     heldout_set = data.PaddedFSLDataset if F.eval_padded else data.FSLDataset
+    if F.stage == "sft":  # held-out chats: packed like the training set, scored on their label masks only
+        heldout_set = lambda paths, seq_len: data.PackedFSLDataset(  # noqa: E731
+            paths, seq_len, cache_dir=packing_cache(), label_mask_paths=[data.packed.label_mask_path(p) for p in paths])
     heldout = {name.split("/", 1)[1]: heldout_set(paths, F.seq_len)
                for name, paths in splits.items() if name.startswith("heldout/") and paths}
     if config.vocab_size < data.VOCAB_SIZE:
         raise app.UsageError(f"--vocab_size={config.vocab_size} is smaller than the tokenizer's {data.VOCAB_SIZE}")
 
+    if F.epochs is not None or F.warmup_fraction is not None:  # the horizon from the data (SFT)
+        set_horizon(len(train_set))
+
     # -----------------------------------------------------------------------------------------
     # §4 Optimizer: skip-step AdamW, fp32 moments, no decay on the embedding; schedule per stage.
     # -----------------------------------------------------------------------------------------
-    kind = F.schedule or ("cosine" if F.stage == 1 else "linear")
+    kind = F.schedule or ("cosine" if F.stage == "1" else "linear")
     if kind == "cosine":
         schedule = schedules.stage1_schedule(F.lr, F.warmup_steps, F.total_steps, F.final_lr_ratio, F.joined_at)
     elif kind == "linear":
@@ -252,7 +265,7 @@ def main(argv):
     elif F.init_from:  # stage 2/3 warm start: params + mu/nu kept, step and schedule reset
         run, step = checkpoint.locate(F.init_from)
         source = checkpoint.CheckpointManager(run, read_only=True)
-        if F.init_weights_only:
+        if F.init_weights_only or F.stage == "sft":  # SFT: fresh Adam (OLMo-core load_trainer_state=False)
             state, _ = source.restore(step, {"model": abstract[0]})
             model = state["model"]
             opt_state = jax.jit(optimizer.init, out_shardings=sharding.state_shardings(abstract, mesh)[1])(model)
@@ -267,10 +280,11 @@ def main(argv):
                 raise
             model, opt_state = state["model"], optimizer.warm_start(state["opt"])
         start = 0
-        logging.info("Warm start (params + Adam moments) from %s", F.init_from)
+        logging.info("Warm start (params%s) from %s", "" if F.init_weights_only or F.stage == "sft"
+                     else " + Adam moments", F.init_from)
     else:
-        if F.stage > 1:
-            logging.warning("Stage %d without --init_from: a cold start, not the recipe", F.stage)
+        if F.stage != "1":
+            logging.warning("Stage %s without --init_from: a cold start, not the recipe", F.stage)
         model, opt_state = sharding.init_sharded(fresh_state, mesh)  # each device makes only its shards
         start = 0
 
@@ -288,7 +302,7 @@ def main(argv):
     # §6 The step: gradients under shard_map (FSDP x DP), optimizer update on the sharded state.
     # -----------------------------------------------------------------------------------------
     specs = sharding.param_specs(model, mesh)
-    use_segments = F.doc_lengths if F.doc_lengths is not None else F.stage == 3
+    use_segments = F.doc_lengths if F.doc_lengths is not None else F.stage in ("3", "sft")
     train_step = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
                                           chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=use_segments)
     eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=use_segments)
@@ -414,24 +428,45 @@ def report_saves(log, ckpt, paused: dict) -> None:
 
 def check_flags():
     """Contradictions a user can cause, caught before any device work."""
-    if F.stage not in (1, 2, 3):
-        raise app.UsageError(f"--stage={F.stage}: choose 1, 2 or 3")
+    if F.stage == "dpo":
+        raise app.UsageError("--stage=dpo: not yet implemented (issue 16, DPO half)")
+    if F.stage == "sft" and not (F.packed and F.label_masks):
+        raise app.UsageError("--stage=sft trains on packed conversations with label masks: add --packed --label_masks "
+                             "(files from python -m data.prepare_sft or open-instruct's converter)")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps", "downstream_eval_interval"):
         if getattr(F, name) <= 0:
             raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")
-    if F.warmup_steps > F.total_steps:
+    if F.warmup_steps > F.total_steps and F.epochs is None and F.warmup_fraction is None:
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
-    if F.max_steps is not None and F.max_steps > F.total_steps:
+    if F.max_steps is not None and F.max_steps > F.total_steps and F.epochs is None:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.source_group_size < 1:
         raise app.UsageError(f"--source_group_size={F.source_group_size} must be >= 1")
     if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
         raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply "
                              "with --packed")
-    if F.stage == 3 and F.yarn is False:
+    if F.stage == "3" and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
+
+
+def set_horizon(num_instances: int) -> None:
+    """--epochs -> --total_steps (whole global batches per epoch, the tail dropped as data.order
+    drops it), --warmup_fraction -> --warmup_steps (Python's round, as OLMo-core's scheduler)."""
+    import data
+    if F.epochs is not None:
+        if F.epochs < 1:
+            raise app.UsageError(f"--epochs={F.epochs} must be >= 1")
+        F.total_steps = F.epochs * data.steps_per_epoch(num_instances, F.global_batch)
+    if F.warmup_fraction is not None:
+        if not 0 <= F.warmup_fraction <= 1:
+            raise app.UsageError(f"--warmup_fraction={F.warmup_fraction} must be in [0, 1]")
+        F.warmup_steps = round(F.warmup_fraction * F.total_steps)
+    if F.max_steps is not None and F.max_steps > F.total_steps:
+        raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon ({F.total_steps} steps "
+                             f"= --epochs={F.epochs} over {num_instances} instances)")
+    logging.info("Horizon: %d steps, %d warmup", F.total_steps, F.warmup_steps)
 
 
 def check_finite(m: dict, step: int, ckpt) -> None:
@@ -447,6 +482,12 @@ def check_finite(m: dict, step: int, ckpt) -> None:
 def resolve_data() -> dict:
     """Split name -> token files: 'train' and 'heldout/<domain>'."""
     import data
+    if F.stage == "sft":  # already tokenized chats (python -m data.prepare_sft or open-instruct's converter)
+        from data import prepare_sft
+        splits = {"train": prepare_sft.token_files(F.data, "--data")}
+        for d in F.sft_heldout:
+            splits[f"heldout/{os.path.basename(os.path.normpath(d))}"] = prepare_sft.token_files(d, "--sft_heldout")
+        return splits
     if F.data.startswith("mix:"):  # AI2's published token files, read remotely (data/storage.py)
         from data import mixes
         root = F.data_root or mixes.DEFAULT_ROOT
@@ -485,7 +526,7 @@ def check_resume(extra: dict, config) -> None:
     if saved and saved != config_to_dict(config):
         diff = {k: (saved.get(k), v) for k, v in config_to_dict(config).items() if saved.get(k) != v}
         raise app.UsageError(f"--resume: the checkpoint's model config differs from the flags: {diff}")
-    if extra.get("stage") != F.stage:
+    if str(extra.get("stage")) != F.stage:  # older checkpoints hold an int
         raise app.UsageError(f"--resume: checkpoint is stage {extra.get('stage')}, flags say --stage={F.stage}")
     for name in ("global_batch", "seq_len"):  # recipe constants: a resumed run may not change them
         saved_value = extra.get("loader", {}).get(name)
