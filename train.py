@@ -3,6 +3,7 @@
     python train.py --stage=1 --flagfile=stage1.flags       # pretraining, 5.93T tokens
     python train.py --stage=2 --flagfile=stage2.flags --init_from=<stage-1 checkpoint>
     python train.py --stage=3 --flagfile=stage3.flags --init_from=<stage-2 checkpoint>
+    python train.py --stage=dpo --flagfile=dpo_instruct.flags --data=<pairs> --init_from=<SFT checkpoint>
     python train.py --flagfile=tiny.flags                   # CPU: tiny OLMo 3 on the stdlib corpus
     sbatch --nodes=64 launch/slurm.sbatch stage1.flags /shared/runs/s1   # a cluster (README: On a cluster)
 
@@ -70,6 +71,13 @@ flags.DEFINE_integer("global_batch", 512, "Instances per optimizer step: a recip
 flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: the whole per-device batch).")
 flags.DEFINE_list("sft_heldout", [], "--stage=sft: directories of held-out chats (data.prepare_sft output), "
                   "scored on their label-masked tokens as eval/<directory name>/loss.")
+# DPO (open-instruct dpo_tune_cache.py; the recipe in dpo_{instruct,think}.flags).
+flags.DEFINE_list("dpo_heldout", [], "--stage=dpo: directories of held-out preference pairs (data.prepare_dpo "
+                  "output), scored as eval/<directory name>/{loss,rewards/accuracy,rewards/margin,...}.")
+flags.DEFINE_enum("dpo_loss", "dpo_norm", ["dpo_norm", "dpo"], "--stage=dpo: preference loss (olmo3/dpo.py LOSSES).")
+flags.DEFINE_float("dpo_beta", 5.0, "--stage=dpo: beta of the DPO loss.")
+flags.DEFINE_string("reference_cache", None, "--stage=dpo: the reference log-probs of the --data pairs (default "
+                    "<--data>/reference_logps.npz; held-out sets keep theirs beside their pairs).")
 flags.DEFINE_bool("packed", False, "OLMo-core packed instances (NumpyPackedFSLDataset): whole documents packed "
                   "into --seq_len by best-fit decreasing, padded; padding is never trained on (data/packed.py).")
 flags.DEFINE_integer("source_group_size", 1, "With --packed: token files packed together (OLMo-core "
@@ -188,7 +196,7 @@ def main(argv):
                                             "head_dim", "mlp_hidden", "window", "attention", "remat",
                                             "param_dtype", "compute_dtype", "splash_block_q",
                                             "splash_block_kv") if getattr(F, k) is not None}
-    use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft")  # SFT keeps stage 3's YaRN
+    use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")  # SFT/DPO keep stage 3's YaRN
     if use_yarn:
         overrides["yarn"] = olmo3.YaRN()
     config = olmo3.Config.preset(F.model, **overrides)
@@ -202,7 +210,10 @@ def main(argv):
     # domains as padded instances, one whole document each (OLMo-core's validation sets).
     # -----------------------------------------------------------------------------------------
     splits = resolve_data()
-    if F.packed:  # every process packs the same instances; process 0 first, filling the cache
+    if F.stage == "dpo":  # preference pairs, each side padded: row 2i chosen, 2i + 1 rejected (data/preference.py)
+        train_set = data.PairDataset(F.data, F.seq_len)
+        dpo_heldout = {os.path.basename(os.path.normpath(d)): data.PairDataset(d, F.seq_len) for d in F.dpo_heldout}
+    elif F.packed:  # every process packs the same instances; process 0 first, filling the cache
         pack = lambda: data.PackedFSLDataset(  # noqa: E731
             splits["train"], F.seq_len, source_group_size=F.source_group_size,
             source_permutation_seed=F.source_permutation_seed, cache_dir=packing_cache(),
@@ -265,7 +276,7 @@ def main(argv):
     elif F.init_from:  # stage 2/3 warm start: params + mu/nu kept, step and schedule reset
         run, step = checkpoint.locate(F.init_from)
         source = checkpoint.CheckpointManager(run, read_only=True)
-        if F.init_weights_only or F.stage == "sft":  # SFT: fresh Adam (OLMo-core load_trainer_state=False)
+        if F.init_weights_only or F.stage in ("sft", "dpo"):  # SFT: fresh Adam (OLMo-core load_trainer_state=False)
             state, _ = source.restore(step, {"model": abstract[0]})
             model = state["model"]
             opt_state = jax.jit(optimizer.init, out_shardings=sharding.state_shardings(abstract, mesh)[1])(model)
@@ -280,13 +291,29 @@ def main(argv):
                 raise
             model, opt_state = state["model"], optimizer.warm_start(state["opt"])
         start = 0
-        logging.info("Warm start (params%s) from %s", "" if F.init_weights_only or F.stage == "sft"
+        logging.info("Warm start (params%s) from %s", "" if F.init_weights_only or F.stage in ("sft", "dpo")
                      else " + Adam moments", F.init_from)
     else:
         if F.stage != "1":
             logging.warning("Stage %s without --init_from: a cold start, not the recipe", F.stage)
         model, opt_state = sharding.init_sharded(fresh_state, mesh)  # each device makes only its shards
         start = 0
+
+    # -----------------------------------------------------------------------------------------
+    # §5b DPO reference: the frozen starting model. Its log-probs of every pair are computed once,
+    # cached beside the pairs and checked by fingerprint (its weights, the data, seq_len); a resumed
+    # run checks the caches against the reference its checkpoint names (olmo3/reference.py).
+    # -----------------------------------------------------------------------------------------
+    if F.stage == "dpo":
+        from olmo3 import dpo, reference
+        logps_fn = dpo.make_logps_fn(mesh, sharding.param_specs(model, mesh), chunk=F.loss_chunk)
+        pair_rows = 2 * -(-min(F.global_batch, 16) // n_devices) * n_devices   # held-out / reference batches
+        ref_identity = extra["dpo"]["reference"] if loader_state is not None else reference.weights_identity(model)
+        ref_sums = {name: reference_logps(ds, path, ref_identity, model if loader_state is None else None,
+                                          lambda ds=ds: dpo.score_pairs(logps_fn, model, ds, pair_rows))
+                    for name, ds, path in [("train", train_set, F.reference_cache or reference.default_path(F.data))]
+                    + [(n, ds, reference.default_path(ds.directory)) for n, ds in dpo_heldout.items()]}
+        train_set.attach_reference(ref_sums["train"])
 
     if loader_state is not None:
         loader = data.Loader.from_state(train_set, loader_state, rank=rank, num_ranks=num_ranks,
@@ -303,8 +330,12 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     specs = sharding.param_specs(model, mesh)
     use_segments = F.doc_lengths if F.doc_lengths is not None else F.stage in ("3", "sft")
-    train_step = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
-                                          chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=use_segments)
+    if F.stage == "dpo":  # mean dpo_norm loss over the global batch of pairs (olmo3/dpo.py)
+        train_step = dpo.make_train_step(optimizer, mesh, specs, loss=F.dpo_loss, beta=F.dpo_beta,
+                                         microbatches=microbatches, chunk=F.loss_chunk)
+    else:
+        train_step = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
+                                              chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=use_segments)
     eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=use_segments)
 
     def eval_plan(ds):
@@ -340,6 +371,10 @@ def main(argv):
                 ce, n = ce + float(s), n + float(c)
             if n:
                 out[f"eval/{domain}/loss"] = ce / n
+        for name, ds in (dpo_heldout.items() if F.stage == "dpo" else []):   # held-out preference pairs
+            m = dpo.evaluate_pairs(logps_fn, model, ds, ref_sums[name], loss=F.dpo_loss, beta=F.dpo_beta,
+                                   rows=pair_rows)
+            out.update({f"eval/{name}/{k}": v for k, v in m.items()})
         return out
 
     # -----------------------------------------------------------------------------------------
@@ -368,13 +403,15 @@ def main(argv):
     def save(step):
         extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
                  "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
+        if F.stage == "dpo":   # the reference the cached log-probs belong to (checked on resume)
+            extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}
         ckpt.save(step, {"model": model, "opt": opt_state}, extra)
 
     # -----------------------------------------------------------------------------------------
     # §8 The loop.
     # -----------------------------------------------------------------------------------------
     max_steps = F.max_steps if F.max_steps is not None else F.total_steps
-    tokens_per_step = F.global_batch * F.seq_len
+    tokens_per_step = F.global_batch * F.seq_len * (2 if F.stage == "dpo" else 1)   # DPO: chosen + rejected
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
     log = metrics_lib.MetricsWriter(F.run_dir, enabled=is_main)
     # MFU's peak: --peak_tflops, the device's nominal peak, or measured (and kept honest) by process 0.
@@ -388,6 +425,8 @@ def main(argv):
                  f"steps {start + 1}..{max_steps}" + (f" | CPU tuning: {'; '.join(tuned)}" if tuned else ""))
     paused = {}  # step -> seconds the loop waited for its checkpoint save to start
     step = start
+    if F.stage == "dpo" and loader_state is None and dpo_heldout:   # held-out pairs before any DPO step
+        log.write(0, evaluate(model))
     try:
         while step < max_steps:
             batch = next(loader)
@@ -428,8 +467,9 @@ def report_saves(log, ckpt, paused: dict) -> None:
 
 def check_flags():
     """Contradictions a user can cause, caught before any device work."""
-    if F.stage == "dpo":
-        raise app.UsageError("--stage=dpo: not yet implemented (issue 16, DPO half)")
+    if F.stage == "dpo" and (F.packed or F.data in ("stdlib", "") or F.data.startswith("mix:")):
+        raise app.UsageError(f"--stage=dpo trains on preference pairs: --data must be a directory written by "
+                             f"python -m data.prepare_dpo (got --data={F.data}{' --packed' if F.packed else ''})")
     if F.stage == "sft" and not (F.packed and F.label_masks):
         raise app.UsageError("--stage=sft trains on packed conversations with label masks: add --packed --label_masks "
                              "(files from python -m data.prepare_sft or open-instruct's converter)")
@@ -482,6 +522,8 @@ def check_finite(m: dict, step: int, ckpt) -> None:
 def resolve_data() -> dict:
     """Split name -> token files: 'train' and 'heldout/<domain>'."""
     import data
+    if F.stage == "dpo":  # preference pairs: read by data.PairDataset from --data / --dpo_heldout
+        return {}
     if F.stage == "sft":  # already tokenized chats (python -m data.prepare_sft or open-instruct's converter)
         from data import prepare_sft
         splits = {"train": prepare_sft.token_files(F.data, "--data")}
@@ -518,6 +560,27 @@ def packing_cache() -> str | None:
     else:
         where = os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", "packing")
     return None if storage.is_remote(where) else where
+
+
+def reference_logps(ds, path: str, identity: str, model, compute):
+    """A pair set's cached reference log-probs [pairs, 2]. A fresh run (model given) computes a
+    missing cache on every process and process 0 writes it; a resumed run (model None) only reads."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from olmo3 import reference
+    fp = reference.fingerprint(identity, ds.fingerprint, ds.seq_len)
+    sums = reference.load(path, fp)
+    if jax.process_count() > 1:   # every process has looked before any computes (a collective)
+        multihost_utils.sync_global_devices("olmo3: reference cache checked")
+    if sums is not None:
+        return sums
+    if model is None:
+        raise cli.UserError(f"reference log-probs cache {path} is missing, and this resumed DPO run no longer holds "
+                            "its reference model; restore the file, or start the DPO run again from --init_from")
+    logging.info("Reference log-probs of %s: computing once, cached in %s", ds, path)
+    sums, _ = reference.load_or_compute(path, fp, compute, write_file=jax.process_index() == 0)
+    return sums
 
 
 def check_resume(extra: dict, config) -> None:
