@@ -4,6 +4,7 @@ loader's exactly-once order, and the reference cache's fingerprint."""
 import numpy as np
 import pytest
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -110,7 +111,7 @@ def test_sequence_logps_and_dpo_gradient_equal_transformers():
         terms = dpo.pair_terms("dpo_norm", BETA, sums, counts, jnp.asarray(ref_sums, jnp.float32))
         return jnp.mean(terms["loss"]), (sums, counts)
 
-    (loss, (sums, counts)), grads = jax.value_and_grad(loss_fn, has_aux=True)(model)
+    (loss, (sums, counts)), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=True))(model)
     np.testing.assert_array_equal(np.asarray(counts), t_counts.numpy())
     np.testing.assert_allclose(np.asarray(sums), t_sums.detach().numpy(), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(float(loss), float(t_loss.detach()), rtol=1e-5)
@@ -202,7 +203,6 @@ def test_reference_cache_rejects_changed_reference_data_or_seq_len(tmp_path):
     # Same weights under another name or layout: same identity. One changed bit: another.
     assert reference.weights_identity(jax.tree.map(lambda x: x + 0, model)) == ident
     bumped = jax.tree.map(lambda x: x, model)
-    import equinox as eqx
     flip = eqx.tree_at(lambda m: m.layers.q_proj, bumped,
                        bumped.layers.q_proj.at[2, 3, 4].set(jnp.nextafter(bumped.layers.q_proj[2, 3, 4], 1.0)))
     swap = eqx.tree_at(lambda m: m.layers.q_proj, bumped, bumped.layers.q_proj[::-1])   # same bits, moved
