@@ -1,5 +1,7 @@
 """train.py --stage=dpo end to end: exact resume mid-DPO (interrupted + resumed == uninterrupted,
-bit for bit), and a reference cache made for another reference refused with one line, exit 2."""
+bit for bit), and a reference cache made for another reference refused with one line, exit 2.
+(No held-out pairs here: their evaluation would add a compile to every run; the README's
+evidence run exercises them.)"""
 import json
 import os
 import random
@@ -31,7 +33,7 @@ def pair_jsonl(path, n, seed):
 def pairs(tmp_path_factory):
     from data.prepare_dpo import prepare_dpo
     d = tmp_path_factory.mktemp("pairs")
-    for split, n in (("train", 24), ("heldout", 4)):
+    for split, n in (("train", 24),):
         pair_jsonl(d / f"{split}.jsonl", n, seed=len(split))
         prepare_dpo(str(d / f"{split}.jsonl"), str(d / split), "olmo_thinker", max_seq_length=64)
     return d
@@ -41,7 +43,7 @@ def run(args, run_dir, pairs, check=True):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={pairs / 'train'}",
-           f"--dpo_heldout={pairs / 'heldout'}", f"--run_dir={run_dir}", *args]
+           f"--run_dir={run_dir}", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if check and p.returncode != 0:
         raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stderr[-4000:]}")
@@ -61,10 +63,9 @@ def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
     a = tmp_path / "a"
     run(["--max_steps=3", "--save_interval=1", "--keep_checkpoints=5"], a, pairs)
     full = metrics(a)
-    assert set(full) == {0, 1, 2, 3}
+    assert set(full) == {1, 2, 3}
     assert full[1]["train/loss"] == pytest.approx(0.6931472, abs=1e-6)   # policy == reference at step 1
-    assert full[0]["eval/heldout/rewards/margin"] == 0.0 and full[3]["eval/heldout/rewards/margin"] > 0
-    assert full[3]["train/rewards/accuracy"] > 0.5
+    assert full[1]["train/rewards/margin"] == 0.0 and full[3]["train/rewards/margin"] > 0
     # Interrupted after step 1: a run directory holding only checkpoint 1, resumed to step 3.
     b = tmp_path / "b"
     (b / "checkpoints").mkdir(parents=True)
@@ -81,6 +82,6 @@ def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert "reference_logps.npz" in last and "delete it" in last and "Traceback" not in p.stderr
     # A resumed run whose cache went missing cannot recompute it: one line, exit 2.
-    os.remove(pairs / "heldout" / "reference_logps.npz")
+    os.remove(pairs / "train" / "reference_logps.npz")
     p = run(["--max_steps=3", "--resume"], b, pairs, check=False)
     assert p.returncode == 2 and "is missing" in p.stderr.strip().splitlines()[-1]
