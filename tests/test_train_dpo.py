@@ -85,3 +85,30 @@ def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
     os.remove(pairs / "train" / "reference_logps.npz")
     p = run(["--max_steps=3", "--resume"], b, pairs, check=False)
     assert p.returncode == 2 and "is missing" in p.stderr.strip().splitlines()[-1]
+
+
+_PARSE = """
+import json, sys
+import train
+F = train.F
+F(["train.py", "--flagfile=" + sys.argv[1]])
+print(json.dumps({k: getattr(F, k) for k in ("stage", "model", "yarn", "seq_len", "global_batch", "micro_batch", "lr",
+                  "schedule", "warmup_fraction", "epochs", "weight_decay", "b1", "b2", "eps", "max_grad_norm",
+                  "z_loss", "skip_steps", "dpo_loss", "dpo_beta")}))
+"""
+
+
+@pytest.mark.parametrize("name,lr", [("dpo_instruct", 1e-6), ("dpo_think", 8e-8)])
+def test_dpo_flagfiles_hold_the_recipe(name, lr):
+    """open-instruct 7b_{instruct,think}_dpo.sh (3af17aacf): dpo_norm, beta 5, LR, linear with 10% warmup,
+    wd 0, 1 epoch, seq 16,384, 4 nodes x 8 GPUs x 1 pair x 4 accumulation steps = 128 pairs."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-c", _PARSE, f"{ROOT}/{name}.flags"], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    F = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (F["stage"], F["dpo_loss"], F["dpo_beta"], F["lr"]) == ("dpo", "dpo_norm", 5.0, lr)
+    assert (F["schedule"], F["warmup_fraction"], F["epochs"], F["weight_decay"]) == ("linear", 0.1, 1, 0.0)
+    assert (F["seq_len"], F["global_batch"], F["micro_batch"]) == (16384, 128, 1)
+    assert (F["b1"], F["b2"], F["eps"], F["max_grad_norm"]) == (0.9, 0.999, 1e-8, 1.0)   # torch AdamW defaults
+    assert (F["z_loss"], F["skip_steps"], F["model"], F["yarn"]) == (0.0, False, "olmo3_7b_long", True)
