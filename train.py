@@ -428,8 +428,6 @@ def main(argv):
                  f"steps {start + 1}..{max_steps}" + (f" | CPU tuning: {'; '.join(tuned)}" if tuned else ""))
     paused = {}  # step -> seconds the loop waited for its checkpoint save to start
     step = start
-    if F.stage == "dpo" and loader_state is None and dpo_heldout:   # held-out pairs before any DPO step
-        log.write(0, evaluate(model))
     try:
         if F.eval_at_start and start == 0:
             with clock.excluded("eval"):
