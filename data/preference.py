@@ -14,9 +14,9 @@ checkpointed state and its fingerprint check to pairs unchanged (`collate` stack
 2i chosen, row 2i + 1 rejected, so a pair never splits across devices).
 
 Why padded rows and not packing: chosen and rejected each need their own per-sequence sums, and
-with one pair per row pair (open-instruct pads them too, `concatenated_forward`) nothing can leak
-between sequences; packing several short pairs into one row would save compute on short data at
-the price of segment ids in every loss. The fingerprint covers the files' contents (their
+with one sequence per row (open-instruct pads them too, `concatenated_forward`) nothing can leak
+between sequences; packing several short sequences into one row would save compute on short data
+at the price of segment ids and per-segment sums in every loss. The fingerprint covers the files' contents (their
 sha256, recorded when written) and seq_len, so the reference cache keyed on it
 (olmo3/reference.py) notices a rebuilt data set even when its sizes are unchanged.
 """

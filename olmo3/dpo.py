@@ -216,7 +216,7 @@ def make_logps_fn(mesh, specs: PyTree, *, chunk: int = 1024):
     return logps_fn
 
 
-def pair_rows(dataset, start: int, rows: int) -> dict:
+def pair_batch(dataset, start: int, rows: int) -> dict:
     """Pairs [start, start + rows // 2) of `dataset` in order as a batch of `rows` rows; past the
     end, filler pairs with an all-False label mask (their results are dropped)."""
     pairs = [dataset[i] for i in range(start, min(start + rows // 2, len(dataset)))]
@@ -231,9 +231,10 @@ def score_pairs(logps_fn, model: OLMo3, dataset, rows: int) -> tuple[np.ndarray,
     """(sums, counts) float64 [pairs, 2] of every pair of `dataset`, in order, `rows` rows a batch."""
     sums, counts = [], []
     for start in range(0, len(dataset), rows // 2):
-        s, c = logps_fn(model, pair_rows(dataset, start, rows))
+        s, c = logps_fn(model, pair_batch(dataset, start, rows))
         keep = 2 * min(rows // 2, len(dataset) - start)
-        sums.append(s[:keep]), counts.append(c[:keep])
+        sums.append(s[:keep])
+        counts.append(c[:keep])
     return np.concatenate(sums).reshape(-1, 2), np.concatenate(counts).reshape(-1, 2)
 
 
