@@ -253,3 +253,25 @@ def test_sharded_step_is_topology_independent_and_equals_plain_gradient():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
         expect = np.asarray(p0) - 1e-3 * np.asarray(g) / (np.abs(np.asarray(g)) + 1e-8)
         np.testing.assert_allclose(np.asarray(a), expect, atol=2e-5)
+
+
+def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path):
+    import json
+
+    from data import chat
+    from data.prepare_dpo import prepare_dpo
+    user = {"role": "user", "content": "Name a prime."}
+    rows = [{"chosen": [user, {"role": "assistant", "content": "7"}],
+             "rejected": [user, {"role": "assistant", "content": "8, which is even"}]}]
+    (tmp_path / "ok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_dpo(str(tmp_path / "ok.jsonl"), str(tmp_path / "out"), "olmo_thinker", max_seq_length=128)
+    ds = PairDataset(tmp_path / "out", seq_len=128)
+    for j, side in enumerate(("chosen", "rejected")):
+        ids, mask = chat.encode_with_mask(rows[0][side], "olmo_thinker")
+        np.testing.assert_array_equal(ds[0]["tokens"][j, :len(ids)], ids)
+        np.testing.assert_array_equal(ds[0]["label_mask"][j, :len(ids)], mask)
+        assert ids[-1] == data.EOS_ID and mask[-1]        # the response ends in EOS, trained
+    (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps({"chosen": rows[0]["chosen"]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: .*rejected"):
+        prepare_dpo(str(tmp_path / "bad.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=128)
+    assert not (tmp_path / "out2").exists()
