@@ -71,6 +71,7 @@ flags.DEFINE_string("chat", None, "Chat: the model's answer to this user message
 flags.DEFINE_string("chat_file", None, "Chat: answer each conversation of this JSONL ({\"messages\": [...]}; a final "
                     "assistant turn is the reference, printed beside the answer). --limit: at most this many.")
 flags.DEFINE_enum("chat_template", "olmo", ["olmo", "olmo_thinker"], "Chat template (olmo_thinker opens with <think>).")
+flags.DEFINE_bool("chat_think", None, "Chat: open the answer with <think> (default: with olmo_thinker).")
 flags.DEFINE_integer("max_new_tokens", 256, "Chat: longest answer.")
 flags.DEFINE_float("temperature", 0.0, "Chat: 0 = greedy, else sample from softmax(logits / temperature).")
 flags.DEFINE_integer("sample_seed", 0, "Chat: seed of the sampler.")
@@ -272,11 +273,11 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
 # ends its turn (EOS after a final answer, <|im_end|> after an intermediate one).
 # ---------------------------------------------------------------------------------------------
 def chat_answer(model, messages: list, template: str = "olmo", max_new_tokens: int = 256,
-                temperature: float = 0.0, seed: int = 0, max_length: int = 2048) -> str:
+                temperature: float = 0.0, seed: int = 0, max_length: int = 2048, think=None) -> str:
     """The model's next assistant turn for `messages`, as text (the stop token removed)."""
     from data import chat
     stops = (data.EOS_ID, data.tokenizer.IM_END_ID)
-    prompt = chat.generation_prompt(messages, template)
+    prompt = chat.generation_prompt(messages, template, think)
     out = scoring.Scorer(model, max_length=max_length).generate(
         prompt, max_new_tokens, stop=lambda ids: ids[-1] in stops, temperature=temperature, seed=seed)
     return chat.decode(out[:-1] if out and out[-1] in stops else out)
@@ -295,7 +296,7 @@ def chat_report(model) -> None:
         reference = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
         prompt = messages[:-1] if reference is not None else messages
         answer = chat_answer(model, prompt, F.chat_template, F.max_new_tokens, F.temperature, F.sample_seed + i,
-                             F.max_length)
+                             F.max_length, F.chat_think)
         results.append({"prompt": prompt, "answer": answer, "reference": reference})
         print(f"--- {i}: {prompt[-1]['content'][:400]}\n>>> answer:    {answer}"
               + (f"\n>>> reference: {reference}" if reference is not None else ""))

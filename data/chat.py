@@ -129,10 +129,12 @@ def encode_with_mask(messages: Sequence[dict], template: str = "olmo"
     return np.asarray(ids, np.uint32), mask
 
 
-def generation_prompt(messages: Sequence[dict], template: str = "olmo") -> list[int]:
-    """Token ids that ask the model for the next assistant turn ("<think>" opens it for olmo_thinker)."""
+def generation_prompt(messages: Sequence[dict], template: str = "olmo", think: bool | None = None) -> list[int]:
+    """Token ids that ask the model for the next assistant turn; "<think>" opens it for
+    olmo_thinker unless `think=False` (a model trained on answers without it)."""
     check_messages(messages)
-    return encode_pieces(pieces(messages, template, add_generation_prompt=True, think=template == "olmo_thinker"))
+    think = template == "olmo_thinker" if think is None else think
+    return encode_pieces(pieces(messages, template, add_generation_prompt=True, think=think))
 
 
 def decode(ids: Sequence[int]) -> str:

@@ -60,6 +60,7 @@ def test_template_system_and_generation_prompt():
     user_ids = [IM_START] + text("user\n2+2?") + [IM_END, NL]
     assert chat.generation_prompt(msgs, "olmo") == sys_ids + user_ids + [IM_START, ASSISTANT, NL]
     assert chat.generation_prompt(msgs, "olmo_thinker") == sys_ids + user_ids + [IM_START] + text("assistant\n<think>")
+    assert chat.generation_prompt(msgs, "olmo_thinker", think=False) == sys_ids + user_ids + [IM_START, ASSISTANT, NL]
     olmo_default = chat.encode([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "olmo")
     assert olmo_default[:3] == [IM_START] + text("system\nYou are OLMo")[:2]
 
