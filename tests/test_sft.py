@@ -170,7 +170,7 @@ def test_stage_flag_values(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     base = [sys.executable, os.path.join(ROOT, "train.py"), f"--run_dir={tmp_path / 'r'}"]
     p = subprocess.run(base + ["--stage=dpo"], capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 2 and "not yet" in p.stderr
+    assert p.returncode == 2 and "data.prepare_dpo" in p.stderr   # --data=stdlib is no preference data
     p = subprocess.run(base + ["--stage=sft"], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2 and "--packed --label_masks" in p.stderr
     p = subprocess.run(base + ["--stage=4"], capture_output=True, text=True, env=env, timeout=120)
