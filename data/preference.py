@@ -43,15 +43,16 @@ class PairDataset:
         manifest_path = os.path.join(self.directory, MANIFEST)
         if not os.path.isfile(manifest_path):
             raise FileNotFoundError(f"{manifest_path} does not exist: {self.directory!r} holds no prepared "
-                                    "preference pairs; write them with `python -m data.prepare_dpo --input=<pairs.jsonl> "
-                                    f"--out_dir={self.directory}`")
+                                    "preference pairs; write them with `python -m data.prepare_dpo "
+                                    f"--input=<pairs.jsonl> --out_dir={self.directory}`")
         with open(manifest_path) as f:
             self.manifest = json.load(f)
         if self.manifest.get("format") != FORMAT:
             raise ValueError(f"{manifest_path} is not a '{FORMAT}' manifest; rebuild with `python -m data.prepare_dpo`")
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-        self.seq_len, self.vocab_size, self.eos_id, self.pad_id = int(seq_len), int(vocab_size), int(eos_id), int(pad_id)
+        self.seq_len, self.vocab_size = int(seq_len), int(vocab_size)
+        self.eos_id, self.pad_id = int(eos_id), int(pad_id)
         lengths = np.asarray(self.manifest["lengths"], np.int64)
         self._starts = np.concatenate([[0], np.cumsum(lengths)])
         total = int(self._starts[-1])
@@ -61,10 +62,11 @@ class PairDataset:
                 raise ValueError(f"{path} should hold {total} entries ({total * itemsize} bytes) as {MANIFEST} "
                                  "says; it is missing, truncated or from another build. Rebuild with "
                                  "`python -m data.prepare_dpo`")
-        self._tokens = np.memmap(os.path.join(self.directory, TOKENS), np.uint32, "r") if total else np.zeros(0, np.uint32)
-        self._masks = np.memmap(os.path.join(self.directory, MASKS), np.bool_, "r") if total else np.zeros(0, bool)
+        in_dir = lambda name: os.path.join(self.directory, name)  # noqa: E731
+        self._tokens = np.memmap(in_dir(TOKENS), np.uint32, "r") if total else np.zeros(0, np.uint32)
+        self._masks = np.memmap(in_dir(MASKS), np.bool_, "r") if total else np.zeros(0, bool)
         if len(lengths) % 2 or not len(lengths):
-            raise ValueError(f"{manifest_path} lists {len(lengths)} sequences; expected 2 per pair and at least one pair")
+            raise ValueError(f"{manifest_path} lists {len(lengths)} sequences; expected 2 per pair, at least one pair")
         for k in np.flatnonzero(lengths > self.seq_len):   # truncation must leave a trainable token
             if not self._masks[self._starts[k]:self._starts[k] + self.seq_len].any():
                 raise ValueError(

@@ -64,7 +64,8 @@ def weights_identity(model: PyTree) -> str:
 
 def fingerprint(reference_identity: str, data_fingerprint: str, seq_len: int) -> str:
     """What a cache of reference log-probs is valid for."""
-    return hashlib.sha256(f"reference={reference_identity},data={data_fingerprint},seq_len={seq_len}".encode()).hexdigest()
+    key = f"reference={reference_identity},data={data_fingerprint},seq_len={seq_len}"
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def default_path(pairs_dir: str) -> str:
