@@ -13,6 +13,8 @@
     python eval.py --model=runs/tiny --olmo_tasks=fast --limit=100
     # stage 3's long-context evidence: held-out documents, loss per position bucket, before -> after
     python eval.py --model=runs/tiny_stage2 --model_b=runs/tiny_stage3 --eval_seq_len=1024 --position_buckets=0.25,0.5,1
+    # chat with an SFT model (OLMo 3 template; greedy, or --temperature=0.7)
+    python eval.py --model=runs/tiny_sft --chat="Write the docstring of this Python function. ..."
 
 Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed batches, so a
 number here equals the run's own eval/<domain>/loss at that step. Bits per byte divide by the
@@ -75,6 +77,14 @@ flags.DEFINE_float("z", 3.0, "--compare: the noise band is this many standard er
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Activations for evaluation.")
 flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), run "
                   "anyway: every process evaluates on its own. Without it such a launch stops (olmo3/cluster.py).")
+flags.DEFINE_string("chat", None, "Chat: the model's answer to this user message (OLMo 3 chat template, data/chat.py).")
+flags.DEFINE_string("chat_file", None, "Chat: answer each conversation of this JSONL ({\"messages\": [...]}; a final "
+                    "assistant turn is the reference, printed beside the answer). --limit: at most this many.")
+flags.DEFINE_enum("chat_template", "olmo", ["olmo", "olmo_thinker"], "Chat template (olmo_thinker opens with <think>).")
+flags.DEFINE_bool("chat_think", None, "Chat: open the answer with <think> (default: with olmo_thinker).")
+flags.DEFINE_integer("max_new_tokens", 256, "Chat: longest answer.")
+flags.DEFINE_float("temperature", 0.0, "Chat: 0 = greedy, else sample from softmax(logits / temperature).")
+flags.DEFINE_integer("sample_seed", 0, "Chat: seed of the sampler.")
 flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
 
 
@@ -339,6 +349,46 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
 
 
 # ---------------------------------------------------------------------------------------------
+# §4b Chat: the OLMo 3 template's generation prompt, decoded with the KV cache until the model
+# ends its turn (EOS after a final answer, <|im_end|> after an intermediate one).
+# ---------------------------------------------------------------------------------------------
+def chat_answer(model, messages: list, template: str = "olmo", max_new_tokens: int = 256,
+                temperature: float = 0.0, seed: int = 0, max_length: int = 2048, think=None) -> str:
+    """The model's next assistant turn for `messages`, as text (the stop token removed)."""
+    from data import chat
+    stops = (data.EOS_ID, data.tokenizer.IM_END_ID)
+    prompt = chat.generation_prompt(messages, template, think)
+    out = scoring.Scorer(model, max_length=max_length).generate(
+        prompt, max_new_tokens, stop=lambda ids: ids[-1] in stops, temperature=temperature, seed=seed)
+    return chat.decode(out[:-1] if out and out[-1] in stops else out)
+
+
+def chat_report(model) -> None:
+    """Print the answer to --chat, or to each conversation of --chat_file beside its reference."""
+    if F.chat:
+        rows = [[{"role": "user", "content": F.chat}]]
+    else:
+        from data import prepare_sft
+        rows = prepare_sft.read_chats(F.chat_file, require_answer=False)
+        rows = rows[:F.limit] if F.limit else rows
+    results = []
+    for i, messages in enumerate(rows):
+        reference = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
+        prompt = messages[:-1] if reference is not None else messages
+        answer = chat_answer(model, prompt, F.chat_template, F.max_new_tokens, F.temperature, F.sample_seed + i,
+                             F.max_length, F.chat_think)
+        results.append({"prompt": prompt, "answer": answer, "reference": reference})
+        print(f"--- {i}: {prompt[-1]['content'][:400]}\n>>> answer:    {answer}"
+              + (f"\n>>> reference: {reference}" if reference is not None else ""))
+    if F.out:
+        os.makedirs(F.out, exist_ok=True)
+        tmp = os.path.join(F.out, "chat.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(tmp, os.path.join(F.out, "chat.json"))
+
+
+# ---------------------------------------------------------------------------------------------
 # §5 Main: one model, two models, or two runs.
 # ---------------------------------------------------------------------------------------------
 def main(argv):
@@ -368,6 +418,8 @@ def main(argv):
     if F.position_buckets:  # a bad flag stops before any work
         heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())
+    if F.chat or F.chat_file:
+        return chat_report(model)
     results = {"model": F.model, "step": info["step"]}
     if F.position_buckets:  # padded held-out documents, loss per position bucket (long-context evidence)
         sets = padded_sets(F.heldout, F.eval_seq_len, data_dir=F.eval_data_dir, data_mix=F.data_mix,

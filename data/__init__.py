@@ -13,6 +13,7 @@ from data.loader import Loader, get_batch, get_eval_batch, segment_ids
 from data.order import batch_indices, steps_per_epoch
 from data.packed import PackedFSLDataset
 from data.padded import PaddedFSLDataset
+from data.preference import PairDataset
 from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE, dolma2
 
 _FROM_PREPARE = ("ensure_corpus", "load_manifest", "open_split", "verify")
@@ -27,7 +28,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "EOS_ID", "PAD_ID", "VOCAB_SIZE", "FSLDataset", "Loader", "PackedFSLDataset", "PaddedFSLDataset",
+    "EOS_ID", "PAD_ID", "VOCAB_SIZE", "FSLDataset", "Loader", "PackedFSLDataset", "PaddedFSLDataset", "PairDataset",
     "batch_indices", "dolma2", "get_batch", "get_eval_batch",
     "repetition_mask", "segment_ids", "steps_per_epoch", "tokenizer", *_FROM_PREPARE,
 ]

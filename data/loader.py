@@ -19,6 +19,7 @@ from data.dataset import FSLDataset
 from data.filters import repetition_mask
 from data.order import batch_indices, steps_per_epoch
 from data.packed import PackedFSLDataset, batch_fields
+from data.preference import PairDataset
 
 
 def segment_ids(tokens: Integer[np.ndarray, "batch seq"], eos_id: int) -> Int32[np.ndarray, "batch seq"]:
@@ -29,7 +30,7 @@ def segment_ids(tokens: Integer[np.ndarray, "batch seq"], eos_id: int) -> Int32[
 
 
 def get_batch(
-    dataset: FSLDataset | PackedFSLDataset,
+    dataset: FSLDataset | PackedFSLDataset | PairDataset,
     global_batch: int,
     seed: int,
     step: int,
@@ -52,7 +53,9 @@ def get_batch(
 
 
 def _rows(dataset, instances: list, repetition_filter: bool = False) -> dict:
-    if isinstance(instances[0], dict):  # packed / padded: tokens, label_mask, doc_lens
+    if hasattr(dataset, "collate"):  # preference pairs (data/preference.py): rows chosen, rejected, ...
+        out = dataset.collate(instances)
+    elif isinstance(instances[0], dict):  # packed / padded: tokens, label_mask, doc_lens
         out = batch_fields(instances)
     else:
         raw = np.stack(instances)  # (local_batch, seq_len) uint32
@@ -81,7 +84,7 @@ class Loader:
 
     def __init__(
         self,
-        dataset: FSLDataset | PackedFSLDataset,
+        dataset: FSLDataset | PackedFSLDataset | PairDataset,
         global_batch: int,
         seed: int,
         rank: int = 0,
@@ -163,7 +166,7 @@ class Loader:
     @classmethod
     def from_state(
         cls,
-        dataset: FSLDataset | PackedFSLDataset,
+        dataset: FSLDataset | PackedFSLDataset | PairDataset,
         state: dict,
         rank: int = 0,
         num_ranks: int = 1,

@@ -27,13 +27,22 @@ CL100K_PAT_STR = (
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 
+# Chat turn markers of the dolma2 instruct tokenizers (allenai/olmo-3-tokenizer-instruct-dev and
+# dolma2-tokenizer-special-tokens-v3-lc-reasoner README: added tokens <|extra_id_0|> 100256,
+# <|endoftext|> 100257, three fim, three PII, then <|im_start|>, <|im_end|>; the ChatML ids of
+# OpenAI's cl100k_im). Plain text never becomes one: only data/chat.py places them.
+IM_START_ID = 100264
+IM_END_ID = 100265
+
 # cl100k's own specials (tiktoken_ext/openai_public.py) plus dolma2's pad token
-# (allenai/dolma2-tokenizer tokenizer.json, added_tokens).
+# (allenai/dolma2-tokenizer tokenizer.json, added_tokens) and the instruct tokenizers' chat markers.
 SPECIAL_TOKENS = {
     "<|endoftext|>": EOS_ID,
     "<|fim_prefix|>": 100258,
     "<|fim_middle|>": 100259,
     "<|fim_suffix|>": 100260,
+    "<|im_start|>": IM_START_ID,
+    "<|im_end|>": IM_END_ID,
     "<|endofprompt|>": 100276,
     "<|pad|>": PAD_ID,
 }

@@ -333,7 +333,9 @@ class MetricsWriter:
                 f"MFU {100 * metrics.get('perf/mfu_writeup_smoothed', metrics.get('perf/mfu_writeup', math.nan)):.1f}%")
         if metrics.get("optim/step_skipped"):
             line += " | SKIPPED"
-        evals = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("eval/")}
+        if "train/rewards/accuracy" in metrics:   # DPO (olmo3/dpo.py)
+            line += (f" | acc {metrics['train/rewards/accuracy']:.3f} margin {metrics['train/rewards/margin']:.4f}")
+        evals = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/loss")}
         if evals:
             line += " | held-out " + " ".join(f"{d} {v:.3f}" for d, v in evals.items())
         if eta_s is not None and math.isfinite(eta_s):

@@ -2,7 +2,7 @@
 
     Scorer(model).loglikelihood(context, continuation)   sum log p(continuation | context), greedy?
     Scorer(model).loglikelihood_rolling(tokens, prefix)  log p(tokens) in windows of max_length
-    Scorer(model).generate(prompt, n)                    greedy decoding with a KV cache
+    Scorer(model).generate(prompt, n)                    greedy / sampled decoding with a KV cache
     multiple_choice(scorer, docs, ...)                   acc / acc_norm with few-shot prompts
     continuation_scores(model, batch)                    batched: per row, sum log p of the
                                                          continuation and log p of choice tokens
@@ -131,8 +131,18 @@ class Scorer:
         return total
 
     def generate(self, prompt: Tokens, max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]] = None,
-                 eos_id: Optional[int] = None) -> list[int]:
-        """Greedy decoding with a KV cache: one prefill, then one token per step."""
+                 eos_id: Optional[int] = None, temperature: float = 0.0, seed: int = 0) -> list[int]:
+        """Decoding with a KV cache: one prefill, then one token per step. Greedy at temperature 0,
+        else sampled from softmax(logits / temperature) (numpy's generator seeded with `seed`)."""
+        rng = np.random.default_rng(seed)
+
+        def pick(logits) -> int:
+            x = np.asarray(logits, np.float64)
+            if temperature <= 0:
+                return int(np.argmax(x))
+            p = np.exp((x - x.max()) / temperature)
+            return int(rng.choice(len(p), p=p / p.sum()))
+
         c = self.model.config
         prompt = [int(t) for t in prompt][-(self.max_length - 1):]
         self._check(prompt)
@@ -145,7 +155,7 @@ class Scorer:
         if len(padded) > S:
             padded = padded[:S]
         logits, kc, vc = _extend_jit(self.model, kc, vc, jnp.asarray(padded), jnp.int32(0))
-        nxt = int(np.argmax(np.asarray(logits[len(prompt) - 1])))
+        nxt = pick(logits[len(prompt) - 1])
         out: list[int] = []
         pos = len(prompt)
         while len(out) < max_new_tokens:
@@ -156,7 +166,7 @@ class Scorer:
                 break
             logits, kc, vc = _extend_jit(self.model, kc, vc, jnp.asarray([nxt], jnp.int32), jnp.int32(pos))
             pos += 1
-            nxt = int(np.argmax(np.asarray(logits[0])))
+            nxt = pick(logits[0])
         return out
 
     # -- string level (lm-eval conventions) --------------------------------------------------

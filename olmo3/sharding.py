@@ -220,6 +220,12 @@ def _gather_top(model: OLMo3, specs: PyTree) -> OLMo3:
                         _gather(model.lm_head, specs.lm_head)))
 
 
+def gathered(model: OLMo3, specs: PyTree) -> tuple[OLMo3, Callable[[Layer], Layer]]:
+    """Inside a shard_map: the model with its top-level weights whole, and the per-layer gather
+    to pass as `model.hidden(gather=...)`. For losses written outside this module (olmo3/dpo.py)."""
+    return _gather_top(model, specs), lambda layer: _gather_layer(layer, specs.layers)
+
+
 def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int = 1024,
                  z_loss: float = Z_LOSS, use_segments: bool = False) -> Callable:
     """`grad_fn(model, batch) -> (grads, ce_mean, z_mean)` for `olmo3.step.make_train_step`.
@@ -346,6 +352,12 @@ class _Pinned:
         arrays, static = eqx.partition(params, eqx.is_inexact_array)
         params = eqx.combine(pin(arrays, self.specs), static)
         return params, pin(opt_state, opt_specs(opt_state, self.specs)), metrics
+
+
+def pinned(optimizer, mesh: Mesh, specs: PyTree):
+    """`optimizer` with its outputs pinned to the state's shardings (for train steps built
+    outside this module, e.g. olmo3/dpo.py)."""
+    return _Pinned(optimizer, mesh, specs)
 
 
 def make_train_step(optimizer, mesh: Mesh, specs: PyTree, *, microbatches: int = 1,

@@ -38,7 +38,7 @@ def parse(stage: int):
 
 def test_stage1_flags():
     F = parse(1)
-    assert (F.stage, F.model, F.seq_len, F.global_batch, F.seed) == (1, "olmo3_7b", 8192, 512, 34521)
+    assert (F.stage, F.model, F.seq_len, F.global_batch, F.seed) == ("1", "olmo3_7b", 8192, 512, 34521)
     assert F.global_batch * F.seq_len == 4_194_304
     assert (F.lr, F.warmup_steps, F.total_steps, F.final_lr_ratio) == (3e-4, 2000, 1_413_814, 0.1)
     assert (F.b1, F.b2, F.eps, F.weight_decay, F.max_grad_norm, F.z_loss) == (0.9, 0.95, 1e-8, 0.1, 1.0, 1e-5)
@@ -51,7 +51,7 @@ def test_stage1_flags():
 
 def test_stage2_flags():
     F = parse(2)
-    assert (F.stage, F.seq_len, F.global_batch, F.seed) == (2, 8192, 256, 1337)
+    assert (F.stage, F.seq_len, F.global_batch, F.seed) == ("2", 8192, 256, 1337)
     assert F.global_batch * F.seq_len == 2 ** 21
     assert (F.lr, F.warmup_steps, F.total_steps, F.schedule) == (2.0712352850360292e-4, 0, 47_684, "linear")
     assert F.data == "mix:OLMo-midtraining-mix-0625-100B"
@@ -62,7 +62,7 @@ def test_stage2_flags():
 def test_stage3_flags():
     import olmo3
     F = parse(3)
-    assert (F.stage, F.model, F.seq_len, F.global_batch) == (3, "olmo3_7b_long", 65536, 64)
+    assert (F.stage, F.model, F.seq_len, F.global_batch) == ("3", "olmo3_7b_long", 65536, 64)
     assert (F.warmup_steps, F.schedule) == (200, "linear")
     assert F.lr == pytest.approx(2.0712e-4, rel=1e-4)
     assert olmo3.Config.preset(F.model).yarn.factor == 8.0

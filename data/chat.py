@@ -1,0 +1,142 @@
+"""The OLMo 3 chat template: a conversation -> dolma2 token ids and a label mask.
+
+    render(messages):  [default system turn, if none is given]
+                       for m in messages:
+                           system:      <|im_start|> "system\\n" content SYSTEM_SUFFIX <|im_end|> "\\n"
+                           user / environment: <|im_start|> role "\\n" content <|im_end|> "\\n"
+                           assistant:   <|im_start|> "assistant\\n" content
+                                        + (<|endoftext|> if last else <|im_end|> "\\n")
+                       [+ <|im_start|> "assistant\\n" (+ "<think>" for olmo_thinker) if generating]
+    mask[t] = 0 on every token of a non-assistant turn, from where the conversation up to it ends
+              to where it ends with that turn (+ the "<|im_start|>assistant\\n" prompt when an
+              assistant turn follows); 1 elsewhere: assistant content and its <|im_end|> / EOS.
+
+open-instruct's `olmo` and `olmo_thinker` chat templates (open_instruct/dataset_transformation.py,
+CHAT_TEMPLATES) with its SFT masking (`sft_tulu_tokenize_and_truncate_v1`): the span of each
+non-assistant message is measured by rendering the prefixes messages[:i] and messages[:i+1].
+A prefix ending in an assistant turn renders that turn as the last one (ending in EOS, one token),
+so the next span starts one token after the turn's <|im_end|>: the <|im_end|> of an earlier
+assistant turn is trained, the "\\n" after it is not, and the final EOS is trained. One
+conversation ends in exactly one EOS, so OLMo-core's packing (documents split at EOS) keeps it
+one document. `convert_sft_data_for_olmocore.py` writes mask = (label != -100).
+
+Why it is built this way: the template is a few lines of string assembly, not Jinja, so the
+token sequence is visible here; special tokens are placed only by the template (content is
+encoded as plain text, so a chat that quotes "<|im_end|>" cannot end its own turn; Hugging Face
+tokenizers would parse it as the special token). The Think SFT data was tokenized without
+"<think>" in the masking prompt (open-instruct `olmo_thinker_no_think_sft_tokenization`, docs
+olmo3.md: the 7B used the `_no_think_7b` variant), so a leading "<think>" of the answer is trained;
+`generation_prompt` adds it back for inference, as the released Think chat template does.
+Tool use (`functions`, `function_calls`) is not rendered; a message carrying them is refused.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from jaxtyping import Bool, UInt32
+
+from data.tokenizer import EOS_ID, IM_END_ID, IM_START_ID, dolma2
+
+TEMPLATES = ("olmo", "olmo_thinker")
+ROLES = ("system", "user", "assistant", "environment")
+# The default system turn when a conversation has none (open-instruct CHAT_TEMPLATES).
+DEFAULT_SYSTEM = {
+    "olmo": ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date cutoff is "
+             "November 2024, and your model weights are available at https://huggingface.co/allenai. "
+             "You do not currently have access to any functions. <functions></functions>"),
+    "olmo_thinker": "You are a helpful AI assistant.",
+}
+# Appended to a given system message when it has no `functions` (both templates).
+SYSTEM_SUFFIX = " You do not currently have access to any functions. <functions></functions>"
+THINK = "<think>"  # olmo_thinker's generation prompt ends with it (plain text in dolma2)
+
+Piece = int | str  # a special token id placed by the template, or text to encode
+
+
+def check_messages(messages) -> None:
+    """Raise ValueError naming the problem unless `messages` is a non-empty list of
+    {"role": one of ROLES, "content": str} dicts."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f'message {i} must be an object with "role" and "content"')
+        if m["role"] not in ROLES:
+            raise ValueError(f"message {i} has role {m['role']!r}; the OLMo 3 template knows {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
+        if m.get("functions") is not None or m.get("function_calls") is not None:
+            raise ValueError(f"message {i} carries functions / function_calls; tool use is not rendered here")
+
+
+def pieces(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False,
+           think: bool = False) -> list[Piece]:
+    """The rendered conversation as special ids and text pieces (see the module docstring)."""
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown chat template {template!r}; choose one of {', '.join(TEMPLATES)}")
+    out: list[Piece] = []
+    if not any(m["role"] == "system" for m in messages):
+        out += [IM_START_ID, "system\n" + DEFAULT_SYSTEM[template], IM_END_ID, "\n"]
+    for i, m in enumerate(messages):
+        role, content = m["role"], m["content"]
+        if role == "system":
+            out += [IM_START_ID, "system\n" + content + SYSTEM_SUFFIX, IM_END_ID, "\n"]
+        elif role == "assistant":
+            out += [IM_START_ID, "assistant\n" + content]
+            out += [EOS_ID] if i == len(messages) - 1 else [IM_END_ID, "\n"]
+        else:  # user, environment
+            out += [IM_START_ID, f"{role}\n{content}", IM_END_ID, "\n"]
+    if add_generation_prompt:
+        out += [IM_START_ID, "assistant\n" + (THINK if think else "")]
+    return out
+
+
+def encode_pieces(ps: Sequence[Piece]) -> list[int]:
+    """Token ids: special ids as they are, each run of text encoded as one string (as a Hugging
+    Face tokenizer sees the text between two special tokens)."""
+    tok, ids, text = dolma2(), [], ""
+    for p in list(ps) + [None]:
+        if isinstance(p, str):
+            text += p
+            continue
+        if text:
+            ids += tok.encode_ordinary(text)
+            text = ""
+        if p is not None:
+            ids.append(int(p))
+    return ids
+
+
+def encode(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of the rendered conversation (no "<think>": the SFT tokenization)."""
+    return encode_pieces(pieces(messages, template, add_generation_prompt))
+
+
+def encode_with_mask(messages: Sequence[dict], template: str = "olmo"
+                     ) -> tuple[UInt32[np.ndarray, " n"], Bool[np.ndarray, " n"]]:
+    """(token ids uint32, label mask bool): open-instruct's SFT masking (module docstring)."""
+    check_messages(messages)
+    ids = encode(messages, template)
+    mask = np.ones(len(ids), np.bool_)
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            continue
+        start = 0 if i == 0 else len(encode(messages[:i], template))
+        prompt_follows = i + 1 < len(messages) and messages[i + 1]["role"] == "assistant"
+        end = len(encode(messages[:i + 1], template, add_generation_prompt=prompt_follows))
+        mask[start:end] = False
+    return np.asarray(ids, np.uint32), mask
+
+
+def generation_prompt(messages: Sequence[dict], template: str = "olmo", think: bool | None = None) -> list[int]:
+    """Token ids that ask the model for the next assistant turn; "<think>" opens it for
+    olmo_thinker unless `think=False` (a model trained on answers without it)."""
+    check_messages(messages)
+    think = template == "olmo_thinker" if think is None else think
+    return encode_pieces(pieces(messages, template, add_generation_prompt=True, think=think))
+
+
+def decode(ids: Sequence[int]) -> str:
+    """Text of generated ids, the chat markers spelled out."""
+    return dolma2().decode([int(t) for t in ids])

@@ -1,0 +1,133 @@
+"""An instruction set from the embedded corpus: "write the docstring of this function".
+
+    python -m data.docstring_chats --out=runs/docstrings
+    for each function of a standard-library module that has a docstring and a body:
+        user:      "Write the docstring of this Python function.\\n\\n" + its source, docstring removed
+        assistant: the docstring's first paragraph (inspect.cleandoc)
+    split by the module's corpus split (data/corpus.py): functions of held-out documents are
+    held out, so neither the base model nor SFT has seen them
+    out/sft_{train,heldout}.jsonl   {"messages": [user, assistant]}               (data.prepare_sft)
+    out/dpo_{train,heldout}.jsonl   {"chosen": [user, real], "rejected": [user, wrong]}
+        wrong = another function's docstring (even rows) or the real one with its words shuffled (odd rows)
+
+Why: the CPU evidence of issue 16 needs chats whose answers are checkable and whose held-out
+half is really unseen; docstrings are real, short, and tied to the code above them. Only
+conversations whose rendered tokens fit `--max_tokens` are kept (the tiny model's sequence),
+shortest functions first, then a seeded shuffle, so the set is a pure function of the corpus,
+the seed and the limits. Preference rows use open-instruct's `chosen` / `rejected` message lists.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import random
+import sys
+import tempfile
+
+from data import chat, corpus
+
+PROMPT = "Write the docstring of this Python function.\n\n"
+
+
+def functions_with_docstrings(text: str) -> list[tuple[str, str]]:
+    """(source without the docstring, first docstring paragraph) of each function in `text`."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines()
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or len(node.body) < 2:
+            continue
+        doc = ast.get_docstring(node)
+        first = node.body[0]
+        if not doc or first.lineno == node.lineno:  # a one-line `def f(): "doc"` has no body to show
+            continue
+        summary = inspect.cleandoc(doc).split("\n\n")[0].strip()
+        body = lines[node.lineno - 1:first.lineno - 1] + lines[first.end_lineno:node.end_lineno]
+        indent = min(len(s) - len(s.lstrip()) for s in body if s.strip())
+        source = "\n".join(s[indent:] for s in body).strip("\n")
+        if summary and source:
+            out.append((source, summary))
+    return out
+
+
+def build(max_tokens: int, template: str, seed: int, max_train: int | None, max_heldout: int | None) -> dict:
+    """{split: [(source, docstring)]} for "train" and "heldout", each a seeded shuffle."""
+    found = {"train": [], "heldout": []}
+    for doc in corpus.documents("stdlib-code"):
+        split = "train" if corpus.split_of(doc) == "train" else "heldout"
+        for source, summary in functions_with_docstrings(doc.text):
+            n = len(chat.encode(conversation(source, summary), template))
+            if n <= max_tokens:
+                found[split].append((n, doc.name, source, summary))
+    rng = random.Random(seed)
+    out = {}
+    for split, limit in (("train", max_train), ("heldout", max_heldout)):
+        rows = sorted(set(found[split]))   # a fixed order before the shuffle
+        rng.shuffle(rows)
+        out[split] = [(s, d) for _, _, s, d in rows[:limit]]
+    return out
+
+
+def conversation(source: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": PROMPT + source}, {"role": "assistant", "content": answer}]
+
+
+def corrupt(answer: str, rng: random.Random) -> str:
+    words = answer.split()
+    for _ in range(8):
+        rng.shuffle(words)
+        if " ".join(words) != " ".join(answer.split()) or len(set(words)) < 2:
+            break
+    return " ".join(words) + ("" if len(set(words)) > 1 else " not")
+
+
+def preference_rows(pairs: list[tuple[str, str]], seed: int) -> list[dict]:
+    rng, rows = random.Random(seed + 1), []
+    for i, (source, answer) in enumerate(pairs):
+        if i % 2 == 0 and len(pairs) > 1:
+            j = rng.randrange(len(pairs) - 1)
+            other = pairs[j + (j >= i)][1]
+            wrong = other if other != answer else corrupt(answer, rng)
+        else:
+            wrong = corrupt(answer, rng)
+        rows.append({"chosen": conversation(source, answer), "rejected": conversation(source, wrong)})
+    return rows
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)  # atomic
+
+
+def main(argv):
+    from absl import flags
+
+    del argv
+    f = flags.FLAGS
+    os.makedirs(f.out, exist_ok=True)
+    sets = build(f.max_tokens, f.template, f.seed, f.max_train, f.max_heldout)
+    for split, pairs in sets.items():
+        write_jsonl(os.path.join(f.out, f"sft_{split}.jsonl"), [{"messages": conversation(s, d)} for s, d in pairs])
+        write_jsonl(os.path.join(f.out, f"dpo_{split}.jsonl"), preference_rows(pairs, f.seed))
+        print(f"{split}: {len(pairs):,} functions -> {f.out}/sft_{split}.jsonl, {f.out}/dpo_{split}.jsonl")
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    from olmo3 import cli
+    flags.DEFINE_string("out", None, "directory for sft_*.jsonl and dpo_*.jsonl", required=True)
+    flags.DEFINE_integer("max_tokens", 256, "keep conversations whose rendered tokens fit (the model's seq_len)")
+    flags.DEFINE_enum("template", "olmo_thinker", list(chat.TEMPLATES), "chat template used to measure lengths")
+    flags.DEFINE_integer("seed", 0, "shuffle seed")
+    flags.DEFINE_integer("max_train", None, "at most this many training functions")
+    flags.DEFINE_integer("max_heldout", None, "at most this many held-out functions")
+    sys.exit(cli.run(main))

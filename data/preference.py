@@ -1,0 +1,170 @@
+"""Preference pairs for DPO: rendered conversations on disk, one (chosen, rejected) pair per instance.
+
+    <dir>/token_ids.npy     headerless uint32: pair 0 chosen, pair 0 rejected, pair 1 chosen, ...
+    <dir>/labels_mask.npy   headerless bool, one per token: True on the assistant tokens
+    <dir>/pairs.json        lengths of the 2n sequences, sha256 of both files, how they were made
+    ds[i] = {tokens:     uint32 [2, seq_len]  chosen, rejected; truncated to seq_len, padded,
+             label_mask: bool   [2, seq_len]  False on prompt tokens and padding,
+             ref_logps:  float32 [2]          the frozen reference's summed log-probs (once attached)}
+
+Written by `python -m data.prepare_dpo` from open-instruct's preference JSONL (`chosen` and
+`rejected` message lists, `preference_tulu_tokenize_and_truncate_v1`). The pair index is the
+instance index of `data.order`, so `data.Loader` gives the exactly-once global order, its
+checkpointed state and its fingerprint check to pairs unchanged (`collate` stacks a batch: row
+2i chosen, row 2i + 1 rejected, so a pair never splits across devices).
+
+Why padded rows and not packing: chosen and rejected each need their own per-sequence sums, and
+with one sequence per row (open-instruct pads them too, `concatenated_forward`) nothing can leak
+between sequences; packing several short sequences into one row would save compute on short data
+at the price of segment ids and per-segment sums in every loss. The fingerprint covers the files' contents (their
+sha256, recorded when written) and seq_len, so the reference cache keyed on it
+(olmo3/reference.py) notices a rebuilt data set even when its sizes are unchanged.
+"""
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
+
+TOKENS, MASKS, MANIFEST = "token_ids.npy", "labels_mask.npy", "pairs.json"
+FORMAT = "olmo3-jax preference pairs v1"
+
+
+class PairDataset:
+    """`len(ds)` pairs, `ds[i] -> {"tokens", "label_mask"[, "ref_logps"]}`, `ds.fingerprint`, `ds.collate`."""
+
+    kind = "PairDataset"
+
+    def __init__(self, directory: str | os.PathLike, seq_len: int, *, vocab_size: int = VOCAB_SIZE,
+                 eos_id: int = EOS_ID, pad_id: int = PAD_ID):
+        self.directory = os.fspath(directory)
+        manifest_path = os.path.join(self.directory, MANIFEST)
+        if not os.path.isfile(manifest_path):
+            raise FileNotFoundError(f"{manifest_path} does not exist: {self.directory!r} holds no prepared "
+                                    "preference pairs; write them with `python -m data.prepare_dpo "
+                                    f"--input=<pairs.jsonl> --out_dir={self.directory}`")
+        with open(manifest_path) as f:
+            self.manifest = json.load(f)
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{manifest_path} is not a '{FORMAT}' manifest; rebuild with `python -m data.prepare_dpo`")
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        self.seq_len, self.vocab_size = int(seq_len), int(vocab_size)
+        self.eos_id, self.pad_id = int(eos_id), int(pad_id)
+        lengths = np.asarray(self.manifest["lengths"], np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(lengths)])
+        total = int(self._starts[-1])
+        for name, itemsize in ((TOKENS, 4), (MASKS, 1)):
+            path = os.path.join(self.directory, name)
+            if not os.path.isfile(path) or os.path.getsize(path) != total * itemsize:
+                raise ValueError(f"{path} should hold {total} entries ({total * itemsize} bytes) as {MANIFEST} "
+                                 "says; it is missing, truncated or from another build. Rebuild with "
+                                 "`python -m data.prepare_dpo`")
+        in_dir = lambda name: os.path.join(self.directory, name)  # noqa: E731
+        self._tokens = np.memmap(in_dir(TOKENS), np.uint32, "r") if total else np.zeros(0, np.uint32)
+        self._masks = np.memmap(in_dir(MASKS), np.bool_, "r") if total else np.zeros(0, bool)
+        if len(lengths) % 2 or not len(lengths):
+            raise ValueError(f"{manifest_path} lists {len(lengths)} sequences; expected 2 per pair, at least one pair")
+        for k in np.flatnonzero(lengths > self.seq_len):   # truncation must leave a trainable token
+            if not self._masks[self._starts[k]:self._starts[k] + self.seq_len].any():
+                raise ValueError(
+                    f"pair {k // 2} of {self.directory!r}: its {'chosen' if k % 2 == 0 else 'rejected'} response "
+                    f"starts after token {self.seq_len}, so nothing of it is trained at --seq_len={self.seq_len}; "
+                    f"prepare the pairs with --max_seq_length={self.seq_len} (which drops such pairs)")
+        self.reference = None   # float32 [pairs, 2]: the reference model's summed log-probs
+
+    def __len__(self) -> int:
+        return (len(self._starts) - 1) // 2
+
+    def sequence(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and label mask of sequence k (2i chosen, 2i + 1 rejected), truncated to seq_len."""
+        s, e = int(self._starts[k]), min(int(self._starts[k + 1]), int(self._starts[k]) + self.seq_len)
+        return np.asarray(self._tokens[s:e]), np.asarray(self._masks[s:e])
+
+    def __getitem__(self, i: int | np.integer) -> dict:
+        n = len(self)
+        if not -n <= int(i) < n:
+            raise IndexError(f"pair {i} out of range for {n} pairs")
+        i = int(i) % n
+        tokens = np.full((2, self.seq_len), self.pad_id, np.uint32)
+        mask = np.zeros((2, self.seq_len), bool)
+        for j in range(2):
+            ids, m = self.sequence(2 * i + j)
+            tokens[j, :len(ids)], mask[j, :len(m)] = ids, m
+        if tokens.size and int(tokens.max()) >= self.vocab_size:
+            raise ValueError(f"{self.directory!r}, pair {i}: token id {int(tokens.max())} >= vocab size "
+                             f"{self.vocab_size}; the pairs were written with another tokenizer")
+        out = {"tokens": tokens, "label_mask": mask}
+        if self.reference is not None:
+            out["ref_logps"] = self.reference[i].astype(np.float32)
+        return out
+
+    def attach_reference(self, sums: np.ndarray) -> None:
+        """The reference model's summed log-probs, float [pairs, 2] (olmo3/reference.py)."""
+        sums = np.asarray(sums, np.float32)
+        if sums.shape != (len(self), 2):
+            raise ValueError(f"reference log-probs of shape {sums.shape} for {len(self)} pairs")
+        self.reference = sums
+
+    def collate(self, instances: list[dict]) -> dict:
+        """Stack pairs into rows: tokens uint32 [2P, T], label_mask [2P, T], ref_logps [2P]."""
+        if self.reference is None:
+            raise RuntimeError("PairDataset has no reference log-probs attached (olmo3/reference.py)")
+        return {k: np.concatenate([x[k] for x in instances]) for k in ("tokens", "label_mask", "ref_logps")}
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 over the kind, vocab, pad/eos ids, seq_len, the pair count and both files' sha256."""
+        h = hashlib.sha256()
+        h.update(f"kind={self.kind},vocab_size={self.vocab_size},pad_token_id={self.pad_id},"
+                 f"eos_token_id={self.eos_id},dtype=uint32,sequence_length={self.seq_len},pairs={len(self)},".encode())
+        h.update(f"tokens={self.manifest['token_ids_sha256']},masks={self.manifest['labels_mask_sha256']},".encode())
+        return h.hexdigest()
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.directory!r}: {len(self)} pairs padded to {self.seq_len} tokens)"
+
+
+def write_pairs(out_dir: str | os.PathLike, pairs, *, max_seq_length: int, info: dict | None = None) -> dict:
+    """Write rendered pairs [((chosen_ids, chosen_mask), (rejected_ids, rejected_mask)), ...] into
+    `out_dir` (the layout above). Each sequence is truncated to `max_seq_length`; a pair where either
+    side keeps no trainable token is dropped (open-instruct `preference_tulu_filter_v1`). Files are
+    written under temporary names and renamed, the manifest last: a crash leaves no half data set
+    that reads as whole. Returns the manifest."""
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = {name: os.path.join(out_dir, f".{name}.{os.getpid()}.tmp") for name in (TOKENS, MASKS, MANIFEST)}
+    lengths, dropped = [], 0
+    sha = {TOKENS: hashlib.sha256(), MASKS: hashlib.sha256()}
+    with open(tmp[TOKENS], "wb") as ft, open(tmp[MASKS], "wb") as fm:
+        for chosen, rejected in pairs:
+            sides = [(np.asarray(ids, np.uint32)[:max_seq_length], np.asarray(m, bool)[:max_seq_length])
+                     for ids, m in (chosen, rejected)]
+            if any(len(ids) != len(m) for ids, m in sides):
+                raise ValueError("a rendered sequence has a label mask of another length than its tokens")
+            if not all(m.any() for _, m in sides):
+                dropped += 1
+                continue
+            for ids, m in sides:
+                for name, f, buf in ((TOKENS, ft, ids.tobytes()), (MASKS, fm, m.tobytes())):
+                    f.write(buf)
+                    sha[name].update(buf)
+                lengths.append(len(ids))
+    if not lengths:
+        for p in tmp.values():
+            if os.path.exists(p):
+                os.remove(p)
+        raise ValueError(f"no pair with a trainable token on both sides (of {dropped}); nothing written to {out_dir}")
+    manifest = {"format": FORMAT, "pairs": len(lengths) // 2, "dropped": dropped, "max_seq_length": max_seq_length,
+                "token_ids_sha256": sha[TOKENS].hexdigest(), "labels_mask_sha256": sha[MASKS].hexdigest(),
+                **(info or {}), "lengths": lengths}
+    with open(tmp[MANIFEST], "w") as f:
+        json.dump(manifest, f)
+    if os.path.exists(os.path.join(out_dir, MANIFEST)):   # no old manifest over new files, even mid-crash
+        os.remove(os.path.join(out_dir, MANIFEST))
+    os.replace(tmp[TOKENS], os.path.join(out_dir, TOKENS))
+    os.replace(tmp[MASKS], os.path.join(out_dir, MASKS))
+    os.replace(tmp[MANIFEST], os.path.join(out_dir, MANIFEST))
+    return manifest

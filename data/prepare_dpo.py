@@ -1,0 +1,79 @@
+"""Preference JSONL -> the pair files `train.py --stage=dpo` reads (data/preference.py).
+
+    python -m data.prepare_dpo --input=pairs.jsonl --out_dir=runs/dpo_data [--template=olmo_thinker]
+
+    for each line {"chosen": [{"role", "content"}, ...], "rejected": [...]}:
+        each side: ids, mask = data.chat.encode_with_mask(messages)   # assistant tokens trained
+                   truncated to --max_seq_length
+        drop the pair if either side keeps no trained token        # preference_tulu_filter_v1
+    out_dir/token_ids.npy, labels_mask.npy, pairs.json              # data/preference.py
+
+open-instruct's preference format and tokenization: `chosen` / `rejected` message lists sharing
+the prompt (`preference_tulu_tokenize_and_truncate_v1`: each side rendered as an SFT example, labels
+-100 off the assistant turns, then truncated to `max_seq_length`), 16,384 tokens in the OLMo 3
+DPO scripts (`7b_{think,instruct}_dpo.sh`: `--max_seq_length 16384`). A bad line stops everything
+before anything is written, naming the file and line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from data import chat
+from data.preference import write_pairs
+
+MAX_SEQ_LENGTH = 16_384  # open-instruct scripts/train/olmo3/7b_{think,instruct}_dpo.sh
+
+
+def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
+    """(chosen, rejected) message lists of a JSONL file; ValueError naming `path:line` on a bad line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
+                    raise ValueError('expected an object with "chosen" and "rejected" message lists')
+                for side in ("chosen", "rejected"):
+                    chat.check_messages(row[side])
+                    if row[side][-1]["role"] != "assistant":
+                        raise ValueError(f"the last {side} message must be the assistant's response")
+            except (json.JSONDecodeError, ValueError) as e:
+                raise ValueError(f"{path}:{n}: {e}; one preference pair per line, "
+                                 '{"chosen": [{"role", "content"}, ...], "rejected": [...]}') from None
+            out.append((row["chosen"], row["rejected"]))
+    if not out:
+        raise ValueError(f"{path} holds no preference pairs")
+    return out
+
+
+def prepare_dpo(input_path: str, out_dir: str, template: str = "olmo", max_seq_length: int = MAX_SEQ_LENGTH) -> dict:
+    """Render, truncate, filter and write; returns the manifest (data/preference.py)."""
+    rows = read_pairs(input_path)
+    rendered = ((chat.encode_with_mask(c, template), chat.encode_with_mask(r, template)) for c, r in rows)
+    return write_pairs(out_dir, rendered, max_seq_length=max_seq_length,
+                       info={"template": template, "source": os.path.basename(input_path), "tokenizer": "dolma2"})
+
+
+def main(argv):
+    from absl import flags
+    del argv
+    f = flags.FLAGS
+    m = prepare_dpo(f.input, f.out_dir, f.template, f.max_seq_length)
+    tokens = sum(m["lengths"])
+    print(f"{m['pairs']:,} pairs ({m['dropped']:,} dropped: a side with nothing to train), {tokens:,} tokens "
+          f"-> {f.out_dir}")
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    from olmo3 import cli
+    flags.DEFINE_string("input", None, 'JSONL: one {"chosen": [...], "rejected": [...]} per line', required=True)
+    flags.DEFINE_string("out_dir", None, "directory for token_ids.npy, labels_mask.npy, pairs.json", required=True)
+    flags.DEFINE_enum("template", "olmo", list(chat.TEMPLATES), "open-instruct chat template")
+    flags.DEFINE_integer("max_seq_length", MAX_SEQ_LENGTH, "truncate each side to this many tokens")
+    sys.exit(cli.run(main))

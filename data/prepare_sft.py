@@ -1,0 +1,171 @@
+"""Chats (JSONL) -> OLMo-core SFT files: token ids and label masks, one conversation per document.
+
+    python -m data.prepare_sft --input=chats.jsonl --out_dir=runs/sft_data [--template=olmo_thinker]
+
+    for each line {"messages": [{"role", "content"}, ...]}:
+        ids, mask = data.chat.encode_with_mask(messages)    # ends in exactly one EOS
+        drop it if mask has no 1 (open-instruct sft_tulu_filter_v1)
+    out_dir/token_ids_part_0000.npy    uint32, headerless memmap: the ids, conversation after conversation
+    out_dir/labels_mask_part_0000.npy  bool (one byte per token), same length: the masks
+    out_dir/sft_manifest.json          counts (conversations kept / dropped, tokens, trained tokens)
+
+The format of open-instruct's `scripts/data/convert_sft_data_for_olmocore.py`: raw `np.memmap`
+files named `token_ids_part_XXXX.npy` / `labels_mask_part_XXXX.npy` (the `.npy` name is
+OLMo-core's convention; there is no NumPy header), uint32 for the 100,278-token vocabulary,
+parts of at most 1 GiB of ids (2^28 tokens). OLMo-core's SFT script reads them with
+`NumpyPackedFSLDatasetConfig(paths=[token_ids_part_*.npy], label_mask_paths=[labels_mask_*.npy],
+generate_doc_lengths=True)`, and so does `train.py --stage=sft --packed --label_masks`
+(data/packed.py pairs each token file with the mask file of the same suffix), so files written by
+AI2's converter train here unchanged. One difference: AI2's converter cuts parts at exactly
+2^28 tokens, through a conversation if need be; here a part ends at a conversation's end.
+
+Why it is built this way: the whole output is written in a temporary sibling directory and
+renamed into place, so a crash leaves either nothing or a complete set (an extra stale part would
+otherwise be globbed into training); a bad line stops everything before anything is written,
+naming the file and line.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+
+from data import chat
+
+MAX_TOKENS_PER_PART = (1 << 30) // 4  # open-instruct write_memmap_chunked(max_size_gb=1), uint32 ids
+MANIFEST = "sft_manifest.json"
+
+
+def read_chats(path: str, require_answer: bool = True) -> list[list[dict]]:
+    """The "messages" lists of a JSONL file; ValueError naming `path:line` on a bad line.
+    `require_answer`: each must end with an assistant turn (training data)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON object ({e.msg}); one conversation per line") from None
+            messages = row.get("messages") if isinstance(row, dict) else None
+            try:
+                chat.check_messages(messages)
+                if require_answer and messages[-1]["role"] != "assistant":
+                    raise ValueError("the last message must be the assistant's (a conversation is one "
+                                     "document ending in EOS)")
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}") from None
+            out.append(messages)
+    if not out:
+        raise ValueError(f"{path}: no conversation in the file")
+    return out
+
+
+def encode_chats(chats: list[list[dict]], template: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """[(ids, mask)] of the conversations with at least one trained token, and how many were dropped."""
+    kept, dropped = [], 0
+    for messages in chats:
+        ids, mask = chat.encode_with_mask(messages, template)
+        if mask.any():
+            kept.append((ids, mask))
+        else:
+            dropped += 1
+    return kept, dropped
+
+
+def write_parts(docs: list[tuple[np.ndarray, np.ndarray]], out_dir: str,
+                max_tokens_per_part: int = MAX_TOKENS_PER_PART) -> list[str]:
+    """Write the part files into `out_dir` (which must be new); returns the token file paths."""
+    parts, current, size = [], [], 0
+    for d in docs:
+        if current and size + len(d[0]) > max_tokens_per_part:
+            parts.append(current)
+            current, size = [], 0
+        current.append(d)
+        size += len(d[0])
+    parts.append(current)
+    paths = []
+    for i, part in enumerate(parts):
+        ids = np.concatenate([d[0] for d in part]).astype(np.uint32)
+        mask = np.concatenate([d[1] for d in part]).astype(np.bool_)
+        token_path = os.path.join(out_dir, f"token_ids_part_{i:04d}.npy")
+        ids.tofile(token_path)   # raw bytes, as np.memmap(mode="w+") writes them
+        mask.tofile(os.path.join(out_dir, f"labels_mask_part_{i:04d}.npy"))
+        paths.append(token_path)
+    return paths
+
+
+def prepare_sft(input_path: str, out_dir: str, template: str = "olmo",
+                max_tokens_per_part: int = MAX_TOKENS_PER_PART) -> dict:
+    """Render, mask and write `input_path` into the new directory `out_dir`; returns the manifest."""
+    if template not in chat.TEMPLATES:
+        raise ValueError(f"--template={template!r}: choose one of {', '.join(chat.TEMPLATES)}")
+    if not os.path.isfile(input_path):
+        raise FileNotFoundError(f"--input={input_path!r} does not exist; pass a JSONL file of "
+                                '{"messages": [...]} lines')
+    out_dir = os.path.abspath(out_dir)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"--out_dir={out_dir!r} exists and is not empty; choose a new directory")
+    kept, dropped = encode_chats(read_chats(input_path), template)
+    if not kept:
+        raise ValueError(f"{input_path}: no conversation has an assistant token to train on")
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out_dir)}-", dir=os.path.dirname(out_dir))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the data is not
+    try:
+        paths = write_parts(kept, tmp, max_tokens_per_part)
+        manifest = {"input": os.path.abspath(input_path), "template": template, "conversations": len(kept),
+                    "dropped_without_trained_tokens": dropped, "tokens": int(sum(len(d[0]) for d in kept)),
+                    "trained_tokens": int(sum(int(d[1].sum()) for d in kept)),
+                    "parts": [os.path.basename(p) for p in paths]}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=1)
+        if os.path.exists(out_dir):
+            os.rmdir(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def token_files(directory: str, flag: str = "--data") -> list[str]:
+    """The token_ids_part_*.npy files of an SFT directory, each with its labels_mask_*.npy."""
+    from data.packed import label_mask_path
+    paths = sorted(glob.glob(os.path.join(directory, "token_ids_*.npy")))
+    if not paths:
+        raise FileNotFoundError(f"{flag}={directory!r} holds no token_ids_*.npy; write it with "
+                                "python -m data.prepare_sft or open-instruct's convert_sft_data_for_olmocore.py")
+    for p in paths:
+        if not os.path.isfile(label_mask_path(p)):
+            raise FileNotFoundError(f"{flag}={directory!r}: {os.path.basename(p)} has no "
+                                    f"{os.path.basename(label_mask_path(p))} beside it")
+    return paths
+
+
+def main(argv):
+    from absl import flags
+
+    del argv
+    f = flags.FLAGS
+    m = prepare_sft(f.input, f.out_dir, f.template)
+    print(f"wrote {len(m['parts'])} part(s) to {os.path.abspath(f.out_dir)}: {m['conversations']:,} conversations "
+          f"({m['dropped_without_trained_tokens']} dropped: nothing to train), {m['tokens']:,} tokens, "
+          f"{m['trained_tokens']:,} trained")
+
+
+if __name__ == "__main__":
+    from absl import flags
+
+    from olmo3 import cli
+    flags.DEFINE_string("input", None, 'JSONL: one {"messages": [{"role", "content"}, ...]} per line', required=True)
+    flags.DEFINE_string("out_dir", None, "new directory for token_ids_part_*.npy / labels_mask_part_*.npy",
+                        required=True)
+    flags.DEFINE_enum("template", "olmo", list(chat.TEMPLATES), "open-instruct chat template")
+    sys.exit(cli.run(main))

@@ -1,0 +1,112 @@
+"""The frozen DPO reference: its per-sequence log-probs, computed once and cached beside the data.
+
+    identity    = sha256(model config, for each weight: path, dtype, shape, two checksums of its bits)
+    fingerprint = sha256(identity, data fingerprint, seq_len)
+    <pairs dir>/reference_logps.npz = {fingerprint, sums float32 [pairs, 2], counts int32 [pairs, 2]}
+
+    load_or_compute(path, fingerprint, compute):
+        the file exists:  same fingerprint -> its sums;  another -> UserError naming the file and the fix
+        it does not:      sums, counts = compute(); written to a temporary file, then renamed
+
+open-instruct (`dpo_tune_cache.py`) also runs the reference once over the data before training and
+keeps the results (`build_reference_logprobs_cache`, keyed by a hash of the model name and the
+data config). Here the key is the reference's *weights*: two integer checksums per tensor of its
+raw bits (a plain sum and a position-weighted sum, both mod 2^32, so exact and independent of how
+the tensor is sharded), so a renamed or copied checkpoint keeps its cache and a retrained one at
+the same path does not. The data fingerprint (data/preference.py) covers the files' contents and
+seq_len. Attention kernel, remat policy and block sizes are left out of the identity: they do not
+change what is computed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import PyTree
+
+from olmo3.cli import UserError
+
+CACHE_NAME = "reference_logps.npz"
+_NOT_NUMERIC = ("attention", "remat", "splash_block_q", "splash_block_kv")   # config fields the logps ignore
+
+
+@jax.jit
+def _checksums(leaves: list) -> list:
+    """Per array: (sum of its bits, sum of bits * odd hash of the flat position), uint32 wraparound."""
+    out = []
+    for x in leaves:
+        bits = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]).astype(jnp.uint32)
+        pos = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0)
+        for axis in range(1, x.ndim):
+            pos = pos * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
+        out.append(jnp.stack([jnp.sum(bits), jnp.sum(bits * (pos * jnp.uint32(2654435761) + jnp.uint32(1)))]))
+    return out
+
+
+def weights_identity(model: PyTree) -> str:
+    """sha256 hex of the model config and every weight's path, dtype, shape and bit checksums."""
+    from olmo3.config import config_to_dict
+    config = {k: v for k, v in config_to_dict(model.config).items() if k not in _NOT_NUMERIC}
+    arrays = eqx.filter(model, eqx.is_inexact_array)
+    named = jax.tree_util.tree_flatten_with_path(arrays)[0]
+    sums = _checksums([x for _, x in named])
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for (path, x), s in zip(named, sums):
+        h.update(f"{jax.tree_util.keystr(path)},{x.dtype},{tuple(x.shape)},{np.asarray(s).tolist()};".encode())
+    return h.hexdigest()
+
+
+def fingerprint(reference_identity: str, data_fingerprint: str, seq_len: int) -> str:
+    """What a cache of reference log-probs is valid for."""
+    key = f"reference={reference_identity},data={data_fingerprint},seq_len={seq_len}"
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def default_path(pairs_dir: str) -> str:
+    return os.path.join(os.fspath(pairs_dir), CACHE_NAME)
+
+
+def load(path: str, expected: str) -> np.ndarray | None:
+    """The cached sums float32 [pairs, 2], None if `path` does not exist; a cache made for another
+    reference, data set or seq_len is a user error naming the file and the fix."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with np.load(path) as z:
+            found, sums = str(z["fingerprint"]), np.asarray(z["sums"], np.float32)
+    except (OSError, KeyError, ValueError) as e:
+        raise UserError(f"reference log-probs cache {path} is unreadable ({e}); delete it to recompute it") from e
+    if found != expected:
+        raise UserError(
+            f"reference log-probs cache {path} was computed for another reference model, data set or seq_len "
+            f"(fingerprint {found[:12]}..., this run needs {expected[:12]}...); delete it to recompute it with this "
+            "reference, or pass --reference_cache=<another file>")
+    return sums
+
+
+def write(path: str, expected: str, sums: np.ndarray, counts: np.ndarray) -> None:
+    """Atomic: a temporary file in the same directory, then renamed over `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, fingerprint=np.array(expected), sums=np.asarray(sums, np.float32),
+             counts=np.asarray(counts, np.int32))
+    os.replace(tmp, path)
+
+
+def load_or_compute(path: str, expected: str, compute: Callable[[], tuple[np.ndarray, np.ndarray]], *,
+                    write_file: bool = True) -> tuple[np.ndarray, bool]:
+    """(sums [pairs, 2], whether they were computed now). `compute() -> (sums, counts)` runs on every
+    process (it is a sharded computation); only the one with `write_file` writes."""
+    sums = load(path, expected)
+    if sums is not None:
+        return sums, False
+    sums, counts = compute()
+    if write_file:
+        write(path, expected, sums, counts)
+    return np.asarray(sums, np.float32), True

@@ -1,0 +1,277 @@
+"""DPO: the dpo_norm loss against a numpy transcription of open-instruct's formula, per-sequence
+log-probs and gradients against transformers' Olmo3ForCausalLM, the pair data set under the
+loader's exactly-once order, and the reference cache's fingerprint."""
+import numpy as np
+import pytest
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import data
+from data.preference import PairDataset, write_pairs
+from olmo3 import dpo, reference
+from olmo3.cli import UserError
+
+BETA = 5.0
+
+
+# --------------------------------------------------------------------------------------------
+# The numpy oracle, written from open-instruct's dpo_utils.dpo_loss / _get_batch_logps(average_log_prob=True)
+# --------------------------------------------------------------------------------------------
+def oracle_dpo_norm(pol_sum, ref_sum, count, beta):
+    """pol_sum, ref_sum, count: [pairs, 2] (chosen, rejected). Returns the mean loss, its gradient
+    with respect to pol_sum, and the logged metrics."""
+    pol, ref = pol_sum / count, ref_sum / count                     # average log-prob per token
+    z = (pol[:, 0] - pol[:, 1]) - (ref[:, 0] - ref[:, 1])
+    losses = np.logaddexp(0.0, -beta * z)                           # -log sigmoid(beta z)
+    n = len(z)
+    dz = -beta / (1.0 + np.exp(beta * z)) / n                       # d mean(loss) / dz
+    grad = np.stack([dz / count[:, 0], -dz / count[:, 1]], axis=1)
+    cr, rr = beta * (pol[:, 0] - ref[:, 0]), beta * (pol[:, 1] - ref[:, 1])
+    metrics = {"loss": losses.mean(), "rewards/chosen": cr.mean(), "rewards/rejected": rr.mean(),
+               "rewards/accuracy": (cr > rr).mean(), "rewards/margin": (cr - rr).mean(),
+               "logps/chosen": pol[:, 0].mean(), "logps/rejected": pol[:, 1].mean()}
+    return losses.mean(), grad, metrics
+
+
+def test_dpo_norm_loss_grad_and_metrics_equal_numpy_oracle():
+    rng = np.random.default_rng(0)
+    P = 16
+    count = rng.integers(1, 200, size=(P, 2)).astype(np.float64)
+    pol = -rng.uniform(0.5, 3.0, size=(P, 2)) * count
+    ref = pol + rng.normal(0, 0.05, size=(P, 2)) * count             # reference close to the policy
+
+    def mean_loss(s):
+        t = dpo.pair_terms("dpo_norm", BETA, s, jnp.asarray(count.reshape(-1), jnp.float32),
+                           jnp.asarray(ref.reshape(-1), jnp.float32))
+        return jnp.mean(t["loss"]), t
+
+    (loss, terms), grad = jax.value_and_grad(mean_loss, has_aux=True)(jnp.asarray(pol.reshape(-1), jnp.float32))
+    want_loss, want_grad, want = oracle_dpo_norm(pol, ref, count, BETA)
+    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad).reshape(P, 2), want_grad, rtol=2e-4, atol=1e-9)
+    for k, v in want.items():
+        np.testing.assert_allclose(float(jnp.mean(terms[k])), v, rtol=1e-4, atol=1e-6, err_msg=k)
+    # dpo (unnormalised) differs exactly by the reduction: sums instead of means.
+    t = dpo.pair_terms("dpo", BETA, jnp.asarray(pol.reshape(-1), jnp.float32), jnp.ones(2 * P),
+                       jnp.asarray(ref.reshape(-1), jnp.float32))
+    np.testing.assert_allclose(float(jnp.mean(t["loss"])), oracle_dpo_norm(pol, ref, np.ones_like(count), BETA)[0],
+                               rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Against transformers: per-sequence log-probs and the gradient through the whole model
+# --------------------------------------------------------------------------------------------
+def hf_pairs(vocab, T=24, pairs=2, seed=0):
+    """Rows chosen/rejected: a shared prompt (mask False), a response (mask True), then padding 0."""
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((2 * pairs, T), np.int64)
+    mask = np.zeros((2 * pairs, T), bool)
+    for i in range(pairs):
+        prompt = rng.integers(1, vocab, size=rng.integers(3, 8))
+        for j in range(2):
+            resp = rng.integers(1, vocab, size=rng.integers(2, T - len(prompt) + 1))
+            seq = np.concatenate([prompt, resp])
+            tokens[2 * i + j, :len(seq)] = seq
+            mask[2 * i + j, len(prompt):len(seq)] = True
+    return tokens, mask
+
+
+def test_sequence_logps_and_dpo_gradient_equal_transformers():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from olmo3 import hf
+    cfg = transformers.Olmo3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   rms_norm_eps=1e-6, sliding_window=6, pad_token_id=None, eos_token_id=None,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref_model = transformers.Olmo3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for name, p in ref_model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    tokens, mask = hf_pairs(cfg.vocab_size)
+    ref_sums = np.random.default_rng(1).normal(-40, 5, size=len(tokens))
+
+    # transformers: log_softmax of logits[:, :-1] gathered at tokens[:, 1:], masked by mask[:, 1:]
+    logits = ref_model(torch.tensor(tokens)).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, torch.tensor(tokens[:, 1:, None])).squeeze(-1)
+    m = torch.tensor(mask[:, 1:], dtype=torch.float32)
+    t_sums, t_counts = (logp * m).sum(-1), m.sum(-1)
+    avg, ref_avg = t_sums / t_counts, torch.tensor(ref_sums, dtype=torch.float32) / t_counts
+    z = (avg[0::2] - avg[1::2]) - (ref_avg[0::2] - ref_avg[1::2])
+    t_loss = -torch.nn.functional.logsigmoid(BETA * z).mean()
+    t_loss.backward()
+
+    model = hf.from_hf({k: v.detach() for k, v in ref_model.state_dict().items()}, hf.config_from_hf(cfg.to_dict()))
+
+    def loss_fn(model):
+        sums, counts = dpo.sequence_logps(model, jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), chunk=16)
+        terms = dpo.pair_terms("dpo_norm", BETA, sums, counts, jnp.asarray(ref_sums, jnp.float32))
+        return jnp.mean(terms["loss"]), (sums, counts)
+
+    (loss, (sums, counts)), grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn, has_aux=True))(model)
+    np.testing.assert_array_equal(np.asarray(counts), t_counts.numpy())
+    np.testing.assert_allclose(np.asarray(sums), t_sums.detach().numpy(), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(float(loss), float(t_loss.detach()), rtol=1e-5)
+    named = dict(ref_model.named_parameters())
+    pairs = [(grads.lm_head, named["lm_head.weight"].grad.T), (grads.embed, named["model.embed_tokens.weight"].grad),
+             (grads.layers.q_proj[1], named["model.layers.1.self_attn.q_proj.weight"].grad.T),
+             (grads.layers.down_proj[3], named["model.layers.3.mlp.down_proj.weight"].grad.T)]
+    for ours, theirs in pairs:
+        theirs = theirs.numpy()
+        np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-5 * np.abs(theirs).max(), rtol=1e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# Pair data: written, read, ordered exactly once by the loader
+# --------------------------------------------------------------------------------------------
+def synthetic_pairs(n, seed=0, vocab=1000):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(0, vocab, size=rng.integers(2, 6))
+        sides = []
+        for _ in range(2):
+            resp = rng.integers(0, vocab, size=rng.integers(1, 10))
+            ids = np.concatenate([prompt, resp, [data.EOS_ID]])
+            sides.append((ids, np.arange(len(ids)) >= len(prompt)))
+        out.append(tuple(sides))
+    return out
+
+
+def test_pairs_round_trip_and_loader_reads_each_pair_once(tmp_path):
+    pairs = synthetic_pairs(24)
+    pairs.insert(5, ((np.array([1, 2, 3]), np.zeros(3, bool)), pairs[0][1]))   # nothing to train: dropped
+    manifest = write_pairs(tmp_path, pairs, max_seq_length=12)
+    assert manifest["pairs"] == 24 and manifest["dropped"] == 1
+    ds = PairDataset(tmp_path, seq_len=16)
+    kept = pairs[:5] + pairs[6:]
+    for i in (0, 7, 23):
+        item = ds[i]
+        for j in range(2):
+            ids, m = kept[i][j][0][:12], kept[i][j][1][:12]        # truncated at prepare time
+            np.testing.assert_array_equal(item["tokens"][j, :len(ids)], ids)
+            np.testing.assert_array_equal(item["label_mask"][j, :len(ids)], m)
+            assert (item["tokens"][j, len(ids):] == data.PAD_ID).all() and not item["label_mask"][j, len(ids):].any()
+    ds.attach_reference(np.arange(48, dtype=np.float32).reshape(24, 2))
+    for ranks in (1, 2, 4):
+        seen = []
+        for step in range(3):    # 24 pairs / 8 per step: one epoch
+            for r in range(ranks):
+                b = data.get_batch(ds, 8, 7, step, r, ranks)
+                assert b["tokens"].shape == (2 * 8 // ranks, 16) and b["tokens"].dtype == np.int32
+                refs = b["ref_logps"].reshape(-1, 2)
+                assert (refs[:, 1] == refs[:, 0] + 1).all()        # row 2i chosen, 2i + 1 rejected
+                seen += (refs[:, 0] // 2).astype(int).tolist()
+        assert sorted(seen) == list(range(24)), ranks
+    # Loader state carries the pair data's fingerprint: a rebuilt data set is refused on resume.
+    state = data.Loader(ds, 8, 7, workers=0).state()
+    write_pairs(tmp_path / "other", synthetic_pairs(24, seed=1), max_seq_length=12)
+    with pytest.raises(ValueError, match="fingerprint"):
+        data.Loader.from_state(PairDataset(tmp_path / "other", seq_len=16), state)
+
+
+def test_truncation_that_leaves_nothing_to_train_is_refused(tmp_path):
+    long_prompt = ((np.arange(30), np.arange(30) >= 25), (np.arange(30), np.arange(30) >= 25))
+    write_pairs(tmp_path, [long_prompt], max_seq_length=64)
+    with pytest.raises(ValueError, match="max_seq_length=16"):
+        PairDataset(tmp_path, seq_len=16)
+
+
+# --------------------------------------------------------------------------------------------
+# The reference cache: fingerprinted by the reference's weights, the data and seq_len
+# --------------------------------------------------------------------------------------------
+def test_reference_cache_rejects_changed_reference_data_or_seq_len(tmp_path):
+    import olmo3
+    model = olmo3.OLMo3(olmo3.Config.tiny(vocab_size=128, d_model=16, n_heads=2, n_kv_heads=2, head_dim=8,
+                                          mlp_hidden=32, n_layers=4), jax.random.key(0))
+    write_pairs(tmp_path / "a", synthetic_pairs(6), max_seq_length=32)
+    write_pairs(tmp_path / "b", synthetic_pairs(6, seed=3), max_seq_length=32)
+    ds = PairDataset(tmp_path / "a", seq_len=32)
+    ident = reference.weights_identity(model)
+    fp = reference.fingerprint(ident, ds.fingerprint, ds.seq_len)
+    path = reference.default_path(ds.directory)
+    sums = np.arange(12, dtype=np.float32).reshape(6, 2)
+    calls = []
+    got, fresh = reference.load_or_compute(path, fp, lambda: calls.append(1) or (sums, np.ones((6, 2))))
+    assert fresh and calls == [1]
+    got2, fresh2 = reference.load_or_compute(path, fp, lambda: calls.append(1) or (sums, np.ones((6, 2))))
+    assert not fresh2 and calls == [1]
+    np.testing.assert_array_equal(got2, sums)
+    # Same weights under another name or layout: same identity. One changed bit: another.
+    assert reference.weights_identity(jax.tree.map(lambda x: x + 0, model)) == ident
+    bumped = jax.tree.map(lambda x: x, model)
+    flip = eqx.tree_at(lambda m: m.layers.q_proj, bumped,
+                       bumped.layers.q_proj.at[2, 3, 4].set(jnp.nextafter(bumped.layers.q_proj[2, 3, 4], 1.0)))
+    swap = eqx.tree_at(lambda m: m.layers.q_proj, bumped, bumped.layers.q_proj[::-1])   # same bits, moved
+    for other in (flip, swap):
+        other_fp = reference.fingerprint(reference.weights_identity(other), ds.fingerprint, ds.seq_len)
+        with pytest.raises(UserError, match="reference_logps.npz.*delete it"):
+            reference.load(path, other_fp)
+    for other_fp in (reference.fingerprint(ident, PairDataset(tmp_path / "b", seq_len=32).fingerprint, 32),
+                     reference.fingerprint(ident, PairDataset(tmp_path / "a", seq_len=24).fingerprint, 24)):
+        with pytest.raises(UserError, match=str(path)):
+            reference.load(path, other_fp)
+
+
+# --------------------------------------------------------------------------------------------
+# The sharded step: the same update on any mesh and microbatching (DESIGN §4, bug 4)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.slow   # three compiles of an 8-device step: minutes on 2 busy cores
+def test_sharded_step_is_topology_independent_and_equals_plain_gradient():
+    import olmo3
+    from olmo3 import optim, schedules, sharding
+    from olmo3.model import decay_mask
+    cfg = olmo3.Config.tiny(vocab_size=128, d_model=16, n_heads=2, n_kv_heads=2, head_dim=8, mlp_hidden=32,
+                            n_layers=4, window=4)
+    model = olmo3.OLMo3(cfg, jax.random.key(0))
+    tokens, mask = hf_pairs(cfg.vocab_size, T=16, pairs=16, seed=3)
+    batch = {"tokens": tokens.astype(np.int32), "label_mask": mask,
+             "ref_logps": np.random.default_rng(4).normal(-30, 3, size=32).astype(np.float32)}
+    opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3), b2=0.999, weight_decay=0.0, decay_mask=decay_mask,
+                              max_grad_norm=1e9, skip_steps=False)
+
+    def plain_loss(m):
+        s, c = dpo.sequence_logps(m, jnp.asarray(batch["tokens"]), jnp.asarray(mask), chunk=32)
+        return jnp.mean(dpo.pair_terms("dpo_norm", BETA, s, c, jnp.asarray(batch["ref_logps"]))["loss"])
+
+    want_loss, want_grads = eqx.filter_jit(eqx.filter_value_and_grad(plain_loss))(model)
+    results = []
+    for spec, micro in (("fsdp:8", 1), ("data:2,fsdp:4", 2)):
+        mesh = sharding.make_mesh(spec)
+        m, o = sharding.shard_state(model, opt.init(model), mesh)
+        step = dpo.make_train_step(opt, mesh, sharding.param_specs(m, mesh), microbatches=micro, chunk=32)
+        m, o, metrics = step(m, o, sharding.global_batch(batch, mesh))
+        np.testing.assert_allclose(float(metrics["train/loss"]), float(want_loss), rtol=1e-5)
+        results.append(m)
+    # First Adam step with no clipping: every parameter moves by lr * sign-like g / (|g| + eps); compare
+    # both meshes with each other and with the plain gradient's update direction.
+    for a, b, g, p0 in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]),
+                           jax.tree.leaves(eqx.filter(want_grads, eqx.is_inexact_array)), jax.tree.leaves(model)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
+        expect = np.asarray(p0) - 1e-3 * np.asarray(g) / (np.abs(np.asarray(g)) + 1e-8)
+        np.testing.assert_allclose(np.asarray(a), expect, atol=2e-5)
+
+
+def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path):
+    import json
+
+    from data import chat
+    from data.prepare_dpo import prepare_dpo
+    user = {"role": "user", "content": "Name a prime."}
+    rows = [{"chosen": [user, {"role": "assistant", "content": "7"}],
+             "rejected": [user, {"role": "assistant", "content": "8, which is even"}]}]
+    (tmp_path / "ok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare_dpo(str(tmp_path / "ok.jsonl"), str(tmp_path / "out"), "olmo_thinker", max_seq_length=128)
+    ds = PairDataset(tmp_path / "out", seq_len=128)
+    for j, side in enumerate(("chosen", "rejected")):
+        ids, mask = chat.encode_with_mask(rows[0][side], "olmo_thinker")
+        np.testing.assert_array_equal(ds[0]["tokens"][j, :len(ids)], ids)
+        np.testing.assert_array_equal(ds[0]["label_mask"][j, :len(ids)], mask)
+        assert ids[-1] == data.EOS_ID and mask[-1]        # the response ends in EOS, trained
+    (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps({"chosen": rows[0]["chosen"]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: .*rejected"):
+        prepare_dpo(str(tmp_path / "bad.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=128)
+    assert not (tmp_path / "out2").exists()

@@ -1,0 +1,233 @@
+"""SFT: the OLMo 3 chat template, the SFT files, the label-masked loss, train.py --stage=sft.
+
+References: token sequences written out by hand from the template's pieces (and literal cl100k
+ids); OLMo-core's own `NumpyPackedFSLDataset` reading our files; transformers' `Olmo3ForCausalLM`
+causal-LM loss with -100 labels; an uninterrupted run for resume; Adam's step count for the fresh
+optimizer of an SFT warm start.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import data
+from data import chat, prepare_sft
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EOS, IM_START, IM_END = 100257, 100264, 100265
+NL, ASSISTANT = 198, 78191  # cl100k ids of "\n" and "assistant"
+
+
+def text(s):
+    return data.dolma2().encode_ordinary(s)
+
+
+def test_special_token_ids():
+    tok = data.dolma2()
+    assert tok.encode("<|im_start|><|im_end|><|endoftext|>", allowed_special="all") == [IM_START, IM_END, EOS]
+    assert text("\n") == [NL] and text("assistant") == [ASSISTANT]
+    assert text("<|im_end|>") != [IM_END]  # content never becomes a turn marker
+
+
+def test_template_renders_known_sequence():
+    """olmo_thinker, two turns: hand-built ids and mask (open-instruct's SFT masking rule)."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ciao"}]
+    want, mask = [], []
+
+    def add(ids, m):
+        want.extend(ids)
+        mask.extend([m] * len(ids))
+
+    add([IM_START] + text("system\nYou are a helpful AI assistant.") + [IM_END, NL], 0)   # default system
+    add([IM_START] + text("user\nHi") + [IM_END, NL] + [IM_START, ASSISTANT, NL], 0)
+    add(text("Hello!") + [IM_END], 1)              # an earlier answer trains its <|im_end|> ...
+    add([NL], 0)                                   # ... not the newline after it
+    add([IM_START] + text("user\nBye") + [IM_END, NL] + [IM_START, ASSISTANT, NL], 0)
+    add(text("Ciao") + [EOS], 1)                   # the last answer ends in EOS, trained
+    ids, m = chat.encode_with_mask(msgs, "olmo_thinker")
+    assert ids.tolist() == want and m.astype(int).tolist() == mask
+    assert ids.dtype == np.uint32 and (ids == EOS).sum() == 1
+
+
+def test_template_system_and_generation_prompt():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    sys_ids = [IM_START] + text("system\nBe brief. You do not currently have access to any functions. "
+                                "<functions></functions>") + [IM_END, NL]
+    user_ids = [IM_START] + text("user\n2+2?") + [IM_END, NL]
+    assert chat.generation_prompt(msgs, "olmo") == sys_ids + user_ids + [IM_START, ASSISTANT, NL]
+    assert chat.generation_prompt(msgs, "olmo_thinker") == sys_ids + user_ids + [IM_START] + text("assistant\n<think>")
+    assert chat.generation_prompt(msgs, "olmo_thinker", think=False) == sys_ids + user_ids + [IM_START, ASSISTANT, NL]
+    olmo_default = chat.encode([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "olmo")
+    assert olmo_default[:3] == [IM_START] + text("system\nYou are OLMo")[:2]
+
+
+@pytest.mark.parametrize("line,why", [
+    ('{"messages": [}', "not a JSON object"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "role 'robot'"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "last message must be the assistant"),
+])
+def test_prepare_sft_bad_input_names_file_and_line(tmp_path, line, why):
+    good = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'
+    (tmp_path / "in.jsonl").write_text(good + "\n" + line + "\n")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-m", "data.prepare_sft", f"--input={tmp_path / 'in.jsonl'}",
+                        f"--out_dir={tmp_path / 'out'}"], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 2, p.stderr
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and f"in.jsonl:2: " in err[0] and why in err[0], p.stderr
+    assert not (tmp_path / "out").exists() and [n for n in os.listdir(tmp_path) if n.startswith(".tmp")] == []
+
+
+def chats(n, seed=0):
+    rng = np.random.default_rng(seed)
+    words = [f"w{i}" for i in range(50)]
+    rows = []
+    for i in range(n):
+        say = lambda k: " ".join(rng.choice(words, k))  # noqa: E731
+        msgs = [{"role": "user", "content": say(rng.integers(1, 8))}, {"role": "assistant", "content": say(rng.integers(1, 8))}]
+        if i % 3 == 0:
+            msgs += [{"role": "user", "content": say(3)}, {"role": "assistant", "content": say(rng.integers(1, 30))}]
+        if i % 5 == 0:
+            msgs.insert(0, {"role": "system", "content": say(2)})
+        rows.append({"messages": msgs})
+    rows.append({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]})  # EOS only
+    return rows
+
+
+def write_chats(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_sft_files_load_in_olmo_core(tmp_path, monkeypatch):
+    """Our SFT directory, read by OLMo-core's NumpyPackedFSLDataset as its SFT script reads it:
+    same instances, same label masks, same document lengths as ours; every document one chat."""
+    olmo_data = pytest.importorskip("olmo_core.data", reason="needs ai2-olmo-core")
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    rows = chats(40)
+    m = prepare_sft.prepare_sft(str(write_chats(tmp_path / "c.jsonl", rows)), str(tmp_path / "sft"), "olmo_thinker",
+                                max_tokens_per_part=600)
+    assert len(m["parts"]) > 1 and m["conversations"] == 41 and m["dropped_without_trained_tokens"] == 0
+    paths = prepare_sft.token_files(str(tmp_path / "sft"))
+    masks = sorted(str(p) for p in (tmp_path / "sft").glob("labels_mask_*.npy"))   # the SFT script's glob
+    theirs = olmo_data.NumpyPackedFSLDatasetConfig(
+        tokenizer=olmo_data.TokenizerConfig(vocab_size=data.VOCAB_SIZE, eos_token_id=EOS, pad_token_id=data.PAD_ID),
+        paths=paths, label_mask_paths=masks, sequence_length=128, generate_doc_lengths=True,
+        dtype=olmo_data.NumpyDatasetDType.uint32, work_dir=str(tmp_path / "work")).build()
+    theirs.prepare()
+    ours = data.PackedFSLDataset(paths, 128, label_mask_paths=[data.packed.label_mask_path(p) for p in paths])
+    assert len(ours) == len(theirs) > 5
+    docs = []
+    for i in range(len(theirs)):
+        t = {k: v.numpy() for k, v in theirs[i].items() if hasattr(v, "numpy")}
+        np.testing.assert_array_equal(ours[i]["tokens"], t["input_ids"])
+        np.testing.assert_array_equal(ours[i]["label_mask"], t["label_mask"])
+        np.testing.assert_array_equal(ours[i]["doc_lens"], t["doc_lens"])
+        ends = np.cumsum(t["doc_lens"])
+        docs += [(tuple(t["input_ids"][e - n:e].tolist()), tuple(t["label_mask"][e - n:e].tolist()))
+                 for n, e in zip(t["doc_lens"], ends)
+                 if t["input_ids"][e - 1] == EOS]   # the padding run is no document
+    # Every packed document is one whole conversation, ids and mask exactly the template's.
+    want = [chat.encode_with_mask(r["messages"], "olmo_thinker") for r in rows]
+    assert sorted(docs) == sorted((tuple(i.tolist()), tuple(m.tolist())) for i, m in want)
+
+
+def test_label_masked_loss_equals_transformers():
+    """Mean CE over the label-masked targets (train step's loss, z-loss off) against transformers'
+    Olmo3ForCausalLM(labels=...) with -100 wherever the target token is masked."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import jax.numpy as jnp
+
+    from olmo3 import hf
+    from olmo3.step import loss_sums
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_model import hf_config, random_hf_model
+    cfg = hf_config()
+    ref = random_hf_model(cfg, seed=3)
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, cfg.vocab_size, size=(3, 40))
+    mask = rng.random(tokens.shape) < 0.4
+    mask[2] = False  # a row with nothing to train on still counts nothing
+    labels = np.where(mask, tokens, -100)
+    with torch.no_grad():
+        want = float(ref(torch.tensor(tokens), labels=torch.tensor(labels)).loss)
+    model = hf.from_hf(dict(ref.state_dict()), hf.config_from_hf(cfg.to_dict()))
+    batch = {"tokens": jnp.asarray(tokens, jnp.int32), "label_mask": jnp.asarray(mask),
+             "instance_mask": jnp.ones(3, bool)}
+    ce, _, n = loss_sums(model, batch, chunk=16, use_segments=False, z_loss=None)
+    assert int(n) == int(mask[:, 1:].sum())
+    assert float(ce) / float(n) == pytest.approx(want, rel=1e-5)
+
+
+def test_stage_flag_values(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    base = [sys.executable, os.path.join(ROOT, "train.py"), f"--run_dir={tmp_path / 'r'}"]
+    p = subprocess.run(base + ["--stage=dpo"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "data.prepare_dpo" in p.stderr   # --data=stdlib is no preference data
+    p = subprocess.run(base + ["--stage=sft"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "--packed --label_masks" in p.stderr
+    p = subprocess.run(base + ["--stage=4"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "stage" in p.stderr
+
+
+# ---- train.py --stage=sft end to end (slow: several train.py runs) -------------------------
+SMALL_MODEL = ["--d_model=32", "--n_heads=2",
+               "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--seq_len=64", "--global_batch=4",
+               "--window=16", "--eval_batches=1", "--loss_chunk=128", "--loader_workers=1"]
+
+
+def run_train(args, tmp_path, check=True):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *args],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return p
+
+
+def metrics(run_dir):
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            out[m["step"]] = m
+    return out
+
+
+@pytest.mark.slow  # four train.py runs: ~3 min on 2 cores
+def test_sft_fresh_adam_and_exact_resume(tmp_path):
+    """A stage-1 base, then SFT from it: Adam starts fresh (count 1 at step 1, where stage 2's
+    warm start counts on), the held-out chats are scored before the first step, and a run
+    interrupted at step 2 and resumed equals the uninterrupted one bit for bit."""
+    (tmp_path / "docs").mkdir()
+    for i in range(20):
+        (tmp_path / "docs" / f"{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 50}" for j in range(200)))
+    run_train(["--flagfile=" + os.path.join(ROOT, "tiny.flags"), *SMALL_MODEL, f"--data={tmp_path / 'docs'}",
+               f"--data_dir={tmp_path / 'data'}", "--total_steps=3", "--warmup_steps=1", "--save_interval=3",
+               f"--run_dir={tmp_path / 'base'}"], tmp_path)
+    for split, seed in (("train", 0), ("heldout", 1)):
+        prepare_sft.prepare_sft(str(write_chats(tmp_path / f"{split}.jsonl", chats(60, seed))),
+                                str(tmp_path / "sft" / split), "olmo_thinker")
+    sft = ["--flagfile=" + os.path.join(ROOT, "tiny_sft.flags"), *SMALL_MODEL, f"--data={tmp_path / 'sft' / 'train'}", f"--sft_heldout={tmp_path / 'sft' / 'heldout'}",
+           f"--init_from={tmp_path / 'base'}", "--save_interval=2", "--eval_interval=2", "--max_steps=4"]
+    run_train(sft + [f"--run_dir={tmp_path / 'a'}"], tmp_path)
+    run_train(sft + [f"--run_dir={tmp_path / 'b'}", "--max_steps=2"], tmp_path)
+    run_train(sft + [f"--run_dir={tmp_path / 'b'}", "--resume"], tmp_path)
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert sorted(a) == [0, 1, 2, 3, 4] and a[1]["optim/adam_count"] == 1.0   # fresh Adam
+    assert "eval/heldout/loss" in a[0] and "train/loss" not in a[0]             # the base model, before SFT
+    assert [a[s]["train/loss"] for s in range(1, 5)] == [b[s]["train/loss"] for s in range(1, 5)]
+    assert a[4]["eval/heldout/loss"] == b[4]["eval/heldout/loss"]
+    horizon = 2 * data.steps_per_epoch(len(data.PackedFSLDataset(
+        prepare_sft.token_files(str(tmp_path / "sft" / "train")), 64)), 4)
+    warm = round(0.03 * horizon)   # OLMo-core LinearWithWarmup(warmup_fraction=0.03) on our horizon
+    lr1 = 1e-3 / warm if 1 < warm else 1e-3 * (horizon - 1) / max(horizon - warm, 1)
+    assert a[1]["optim/lr"] == pytest.approx(lr1, rel=1e-5)

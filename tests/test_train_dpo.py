@@ -1,0 +1,114 @@
+"""train.py --stage=dpo end to end: exact resume mid-DPO (interrupted + resumed == uninterrupted,
+bit for bit), and a reference cache made for another reference refused with one line, exit 2.
+(No held-out pairs here: their evaluation would add a compile to every run; the README's
+evidence run exercises them.)"""
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--flagfile=" + os.path.join(ROOT, "tiny.flags"), "--stage=dpo", "--d_model=32", "--n_heads=2",
+         "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--seq_len=64", "--global_batch=4", "--window=16",
+         "--loss_chunk=128", "--epochs=1", "--warmup_fraction=0.1", "--lr=1e-3", "--weight_decay=0",
+         "--skip_steps=false", "--z_loss=0", "--eval_interval=100", "--loader_workers=1"]
+
+
+def pair_jsonl(path, n, seed):
+    rng = random.Random(seed)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    with open(path, "w") as f:
+        for _ in range(n):
+            prompt = " ".join(rng.choice(words) for _ in range(4))
+            conv = lambda a: [{"role": "user", "content": prompt}, {"role": "assistant", "content": a}]  # noqa: E731
+            f.write(json.dumps({"chosen": conv(prompt.upper()),
+                                "rejected": conv(" ".join(rng.choice(words) for _ in range(4)))}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from data.prepare_dpo import prepare_dpo
+    d = tmp_path_factory.mktemp("pairs")
+    for split, n in (("train", 24),):
+        pair_jsonl(d / f"{split}.jsonl", n, seed=len(split))
+        prepare_dpo(str(d / f"{split}.jsonl"), str(d / split), "olmo_thinker", max_seq_length=64)
+    return d
+
+
+def run(args, run_dir, pairs, check=True):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={pairs / 'train'}",
+           f"--run_dir={run_dir}", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"train.py failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    return p
+
+
+def metrics(run_dir):
+    out = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            m = json.loads(line)
+            out[m["step"]] = {k: v for k, v in m.items() if k.startswith(("train/", "eval/", "optim/"))}
+    return out
+
+
+def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
+    a = tmp_path / "a"
+    run(["--max_steps=3", "--save_interval=1", "--keep_checkpoints=5"], a, pairs)
+    full = metrics(a)
+    assert set(full) == {1, 2, 3}
+    assert full[1]["train/loss"] == pytest.approx(0.6931472, abs=1e-6)   # policy == reference at step 1
+    assert full[1]["train/rewards/margin"] == 0.0 and full[3]["train/rewards/margin"] > 0
+    # Interrupted after step 1: a run directory holding only checkpoint 1, resumed to step 3.
+    b = tmp_path / "b"
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "1", b / "checkpoints" / "1")
+    run(["--max_steps=3", "--save_interval=1", "--resume"], b, pairs)
+    resumed = metrics(b)
+    assert set(resumed) == {2, 3}
+    for step in (2, 3):
+        assert resumed[step] == full[step], step        # every train/eval metric, exactly
+
+    # The cache beside the pairs belongs to run a's reference; another reference is refused.
+    p = run(["--max_steps=1", "--model_seed=1"], tmp_path / "c", pairs, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert "reference_logps.npz" in last and "delete it" in last and "Traceback" not in p.stderr
+    # A resumed run whose cache went missing cannot recompute it: one line, exit 2.
+    os.remove(pairs / "train" / "reference_logps.npz")
+    p = run(["--max_steps=3", "--resume"], b, pairs, check=False)
+    assert p.returncode == 2 and "is missing" in p.stderr.strip().splitlines()[-1]
+
+
+_PARSE = """
+import json, sys
+import train
+F = train.F
+F(["train.py", "--flagfile=" + sys.argv[1]])
+print(json.dumps({k: getattr(F, k) for k in ("stage", "model", "yarn", "seq_len", "global_batch", "micro_batch", "lr",
+                  "schedule", "warmup_fraction", "epochs", "weight_decay", "b1", "b2", "eps", "max_grad_norm",
+                  "z_loss", "skip_steps", "dpo_loss", "dpo_beta")}))
+"""
+
+
+@pytest.mark.parametrize("name,lr", [("dpo_instruct", 1e-6), ("dpo_think", 8e-8)])
+def test_dpo_flagfiles_hold_the_recipe(name, lr):
+    """open-instruct 7b_{instruct,think}_dpo.sh (3af17aacf): dpo_norm, beta 5, LR, linear with 10% warmup,
+    wd 0, 1 epoch, seq 16,384, 4 nodes x 8 GPUs x 1 pair x 4 accumulation steps = 128 pairs."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-c", _PARSE, f"{ROOT}/{name}.flags"], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    F = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (F["stage"], F["dpo_loss"], F["dpo_beta"], F["lr"]) == ("dpo", "dpo_norm", 5.0, lr)
+    assert (F["schedule"], F["warmup_fraction"], F["epochs"], F["weight_decay"]) == ("linear", 0.1, 1, 0.0)
+    assert (F["seq_len"], F["global_batch"], F["micro_batch"]) == (16384, 128, 1)
+    assert (F["b1"], F["b2"], F["eps"], F["max_grad_norm"]) == (0.9, 0.999, 1e-8, 1.0)   # torch AdamW defaults
+    assert (F["z_loss"], F["skip_steps"], F["model"], F["yarn"]) == (0.0, False, "olmo3_7b_long", True)
