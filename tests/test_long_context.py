@@ -63,7 +63,7 @@ def test_tiny_chain_flags_follow_the_recipe():
         assert s.schedule == "linear" and s.eval_padded
         assert [s.weight_decay, s.b1, s.b2, s.eps, s.max_grad_norm, s.z_loss, s.skip_steps] == \
             [s1.weight_decay, s1.b1, s1.b2, s1.eps, s1.max_grad_norm, s1.z_loss, s1.skip_steps]
-    assert (s1.stage, s2.stage, s3.stage) == (1, 2, 3)
+    assert (s1.stage, s2.stage, s3.stage) == ("1", "2", "3")
     assert len({s1.run_dir, s2.run_dir, s3.run_dir}) == 3
     # stage 2 (stage2.flags): where stage 1's cosine left off, no warmup, half stage 1's tokens per step
     assert s2.lr == pytest.approx(s1.lr * s1.final_lr_ratio) and s2.warmup_steps == 0
