@@ -328,19 +328,21 @@ class MetricsWriter:
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
-        line = (f"step {step:>7d} | loss {metrics.get('train/loss', float('nan')):.4f} | "
-                f"{metrics.get('perf/tokens_per_s_smoothed', metrics.get('perf/tokens_per_s', 0)):,.0f} tok/s | "
-                f"MFU {100 * metrics.get('perf/mfu_writeup_smoothed', metrics.get('perf/mfu_writeup', math.nan)):.1f}%")
+        parts = [f"step {step:>7d}"]
+        if "train/loss" in metrics:   # absent from an evaluation-only record (--eval_at_start's step 0)
+            tokens_per_s = metrics.get("perf/tokens_per_s_smoothed", metrics.get("perf/tokens_per_s", 0))
+            mfu = metrics.get("perf/mfu_writeup_smoothed", metrics.get("perf/mfu_writeup", math.nan))
+            parts += [f"loss {metrics['train/loss']:.4f}", f"{tokens_per_s:,.0f} tok/s", f"MFU {100 * mfu:.1f}%"]
         if metrics.get("optim/step_skipped"):
-            line += " | SKIPPED"
+            parts.append("SKIPPED")
         if "train/rewards/accuracy" in metrics:   # DPO (olmo3/dpo.py)
-            line += (f" | acc {metrics['train/rewards/accuracy']:.3f} margin {metrics['train/rewards/margin']:.4f}")
+            parts.append(f"acc {metrics['train/rewards/accuracy']:.3f} margin {metrics['train/rewards/margin']:.4f}")
         evals = {k.split("/")[1]: v for k, v in metrics.items() if k.startswith("eval/") and k.endswith("/loss")}
         if evals:
-            line += " | held-out " + " ".join(f"{d} {v:.3f}" for d, v in evals.items())
+            parts.append("held-out " + " ".join(f"{d} {v:.3f}" for d, v in evals.items()))
         if eta_s is not None and math.isfinite(eta_s):
-            line += f" | ETA {_hms(eta_s)}"
-        print(line, file=sys.stderr, flush=True)
+            parts.append(f"ETA {_hms(eta_s)}")
+        print(" | ".join(parts), file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if not self.enabled:

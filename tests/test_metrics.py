@@ -203,3 +203,16 @@ def test_log_filter_keeps_ours_and_warnings():
     assert f.filter(_record(ours, std_logging.INFO))
     assert not f.filter(_record(library, std_logging.INFO))
     assert f.filter(_record(library, std_logging.WARNING)) and f.filter(_record(library, std_logging.ERROR))
+
+
+def test_progress_line_of_an_evaluation_only_step(tmp_path, capsys):
+    # --eval_at_start logs the starting model's held-out metrics as step 0, before any train step:
+    # no loss, throughput or MFU exists yet, so none is printed (once: "loss nan | 0 tok/s | MFU nan%")
+    w = metrics.MetricsWriter(str(tmp_path))
+    w.write(0, {"eval/heldout/loss": 0.6931, "eval/heldout/rewards/accuracy": 0.0})
+    w.write(10, {"train/loss": 0.5, "perf/tokens_per_s": 80.0, "perf/mfu_writeup": 0.25,
+                 "train/rewards/accuracy": 0.875, "train/rewards/margin": 1.25, "eval/heldout/loss": 0.625})
+    w.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["step       0 | held-out heldout 0.693",
+                     "step      10 | loss 0.5000 | 80 tok/s | MFU 25.0% | acc 0.875 margin 1.2500 | held-out heldout 0.625"]
