@@ -14,6 +14,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from beartype import beartype
 from jaxtyping import Array, Float, Int, jaxtyped
 
@@ -96,9 +97,64 @@ def local_attention(
     return out.reshape(heads, nb * B, head_dim)[:, :seq].astype(q.dtype)
 
 
+# Above this many positions the dense path's scores ([heads, seq, seq] fp32: 16 GiB per head
+# at stage 3's 65,536) are refused instead of silently materialised.
+DENSE_MAX_SEQ = 16384
+# What "splash" runs where no native kernel exists (CPU): the GPU kernel in Pallas interpret
+# mode. It pads any shape to Triton's power-of-two tiles, so tiny test models run it too.
+INTERPRETED_KERNEL = "gpu"
+
+
+def _splash(q, k, v, *, window, segment_ids, block_q, block_kv):
+    """Splash attention, the kernel chosen by the platform being LOWERED for (not the host's):
+    TPU -> Mosaic kernel (olmo3.splash), CUDA -> Triton kernel (olmo3.splash_gpu), anything
+    else -> INTERPRETED_KERNEL in interpret mode. So `jax.export(..., platforms=["cuda"])` on a
+    CPU host lowers the Triton kernel. block_q/block_kv are the Mosaic tiles (Config's
+    splash_block_*); the Triton kernel picks its own (splash_gpu.block_sizes).
+
+    One custom_vjp with `lax.platform_dependent` inside its forward and its backward: both
+    kernels share one residual contract (q, k, v, segment_ids, o, lse [heads, seq] fp32), so
+    differentiating never carries another platform's residuals (a platform_dependent around two
+    custom_vjps would, zero-filled, through the layer scan).
+    """
+    from olmo3 import splash, splash_gpu  # imported lazily: Pallas is only needed when asked for
+    heads, seq, head_dim = q.shape
+    shape = dict(heads=heads, kv_heads=k.shape[0], seq=seq, head_dim=head_dim, window=window,
+                 segmented=segment_ids is not None)
+    gpu = lambda interpret: splash_gpu.kernels(dtype=q.dtype, interpret=interpret, **shape)
+    tpu = lambda interpret: splash.kernels(block_q=block_q, block_kv=block_kv,
+                                           interpret=interpret, **shape)
+    kernels = {"cuda": gpu(False),
+               "default": gpu(True) if INTERPRETED_KERNEL == "gpu" else tpu(True)}
+    try:
+        kernels["tpu"] = tpu(False)
+    except ValueError:       # Mosaic cannot tile this shape (tiny test models)
+        if jax.default_backend() == "tpu":
+            raise            # ... and we are on a TPU: say so rather than emulate
+    pick = lambda which, *args: lax.platform_dependent(
+        *args, **{name: pair[which] for name, pair in kernels.items()})
+
+    @jax.custom_vjp
+    def attend(q, k, v, segment_ids):
+        return pick(0, q, k, v, segment_ids)[0]
+
+    def fwd(q, k, v, segment_ids):
+        o, lse = pick(0, q, k, v, segment_ids)
+        return o, (q, k, v, segment_ids, o, lse)
+
+    def bwd(res, do):
+        return (*pick(1, *res, do), None)            # integer segment ids: no cotangent
+
+    attend.defvjp(fwd, bwd)
+    return attend(q, k, v, segment_ids)
+
+
 def _cudnn_attention(q, k, v, *, window, segment_ids):
-    if segment_ids is not None:  # cuDNN's fused kernel takes lengths, not segment ids
-        return reference_attention(q, k, v, window=window, segment_ids=segment_ids)
+    """cuDNN's fused flash attention. Its API takes a window but no segment ids (a mask would
+    become a dense O(seq^2) bias, DESIGN §9), so documents go to the GPU Splash kernel."""
+    if segment_ids is not None:
+        return _splash(q, k, v, window=window, segment_ids=segment_ids,
+                       block_q=2048, block_kv=2048)
     to_bthd = lambda x: jnp.swapaxes(x, 0, 1)[None]                        # (1, T, N, hd)
     out = jax.nn.dot_product_attention(
         to_bthd(q), to_bthd(k), to_bthd(v), is_causal=True,
@@ -110,17 +166,19 @@ def _cudnn_attention(q, k, v, *, window, segment_ids):
 def attention(q, k, v, *, window: Optional[int], segment_ids, impl: str,
               block_q: int = 2048, block_kv: int = 2048):
     """Dispatch to the configured implementation (Config.attention)."""
+    seq = q.shape[1]
     if impl == "xla":
-        if window is not None and q.shape[1] > 2 * window:   # blocks save work from 3 blocks on
+        if window is not None and seq > 2 * window:   # blocks save work from 3 blocks on
             return local_attention(q, k, v, window=window, segment_ids=segment_ids)
+        if seq > DENSE_MAX_SEQ:
+            raise ValueError(
+                f"attention='xla' at seq {seq} would materialise {q.shape[0]} x {seq} x {seq} "
+                f"fp32 scores ({q.shape[0] * seq * seq * 4 / 2**30:.0f} GiB); use "
+                f"--attention=splash (any platform) or --attention=cudnn (GPU)")
         return reference_attention(q, k, v, window=window, segment_ids=segment_ids)
     if impl == "splash":
-        from olmo3 import splash  # imported lazily: Pallas is only needed when asked for
-        seq = q.shape[1]
-        return splash.splash_attention(
-            q, k, v, window=window, segment_ids=segment_ids,
-            block_q=min(block_q, seq), block_kv=min(block_kv, seq),
-            interpret=jax.default_backend() == "cpu")
+        return _splash(q, k, v, window=window, segment_ids=segment_ids,
+                       block_q=block_q, block_kv=block_kv)
     if impl == "cudnn":
         return _cudnn_attention(q, k, v, window=window, segment_ids=segment_ids)
     raise ValueError(f"Unknown attention implementation {impl!r}; choose xla, splash or cudnn")

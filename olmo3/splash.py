@@ -542,25 +542,47 @@ def splash_attention(
     to run on CPU.
     """
     heads, seq, head_dim = q.shape
-    kv_heads = k.shape[0]
     if k.shape != v.shape or k.shape[1:] != q.shape[1:]:
         raise ValueError(f"splash_attention: expected q [heads, seq, head_dim] and k, v "
                          f"[kv_heads, seq, head_dim]; got q {q.shape}, k {k.shape}, v {v.shape}")
     if segment_ids is not None and segment_ids.shape != (seq,):
         raise ValueError(f"splash_attention: segment_ids must be int [seq={seq}], "
                          f"got {segment_ids.shape}")
+    plan = _plan(heads, k.shape[0], seq, head_dim, window=window,
+                 segmented=segment_ids is not None, block_q=block_q, block_kv=block_kv,
+                 interpret=interpret)
+    return _attention_fn(plan)(q, k, v, segment_ids)
+
+
+def _plan(heads, kv_heads, seq, head_dim, *, window, segmented, block_q, block_kv,
+          interpret) -> _Plan:
     block_q, block_kv = min(block_q, seq), min(block_kv, seq)
     tpu = interpret is not True
     _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu)
     unit = LANES if tpu else SUBLANES
     window = None if window is not None and window >= seq else window    # same mask as causal
-    kinds = block_kinds(seq, block_q, block_kv, window, segmented=segment_ids is not None)
+    kinds = block_kinds(seq, block_q, block_kv, window, segmented=segmented)
     fwd_index, fwd_kind, fwd_width = _visit_lists(kinds)
     bwd_index, bwd_kind, bwd_width = _visit_lists(kinds.T)
-    plan = _Plan(heads=heads, kv_heads=kv_heads, seq=seq, head_dim=head_dim, block_q=block_q,
-                 block_kv=block_kv, window=window, segmented=segment_ids is not None,
+    return _Plan(heads=heads, kv_heads=kv_heads, seq=seq, head_dim=head_dim, block_q=block_q,
+                 block_kv=block_kv, window=window, segmented=segmented,
                  interpret=interpret, fwd_index=fwd_index, fwd_kind=fwd_kind,
                  fwd_width=fwd_width, bwd_index=bwd_index, bwd_kind=bwd_kind,
                  bwd_width=bwd_width, tiles=int(np.count_nonzero(kinds)),
                  chunk_q=_compute_chunk(block_q, unit), chunk_kv=_compute_chunk(block_kv, unit))
-    return _attention_fn(plan)(q, k, v, segment_ids)
+
+
+def kernels(heads: int, kv_heads: int, seq: int, head_dim: int, *, window: Optional[int],
+            segmented: bool, block_q: int = 2048, block_kv: int = 2048,
+            interpret: Union[bool, pltpu.InterpretParams] = False):
+    """(forward, backward) for one static shape, raising ValueError if Mosaic cannot tile it.
+
+    forward(q, k, v, segment_ids) -> (o, lse fp32 [heads, seq]); backward(q, k, v,
+    segment_ids, o, lse, do) -> (dq, dk, dv): the contract of olmo3.splash_gpu.kernels, so
+    olmo3.attention can pick the kernel per lowering platform inside one custom_vjp.
+    """
+    plan = _plan(heads, kv_heads, seq, head_dim, window=window, segmented=segmented,
+                 block_q=block_q, block_kv=block_kv, interpret=interpret)
+    forward = lambda q, k, v, segment_ids: _forward(plan, q, k, v, segment_ids)
+    backward = lambda *args: _backward(plan, *args)
+    return forward, backward
