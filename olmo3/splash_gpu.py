@@ -145,23 +145,23 @@ def smem_bytes(sizes: BlockSizes, head_dim: int, itemsize: int) -> dict[str, int
 
 
 def block_sizes(head_dim: int, dtype) -> BlockSizes:
-    """H100/H200 defaults (module docstring), shrunk until every kernel fits SMEM_BUDGET:
-    first fewer pipeline stages (down to 2), then halve the streamed block (down to 32)."""
+    """H100/H200 defaults (module docstring), shrunk per kernel until it fits SMEM_BUDGET:
+    first fewer forward pipeline stages (down to 2), then halve the streamed block, then the
+    resident one (down to MIN_DIM). Only fp32 inputs and head_dim 256 need it."""
     d = max(MIN_DIM, _next_pow2(head_dim))
     sizes = BlockSizes(fwd_warps=8 if d >= 128 else 4, bwd_warps=8 if d >= 128 else 4)
     itemsize = jnp.dtype(dtype).itemsize
-    for _ in range(8):
-        use = smem_bytes(sizes, d, itemsize)
-        if use["fwd"] > SMEM_BUDGET:
-            sizes = (dataclasses.replace(sizes, fwd_stages=sizes.fwd_stages - 1)
-                     if sizes.fwd_stages > 2 else
-                     dataclasses.replace(sizes, fwd_kv=max(32, sizes.fwd_kv // 2))
-                     if sizes.fwd_kv > 32 else dataclasses.replace(sizes, fwd_q=sizes.fwd_q // 2))
-        elif max(use["dq"], use["dkv"]) > SMEM_BUDGET:
-            sizes = dataclasses.replace(sizes, dq_kv=max(16, sizes.dq_kv // 2),
-                                        dkv_q=max(16, sizes.dkv_q // 2))
-        else:
-            break
+    shrink = {"fwd": ("fwd_stages", "fwd_kv", "fwd_q"), "dq": ("dq_kv", "dq_q"),
+              "dkv": ("dkv_q", "dkv_kv")}
+    floor = lambda name: 2 if name.endswith("stages") else MIN_DIM
+    for kernel, names in shrink.items():
+        while smem_bytes(sizes, d, itemsize)[kernel] > SMEM_BUDGET:
+            name = next((n for n in names if getattr(sizes, n) > floor(n)), None)
+            if name is None:
+                break                    # the test of block_sizes() reports what is left over
+            value = getattr(sizes, name)
+            sizes = dataclasses.replace(
+                sizes, **{name: value - 1 if name.endswith("stages") else value // 2})
     return sizes
 
 

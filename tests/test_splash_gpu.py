@@ -1,0 +1,253 @@
+"""olmo3.splash_gpu (Pallas Triton) against the independent dense oracle of test_splash.py, and
+its CUDA lowering on this CPU-only machine.
+
+Numerics run in Pallas interpret mode (the kernels as plain JAX on CPU). Lowering runs for the
+real target through `jax.export(platforms=["cuda"])`, which emits the `__gpu$xla.gpu.triton`
+custom call carrying the kernel's Triton IR (DESIGN.md §7); nothing here runs on a GPU.
+"""
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import olmo3
+from olmo3 import attention, splash_gpu
+from olmo3.model import OLMo3
+from test_splash import TOL, check_against_oracle, dense_mask, documents, random_qkv
+
+TRITON = "__gpu$xla.gpu.triton"
+CUDA = dict(platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)])
+# Small tiles so seq 256 has many of them; fwd 64 x 32, dq 32 x 64, dkv 32 keys x 64 queries.
+SMALL = splash_gpu.BlockSizes(fwd_q=64, fwd_kv=32, dq_q=32, dq_kv=64, dkv_kv=32, dkv_q=64,
+                              fwd_warps=4, bwd_warps=4)
+
+
+def seq_squared_tensors(module_text, seq):
+    """StableHLO tensor types with two dimensions equal to seq (e.g. tensor<2x512x512xf32>)."""
+    return re.findall(rf"tensor<(?:\d+x)*{seq}x(?:\d+x)*{seq}x", module_text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block tables and tile kinds
+# ---------------------------------------------------------------------------------------------
+
+def dense_tiles(mask, bq, bkv):
+    nq, nk = mask.shape[0] // bq, mask.shape[1] // bkv
+    return mask.reshape(nq, bq, nk, bkv).transpose(0, 2, 1, 3).reshape(nq, nk, -1)
+
+
+def kinds(seq, bq, bkv, window, seg=None):
+    """The kernel's in-loop classification of every tile, evaluated on host scalars."""
+    out = np.zeros((seq // bq, seq // bkv), np.int32)
+    for i in range(seq // bq):
+        for j in range(seq // bkv):
+            segs = None
+            if seg is not None:
+                qs, ks = seg[i * bq:(i + 1) * bq], seg[j * bkv:(j + 1) * bkv]
+                segs = (qs.min(), qs.max(), ks.min(), ks.max())
+            out[i, j] = splash_gpu._tile_kind(i * bq, bq, j * bkv, bkv, window, segs)
+    return out
+
+
+@pytest.mark.parametrize("seq,bq,bkv,window,seg", [
+    (256, 64, 32, None, None), (256, 32, 64, 100, None), (512, 128, 64, 200, None),
+    (256, 32, 32, 32, None), (256, 32, 32, 33, None), (256, 64, 64, 1, None),
+    (256, 64, 32, 100, (50, 130)), (256, 32, 64, None, (64, 64, 100)),
+    (256, 32, 32, 90, "unsorted"),
+])
+def test_tables_and_kinds_match_dense_mask(seq, bq, bkv, window, seg):
+    if seg == "unsorted":      # ids repeat: tiles with overlapping id ranges but nothing shared
+        seg = np.tile(np.repeat([0, 1], 32), seq // 64)
+    elif seg is not None:
+        seg = np.asarray(documents(seq, seg))
+    tiles = dense_tiles(dense_mask(seq, window, seg), bq, bkv)
+    visible, all_visible = tiles.any(-1), tiles.all(-1)
+    reach = np.asarray(splash_gpu.reachable(seq, bq, bkv, window,
+                                            None if seg is None else jnp.asarray(seg)))
+    assert (reach >= visible).all()                    # never skips a visible tile
+    if seg is None:
+        np.testing.assert_array_equal(reach, visible)  # positions alone: exact
+    lo, hi = (np.asarray(x) for x in splash_gpu._row_bounds(jnp.asarray(reach)))
+    for i in range(reach.shape[0]):                    # [lo, hi) covers every reachable tile
+        np.testing.assert_array_equal(np.flatnonzero(reach[i])[[0, -1]], [lo[i], hi[i] - 1])
+    k = kinds(seq, bq, bkv, window, seg)
+    assert (all_visible[k == splash_gpu.FULL]).all()   # FULL: no mask needed
+    assert not visible[k == splash_gpu.EMPTY].any()    # EMPTY: nothing to compute
+    if seg is None:
+        np.testing.assert_array_equal(k == splash_gpu.FULL, all_visible)
+
+
+def test_block_sizes_fit_shared_memory():
+    # H100/H200 defaults at head_dim 128 in bf16 (module docstring), untouched by the budget
+    sizes = splash_gpu.block_sizes(128, jnp.bfloat16)
+    assert (sizes.fwd_q, sizes.fwd_kv, sizes.fwd_warps, sizes.fwd_stages) == (128, 64, 8, 3)
+    assert splash_gpu.smem_bytes(sizes, 128, 2)["fwd"] == 128 * 1024 + 16 * 1024
+    for head_dim in (64, 96, 128, 256):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            sizes = splash_gpu.block_sizes(head_dim, dtype)
+            use = splash_gpu.smem_bytes(sizes, head_dim, jnp.dtype(dtype).itemsize)
+            assert max(use.values()) <= splash_gpu.SMEM_BUDGET, (head_dim, dtype, use)
+            assert min(sizes.blocks()) >= splash_gpu.MIN_DIM
+
+
+# ---------------------------------------------------------------------------------------------
+# Numerics in interpret mode: forward and dq, dk, dv against the dense oracle
+# ---------------------------------------------------------------------------------------------
+
+def gpu_kernel(sizes):
+    def run(q, k, v, *, window, segment_ids, block_q, block_kv, interpret):
+        del block_q, block_kv                                   # the TPU kernel's arguments
+        return splash_gpu.splash_attention(q, k, v, window=window, segment_ids=segment_ids,
+                                           sizes=sizes, interpret=interpret)
+    return run
+
+
+# (id, heads, kv_heads, seq, head_dim, dtype, window, segments, tile kinds present in fwd)
+CASES = [
+    # causal MHA: FULL below the diagonal, PARTIAL on it (above it is never visited)
+    ("causal_mha_f32", 2, 2, 256, 64, jnp.float32, None, None, "PF"),
+    # window + ragged documents + GQA (4 query heads on 2 kv heads)
+    ("window_segments_gqa_f32", 4, 2, 256, 64, jnp.float32, 100, (50, 150), "PF"),
+    # MQA in bf16 with repeating (unsorted) ids: EMPTY tiles inside the loop bounds
+    ("unsorted_segments_mqa_bf16", 4, 1, 256, 64, jnp.bfloat16, None, "unsorted", "EPF"),
+    # padding: seq 200 -> 256 and head_dim 40 -> 64, window, GQA
+    ("padded_window_gqa_f32", 4, 2, 200, 40, jnp.float32, 120, None, "PF"),
+]
+SLOW_CASES = [
+    ("causal_gqa_bf16", 8, 2, 256, 128, jnp.bfloat16, None, None, "PF"),
+    ("window_mqa_bf16", 4, 1, 512, 64, jnp.bfloat16, 128, None, "PF"),
+    ("segments_window_f32_head_dim_128", 2, 1, 512, 128, jnp.float32, 200, (10, 300, 5), "PF"),
+]
+
+
+def segment_case(seq, spec):
+    if spec == "unsorted":
+        return jnp.asarray(np.tile(np.repeat([0, 1], 64), seq // 128), jnp.int32)
+    return None if spec is None else documents(seq, spec)
+
+
+def run_case(case):
+    _, heads, kv_heads, seq, head_dim, dtype, window, spec, present = case
+    seg = segment_case(seq, spec)
+    pad = -(-seq // 64) * 64
+    seg_pad = None if seg is None else np.pad(np.asarray(seg), (0, pad - seq), mode="edge")
+    reach = np.asarray(splash_gpu.reachable(pad, SMALL.fwd_q, SMALL.fwd_kv, window,
+                                            None if seg is None else jnp.asarray(seg_pad)))
+    lo, hi = (np.asarray(x)[:, None] for x in splash_gpu._row_bounds(jnp.asarray(reach)))
+    cols = np.arange(reach.shape[1])[None, :]
+    visited = (cols >= lo) & (cols < hi)                  # the forward's loop bounds
+    k = kinds(pad, SMALL.fwd_q, SMALL.fwd_kv, window, seg_pad)[visited]
+    assert set(np.unique(k).tolist()) == {"EPF".index(c) for c in present}
+    q, kk, v, ct = random_qkv(heads, kv_heads, seq, head_dim, dtype)
+    check_against_oracle(q, kk, v, ct, window=window, segment_ids=seg, bq=0, bkv=0,
+                         interpret=True, kernel=gpu_kernel(SMALL))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_oracle_interpret(case):
+    run_case(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CASES, ids=[c[0] for c in SLOW_CASES])
+def test_matches_oracle_interpret_slow(case):
+    run_case(case)
+
+
+@pytest.mark.slow
+def test_default_block_sizes_and_vmap_with_per_example_segments():
+    heads, kv_heads, seq, d = 4, 2, 256, 128
+    q, k, v, ct = random_qkv(2 * heads, 2 * kv_heads, seq, d, jnp.float32, seed=3)
+    q, k, v, ct = (x.reshape(2, -1, seq, d) for x in (q, k, v, ct))   # batch of 2
+    seg = jnp.stack([documents(seq, (70,)), documents(seq, (10, 150))])
+    for b in range(2):
+        check_against_oracle(q[b], k[b], v[b], ct[b], window=90, segment_ids=seg[b], bq=0,
+                             bkv=0, interpret=True, kernel=gpu_kernel(None))
+    fn = lambda q, k, v, s: splash_gpu.splash_attention(q, k, v, window=90, segment_ids=s,
+                                                        interpret=True)
+    out = jax.vmap(fn)(q, k, v, seg)
+    for b in range(2):
+        np.testing.assert_allclose(out[b], fn(q[b], k[b], v[b], seg[b]), rtol=0,
+                                   atol=TOL[jnp.float32] * np.abs(out[b]).max())
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA lowering on this CPU-only machine; dispatch by lowering platform
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq,window,segmented", [(8192, 4096, False), (65536, None, True)])
+def test_lowers_for_cuda_at_7b_shapes(seq, window, segmented):
+    # OLMo 3 7B attention (DESIGN.md §2): 32 heads, 32 kv heads, head_dim 128, bf16; stage 2's
+    # seq 8192 with the 4096 window, and stage 3's seq 65,536 with documents (full layer).
+    # ShapeDtypeStructs: nothing is allocated. Batch 1 under vmap, as the model calls it.
+    x = jax.ShapeDtypeStruct((1, 32, seq, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    fwd = jax.vmap(lambda q, k, v, s: attention.attention(
+        q, k, v, window=window, segment_ids=s if segmented else None, impl="splash"))
+    grad = jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    for fn, kernels in ((fwd, 1), (grad, 3)):                 # forward; forward + dq + dkv
+        exported = jax.export.export(jax.jit(fn), **CUDA)(x, x, x, seg)
+        text = exported.mlir_module()
+        assert exported.platforms == ("cuda",)
+        assert text.count(TRITON) == kernels and "tpu_custom_call" not in text
+        assert seq_squared_tensors(text, seq) == []           # no [.., seq, seq] buffer
+
+
+def test_seq_squared_check_can_fail():
+    # the dense path at seq 512 does hold [heads, 512, 512] scores, and the check sees them
+    x = jax.ShapeDtypeStruct((2, 512, 64), jnp.float32)
+    fn = lambda q, k, v: attention.attention(q, k, v, window=None, segment_ids=None, impl="xla")
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(x, x, x).mlir_module()
+    assert seq_squared_tensors(text, 512)
+
+
+@pytest.mark.parametrize("impl,platform,present,absent", [
+    ("splash", "cuda", TRITON, "tpu_custom_call"),
+    ("splash", "tpu", "tpu_custom_call", TRITON),
+    ("splash", "cpu", None, TRITON),             # interpret mode: plain HLO, no custom call
+    ("cudnn", "cuda", TRITON, "__cudnn"),        # documents: cuDNN cannot, the GPU kernel does
+])
+def test_dispatch_by_lowering_platform(impl, platform, present, absent):
+    q = jax.ShapeDtypeStruct((4, 256, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((256,), jnp.int32)
+    fn = lambda q, k, v, s: attention.attention(q, k, v, window=100, segment_ids=s, impl=impl,
+                                                block_q=128, block_kv=128)
+    grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    kw = CUDA if platform == "cuda" else dict(platforms=[platform])
+    text = jax.export.export(jax.jit(grad), **kw)(q, kv, kv, seg).mlir_module()
+    if present:
+        assert present in text
+    assert absent not in text and "__cudnn" not in text
+
+
+def test_xla_refuses_seq_squared_scores_at_stage3_shapes():
+    x = jax.ShapeDtypeStruct((32, 65536, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"attention='xla' at seq 65536 .* use --attention=splash"):
+        jax.eval_shape(lambda q: attention.attention(q, q, q, window=None, segment_ids=None,
+                                                     impl="xla"), x)
+
+
+@pytest.mark.parametrize("impl", ["splash", pytest.param("cudnn", marks=pytest.mark.slow)])
+def test_stage3_model_gradient_lowers_for_cuda_without_seq_squared(impl):
+    # The stage-3 recipe's shape (seq 65,536, documents, 3 sliding + 1 full layer, head_dim 128)
+    # on a narrow model: every attention is the Triton kernel and no buffer is seq x seq.
+    seq = 65536
+    cfg = olmo3.Config.tiny(vocab_size=128, d_model=256, n_heads=2, n_kv_heads=2, head_dim=128,
+                            mlp_hidden=256, window=4096, attention=impl)
+    model = eqx.filter_eval_shape(lambda: OLMo3(cfg, jax.random.PRNGKey(0)))
+    params, static = eqx.partition(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+
+    def loss(params, tokens, segment_ids):
+        m = eqx.combine(params, static)
+        logits = jax.vmap(lambda t, s: m(t, segment_ids=s))(tokens, segment_ids)
+        return jnp.mean(logits.astype(jnp.float32))
+
+    text = jax.export.export(jax.jit(jax.grad(loss)), **CUDA)(params, ids, ids).mlir_module()
+    assert text.count(TRITON) >= 3 * len(cfg.layer_pattern)   # fwd, dq, dkv of every layer
+    assert seq_squared_tensors(text, seq) == []
