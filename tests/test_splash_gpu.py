@@ -108,16 +108,16 @@ def gpu_kernel(sizes):
 
 # (id, heads, kv_heads, seq, head_dim, dtype, window, segments, tile kinds present in fwd)
 CASES = [
-    # causal MHA: FULL below the diagonal, PARTIAL on it (above it is never visited)
-    ("causal_mha_f32", 2, 2, 256, 64, jnp.float32, None, None, "PF"),
     # window + ragged documents + GQA (4 query heads on 2 kv heads)
     ("window_segments_gqa_f32", 4, 2, 256, 64, jnp.float32, 100, (50, 150), "PF"),
     # MQA in bf16 with repeating (unsorted) ids: EMPTY tiles inside the loop bounds
     ("unsorted_segments_mqa_bf16", 4, 1, 256, 64, jnp.bfloat16, None, "unsorted", "EPF"),
-    # padding: seq 200 -> 256 and head_dim 40 -> 64, window, GQA
-    ("padded_window_gqa_f32", 4, 2, 200, 40, jnp.float32, 120, None, "PF"),
+    # plain causal (full layers) with padding: seq 200 -> 256 and head_dim 40 -> 64
+    ("padded_causal_mha_f32", 2, 2, 200, 40, jnp.float32, None, None, "PF"),
 ]
 SLOW_CASES = [
+    ("causal_mha_f32", 2, 2, 256, 64, jnp.float32, None, None, "PF"),
+    ("padded_window_gqa_f32", 4, 2, 200, 40, jnp.float32, 120, None, "PF"),
     ("causal_gqa_bf16", 8, 2, 256, 128, jnp.bfloat16, None, None, "PF"),
     ("window_mqa_bf16", 4, 1, 512, 64, jnp.bfloat16, 128, None, "PF"),
     ("segments_window_f32_head_dim_128", 2, 1, 512, 128, jnp.float32, 200, (10, 300, 5), "PF"),
