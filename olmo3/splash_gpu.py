@@ -205,16 +205,20 @@ def _row_bounds(reach):
 
 
 def _tile_kind(q0, bq, k0, bkv, window, segs):
-    """EMPTY / PARTIAL / FULL of one tile from scalars (in-kernel, int32)."""
+    """EMPTY / PARTIAL / FULL of one tile from scalars (in-kernel, int32).
+
+    Integer arithmetic rather than jnp.where on constants: the Triton lowering of the latter
+    types the constants as i1 and emits invalid IR (found by compiling it with Triton).
+    """
     full = k0 + bkv - 1 <= q0                          # every key <= every query
     if window is not None:
         full = full & (q0 + bq - 1 - k0 < window)      # the farthest pair is inside the window
-    if segs is None:
-        return jnp.where(full, FULL, PARTIAL)
-    qmin, qmax, kmin, kmax = segs
-    meet = (kmin <= qmax) & (qmin <= kmax)
-    one = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
-    return jnp.where(meet, jnp.where(full & one, FULL, PARTIAL), EMPTY)
+    if segs is not None:
+        qmin, qmax, kmin, kmax = segs
+        meet = (kmin <= qmax) & (qmin <= kmax)
+        full = full & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+        return meet.astype(jnp.int32) * (PARTIAL + full.astype(jnp.int32))
+    return PARTIAL + full.astype(jnp.int32)
 
 
 def _mask(q0, k0, shape, window, keys_on_rows, q_seg=None, k_seg=None):
