@@ -85,7 +85,6 @@ from jaxtyping import Array, Float, Int
 # Finite "minus infinity" for masked scores (exp2(MASK_VALUE - m) == 0, never inf - inf).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
-EMPTY, PARTIAL, FULL = 0, 1, 2        # tile kinds, as in olmo3/splash.py
 MIN_DIM = 16                          # tl.dot: every matmul dimension >= 16
 # Per-block shared memory on sm_90 is 227 KiB (CUDA C Programming Guide, "Compute Capability
 # 9.0"); keep ~35 KiB for the Triton compiler's own layout-conversion scratch.
@@ -150,6 +149,8 @@ def block_sizes(head_dim: int, dtype) -> BlockSizes:
     resident one (down to MIN_DIM). Only fp32 inputs and head_dim 256 need it."""
     d = max(MIN_DIM, _next_pow2(head_dim))
     sizes = BlockSizes(fwd_warps=8 if d >= 128 else 4, bwd_warps=8 if d >= 128 else 4)
+    if d >= 256:   # halve the register-resident fp32 accumulators (o; dk, dv): ptxas spilled
+        sizes = dataclasses.replace(sizes, fwd_q=64, dkv_kv=32)
     itemsize = jnp.dtype(dtype).itemsize
     shrink = {"fwd": ("fwd_stages", "fwd_kv", "fwd_q"), "dq": ("dq_kv", "dq_q"),
               "dkv": ("dkv_q", "dkv_kv")}
@@ -175,50 +176,59 @@ def _segment_ranges(segment_ids, block):
     return s.min(axis=1), s.max(axis=1)
 
 
-def reachable(seq: int, block_q: int, block_kv: int, window: Optional[int],
-              segment_ids=None):
-    """Bool [q blocks, kv blocks]: may any query of tile (i, j) see any key of it?
+def tile_classes(seq: int, block_q: int, block_kv: int, window: Optional[int],
+                 segment_ids=None):
+    """(reachable, full), bool [q blocks, kv blocks], from interval bounds (O(blocks^2)).
 
-    Positions from interval bounds (numpy, static); segment ids (data) from per-block ranges,
-    so a True tile can still be all masked when ids are not sorted (the kernel's EMPTY kind).
+    reachable: some query of tile (i, j) may see some key: k0 <= q1, q0 - k1 < window, and the
+    blocks' segment-id ranges overlap (a reachable tile can still be all masked when ids are
+    not sorted). full: every query sees every key: k1 <= q0, q1 - k0 < window, and both blocks
+    hold one and the same segment id. Numpy without segment ids (static), jnp with them.
     """
     q0 = (np.arange(seq // block_q) * block_q)[:, None]
     k0 = (np.arange(seq // block_kv) * block_kv)[None, :]
-    reach = k0 <= q0 + block_q - 1
+    q1, k1 = q0 + block_q - 1, k0 + block_kv - 1
+    reach, full = k0 <= q1, k1 <= q0
     if window is not None:
-        reach = reach & (q0 - (k0 + block_kv - 1) < window)
+        reach, full = reach & (q0 - k1 < window), full & (q1 - k0 < window)
     if segment_ids is None:
-        return reach
+        return reach, full
     qmin, qmax = _segment_ranges(segment_ids, block_q)
     kmin, kmax = _segment_ranges(segment_ids, block_kv)
-    return (jnp.asarray(reach) & (kmin[None, :] <= qmax[:, None])
-            & (qmin[:, None] <= kmax[None, :]))
+    reach = reach & (kmin[None, :] <= qmax[:, None]) & (qmin[:, None] <= kmax[None, :])
+    full = (full & (qmin == qmax)[:, None] & (kmin == kmax)[None, :]
+            & (qmin[:, None] == kmin[None, :]))
+    return reach, full
 
 
-def _row_bounds(reach):
-    """First and one-past-last True column of every row, int32 (every row has one: the
-    diagonal tile holds query == key)."""
-    n = reach.shape[1]
-    lo = jnp.argmax(reach, axis=1)
-    hi = n - jnp.argmax(reach[:, ::-1], axis=1)
-    return lo.astype(jnp.int32), hi.astype(jnp.int32)
+def visit_bounds(reach, full):
+    """Per row of the tile classes: int32 [rows, 4] = (lo, flo, fhi, hi).
 
-
-def _tile_kind(q0, bq, k0, bkv, window, segs):
-    """EMPTY / PARTIAL / FULL of one tile from scalars (in-kernel, int32).
-
-    Integer arithmetic rather than jnp.where on constants: the Triton lowering of the latter
-    types the constants as i1 and emits invalid IR (found by compiling it with Triton).
+    A row's kernel loop visits columns [lo, hi) (first to last reachable: every row has one,
+    the diagonal tile holds query == key), unmasked on [flo, fhi) (the first run of full
+    tiles; with sorted segment ids it is every full tile of the row) and masked elsewhere.
+    Without full tiles flo = fhi = hi.
     """
-    full = k0 + bkv - 1 <= q0                          # every key <= every query
-    if window is not None:
-        full = full & (q0 + bq - 1 - k0 < window)      # the farthest pair is inside the window
-    if segs is not None:
-        qmin, qmax, kmin, kmax = segs
-        meet = (kmin <= qmax) & (qmin <= kmax)
-        full = full & (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
-        return meet.astype(jnp.int32) * (PARTIAL + full.astype(jnp.int32))
-    return PARTIAL + full.astype(jnp.int32)
+    reach, full = jnp.asarray(reach), jnp.asarray(full)
+    n = reach.shape[1]
+    cols = jnp.arange(n)[None, :]
+    first = lambda m: jnp.where(m.any(axis=1), jnp.argmax(m, axis=1), n)
+    lo = first(reach)
+    hi = n - jnp.argmax(reach[:, ::-1], axis=1)
+    flo = jnp.minimum(first(full), hi)
+    fhi = jnp.minimum(first(~full & (cols > flo[:, None])), hi)
+    return jnp.stack([lo, flo, fhi, hi], axis=1).astype(jnp.int32)
+
+
+def _three_loops(bounds_ref, row, body, init):
+    """body(j, carry, masked) over the row's columns: masked [lo, flo), plain [flo, fhi),
+    masked [fhi, hi). Three branch-free loops rather than one loop with a per-tile branch:
+    Triton only software-pipelines the k/v loads of a loop whose dots are not under an scf.if
+    (measured in shared memory: 64 KiB with the branch, 128 KiB = 3 stages without)."""
+    lo, flo, fhi, hi = (bounds_ref[row, c] for c in range(4))
+    carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), init)
+    carry = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
 
 
 def _mask(q0, k0, shape, window, keys_on_rows, q_seg=None, k_seg=None):
@@ -233,11 +243,6 @@ def _mask(q0, k0, shape, window, keys_on_rows, q_seg=None, k_seg=None):
         mask = mask & ((q_seg[None, :] == k_seg[:, None]) if keys_on_rows
                        else (q_seg[:, None] == k_seg[None, :]))
     return mask
-
-
-def _by_kind(kind, carry, step):
-    """Run step(masked) for PARTIAL / FULL tiles and keep carry for EMPTY ones."""
-    return lax.switch(kind, [lambda: carry, lambda: step(True), lambda: step(False)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,9 +267,9 @@ class _Plan:
         return self.heads // self.kv_heads
 
 
-def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
+def _fwd_kernel(bounds_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
     if plan.segmented:
-        seg_ref, qmin_ref, qmax_ref, kmin_ref, kmax_ref, o_ref, lse_ref = refs
+        seg_ref, o_ref, lse_ref = refs
     else:
         o_ref, lse_ref = refs
     bq, bkv = plan.sizes.fwd_q, plan.sizes.fwd_kv
@@ -274,37 +279,31 @@ def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
     q_seg = seg_ref[pl.ds(q0, bq)] if plan.segmented else None
     c = plan.scale * LOG2E                                                # base-2 logits
 
-    def body(j, carry):
+    def body(j, carry, masked):
         acc, m, l = carry
         k0 = j * bkv
         k, v = k_ref[pl.ds(k0, bkv), :], v_ref[pl.ds(k0, bkv), :]         # [bkv, d]
-        segs = ((qmin_ref[i], qmax_ref[i], kmin_ref[j], kmax_ref[j])
-                if plan.segmented else None)
-
-        def step(masked):
-            s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * c
-            if masked:
-                k_seg = seg_ref[pl.ds(k0, bkv)] if plan.segmented else None
-                s = jnp.where(_mask(q0, k0, s.shape, plan.window, False, q_seg, k_seg),
-                              s, MASK_VALUE)
-            m_next = jnp.maximum(m, jnp.max(s, axis=1))
-            alpha = jnp.exp2(m - m_next)
-            p = jnp.exp2(s - m_next[:, None])                              # [bq, bkv] fp32
-            pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
-            return acc * alpha[:, None] + pv, m_next, l * alpha + jnp.sum(p, axis=1)
-
-        return _by_kind(_tile_kind(q0, bq, k0, bkv, plan.window, segs), carry, step)
+        s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * c
+        if masked:
+            k_seg = seg_ref[pl.ds(k0, bkv)] if plan.segmented else None
+            s = jnp.where(_mask(q0, k0, s.shape, plan.window, False, q_seg, k_seg),
+                          s, MASK_VALUE)
+        m_next = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m - m_next)
+        p = jnp.exp2(s - m_next[:, None])                                  # [bq, bkv] fp32
+        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_next, l * alpha + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((bq, plan.head_dim), jnp.float32),
             jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = lax.fori_loop(lo_ref[i], hi_ref[i], body, init)
+    acc, m, l = _three_loops(bounds_ref, i, body, init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = (m + jnp.log2(l)) / LOG2E                               # natural log
 
 
-def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, plan: _Plan):
+def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, plan: _Plan):
     if plan.segmented:
-        seg_ref, qmin_ref, qmax_ref, kmin_ref, kmax_ref, dq_ref = refs
+        seg_ref, dq_ref = refs
     else:
         (dq_ref,) = refs
     bq, bkv = plan.sizes.dq_q, plan.sizes.dq_kv
@@ -315,34 +314,25 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *re
     q_seg = seg_ref[pl.ds(q0, bq)] if plan.segmented else None
     c = plan.scale * LOG2E
 
-    def body(j, dq):
+    def body(j, dq, masked):
         k0 = j * bkv
         k, v = k_ref[pl.ds(k0, bkv), :], v_ref[pl.ds(k0, bkv), :]
-        segs = ((qmin_ref[i], qmax_ref[i], kmin_ref[j], kmax_ref[j])
-                if plan.segmented else None)
+        s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * c
+        p = jnp.exp2(s - lse2[:, None])                                    # [bq, bkv]
+        if masked:
+            k_seg = seg_ref[pl.ds(k0, bkv)] if plan.segmented else None
+            p = jnp.where(_mask(q0, k0, s.shape, plan.window, False, q_seg, k_seg), p, 0.0)
+        dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
+        ds = p * (dp - di[:, None])
+        return dq + lax.dot_general(ds.astype(k.dtype), k, NN, preferred_element_type=jnp.float32)
 
-        def step(masked):
-            s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * c
-            p = jnp.exp2(s - lse2[:, None])                                # [bq, bkv]
-            if masked:
-                k_seg = seg_ref[pl.ds(k0, bkv)] if plan.segmented else None
-                p = jnp.where(_mask(q0, k0, s.shape, plan.window, False, q_seg, k_seg), p, 0.0)
-            dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
-            ds = p * (dp - di[:, None])
-            return dq + lax.dot_general(ds.astype(k.dtype), k, NN,
-                                        preferred_element_type=jnp.float32)
-
-        return _by_kind(_tile_kind(q0, bq, k0, bkv, plan.window, segs), dq, step)
-
-    dq = lax.fori_loop(lo_ref[i], hi_ref[i], body,
-                       jnp.zeros((bq, plan.head_dim), jnp.float32))
+    dq = _three_loops(bounds_ref, i, body, jnp.zeros((bq, plan.head_dim), jnp.float32))
     dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
-                plan: _Plan):
+def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, plan: _Plan):
     if plan.segmented:
-        seg_ref, kmin_ref, kmax_ref, qmin_ref, qmax_ref, dk_ref, dv_ref = refs
+        seg_ref, dk_ref, dv_ref = refs
     else:
         dk_ref, dv_ref = refs
     bkv, bq = plan.sizes.dkv_kv, plan.sizes.dkv_q
@@ -353,32 +343,26 @@ def _dkv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *r
     c = plan.scale * LOG2E
 
     def head(r, carry):                      # the group's query heads share this kv head
-        def body(i, carry):
+        def body(i, carry, masked):
             dk, dv = carry
             q0 = i * bq
             q, do = q_ref[r, pl.ds(q0, bq), :], do_ref[r, pl.ds(q0, bq), :]   # [bq, d]
-            segs = ((qmin_ref[i], qmax_ref[i], kmin_ref[j], kmax_ref[j])
-                    if plan.segmented else None)
+            lse2 = lse_ref[r, pl.ds(q0, bq)] * LOG2E
+            s_t = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * c
+            p_t = jnp.exp2(s_t - lse2[None, :])                            # [bkv, bq]
+            if masked:
+                q_seg = seg_ref[pl.ds(q0, bq)] if plan.segmented else None
+                p_t = jnp.where(_mask(q0, k0, s_t.shape, plan.window, True, q_seg, k_seg),
+                                p_t, 0.0)
+            dv = dv + lax.dot_general(p_t.astype(do.dtype), do, NN,
+                                      preferred_element_type=jnp.float32)
+            dp_t = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+            ds_t = p_t * (dp_t - di_ref[r, pl.ds(q0, bq)][None, :])
+            dk = dk + lax.dot_general(ds_t.astype(q.dtype), q, NN,
+                                      preferred_element_type=jnp.float32)
+            return dk, dv
 
-            def step(masked):
-                s_t = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * c
-                lse2 = lse_ref[r, pl.ds(q0, bq)] * LOG2E
-                p_t = jnp.exp2(s_t - lse2[None, :])                        # [bkv, bq]
-                if masked:
-                    q_seg = seg_ref[pl.ds(q0, bq)] if plan.segmented else None
-                    p_t = jnp.where(_mask(q0, k0, s_t.shape, plan.window, True, q_seg, k_seg),
-                                    p_t, 0.0)
-                dv_next = dv + lax.dot_general(p_t.astype(do.dtype), do, NN,
-                                               preferred_element_type=jnp.float32)
-                dp_t = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
-                ds_t = p_t * (dp_t - di_ref[r, pl.ds(q0, bq)][None, :])
-                dk_next = dk + lax.dot_general(ds_t.astype(q.dtype), q, NN,
-                                               preferred_element_type=jnp.float32)
-                return dk_next, dv_next
-
-            return _by_kind(_tile_kind(q0, bq, k0, bkv, plan.window, segs), carry, step)
-
-        return lax.fori_loop(lo_ref[j], hi_ref[j], body, carry)
+        return _three_loops(bounds_ref, j, body, carry)
 
     zeros = jnp.zeros((bkv, plan.head_dim), jnp.float32)
     dk, dv = lax.fori_loop(0, plan.group, head, (zeros, zeros))
@@ -395,16 +379,13 @@ def _whole(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _tables(plan: _Plan, rows_block, cols_block, segment_ids, transpose):
-    """lo, hi [row blocks] (+ segment operands) for a kernel whose grid walks row blocks."""
-    bq, bkv = (cols_block, rows_block) if transpose else (rows_block, cols_block)
-    reach = reachable(plan.seq, bq, bkv, plan.window, segment_ids)
-    lo, hi = _row_bounds(jnp.asarray(reach).T if transpose else jnp.asarray(reach))
-    if not plan.segmented:
-        return [lo, hi], []
-    rmin, rmax = _segment_ranges(segment_ids, rows_block)
-    cmin, cmax = _segment_ranges(segment_ids, cols_block)
-    return [lo, hi], [segment_ids, rmin, rmax, cmin, cmax]
+def _operands(plan: _Plan, row_block, col_block, segment_ids, keys_on_rows):
+    """The visit bounds [row blocks, 4] (+ segment ids) for a kernel whose grid walks rows."""
+    bq, bkv = (col_block, row_block) if keys_on_rows else (row_block, col_block)
+    reach, full = tile_classes(plan.seq, bq, bkv, plan.window, segment_ids)
+    if keys_on_rows:
+        reach, full = reach.T, full.T
+    return [visit_bounds(reach, full)] + ([segment_ids] if plan.segmented else [])
 
 
 def _params(warps, stages):
@@ -414,12 +395,11 @@ def _params(warps, stages):
 def _forward(plan: _Plan, q, k, v, segment_ids):
     s, d, g = plan.seq, plan.head_dim, plan.group
     bq = plan.sizes.fwd_q
-    tables, segs = _tables(plan, bq, plan.sizes.fwd_kv, segment_ids, transpose=False)
+    bounds, *segs = _operands(plan, bq, plan.sizes.fwd_kv, segment_ids, keys_on_rows=False)
     kv_spec = pl.BlockSpec((None, s, d), lambda i, h: (lax.div(h, g), 0, 0))
-    in_specs = ([_whole(t.shape) for t in tables]
-                + [pl.BlockSpec((None, bq, d), lambda i, h: (h, i, 0)), kv_spec, kv_spec]
-                + [_whole(x.shape) for x in segs])
-    tiles = int(np.count_nonzero(reachable(s, bq, plan.sizes.fwd_kv, plan.window)))
+    in_specs = ([_whole(bounds.shape), pl.BlockSpec((None, bq, d), lambda i, h: (h, i, 0)),
+                 kv_spec, kv_spec] + [_whole(x.shape) for x in segs])
+    tiles = int(np.count_nonzero(tile_classes(s, bq, plan.sizes.fwd_kv, plan.window)[0]))
     pairs = tiles * bq * plan.sizes.fwd_kv * plan.heads
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, plan=plan),
@@ -434,7 +414,7 @@ def _forward(plan: _Plan, q, k, v, segment_ids):
                                       bytes_accessed=4 * q.size * q.dtype.itemsize),
         interpret=plan.interpret,
         name="splash_gpu_fwd",
-    )(*tables, q, k, v, *segs)
+    )(bounds, q, k, v, *segs)
     return o, lse
 
 
@@ -444,39 +424,38 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)   # D: [heads, seq]
     params = _params(sz.bwd_warps, sz.bwd_stages)
 
-    tables, segs = _tables(plan, sz.dq_q, sz.dq_kv, segment_ids, transpose=False)
+    bounds, *segs = _operands(plan, sz.dq_q, sz.dq_kv, segment_ids, keys_on_rows=False)
     q_spec = pl.BlockSpec((None, sz.dq_q, d), lambda i, h: (h, i, 0))
     row_spec = pl.BlockSpec((None, sz.dq_q), lambda i, h: (h, i))
     kv_spec = pl.BlockSpec((None, s, d), lambda i, h: (lax.div(h, g), 0, 0))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, plan=plan),
         grid=(s // sz.dq_q, plan.heads),
-        in_specs=([_whole(t.shape) for t in tables]
-                  + [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+        in_specs=([_whole(bounds.shape), q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
                   + [_whole(x.shape) for x in segs]),
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=params,
         interpret=plan.interpret,
         name="splash_gpu_dq",
-    )(*tables, q, k, v, do, lse, di, *segs)
+    )(bounds, q, k, v, do, lse, di, *segs)
 
-    tables, segs = _tables(plan, sz.dkv_kv, sz.dkv_q, segment_ids, transpose=True)
+    bounds, *segs = _operands(plan, sz.dkv_kv, sz.dkv_q, segment_ids, keys_on_rows=True)
     group_spec = pl.BlockSpec((g, s, d), lambda j, kh: (kh, 0, 0))     # the group's q heads
     group_rows = pl.BlockSpec((g, s), lambda j, kh: (kh, 0))
     kv_spec = pl.BlockSpec((None, sz.dkv_kv, d), lambda j, kh: (kh, j, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, plan=plan),
         grid=(s // sz.dkv_kv, plan.kv_heads),
-        in_specs=([_whole(t.shape) for t in tables]
-                  + [group_spec, kv_spec, kv_spec, group_spec, group_rows, group_rows]
+        in_specs=([_whole(bounds.shape), group_spec, kv_spec, kv_spec, group_spec, group_rows,
+                   group_rows]
                   + [_whole(x.shape) for x in segs]),
         out_specs=[kv_spec, kv_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=params,
         interpret=plan.interpret,
         name="splash_gpu_dkv",
-    )(*tables, q, k, v, do, lse, di, *segs)
+    )(bounds, q, k, v, do, lse, di, *segs)
     return dq, dk, dv
 
 

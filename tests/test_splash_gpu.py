@@ -40,17 +40,18 @@ def dense_tiles(mask, bq, bkv):
     return mask.reshape(nq, bq, nk, bkv).transpose(0, 2, 1, 3).reshape(nq, nk, -1)
 
 
-def kinds(seq, bq, bkv, window, seg=None):
-    """The kernel's in-loop classification of every tile, evaluated on host scalars."""
-    out = np.zeros((seq // bq, seq // bkv), np.int32)
-    for i in range(seq // bq):
-        for j in range(seq // bkv):
-            segs = None
-            if seg is not None:
-                qs, ks = seg[i * bq:(i + 1) * bq], seg[j * bkv:(j + 1) * bkv]
-                segs = (qs.min(), qs.max(), ks.min(), ks.max())
-            out[i, j] = splash_gpu._tile_kind(i * bq, bq, j * bkv, bkv, window, segs)
-    return out
+def visited_kinds(seq, bq, bkv, window, seg=None):
+    """What the forward's loops do with every tile, from its visit bounds: 'E' visited but all
+    masked, 'P' visited with the mask, 'F' visited without it, '' not visited; and the dense
+    tiles [q blocks, kv blocks, bq * bkv]."""
+    tiles = dense_tiles(dense_mask(seq, window, seg), bq, bkv)
+    reach, full = splash_gpu.tile_classes(seq, bq, bkv, window,
+                                          None if seg is None else jnp.asarray(seg))
+    lo, flo, fhi, hi = np.asarray(splash_gpu.visit_bounds(reach, full)).T[:, :, None]
+    cols = np.arange(tiles.shape[1])[None, :]
+    kind = np.where((cols >= lo) & (cols < hi), "P", "")
+    kind = np.where((cols >= flo) & (cols < fhi), "F", kind)
+    return np.where((kind == "P") & ~tiles.any(-1), "E", kind), tiles
 
 
 @pytest.mark.parametrize("seq,bq,bkv,window,seg", [
@@ -59,26 +60,17 @@ def kinds(seq, bq, bkv, window, seg=None):
     (256, 64, 32, 100, (50, 130)), (256, 32, 64, None, (64, 64, 100)),
     (256, 32, 32, 90, "unsorted"),
 ])
-def test_tables_and_kinds_match_dense_mask(seq, bq, bkv, window, seg):
+def test_visit_bounds_match_dense_mask(seq, bq, bkv, window, seg):
     if seg == "unsorted":      # ids repeat: tiles with overlapping id ranges but nothing shared
         seg = np.tile(np.repeat([0, 1], 32), seq // 64)
     elif seg is not None:
         seg = np.asarray(documents(seq, seg))
-    tiles = dense_tiles(dense_mask(seq, window, seg), bq, bkv)
-    visible, all_visible = tiles.any(-1), tiles.all(-1)
-    reach = np.asarray(splash_gpu.reachable(seq, bq, bkv, window,
-                                            None if seg is None else jnp.asarray(seg)))
-    assert (reach >= visible).all()                    # never skips a visible tile
-    if seg is None:
-        np.testing.assert_array_equal(reach, visible)  # positions alone: exact
-    lo, hi = (np.asarray(x) for x in splash_gpu._row_bounds(jnp.asarray(reach)))
-    for i in range(reach.shape[0]):                    # [lo, hi) covers every reachable tile
-        np.testing.assert_array_equal(np.flatnonzero(reach[i])[[0, -1]], [lo[i], hi[i] - 1])
-    k = kinds(seq, bq, bkv, window, seg)
-    assert (all_visible[k == splash_gpu.FULL]).all()   # FULL: no mask needed
-    assert not visible[k == splash_gpu.EMPTY].any()    # EMPTY: nothing to compute
-    if seg is None:
-        np.testing.assert_array_equal(k == splash_gpu.FULL, all_visible)
+    kind, tiles = visited_kinds(seq, bq, bkv, window, seg)
+    assert (kind[tiles.any(-1)] != "").all()             # every visible tile is visited
+    assert tiles[kind == "F"].all()                      # unmasked tiles need no mask
+    if seg is None or not isinstance(seg, np.ndarray) or (np.diff(seg) >= 0).all():
+        assert (kind != "E").all()                       # positions / sorted ids: tight bounds
+        np.testing.assert_array_equal(kind == "F", tiles.all(-1))   # every full tile unmasked
 
 
 def test_block_sizes_fit_shared_memory():
@@ -106,11 +98,12 @@ def gpu_kernel(sizes):
     return run
 
 
-# (id, heads, kv_heads, seq, head_dim, dtype, window, segments, tile kinds present in fwd)
+# (id, heads, kv_heads, seq, head_dim, dtype, window, segments, forward tiles visited: E all
+# masked, P masked, F unmasked)
 CASES = [
     # window + ragged documents + GQA (4 query heads on 2 kv heads)
     ("window_segments_gqa_f32", 4, 2, 256, 64, jnp.float32, 100, (50, 150), "PF"),
-    # MQA in bf16 with repeating (unsorted) ids: EMPTY tiles inside the loop bounds
+    # MQA in bf16 with repeating (unsorted) ids: all-masked tiles inside the loop bounds
     ("unsorted_segments_mqa_bf16", 4, 1, 256, 64, jnp.bfloat16, None, "unsorted", "EPF"),
     # plain causal (full layers) with padding: seq 200 -> 256 and head_dim 40 -> 64
     ("padded_causal_mha_f32", 2, 2, 200, 40, jnp.float32, None, None, "PF"),
@@ -133,17 +126,12 @@ def segment_case(seq, spec):
 def run_case(case):
     _, heads, kv_heads, seq, head_dim, dtype, window, spec, present = case
     seg = segment_case(seq, spec)
-    pad = -(-seq // 64) * 64
+    pad = -(-seq // 64) * 64                                  # the kernel's padded length
     seg_pad = None if seg is None else np.pad(np.asarray(seg), (0, pad - seq), mode="edge")
-    reach = np.asarray(splash_gpu.reachable(pad, SMALL.fwd_q, SMALL.fwd_kv, window,
-                                            None if seg is None else jnp.asarray(seg_pad)))
-    lo, hi = (np.asarray(x)[:, None] for x in splash_gpu._row_bounds(jnp.asarray(reach)))
-    cols = np.arange(reach.shape[1])[None, :]
-    visited = (cols >= lo) & (cols < hi)                  # the forward's loop bounds
-    k = kinds(pad, SMALL.fwd_q, SMALL.fwd_kv, window, seg_pad)[visited]
-    assert set(np.unique(k).tolist()) == {"EPF".index(c) for c in present}
-    q, kk, v, ct = random_qkv(heads, kv_heads, seq, head_dim, dtype)
-    check_against_oracle(q, kk, v, ct, window=window, segment_ids=seg, bq=0, bkv=0,
+    kind, _ = visited_kinds(pad, SMALL.fwd_q, SMALL.fwd_kv, window, seg_pad)
+    assert set(np.unique(kind[kind != ""])) == set(present)  # the case exercises what it claims
+    q, k, v, ct = random_qkv(heads, kv_heads, seq, head_dim, dtype)
+    check_against_oracle(q, k, v, ct, window=window, segment_ids=seg, bq=0, bkv=0,
                          interpret=True, kernel=gpu_kernel(SMALL))
 
 
