@@ -15,19 +15,23 @@ no window and no grouped-query heads. Stage 3 (seq 65,536, intra-document maskin
 documents and memory linear in seq; stages 1-2 need the 4096-token window (DESIGN.md §2, §9).
 
 How (Pallas on the Triton backend; every grid point is one CUDA thread block):
-  tables    Before any kernel, a host/XLA step bounds what each block row can see. Tile (i, j)
-            holds queries [q0, q1] and keys [k0, k1]; it is reachable iff k0 <= q1 (causal),
-            q0 - k1 < window, and the block's segment-id ranges [min, max] overlap. lo/hi are the
-            first and one-past-last reachable column of every row ([blocks] int32, O(blocks^2)
-            work, never O(seq^2)). The kernels' fori_loops run over [lo, hi) only: the window
-            bounds the loop from below, causality from above, and with packed documents (ids
-            non-decreasing, data/loader.py) the loop visits exactly the blocks of the row's own
-            documents: a q block in a 4k-token document at seq 65,536 visits ~64 kv blocks,
-            not up to 1024.
-  kinds     Inside the loop each visited tile is classified from scalars: FULL (every pair
-            visible: strictly below the diagonal, inside the window, one shared segment) runs
-            without mask arithmetic; PARTIAL builds the mask from iotas and segment ids; EMPTY
-            (segment ranges disjoint; only possible when ids are not sorted) skips the matmuls.
+  tables    Before any kernel, an XLA step classifies the tiles of each block row
+            (`tile_classes`, O(blocks^2) work, never O(seq^2)). Tile (i, j) holds queries
+            [q0, q1] and keys [k0, k1]; it is reachable iff k0 <= q1 (causal), q0 - k1 < window
+            and the blocks' segment-id ranges [min, max] overlap; it is full (no mask needed)
+            iff k1 <= q0, q1 - k0 < window and both blocks hold one and the same id.
+            `visit_bounds` turns that into (lo, flo, fhi, hi) per row: [lo, hi) spans the
+            reachable tiles, [flo, fhi) the run of full ones. The window bounds the loop from
+            below, causality from above, and with packed documents (ids non-decreasing,
+            data/loader.py) the loop visits exactly the blocks of the row's own documents: a q
+            block in a 4k-token document at seq 65,536 visits <= 64 kv blocks, not up to 1024.
+  loops     Each row runs three branch-free fori_loops: masked over [lo, flo), unmasked over
+            [flo, fhi), masked over [fhi, hi). The mask (iotas, window, segment ids) costs a
+            few integer ops per score and only on the band's edges. Branch-free matters:
+            a per-tile lax.cond puts the dots under an scf.if and Triton then does not
+            software-pipeline the k/v loads (compiled for sm_90: 64 KiB of shared memory, one
+            buffer, with the branch; 128 KiB, three stages, without). With unsorted ids a
+            reachable tile can be all masked; it is computed and contributes exactly 0.
   forward   grid (q blocks, heads). q stays in registers/SMEM, k/v tiles stream through the
             Triton software pipeline (num_stages). Online softmax in fp32 in base 2
             (exp2(s * log2 e), the FlashAttention-2 Triton trick that saves a multiply per
@@ -54,17 +58,23 @@ causality hides them; padded query rows are sliced off and get zero cotangents.
 
 Block sizes for H100/H200 (sm_90: 228 KiB shared memory per SM, at most 227 KiB per block; 64K
 32-bit registers per SM). Nothing here has been timed on a GPU (none was available when this
-was written); the choices follow the public tuned references:
+was written); the choices follow the public tuned references, and the kernels' Triton IR
+(bf16, head_dim 64/128/256) compiles for sm_90 with the pip Triton 3.9 + its ptxas without
+register spills (an independent check: on a GPU, XLA compiles it with the Triton in jaxlib) (head_dim 128: forward 226 registers/thread and 128 KiB shared memory; dq 138-175
+registers, 96 KiB; dk/dv 250-254 registers, 97 KiB):
   forward  128 x 64, 8 warps (head_dim >= 128) / 4 warps, 3 stages: the Triton fused-attention
            tutorial's and JAX's flash kernel's forward tiles for head_dim 128. SMEM in bf16:
            q 32 KiB + 3 stages x (k + v) 32 KiB = 128 KiB.
   dq       64 x 64, 2 stages; dk/dv 64 (keys) x 64 (queries), 2 stages: the backward keeps two
            fp32 [64, head_dim] accumulators (dk, dv) in registers: 64 KiB at head_dim 128, i.e.
-           128 registers per thread at 8 warps. FlashAttention-2's CUDA backward for head_dim 128
+           64 registers per thread at 8 warps. FlashAttention-2's CUDA backward for head_dim 128
            uses 64 x 128 tiles with 8 warps; 64 x 64 leaves the Triton compiler headroom.
+  256      head_dim 256 (the 16 x 256 heads variant): forward 64 x 64 and dk/dv 32 keys, which
+           halves the fp32 accumulators (at 128 rows ptxas spilled ~700 bytes per thread).
 `block_sizes()` shrinks stages, then blocks, until the SMEM estimate fits SMEM_BUDGET (fp32
 inputs and head_dim 256 need it); the Triton lowering does not check SMEM at export time, the
-CUDA compile on the GPU would fail instead, so the estimate is tested here.
+CUDA compile on the GPU would fail instead, so the estimate is tested here. fp32 inputs (CPU
+tests, not GPU training) compile too, with small dk/dv spills at head_dim 128.
 Interpret mode (`interpret=True`) runs the same kernels as plain JAX on any backend (CPU tests).
 """
 from __future__ import annotations
