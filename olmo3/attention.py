@@ -1,7 +1,11 @@
 """Attention behind one small interface: `xla` (portable reference), `splash`, `cudnn`.
 
 `xla` is `reference_attention` (dense scores), or `local_attention` (banded blocks) for
-sliding-window layers whose sequence spans more than two windows.
+sliding-window layers whose sequence spans more than two windows; above DENSE_MAX_SEQ it refuses
+rather than materialise seq^2 scores. `splash` is a block-sparse Pallas kernel chosen by the
+platform being lowered for: olmo3/splash.py (Mosaic) on TPU, olmo3/splash_gpu.py (Triton) on
+CUDA, interpret mode elsewhere. `cudnn` is cuDNN's fused kernel; with segment ids (documents,
+which its API cannot take) it is the GPU Splash kernel.
 
 Layout per sequence: q [heads, seq, head_dim], k and v [kv_heads, seq, head_dim]. Masks:
 causal; with `window`, query i sees key j iff 0 <= i - j < window (itself and window-1 keys
