@@ -118,8 +118,8 @@ def _splash(q, k, v, *, window, segment_ids, block_q, block_kv):
 
     One custom_vjp with `lax.platform_dependent` inside its forward and its backward: both
     kernels share one residual contract (q, k, v, segment_ids, o, lse [heads, seq] fp32), so
-    differentiating never carries another platform's residuals (a platform_dependent around two
-    custom_vjps would, zero-filled, through the layer scan).
+    differentiating never carries another platform's residuals (around two custom_vjps, JAX's
+    partial evaluation of the switch would join every branch's residuals, zero-filled).
     """
     from olmo3 import splash, splash_gpu  # imported lazily: Pallas is only needed when asked for
     heads, seq, head_dim = q.shape
