@@ -620,21 +620,29 @@ def initialize_distributed(coordinator: Optional[str] = None, num_processes: Opt
 # --------------------------------------------------------------------------------------------
 # Memory report
 # --------------------------------------------------------------------------------------------
-def memory_report(config: Config, n_devices: int, data: int = 1) -> dict:
+def memory_report(config: Config, n_devices: int, data: int = 1, context: int = 1,
+                  seq_len: Optional[int] = None, head_stride: int = HEAD_STRIDE) -> dict:
     """Per-device bytes of params and optimizer state (fp32 mu, nu and replicated scalars) on a
-    ('data', 'fsdp') = (data, n_devices / data) mesh, from abstract shapes (no allocation)."""
+    ('data', 'fsdp', 'context') = (data, n_devices / (data * context), context) mesh, from
+    abstract shapes (no allocation); weights are split over fsdp x context.
+
+    With `seq_len`: the activations one instance leaves per device, seq_len / context tokens
+    each: the layer inputs and projection outputs the "save_proj" remat policy keeps (a lower
+    bound: XLA's temporaries are not counted), and the K/V of one head_stride group gathered
+    over the context group (transient, inside attention)."""
     from olmo3.optim import SkipStepAdamW
-    if n_devices % data:
-        raise ValueError(f"data={data} does not divide n_devices={n_devices}")
-    fsdp = n_devices // data
+    if n_devices % (data * context):
+        raise ValueError(f"data={data} x context={context} does not divide n_devices={n_devices}")
+    fsdp = n_devices // (data * context)
+    shard = fsdp * context
     model = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     opt = eqx.filter_eval_shape(SkipStepAdamW(lambda s: 0.0).init, model)
-    specs = param_specs(model, fsdp)
+    specs = param_specs(model, shard)
 
     def local_bytes(x, spec):
         shape = list(x.shape)
         if spec is not None and FSDP in spec:
-            shape[_fsdp_axis(spec)] //= fsdp
+            shape[_fsdp_axis(spec)] //= shard
         return int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
 
     def total(tree, spec_tree):
@@ -649,28 +657,53 @@ def memory_report(config: Config, n_devices: int, data: int = 1) -> dict:
     itemsize = jnp.dtype(config.pdtype).itemsize
     gathered = (config.params_per_layer() + 2 * config.vocab_size * config.d_model
                 + config.d_model) * itemsize
-    return {"n_devices": n_devices, "fsdp": fsdp, "data": data,
-            "params": config.num_params(), "param_bytes": params, "opt_bytes": optim,
-            "total_bytes": params + optim, "gathered_bytes": gathered}
+    out = {"n_devices": n_devices, "fsdp": fsdp, "data": data, "context": context,
+           "params": config.num_params(), "param_bytes": params, "opt_bytes": optim,
+           "total_bytes": params + optim, "gathered_bytes": gathered}
+    if seq_len is not None:
+        c, act = config, jnp.dtype(config.dtype).itemsize
+        saved = c.q_dim + 2 * c.kv_dim + 2 * c.mlp_hidden + 3 * c.d_model   # q k v gate up, o down x
+        out["activation_bytes"] = (seq_len // context) * c.n_layers * saved * act
+        out["kv_gathered_bytes"] = 2 * min(head_stride, c.n_kv_heads) * seq_len * c.head_dim * act
+    return out
 
 
 def _main(argv: Optional[list] = None) -> None:
     import argparse
-    ap = argparse.ArgumentParser(description="Per-device param + optimizer memory under FSDP.")
+    ap = argparse.ArgumentParser(description="Per-device param + optimizer memory under FSDP, and "
+                                             "the stage-3 7B under context parallelism.")
     ap.add_argument("--preset", default="olmo3_7b", choices=Config.PRESETS)
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 128, 512])
     args = ap.parse_args(argv)
     cfg = Config.preset(args.preset)
+    cell = lambda b: f"{b:,} B ({b / 2**30:.3f} GiB)"  # noqa: E731
     print(f"{args.preset}: {cfg.num_params():,} params, param_dtype {cfg.param_dtype}, "
           "AdamW mu+nu fp32, pure FSDP")
     print(f"{'devices':>8} {'params/device':>30} {'optimizer/device':>30} {'total/device':>30}")
     for n in args.devices:
         r = memory_report(cfg, n)
-        cell = lambda b: f"{b:,} B ({b / 2**30:.3f} GiB)"  # noqa: E731
         print(f"{n:>8} {cell(r['param_bytes']):>30} {cell(r['opt_bytes']):>30} "
               f"{cell(r['total_bytes']):>30}")
     print(f"plus, transient on every device during the step: at least {cell(r['gathered_bytes'])} of "
           "gathered full weights (embedding + lm_head + final norm + one layer)")
+
+    # Stage 3 (OLMo-core OLMo-3-1025-7B-long-context.py): seq 65,536 (L37), one instance per
+    # rank (L69 rank_microbatch_size=sequence_length), cp llama3(degree=8, head_stride=4) (L89),
+    # hsdp shard_degree=1 (L84): weights split over the 8 ranks of a context group, replicated
+    # over the groups. The script leaves the device count to the launcher: 64 = 8 nodes x 8 shown.
+    # vocab 100352: dolma2 padded to a multiple of 128 (L47, stage3.flags)
+    long, seq = Config.olmo3_7b_long(vocab_size=100352, compute_dtype="bfloat16"), 65536
+    print(f"\nstage 3: olmo3_7b_long, seq {seq:,}, one instance per context group per microbatch, "
+          "bf16 activations, remat save_proj")
+    print(f"{'mesh (64 devices)':>28} {'params+optimizer/device':>30} {'activations/device':>30}")
+    for data, context in ((8, 1), (8, 8), (1, 8)):
+        r = memory_report(long, 64, data=data, context=context, seq_len=seq)
+        mesh = f"data:{data},fsdp:{r['fsdp']},context:{context}" if context > 1 else f"data:{data},fsdp:{r['fsdp']}"
+        print(f"{mesh:>28} {cell(r['total_bytes']):>30} {cell(r['activation_bytes']):>30}")
+    print(f"activations: layer inputs + the projections save_proj keeps, for {seq:,} / context tokens "
+          f"(a lower bound); plus, transient in attention, {cell(r['kv_gathered_bytes'])} of K/V "
+          "(one head_stride=4 group gathered over the context group, full sequence)")
+
 
 if __name__ == "__main__":
     _main()

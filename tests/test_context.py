@@ -196,3 +196,18 @@ def test_train_py_context_mesh_matches_fsdp(tmp_path):
         losses[mesh] = [r[k] for r in rows for k in sorted(r) if k.endswith("loss") and k != "train/z_loss"]
     assert len(losses["fsdp:8"]) == 6            # 4 train losses + 2 held-out evaluations
     np.testing.assert_allclose(losses["fsdp:2,context:4"], losses["fsdp:8"], rtol=2e-6)
+
+
+def test_memory_report_stage3_context():
+    """Stage-3 7B on 64 devices: context:8 divides the activations one instance leaves per
+    device by 8 (seq 65,536 -> 8,192 tokens each) and, with fsdp:1, splits the weights over the
+    8 ranks of the context group as OLMo-core's hsdp(shard_degree=1) + cp(8) does."""
+    cfg = olmo3.Config.olmo3_7b_long(vocab_size=100352, compute_dtype="bfloat16")
+    plain = sh.memory_report(cfg, 64, data=8, seq_len=65536)
+    cp = sh.memory_report(cfg, 64, data=8, context=8, seq_len=65536)
+    assert plain["activation_bytes"] == 8 * cp["activation_bytes"]
+    n = cfg.num_params()
+    assert cp["param_bytes"] == plain["param_bytes"] == 4 * n // 8    # fp32 master weights / 8
+    # save_proj keeps q, k, v, gate, up + o, down, layer input: 46,592 bf16 values per token-layer
+    assert cp["activation_bytes"] == 8192 * 32 * 46592 * 2
+    assert sh.memory_report(cfg, 64, data=1, context=8)["param_bytes"] == 4 * n // 64
