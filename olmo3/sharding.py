@@ -1,10 +1,12 @@
-"""Explicit FSDP x data-parallel partitioning under `jax.shard_map` (DESIGN §6; the JAX shard_map
-guide's FSDP section).
+"""Explicit FSDP x data-parallel x context-parallel partitioning under `jax.shard_map` (DESIGN §6;
+the JAX shard_map guide's FSDP section; Llama 3 paper §3.3.2 for the context axis).
 
-The mesh has two axes, ('data', 'fsdp'):
+The mesh has two axes, ('data', 'fsdp'), or three with `--mesh=...,context:C`:
 
-    params, mu, nu   every weight sharded on ONE axis over 'fsdp', replicated over 'data'
-    batch rows       split over ('data', 'fsdp'): every device holds global_batch / n_devices rows
+    params, mu, nu   every weight sharded on ONE axis over 'fsdp' (x 'context'), replicated over
+                     'data'
+    batch rows       split over ('data', 'fsdp'): every device holds global_batch / (data x fsdp)
+                     rows; with a context axis each row's sequence is split over it as well
     one step         for each microbatch, for each layer in the scan: all_gather that layer's
                      weights over 'fsdp', run it, drop it; the backward pass recomputes the gather
                      and its transpose hands back the gradient already reduce-scattered over
@@ -19,11 +21,39 @@ The model math never relies on XLA's automatic sharding: every collective of the
 backward pass is written here. Pure FSDP (data=1) was as fast as FSDP x DP at 128 devices in the
 write-up (DESIGN §6), hence the default: every device on 'fsdp'.
 
+Context parallelism (stage 3: 65,536-token instances, OLMo-core `llama3(degree=8,
+head_stride=4)`, one instance per context group):
+
+    layout      the sequence is cut into 2C chunks; rank r holds chunks r and 2C-1-r (an early
+                and a late one, so every rank does the same causal work), built on the host by
+                `global_batch`: tokens, next-token labels (shifted on the whole row first),
+                global positions (RoPE) and segment ids all follow their tokens
+    attention   in every layer, for each group of head_stride K/V heads: all_gather the group's
+                K and V (and, once per row, the segment ids) over 'context', restore position
+                order, and attend each local query chunk at its global offset against the whole
+                K/V (causal, window and document masks from global positions:
+                attention.chunk_attention, or splash with a static offset per rank). The
+                gather's transpose reduce-scatters dK, dV back to the ranks that own the tokens
+    weights     split over fsdp x context (as OLMo-core's FSDP shards over dp_shard x cp), so
+                the per-layer gather's transpose reduces the gradients over both axes
+    loss        CE and token counts are psummed over data x fsdp x context
+
+Why all-gather K/V and not ring attention: the Llama 3 paper (§3.3.2) chose it because any mask
+(document masks, here also sliding windows) is easy when a rank holds the whole K/V, and because
+GQA made its K/V much smaller than Q. The OLMo 3 7B is MHA, so the bound comes from head_stride
+instead: only one group of 4 K/V heads is gathered at a time (128 MiB in bf16 at seq 65,536,
+against ~23 GiB of saved activations per rank, `python -m olmo3.sharding`), and every attention
+kernel runs unchanged on a query chunk at an offset; GQA variants gather proportionally less.
+OLMo-core's own llama3 load balancer hands each rank one contiguous slice (ring-flash-attn's
+varlen kernel, head_stride K/V heads gathered at a time); our two-chunk layout is the paper's,
+and the loss and gradients do not depend on which rank holds which token.
+
 Topology independence (DESIGN §4, bug 4): the global batch is a recipe constant; the per-device
 batch and the number of microbatches are derived from it and the GLOBAL device count
 (`microbatches`), and a checkpoint is restored onto any mesh from `abstract_state`.
 
-Run `python -m olmo3.sharding` for the per-device memory of the 7B at 128 and 512 devices.
+Run `python -m olmo3.sharding` for the per-device memory of the 7B at 128 and 512 devices, and
+of the stage-3 7B with and without context:8.
 """
 from __future__ import annotations
 
