@@ -513,7 +513,8 @@ def make_score_fn(mesh: Mesh, specs: PyTree):
     olmo3.scoring.continuation_scores, as numpy arrays on every process. `batch` holds the WHOLE
     batch's rows (numpy, identical on every process: OLMo's in-loop requests are read by each);
     process p keeps its slice, rows are split over every device like held-out evaluation (same
-    per-layer gathers), and the per-row results are gathered back, nothing summed."""
+    per-layer gathers), and the per-row results are gathered back, nothing summed. With a context
+    axis the ranks of a context group score the same whole rows (requests are short)."""
     from jax.experimental import multihost_utils
 
     from olmo3.scoring import continuation_scores
@@ -533,7 +534,7 @@ def make_score_fn(mesh: Mesh, specs: PyTree):
         n, rank = jax.process_count(), jax.process_index()
         rows = len(batch["tokens"]) // n
         mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
-        out = sharded(model, global_batch(mine, mesh))
+        out = sharded(model, global_batch(mine, mesh, whole_rows=True))
         if n == 1:
             return tuple(np.asarray(x) for x in out)
         return tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in out)
@@ -598,7 +599,7 @@ def microbatches(global_batch: int, micro_batch_per_device: Optional[int], mesh:
     return per_device // micro_batch_per_device
 
 
-def global_batch(local_batch: dict, mesh: Mesh) -> dict:
+def global_batch(local_batch: dict, mesh: Mesh, *, whole_rows: bool = False) -> dict:
     """One global jax.Array per numpy field of this process's rows (other fields, e.g. the
     loader's "step" int, are left out), rows split over ('data', 'fsdp').
 
@@ -607,9 +608,11 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
     jax.make_mesh's device order (grouped by process) the global array is the global batch in
     order; a topology-permuted mesh only permutes rows, which no loss sum can see.
     With a context axis, rows are first put in context order (`_context_rows`: labels, positions)
-    and their [rows, seq] fields split over 'context' too (a context group within one process)."""
+    and their [rows, seq] fields split over 'context' too (a context group within one process),
+    unless `whole_rows` (downstream scoring: every context rank scores whole rows)."""
     C = context_size(mesh)
-    if CONTEXT in mesh.axis_names:
+    chunked = CONTEXT in mesh.axis_names and not whole_rows
+    if chunked:
         local_batch = _context_rows({k: v for k, v in local_batch.items() if isinstance(v, np.ndarray)}, C)
     n_local = len(mesh.local_devices) // C
     out = {}
@@ -621,7 +624,7 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
                              f"{jax.process_index()}: its rows must split evenly over the "
                              f"{n_local} local devices; the local batch is global_batch / "
                              f"process_count rows")
-        spec = TOKENS if CONTEXT in mesh.axis_names and value.ndim == 2 else ROWS
+        spec = TOKENS if chunked and value.ndim == 2 else ROWS
         out[key] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), value)
     return out
 
