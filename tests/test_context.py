@@ -97,38 +97,44 @@ def test_splash_query_chunk_matches_reference():
         np.testing.assert_allclose(g, r, atol=2e-6)
 
 
-def context_grads(model, batch, spec, head_stride, cfg=CFG):
+def context_grads(model, batch, spec, head_stride, microbatches=1):
     mesh = sh.make_mesh(spec)
     m = sh.shard_state(model, SkipStepAdamW(lambda s: 1e-3).init(model), mesh)[0]
     specs = sh.param_specs(m, mesh)
-    fn = eqx.filter_jit(sh.make_grad_fn(mesh, specs, chunk=64, use_segments=True, head_stride=head_stride))
+    fn = eqx.filter_jit(sh.make_grad_fn(mesh, specs, microbatches=microbatches, chunk=64,
+                                        use_segments=True, head_stride=head_stride))
     grads, ce, _ = fn(m, sh.global_batch(batch, mesh))
     return float(ce), grads, m
 
 
-@pytest.mark.parametrize("spec,head_stride", [
-    ("fsdp:4,context:2", 1),                                  # 2 K/V head groups (lax.map)
-    pytest.param("fsdp:2,context:4", 2, marks=pytest.mark.slow),  # one group, chunks of 4
+@pytest.fixture(scope="module")
+def single_device():
+    model, batch = olmo3.OLMo3(CFG, jax.random.key(0)), rows(32)
+    return (model, batch, *reference(model, batch))
+
+
+@pytest.mark.parametrize("spec,head_stride,microbatches", [
+    ("fsdp:4,context:2", 1, 1),                                         # 2 K/V head groups (lax.map)
+    pytest.param("fsdp:2,context:4", 2, 2, marks=pytest.mark.slow),     # one group, chunks of 4
+    pytest.param("data:2,fsdp:2,context:2", 2, 1, marks=pytest.mark.slow),  # + data replicas
 ])
-def test_context_grads_equal_single_device(spec, head_stride):
-    model = olmo3.OLMo3(CFG, jax.random.key(0))
-    batch = rows(32)
-    want_ce, want = reference(model, batch)
-    got_ce, got, m = context_grads(model, batch, spec, head_stride)
+def test_context_grads_equal_single_device(single_device, spec, head_stride, microbatches):
+    model, batch, want_ce, want = single_device
+    got_ce, got, m = context_grads(model, batch, spec, head_stride, microbatches)
     np.testing.assert_allclose(got_ce, want_ce, rtol=2e-6)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert rel_err(g, r) < 1e-5
-    # weights (and so their gradients) are split over fsdp x context: 8 shards of each
+    # weights (and so their gradients) are split over fsdp x context
     assert m.layers.gate_proj.sharding.spec == jax.P(None, None, ("fsdp", "context"))
-    assert got.layers.gate_proj.addressable_shards[0].data.shape == (2, 64, 16)
+    mesh = m.layers.gate_proj.sharding.mesh
+    shards = mesh.shape["fsdp"] * sh.context_size(mesh)
+    assert got.layers.gate_proj.addressable_shards[0].data.shape == (2, 64, 128 // shards)
 
 
 @pytest.mark.slow
-def test_context_grads_with_splash_equal_single_device():
-    cfg = CFG.replace(attention="splash")
-    model = olmo3.OLMo3(cfg, jax.random.key(0))
-    batch = rows(32)
-    want_ce, want = reference(olmo3.OLMo3(CFG, jax.random.key(0)), batch)
+def test_context_grads_with_splash_equal_single_device(single_device):
+    _, batch, want_ce, want = single_device
+    model = olmo3.OLMo3(CFG.replace(attention="splash"), jax.random.key(0))
     got_ce, got, _ = context_grads(model, batch, "fsdp:4,context:2", 1)
     np.testing.assert_allclose(got_ce, want_ce, rtol=2e-6)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
