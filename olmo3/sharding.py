@@ -99,8 +99,8 @@ def make_mesh(spec: Optional[str] = None, devices: Optional[list] = None) -> Mes
             continue
         name, sep, value = part.partition(":")
         if not sep or name not in (DATA, FSDP, CONTEXT) or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh={spec!r}: each entry must be 'fsdp:N', 'data:M' or "
-                             f"'context:C' with a positive integer, e.g. --mesh=fsdp:{n},data:1")
+            raise ValueError(f"--mesh={spec!r}: each entry must be 'fsdp:N' or 'data:M' (or "
+                             f"'context:C') with a positive integer, e.g. --mesh=fsdp:{n},data:1")
         if name in sizes:
             raise ValueError(f"--mesh={spec!r}: axis {name!r} given twice")
         sizes[name] = int(value)
