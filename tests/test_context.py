@@ -217,3 +217,24 @@ def test_memory_report_stage3_context():
     # save_proj keeps q, k, v, gate, up + o, down, layer input: 46,592 bf16 values per token-layer
     assert cp["activation_bytes"] == 8192 * 32 * 46592 * 2
     assert sh.memory_report(cfg, 64, data=1, context=8)["param_bytes"] == 4 * n // 64
+
+
+@pytest.mark.slow
+def test_score_fn_on_a_context_mesh_scores_whole_rows():
+    """Downstream scoring on a context mesh: every context rank scores whole rows (of any
+    length, here 24, not a multiple of 2C), equal to the single-device scorer."""
+    from olmo3 import scoring
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    rng = np.random.default_rng(4)
+    R, T = 8, 24
+    b = {"tokens": rng.integers(0, 256, (R, T)).astype(np.int32),
+         "targets": rng.integers(0, 256, (R, T)).astype(np.int32),
+         "weights": (rng.random((R, T)) > 0.5).astype(np.float32),
+         "pos": rng.integers(0, T, (R,)).astype(np.int32),
+         "choices": rng.integers(0, 256, (R, 4)).astype(np.int32)}
+    want = scoring.continuation_scores_jit(model, {k: jnp.asarray(v) for k, v in b.items()})
+    mesh = sh.make_mesh("fsdp:4,context:2")
+    m = sh.shard_state(model, SkipStepAdamW(lambda s: 1e-3).init(model), mesh)[0]
+    got = sh.make_score_fn(mesh, sh.param_specs(m, mesh))(m, b)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, np.asarray(w), rtol=1e-6, atol=1e-6)
