@@ -238,3 +238,46 @@ def test_score_fn_on_a_context_mesh_scores_whole_rows():
     got = sh.make_score_fn(mesh, sh.param_specs(m, mesh))(m, b)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, np.asarray(w), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_checkpoint_of_fsdp8_resumes_on_a_context_mesh(tmp_path):
+    """Save after 2 steps on fsdp:8, restore onto fsdp:2,context:4 (weights resharded over
+    fsdp x context), 2 more steps: losses equal the uninterrupted fsdp:8 run (rtol 2e-6)."""
+    from olmo3.checkpoint import CheckpointManager
+
+    def opt():
+        return SkipStepAdamW(lambda s: 1e-3, decay_mask=olmo3.model.decay_mask)
+
+    def fresh():
+        model = olmo3.OLMo3(CFG, jax.random.key(0))
+        return model, opt().init(model)
+
+    data = []
+    for seed in range(4):
+        b = rows(32, seed=10 + seed)
+        data.append({k: np.concatenate([v, v]) for k, v in b.items()})   # 8 rows
+    meshes = {name: sh.make_mesh(name) for name in ("fsdp:8", "fsdp:2,context:4")}
+
+    def run(mesh, state, batches):
+        specs = sh.param_specs(state[0], mesh)
+        step = sh.make_train_step(opt(), mesh, specs, chunk=64, use_segments=True)
+        model, o = state
+        losses = []
+        for b in batches:
+            model, o, m = step(model, o, sh.global_batch(b, mesh))
+            losses.append(float(m["train/loss"]))
+        return (model, o), losses
+
+    m8 = meshes["fsdp:8"]
+    _, uninterrupted = run(m8, sh.shard_state(*fresh(), m8), data)
+    state, first = run(m8, sh.shard_state(*fresh(), m8), data[:2])
+    ckpt = CheckpointManager(str(tmp_path), async_save=False)
+    ckpt.save(2, {"model": state[0], "opt": state[1]})
+    ckpt.wait()
+    mc = meshes["fsdp:2,context:4"]
+    abstract = sh.abstract_state(eqx.filter_eval_shape(fresh), mc)
+    restored, _ = ckpt.restore(2, {"model": abstract[0], "opt": abstract[1]})
+    assert restored["model"].layers.gate_proj.sharding.spec == jax.P(None, None, ("fsdp", "context"))
+    _, rest = run(mc, (restored["model"], restored["opt"]), data[2:])
+    np.testing.assert_allclose(first + rest, uninterrupted, rtol=2e-6)
