@@ -11,10 +11,14 @@ Layout per sequence: q [heads, seq, head_dim], k and v [kv_heads, seq, head_dim]
 causal; with `window`, query i sees key j iff 0 <= i - j < window (itself and window-1 keys
 before it: transformers' `kv > q - sliding_window`); with `segment_ids`, only keys of the same
 segment (stage 3 intra-document masking). Scale head_dim**-0.5, softmax in float32.
+
+Query chunks (context parallelism, olmo3/sharding.py): with `q_offset`, q holds only the rows
+[q_offset, q_offset + q_seq) of the sequence whose keys are k, v (all seq of them) and whose
+segment ids are `segment_ids`; the result equals those rows of the whole-sequence attention.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +49,52 @@ def reference_attention(
     segment_ids: Optional[Int[Array, " seq"]] = None,
 ) -> Float[Array, "heads seq head_dim"]:
     """Materialized-scores attention in plain XLA; the semantics every kernel must match."""
-    heads, seq, head_dim = q.shape
+    return _masked(q, k, v, dense_mask(q.shape[1], window, segment_ids))
+
+
+def _masked(q, k, v, mask):
+    """softmax(q k^T / sqrt(hd), where mask) v for q [H, Tq, hd], k, v [KV, Tk, hd], mask [Tq, Tk]."""
+    heads, tq, head_dim = q.shape
     kv_heads = k.shape[0]
-    qg = q.reshape(kv_heads, heads // kv_heads, seq, head_dim)            # (KV, G, T, hd)
+    qg = q.reshape(kv_heads, heads // kv_heads, tq, head_dim)             # (KV, G, Tq, hd)
     scores = jnp.einsum("kgqd,ksd->kgqs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
-    mask = dense_mask(seq, window, segment_ids)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("kgqs,ksd->kgqd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(heads, seq, head_dim).astype(q.dtype)
+    return out.reshape(heads, tq, head_dim).astype(q.dtype)
+
+
+@jaxtyped(typechecker=beartype)
+def chunk_attention(
+    q: Float[Array, "heads q_seq head_dim"],
+    k: Float[Array, "kv_heads seq head_dim"],
+    v: Float[Array, "kv_heads seq head_dim"],
+    *,
+    q_offset: Union[int, Int[Array, ""]],
+    window: Optional[int] = None,
+    segment_ids: Optional[Int[Array, " seq"]] = None,
+) -> Float[Array, "heads q_seq head_dim"]:
+    """Rows [q_offset, q_offset + q_seq) of `reference_attention` over the whole sequence; the
+    offset may be traced (a context rank's). Sliding windows read only the keys the chunk can
+    reach, a static span of q_seq + window keys: queries [o, o + Tq) see keys [o - window + 1,
+    o + Tq), inside [s, s + Tq + window) for s = clip(o - window, 0, seq - Tq - window)."""
+    tq, seq = q.shape[1], k.shape[1]
+    q_pos = q_offset + jnp.arange(tq)
+    k_start, span = 0, seq
+    if window is not None and seq > tq + window:
+        span = tq + window
+        k_start = jnp.clip(q_offset - window, 0, seq - span)
+        k, v = (jax.lax.dynamic_slice_in_dim(x, k_start, span, axis=1) for x in (k, v))
+    k_pos = k_start + jnp.arange(span)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= (q_pos[:, None] - k_pos[None, :]) < window
+    if segment_ids is not None:
+        q_seg = jax.lax.dynamic_slice_in_dim(segment_ids, q_offset, tq)
+        k_seg = jax.lax.dynamic_slice_in_dim(segment_ids, k_start, span)
+        mask &= q_seg[:, None] == k_seg[None, :]
+    return _masked(q, k, v, mask)
 
 
 @jaxtyped(typechecker=beartype)
@@ -168,8 +208,12 @@ def _cudnn_attention(q, k, v, *, window, segment_ids):
 
 
 def attention(q, k, v, *, window: Optional[int], segment_ids, impl: str,
-              block_q: int = 2048, block_kv: int = 2048):
-    """Dispatch to the configured implementation (Config.attention)."""
+              block_q: int = 2048, block_kv: int = 2048, q_offset=None):
+    """Dispatch to the configured implementation (Config.attention). `q_offset`: q is the query
+    chunk starting there (see the module docstring); splash needs it static (a Python int)."""
+    if q_offset is not None:
+        return _chunk(q, k, v, window=window, segment_ids=segment_ids, impl=impl,
+                      block_q=block_q, block_kv=block_kv, q_offset=q_offset)
     seq = q.shape[1]
     if impl == "xla":
         if window is not None and seq > 2 * window:   # blocks save work from 3 blocks on
@@ -186,3 +230,18 @@ def attention(q, k, v, *, window: Optional[int], segment_ids, impl: str,
     if impl == "cudnn":
         return _cudnn_attention(q, k, v, window=window, segment_ids=segment_ids)
     raise ValueError(f"Unknown attention implementation {impl!r}; choose xla, splash or cudnn")
+
+
+def _chunk(q, k, v, *, window, segment_ids, impl, block_q, block_kv, q_offset):
+    """A query chunk: splash runs its block-sparse grid over the chunk's rows only; xla and cudnn
+    use `chunk_attention` (cuDNN's fused causal mask is aligned to the chunk's own first row, and
+    stage 3 passes segment ids, which the cudnn path already hands to XLA)."""
+    if impl == "splash":
+        from olmo3 import splash
+        return splash.splash_attention(
+            q, k, v, window=window, segment_ids=segment_ids, q_offset=q_offset,
+            block_q=min(block_q, q.shape[1]), block_kv=min(block_kv, k.shape[1]),
+            interpret=jax.default_backend() == "cpu")
+    if impl not in ("xla", "cudnn"):
+        raise ValueError(f"Unknown attention implementation {impl!r}; choose xla, splash or cudnn")
+    return chunk_attention(q, k, v, q_offset=q_offset, window=window, segment_ids=segment_ids)
