@@ -125,12 +125,14 @@ class BlockSizes:
     def blocks(self) -> tuple[int, ...]:
         return (self.fwd_q, self.fwd_kv, self.dq_q, self.dq_kv, self.dkv_kv, self.dkv_q)
 
-    def clipped(self, seq: int) -> "BlockSizes":
-        """Every block no larger than seq rounded up to a power of two (>= MIN_DIM)."""
-        cap = max(MIN_DIM, _next_pow2(seq))
-        return dataclasses.replace(self, **{f.name: min(getattr(self, f.name), cap)
-                                            for f in dataclasses.fields(self)
-                                            if f.name.endswith(("_q", "_kv"))})
+    def clipped(self, seq: int, q_seq: Optional[int] = None) -> "BlockSizes":
+        """Every kv block no larger than seq, every q block no larger than q_seq (default seq),
+        rounded up to a power of two (>= MIN_DIM)."""
+        cap = lambda n: max(MIN_DIM, _next_pow2(n))
+        caps = {"_q": cap(seq if q_seq is None else q_seq), "_kv": cap(seq)}
+        return dataclasses.replace(self, **{
+            f.name: min(getattr(self, f.name), caps[suffix])
+            for f in dataclasses.fields(self) for suffix in caps if f.name.endswith(suffix)})
 
 
 def _next_pow2(n: int) -> int:
@@ -187,15 +189,18 @@ def _segment_ranges(segment_ids, block):
 
 
 def tile_classes(seq: int, block_q: int, block_kv: int, window: Optional[int],
-                 segment_ids=None):
+                 segment_ids=None, q_seq: Optional[int] = None, q_offset: int = 0):
     """(reachable, full), bool [q blocks, kv blocks], from interval bounds (O(blocks^2)).
 
     reachable: some query of tile (i, j) may see some key: k0 <= q1, q0 - k1 < window, and the
     blocks' segment-id ranges overlap (a reachable tile can still be all masked when ids are
     not sorted). full: every query sees every key: k1 <= q0, q1 - k0 < window, and both blocks
     hold one and the same segment id. Numpy without segment ids (static), jnp with them.
+    A query chunk (context parallelism) has q_seq queries at global positions q_offset + 0..
+    q_seq - 1, against all seq keys: the bounds are those of its rows of the whole table.
     """
-    q0 = (np.arange(seq // block_q) * block_q)[:, None]
+    q_seq = seq if q_seq is None else q_seq
+    q0 = (q_offset + np.arange(q_seq // block_q) * block_q)[:, None]
     k0 = (np.arange(seq // block_kv) * block_kv)[None, :]
     q1, k1 = q0 + block_q - 1, k0 + block_kv - 1
     reach, full = k0 <= q1, k1 <= q0
@@ -203,7 +208,7 @@ def tile_classes(seq: int, block_q: int, block_kv: int, window: Optional[int],
         reach, full = reach & (q0 - k1 < window), full & (q1 - k0 < window)
     if segment_ids is None:
         return reach, full
-    qmin, qmax = _segment_ranges(segment_ids, block_q)
+    qmin, qmax = _segment_ranges(segment_ids[q_offset:q_offset + q_seq], block_q)
     kmin, kmax = _segment_ranges(segment_ids, block_kv)
     reach = reach & (kmin[None, :] <= qmax[:, None]) & (qmin[:, None] <= kmax[None, :])
     full = (full & (qmin == qmax)[:, None] & (kmin == kmax)[None, :]
@@ -264,7 +269,9 @@ class _Plan:
     """Static facts of one call (padded shapes)."""
     heads: int
     kv_heads: int
-    seq: int               # padded
+    seq: int               # keys, padded
+    q_seq: int             # queries, padded: global rows [q_offset, q_offset + q_seq)
+    q_offset: int          # static (the block tables are built from it)
     head_dim: int          # padded
     scale: float           # true head_dim ** -0.5
     window: Optional[int]
@@ -284,7 +291,7 @@ def _fwd_kernel(bounds_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         o_ref, lse_ref = refs
     bq, bkv = plan.sizes.fwd_q, plan.sizes.fwd_kv
     i = pl.program_id(0)
-    q0 = i * bq
+    q0 = plan.q_offset + i * bq                                           # global position
     q = q_ref[...]                                                        # [bq, d]
     q_seg = seg_ref[pl.ds(q0, bq)] if plan.segmented else None
     c = plan.scale * LOG2E                                                # base-2 logits
@@ -318,7 +325,7 @@ def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, 
         (dq_ref,) = refs
     bq, bkv = plan.sizes.dq_q, plan.sizes.dq_kv
     i = pl.program_id(0)
-    q0 = i * bq
+    q0 = plan.q_offset + i * bq
     q, do = q_ref[...], do_ref[...]                                       # [bq, d]
     lse2, di = lse_ref[...] * LOG2E, di_ref[...]                          # [bq]
     q_seg = seg_ref[pl.ds(q0, bq)] if plan.segmented else None
@@ -355,9 +362,10 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
     def head(r, carry):                      # the group's query heads share this kv head
         def body(i, carry, masked):
             dk, dv = carry
-            q0 = i * bq
-            q, do = q_ref[r, pl.ds(q0, bq), :], do_ref[r, pl.ds(q0, bq), :]   # [bq, d]
-            lse2 = lse_ref[r, pl.ds(q0, bq)] * LOG2E
+            row = i * bq                                       # local row; q0 is global
+            q0 = plan.q_offset + row
+            q, do = q_ref[r, pl.ds(row, bq), :], do_ref[r, pl.ds(row, bq), :]   # [bq, d]
+            lse2 = lse_ref[r, pl.ds(row, bq)] * LOG2E
             s_t = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * c
             p_t = jnp.exp2(s_t - lse2[None, :])                            # [bkv, bq]
             if masked:
@@ -367,7 +375,7 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
             dv = dv + lax.dot_general(p_t.astype(do.dtype), do, NN,
                                       preferred_element_type=jnp.float32)
             dp_t = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
-            ds_t = p_t * (dp_t - di_ref[r, pl.ds(q0, bq)][None, :])
+            ds_t = p_t * (dp_t - di_ref[r, pl.ds(row, bq)][None, :])
             dk = dk + lax.dot_general(ds_t.astype(q.dtype), q, NN,
                                       preferred_element_type=jnp.float32)
             return dk, dv
@@ -392,7 +400,8 @@ def _whole(shape):
 def _operands(plan: _Plan, row_block, col_block, segment_ids, keys_on_rows):
     """The visit bounds [row blocks, 4] (+ segment ids) for a kernel whose grid walks rows."""
     bq, bkv = (col_block, row_block) if keys_on_rows else (row_block, col_block)
-    reach, full = tile_classes(plan.seq, bq, bkv, plan.window, segment_ids)
+    reach, full = tile_classes(plan.seq, bq, bkv, plan.window, segment_ids, plan.q_seq,
+                               plan.q_offset)
     if keys_on_rows:
         reach, full = reach.T, full.T
     return [visit_bounds(reach, full)] + ([segment_ids] if plan.segmented else [])
@@ -403,22 +412,23 @@ def _params(warps, stages):
 
 
 def _forward(plan: _Plan, q, k, v, segment_ids):
-    s, d, g = plan.seq, plan.head_dim, plan.group
+    s, t, d, g = plan.seq, plan.q_seq, plan.head_dim, plan.group
     bq = plan.sizes.fwd_q
     bounds, *segs = _operands(plan, bq, plan.sizes.fwd_kv, segment_ids, keys_on_rows=False)
     kv_spec = pl.BlockSpec((None, s, d), lambda i, h: (lax.div(h, g), 0, 0))
     in_specs = ([_whole(bounds.shape), pl.BlockSpec((None, bq, d), lambda i, h: (h, i, 0)),
                  kv_spec, kv_spec] + [_whole(x.shape) for x in segs])
-    tiles = int(np.count_nonzero(tile_classes(s, bq, plan.sizes.fwd_kv, plan.window)[0]))
+    tiles = int(np.count_nonzero(tile_classes(s, bq, plan.sizes.fwd_kv, plan.window,
+                                              q_seq=t, q_offset=plan.q_offset)[0]))
     pairs = tiles * bq * plan.sizes.fwd_kv * plan.heads
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, plan=plan),
-        grid=(s // bq, plan.heads),
+        grid=(t // bq, plan.heads),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, bq, d), lambda i, h: (h, i, 0)),
                    pl.BlockSpec((None, bq), lambda i, h: (h, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((plan.heads, s), jnp.float32)],
+                   jax.ShapeDtypeStruct((plan.heads, t), jnp.float32)],
         compiler_params=_params(plan.sizes.fwd_warps, plan.sizes.fwd_stages),
         cost_estimate=pl.CostEstimate(flops=4 * pairs * d, transcendentals=pairs,
                                       bytes_accessed=4 * q.size * q.dtype.itemsize),
@@ -429,9 +439,9 @@ def _forward(plan: _Plan, q, k, v, segment_ids):
 
 
 def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
-    s, d, g = plan.seq, plan.head_dim, plan.group
+    s, t, d, g = plan.seq, plan.q_seq, plan.head_dim, plan.group
     sz = plan.sizes
-    di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)   # D: [heads, seq]
+    di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)   # D: [heads, q_seq]
     params = _params(sz.bwd_warps, sz.bwd_stages)
 
     bounds, *segs = _operands(plan, sz.dq_q, sz.dq_kv, segment_ids, keys_on_rows=False)
@@ -440,7 +450,7 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
     kv_spec = pl.BlockSpec((None, s, d), lambda i, h: (lax.div(h, g), 0, 0))
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, plan=plan),
-        grid=(s // sz.dq_q, plan.heads),
+        grid=(t // sz.dq_q, plan.heads),
         in_specs=([_whole(bounds.shape), q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
                   + [_whole(x.shape) for x in segs]),
         out_specs=q_spec,
@@ -451,8 +461,8 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
     )(bounds, q, k, v, do, lse, di, *segs)
 
     bounds, *segs = _operands(plan, sz.dkv_kv, sz.dkv_q, segment_ids, keys_on_rows=True)
-    group_spec = pl.BlockSpec((g, s, d), lambda j, kh: (kh, 0, 0))     # the group's q heads
-    group_rows = pl.BlockSpec((g, s), lambda j, kh: (kh, 0))
+    group_spec = pl.BlockSpec((g, t, d), lambda j, kh: (kh, 0, 0))     # the group's q heads
+    group_rows = pl.BlockSpec((g, t), lambda j, kh: (kh, 0))
     kv_spec = pl.BlockSpec((None, sz.dkv_kv, d), lambda j, kh: (kh, j, 0))
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, plan=plan),
@@ -483,52 +493,66 @@ def _check(heads, kv_heads, window):
 
 def kernels(heads: int, kv_heads: int, seq: int, head_dim: int, dtype, *,
             window: Optional[int], segmented: bool, sizes: Optional[BlockSizes] = None,
-            interpret: bool = False):
+            interpret: bool = False, q_seq: Optional[int] = None, q_offset: int = 0):
     """(forward, backward) for one static shape, on unpadded arrays.
 
-    forward(q, k, v, segment_ids) -> (o, lse): o like q, lse fp32 [heads, seq] = ln sum_j e^s_ij.
+    forward(q, k, v, segment_ids) -> (o, lse): o like q, lse fp32 [heads, q_seq] = ln sum_j e^s_ij.
     backward(q, k, v, segment_ids, o, lse, do) -> (dq, dk, dv).
     The same contract as olmo3.splash.kernels, so that one custom_vjp can pick either per
     lowering platform (olmo3.attention). segment_ids is None unless `segmented`.
+    A query chunk (context parallelism): q holds the q_seq (default seq) rows at global
+    positions [q_offset, q_offset + q_seq) (a Python int), k, v and segment_ids all seq.
     """
     _check(heads, kv_heads, window)
-    sizes = (sizes or block_sizes(head_dim, dtype)).clipped(seq)
-    unit = max(sizes.blocks())
-    seq_pad = -(-seq // unit) * unit
+    q_seq = seq if q_seq is None else q_seq
+    if not isinstance(q_offset, (int, np.integer)) or not 0 <= q_offset <= seq - q_seq:
+        raise ValueError(f"splash_gpu: q_offset={q_offset!r} must be a Python int in "
+                         f"[0, seq - q_seq = {seq - q_seq}] (the block tables are built from it)")
+    q_offset = int(q_offset)
+    sizes = (sizes or block_sizes(head_dim, dtype)).clipped(seq, q_seq)
+    unit_q = max(sizes.fwd_q, sizes.dq_q, sizes.dkv_q)
+    unit_kv = max(sizes.fwd_kv, sizes.dq_kv, sizes.dkv_kv)
+    q_pad = -(-q_seq // unit_q) * unit_q
+    # Keys are padded to cover every padded query's position too, so that a kernel reads the
+    # query rows' segment ids in bounds from the one (padded) segment-id array.
+    seq_pad = -(-max(seq, q_offset + q_pad) // unit_kv) * unit_kv
     d_pad = max(MIN_DIM, _next_pow2(head_dim))
     window = None if window is not None and window >= seq else window   # same mask as causal
-    plan = _Plan(heads=heads, kv_heads=kv_heads, seq=seq_pad, head_dim=d_pad,
-                 scale=head_dim ** -0.5, window=window, segmented=segmented, sizes=sizes,
-                 interpret=interpret)
+    plan = _Plan(heads=heads, kv_heads=kv_heads, seq=seq_pad, q_seq=q_pad, q_offset=q_offset,
+                 head_dim=d_pad, scale=head_dim ** -0.5, window=window, segmented=segmented,
+                 sizes=sizes, interpret=interpret)
 
-    def pad(x, value=0.0):               # [n, seq, head_dim] -> [n, seq_pad, d_pad]
-        return jnp.pad(x, ((0, 0), (0, seq_pad - seq), (0, d_pad - head_dim)),
-                       constant_values=value)
+    def pad(x, n, rows):                 # [n, rows, head_dim] -> [n, padded rows, d_pad]
+        return jnp.pad(x, ((0, 0), (0, rows - n), (0, d_pad - head_dim)))
 
-    def pad_rows(x):                     # [heads, seq] -> [heads, seq_pad]
-        return jnp.pad(x, ((0, 0), (0, seq_pad - seq)))
+    pad_q = lambda x: pad(x, q_seq, q_pad)
+    pad_kv = lambda x: pad(x, seq, seq_pad)
+
+    def pad_rows(x):                     # [heads, q_seq] -> [heads, q_pad]
+        return jnp.pad(x, ((0, 0), (0, q_pad - q_seq)))
 
     def pad_segments(segment_ids):       # padded keys keep the last id: ranges stay sorted
         if segment_ids is None:
             return None
         return jnp.pad(segment_ids.astype(jnp.int32), (0, seq_pad - seq), mode="edge")
 
-    unpad = lambda x: x[:, :seq, :head_dim]
+    unpad_q = lambda x: x[:, :q_seq, :head_dim]
+    unpad_kv = lambda x: x[:, :seq, :head_dim]
 
     def forward(q, k, v, segment_ids):
-        o, lse = _forward(plan, pad(q), pad(k), pad(v), pad_segments(segment_ids))
-        return unpad(o), lse[:, :seq]
+        o, lse = _forward(plan, pad_q(q), pad_kv(k), pad_kv(v), pad_segments(segment_ids))
+        return unpad_q(o), lse[:, :q_seq]
 
     def backward(q, k, v, segment_ids, o, lse, do):
-        grads = _backward(plan, pad(q), pad(k), pad(v), pad_segments(segment_ids), pad(o),
-                          pad_rows(lse), pad(do.astype(q.dtype)))
-        return tuple(unpad(g) for g in grads)
+        dq, dk, dv = _backward(plan, pad_q(q), pad_kv(k), pad_kv(v), pad_segments(segment_ids),
+                               pad_q(o), pad_rows(lse), pad_q(do.astype(q.dtype)))
+        return unpad_q(dq), unpad_kv(dk), unpad_kv(dv)
 
     return forward, backward
 
 
 def splash_attention(
-    q: Float[Array, "heads seq head_dim"],
+    q: Float[Array, "heads q_seq head_dim"],
     k: Float[Array, "kv_heads seq head_dim"],
     v: Float[Array, "kv_heads seq head_dim"],
     *,
@@ -536,21 +560,24 @@ def splash_attention(
     segment_ids: Optional[Int[Array, " seq"]] = None,
     sizes: Optional[BlockSizes] = None,
     interpret: bool = False,
-) -> Float[Array, "heads seq head_dim"]:
+    q_offset: int = 0,
+) -> Float[Array, "heads q_seq head_dim"]:
     """Causal (sliding-window, per-document) attention of one sequence on a GPU; batch with vmap.
 
     softmax(q k^T * head_dim**-0.5 + mask) v; head h reads kv head h // (heads // kv_heads);
     window=None is plain causal, else query i sees keys i - window + 1 .. i; segment_ids
     (int [seq]) keep attention inside a document. sizes: BlockSizes (default: block_sizes()
     for this head_dim and dtype). interpret=True runs the kernels as plain JAX (CPU tests).
+    q_offset (a Python int, context parallelism): q holds only the queries at positions
+    [q_offset, q_offset + q_seq) of the sequence; the result is those rows of the whole one.
     """
-    heads, seq, head_dim = q.shape
-    if k.shape != v.shape or k.shape[1:] != q.shape[1:]:
-        raise ValueError(f"splash_gpu: expected q [heads, seq, head_dim] and k, v "
+    heads, q_seq, head_dim = q.shape
+    if k.shape != v.shape or k.shape[2] != head_dim:
+        raise ValueError(f"splash_gpu: expected q [heads, q_seq, head_dim] and k, v "
                          f"[kv_heads, seq, head_dim]; got q {q.shape}, k {k.shape}, v {v.shape}")
-    forward, backward = kernels(heads, k.shape[0], seq, head_dim, q.dtype, window=window,
+    forward, backward = kernels(heads, k.shape[0], k.shape[1], head_dim, q.dtype, window=window,
                                 segmented=segment_ids is not None, sizes=sizes,
-                                interpret=interpret)
+                                interpret=interpret, q_seq=q_seq, q_offset=q_offset)
 
     @jax.custom_vjp
     def attend(q, k, v, segment_ids):
