@@ -15,6 +15,8 @@ segment (stage 3 intra-document masking). Scale head_dim**-0.5, softmax in float
 Query chunks (context parallelism, olmo3/sharding.py): with `q_offset`, q holds only the rows
 [q_offset, q_offset + q_seq) of the sequence whose keys are k, v (all seq of them) and whose
 segment ids are `segment_ids`; the result equals those rows of the whole-sequence attention.
+splash and cudnn run the Splash kernel of the lowering platform over the chunk's rows only
+(static q_offset; no Tq x seq scores); xla runs `chunk_attention` (offset may be traced).
 """
 from __future__ import annotations
 
@@ -149,12 +151,14 @@ DENSE_MAX_SEQ = 16384
 INTERPRETED_KERNEL = "gpu"
 
 
-def _splash(q, k, v, *, window, segment_ids, block_q, block_kv):
+def _splash(q, k, v, *, window, segment_ids, block_q, block_kv, q_offset=None):
     """Splash attention, the kernel chosen by the platform being LOWERED for (not the host's):
     TPU -> Mosaic kernel (olmo3.splash), CUDA -> Triton kernel (olmo3.splash_gpu), anything
     else -> INTERPRETED_KERNEL in interpret mode. So `jax.export(..., platforms=["cuda"])` on a
     CPU host lowers the Triton kernel. block_q/block_kv are the Mosaic tiles (Config's
-    splash_block_*); the Triton kernel picks its own (splash_gpu.block_sizes).
+    splash_block_*); the Triton kernel picks its own (splash_gpu.block_sizes). q_offset (a
+    Python int): q is a query chunk (module docstring); every kernel builds its block tables
+    for those rows only, so a chunk of Tq rows costs what its rows of the whole would.
 
     One custom_vjp with `lax.platform_dependent` inside its forward and its backward: both
     kernels share one residual contract (q, k, v, segment_ids, o, lse [heads, seq] fp32), so
@@ -162,9 +166,10 @@ def _splash(q, k, v, *, window, segment_ids, block_q, block_kv):
     partial evaluation of the switch would join every branch's residuals, zero-filled).
     """
     from olmo3 import splash, splash_gpu  # imported lazily: Pallas is only needed when asked for
-    heads, seq, head_dim = q.shape
-    shape = dict(heads=heads, kv_heads=k.shape[0], seq=seq, head_dim=head_dim, window=window,
-                 segmented=segment_ids is not None)
+    heads, q_seq, head_dim = q.shape
+    shape = dict(heads=heads, kv_heads=k.shape[0], seq=k.shape[1], head_dim=head_dim,
+                 window=window, segmented=segment_ids is not None, q_seq=q_seq,
+                 q_offset=0 if q_offset is None else q_offset)
     gpu = lambda interpret: splash_gpu.kernels(dtype=q.dtype, interpret=interpret, **shape)
     tpu = lambda interpret: splash.kernels(block_q=block_q, block_kv=block_kv,
                                            interpret=interpret, **shape)
@@ -210,7 +215,7 @@ def _cudnn_attention(q, k, v, *, window, segment_ids):
 def attention(q, k, v, *, window: Optional[int], segment_ids, impl: str,
               block_q: int = 2048, block_kv: int = 2048, q_offset=None):
     """Dispatch to the configured implementation (Config.attention). `q_offset`: q is the query
-    chunk starting there (see the module docstring); splash needs it static (a Python int)."""
+    chunk starting there (module docstring); splash and cudnn need it static (a Python int)."""
     if q_offset is not None:
         return _chunk(q, k, v, window=window, segment_ids=segment_ids, impl=impl,
                       block_q=block_q, block_kv=block_kv, q_offset=q_offset)
@@ -233,15 +238,21 @@ def attention(q, k, v, *, window: Optional[int], segment_ids, impl: str,
 
 
 def _chunk(q, k, v, *, window, segment_ids, impl, block_q, block_kv, q_offset):
-    """A query chunk: splash runs its block-sparse grid over the chunk's rows only; xla and cudnn
-    use `chunk_attention` (cuDNN's fused causal mask is aligned to the chunk's own first row, and
-    stage 3 passes segment ids, which the cudnn path already hands to XLA)."""
-    if impl == "splash":
-        from olmo3 import splash
-        return splash.splash_attention(
-            q, k, v, window=window, segment_ids=segment_ids, q_offset=q_offset,
-            block_q=min(block_q, q.shape[1]), block_kv=min(block_kv, k.shape[1]),
-            interpret=jax.default_backend() == "cpu")
-    if impl not in ("xla", "cudnn"):
+    """A query chunk. splash: the same per-platform dispatch as the whole sequence (`_splash`),
+    each kernel's block-sparse grid over the chunk's rows only. cudnn: the GPU Splash kernel too,
+    since cuDNN's fused causal mask is aligned to the chunk's own first row (and takes no
+    segment ids); its dense fallback would be Tq x seq scores per head (64 GiB at stage 3 with
+    context:8). xla: `chunk_attention`, which refuses Tq x span > DENSE_MAX_SEQ**2 scores."""
+    if impl in ("splash", "cudnn"):
+        return _splash(q, k, v, window=window, segment_ids=segment_ids, block_q=block_q,
+                       block_kv=block_kv, q_offset=q_offset)
+    if impl != "xla":
         raise ValueError(f"Unknown attention implementation {impl!r}; choose xla, splash or cudnn")
+    tq, seq = q.shape[1], k.shape[1]
+    span = seq if window is None or seq <= tq + window else tq + window
+    if tq * span > DENSE_MAX_SEQ ** 2:
+        raise ValueError(
+            f"attention='xla' on a {tq}-row query chunk would materialise {q.shape[0]} x {tq} x "
+            f"{span} fp32 scores ({q.shape[0] * tq * span * 4 / 2**30:.0f} GiB); use "
+            f"--attention=splash (any platform) or --attention=cudnn (GPU)")
     return chunk_attention(q, k, v, q_offset=q_offset, window=window, segment_ids=segment_ids)

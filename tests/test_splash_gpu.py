@@ -16,7 +16,7 @@ import pytest
 import olmo3
 from olmo3 import attention, splash_gpu
 from olmo3.model import OLMo3
-from test_splash import TOL, check_against_oracle, dense_mask, documents, random_qkv
+from test_splash import TOL, check_against_oracle, dense_mask, documents, oracle, random_qkv
 
 TRITON = "__gpu$xla.gpu.triton"
 CUDA = dict(platforms=["cuda"],
@@ -26,9 +26,11 @@ SMALL = splash_gpu.BlockSizes(fwd_q=64, fwd_kv=32, dq_q=32, dq_kv=64, dkv_kv=32,
                               fwd_warps=4, bwd_warps=4)
 
 
-def seq_squared_tensors(module_text, seq):
-    """StableHLO tensor types with two dimensions equal to seq (e.g. tensor<2x512x512xf32>)."""
-    return re.findall(rf"tensor<(?:\d+x)*{seq}x(?:\d+x)*{seq}x", module_text)
+def seq_squared_tensors(module_text, seq, rows=None):
+    """StableHLO tensor types with two dimensions equal to seq (e.g. tensor<2x512x512xf32>);
+    with `rows`, those holding a dimension `rows` and a dimension `seq` in either order."""
+    a, b = seq, seq if rows is None else rows
+    return re.findall(rf"tensor<(?:\d+x)*(?:{a}x(?:\d+x)*{b}|{b}x(?:\d+x)*{a})x", module_text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,3 +242,156 @@ def test_stage3_model_gradient_lowers_for_cuda_without_seq_squared(impl):
     text = jax.export.export(jax.jit(jax.grad(loss)), **CUDA)(params, ids, ids).mlir_module()
     assert text.count(TRITON) >= 3 * len(cfg.layer_pattern)   # fwd, dq, dkv of every layer
     assert seq_squared_tensors(text, seq) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Query chunks (context parallelism): rows [offset, offset + q_seq) against all seq keys
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seq,q_seq,offset,bq,bkv,window,seg", [
+    (256, 64, 96, 32, 32, None, None), (256, 96, 100, 32, 64, 50, None),
+    (256, 128, 128, 64, 32, None, (50, 130)), (256, 64, 37, 32, 32, 40, (60, 20)),
+])
+def test_chunk_visit_bounds_match_dense_mask_rows(seq, q_seq, offset, bq, bkv, window, seg):
+    seg = None if seg is None else np.asarray(documents(seq, seg))
+    mask = dense_mask(seq, window, seg)[offset:offset + q_seq]            # the chunk's rows
+    tiles = dense_tiles(mask, bq, bkv)
+    reach, full = splash_gpu.tile_classes(seq, bq, bkv, window,
+                                          None if seg is None else jnp.asarray(seg),
+                                          q_seq=q_seq, q_offset=offset)
+    lo, flo, fhi, hi = np.asarray(splash_gpu.visit_bounds(reach, full)).T[:, :, None]
+    cols = np.arange(tiles.shape[1])[None, :]
+    visited, unmasked = (cols >= lo) & (cols < hi), (cols >= flo) & (cols < fhi)
+    assert visited[tiles.any(-1)].all()                  # every visible tile is visited
+    assert not (visited & ~tiles.any(-1)).any()          # sorted ids: tight bounds
+    np.testing.assert_array_equal(unmasked, tiles.all(-1))
+
+
+def check_chunk(heads, kv_heads, seq, head_dim, dtype, q_seq, offset, window, spec, kernel):
+    """kernel(q_chunk, k, v, seg, offset) against the chunk's rows of the dense oracle (fp32,
+    [seq, seq] mask): output and dq (chunk rows), dk, dv (all keys) under a random cotangent."""
+    seg = segment_case(seq, spec)
+    q, k, v, ct = random_qkv(heads, kv_heads, seq, head_dim, dtype, seed=5)
+    rows = slice(offset, offset + q_seq)
+    qc, ct = q[:, rows], ct[:, rows]
+    loss = lambda out: jnp.sum(out.astype(jnp.float32) * ct)
+    ours = jax.jit(jax.value_and_grad(lambda qc, k, v: loss(kernel(qc, k, v, seg, offset)),
+                                      argnums=(0, 1, 2)))
+    _, grads = ours(qc, k, v)
+    out = jax.jit(lambda qc, k, v: kernel(qc, k, v, seg, offset))(qc, k, v)
+    f32 = lambda x: x.astype(jnp.float32)
+
+    def ref_loss(qc, k, v):                               # the chunk's rows of the whole
+        return loss(oracle(q.astype(jnp.float32).at[:, rows].set(qc), k, v, window, seg)[:, rows])
+
+    want = oracle(*map(f32, (q, k, v)), window, seg)[:, rows]
+    want_grads = jax.grad(ref_loss, argnums=(0, 1, 2))(*map(f32, (qc, k, v)))
+    tol = TOL[dtype]
+    assert out.shape == qc.shape and out.dtype == dtype
+    np.testing.assert_allclose(f32(out), want, atol=tol * np.abs(want).max(), rtol=0)
+    for name, g, w in zip("qkv", grads, want_grads):
+        np.testing.assert_allclose(f32(g), w, atol=tol * np.abs(w).max(), rtol=0,
+                                   err_msg=f"d{name}")
+
+
+# (id, heads, kv_heads, seq, head_dim, dtype, q_seq, offset, window, segments): offsets that
+# are not multiples of any block, chunks that end before seq, documents crossing the chunk's
+# first row.
+CHUNK_CASES = [
+    ("window_segments_gqa_f32", 4, 2, 256, 64, jnp.float32, 96, 70, 60, (50, 110)),
+    ("causal_mqa_bf16_last_rows", 4, 1, 256, 64, jnp.bfloat16, 64, 192, None, None),
+]
+SLOW_CHUNK_CASES = [
+    ("segments_causal_gqa_f32_first_rows", 4, 2, 256, 64, jnp.float32, 128, 0, None, (30, 90)),
+    ("padded_window_f32", 2, 2, 200, 40, jnp.float32, 50, 123, 70, (140,)),
+    ("unsorted_segments_window_bf16", 4, 2, 256, 64, jnp.bfloat16, 128, 64, 100, "unsorted"),
+]
+
+
+def run_chunk_case(case):
+    _, heads, kv_heads, seq, head_dim, dtype, q_seq, offset, window, spec = case
+    kernel = lambda qc, k, v, seg, offset: splash_gpu.splash_attention(
+        qc, k, v, window=window, segment_ids=seg, sizes=SMALL, interpret=True, q_offset=offset)
+    check_chunk(heads, kv_heads, seq, head_dim, dtype, q_seq, offset, window, spec, kernel)
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=[c[0] for c in CHUNK_CASES])
+def test_chunk_matches_oracle_rows_interpret(case):
+    run_chunk_case(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SLOW_CHUNK_CASES, ids=[c[0] for c in SLOW_CHUNK_CASES])
+def test_chunk_matches_oracle_rows_interpret_slow(case):
+    run_chunk_case(case)
+
+
+def test_attention_chunk_dispatch_matches_chunk_attention():
+    # attention(q_offset=...) with impl splash on CPU: the same dispatch as the whole sequence
+    # (interpret mode), against the dense `chunk_attention` at a traced-offset-capable path.
+    seq, q_seq, offset, window = 128, 48, 53, 40
+    q, k, v, _ = random_qkv(4, 2, seq, 32, jnp.float32, seed=7)
+    seg = documents(seq, (20, 70))
+    qc = q[:, offset:offset + q_seq]
+    got = attention.attention(qc, k, v, window=window, segment_ids=seg, impl="splash",
+                              q_offset=offset)
+    want = attention.chunk_attention(qc, k, v, q_offset=offset, window=window, segment_ids=seg)
+    np.testing.assert_allclose(got, want, atol=TOL[jnp.float32] * np.abs(want).max(), rtol=0)
+
+
+@pytest.mark.parametrize("impl,platform,present,absent", [
+    ("splash", "cuda", TRITON, "tpu_custom_call"),
+    ("splash", "tpu", "tpu_custom_call", TRITON),
+    ("splash", "cpu", None, TRITON),
+    ("cudnn", "cuda", TRITON, "__cudnn"),        # cuDNN's causal mask cannot be offset
+])
+def test_chunk_dispatch_by_lowering_platform(impl, platform, present, absent):
+    q = jax.ShapeDtypeStruct((4, 256, 128), jnp.bfloat16)               # rows 256..511 of 1024
+    kv = jax.ShapeDtypeStruct((2, 1024, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1024,), jnp.int32)
+    fn = lambda q, k, v, s: attention.attention(q, k, v, window=None, segment_ids=s, impl=impl,
+                                                block_q=128, block_kv=128, q_offset=256)
+    grad = jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    kw = CUDA if platform == "cuda" else dict(platforms=[platform])
+    text = jax.export.export(jax.jit(grad), **kw)(q, kv, kv, seg).mlir_module()
+    if present:
+        assert present in text
+    assert absent not in text and "__cudnn" not in text
+
+
+@pytest.mark.parametrize("impl", ["splash", "cudnn"])
+def test_context_chunk_lowers_for_cuda_at_stage3_shapes(impl):
+    # Stage 3 with context:8 (olmo3/sharding.py): a rank's queries against all 65,536 keys of
+    # the 7B (32 heads, head_dim 128, bf16, documents). Dense, that is 32 x 8192 x 65,536 fp32
+    # scores (64 GiB); the Triton kernel holds no [8192, 65536]-like buffer.
+    seq, q_seq, offset = 65536, 8192, 7 * 4096
+    q = jax.ShapeDtypeStruct((1, 32, q_seq, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 32, seq, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    fwd = jax.vmap(lambda q, k, v, s: attention.attention(
+        q, k, v, window=None, segment_ids=s, impl=impl, q_offset=offset))
+    grad = jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    for fn, kernels in ((fwd, 1), (grad, 3)):
+        text = jax.export.export(jax.jit(fn), **CUDA)(q, kv, kv, seg).mlir_module()
+        assert text.count(TRITON) == kernels and "tpu_custom_call" not in text
+        assert seq_squared_tensors(text, seq, rows=q_seq) == []
+        assert seq_squared_tensors(text, seq) == []
+
+
+def test_chunk_buffer_check_can_fail():
+    # xla's dense chunk path does hold [.., 512, 2048] scores, and the check sees them
+    q, kv = jax.ShapeDtypeStruct((2, 512, 64), jnp.float32), jax.ShapeDtypeStruct((2, 2048, 64),
+                                                                                  jnp.float32)
+    fn = lambda q, k, v: attention.attention(q, k, v, window=None, segment_ids=None, impl="xla",
+                                             q_offset=1024)
+    text = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, kv, kv).mlir_module()
+    assert seq_squared_tensors(text, 2048, rows=512)
+
+
+def test_xla_refuses_chunk_scores_at_stage3_shapes():
+    q = jax.ShapeDtypeStruct((32, 8192, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((32, 65536, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"attention='xla' on a 8192-row query chunk .* "
+                                         r"use --attention=splash"):
+        jax.eval_shape(lambda q, kv: attention.attention(
+            q, kv, kv, window=None, segment_ids=None, impl="xla", q_offset=7 * 4096), q, kv)
