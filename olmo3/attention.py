@@ -161,7 +161,7 @@ def _splash(q, k, v, *, window, segment_ids, block_q, block_kv, q_offset=None):
     for those rows only, so a chunk of Tq rows costs what its rows of the whole would.
 
     One custom_vjp with `lax.platform_dependent` inside its forward and its backward: both
-    kernels share one residual contract (q, k, v, segment_ids, o, lse [heads, seq] fp32), so
+    kernels share one residual contract (q, k, v, segment_ids, o, lse [heads, q_seq] fp32), so
     differentiating never carries another platform's residuals (around two custom_vjps, JAX's
     partial evaluation of the switch would join every branch's residuals, zero-filled).
     """

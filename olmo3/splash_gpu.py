@@ -46,6 +46,14 @@ How (Pallas on the Triton backend; every grid point is one CUDA thread block):
             linear in seq. `kernels()` exposes forward and backward separately so that
             olmo3.attention can choose per lowering platform inside a single custom_vjp.
 
+Query chunks (context parallelism, olmo3/sharding.py): q holds only the rows [q_offset,
+q_offset + q_seq) of the sequence (q_offset a Python int), k, v and segment ids all seq. Every
+position is global: the tables are the chunk's rows of the whole table (tile (i, j) holds
+queries q_offset + i * bq ..), the masks compare global positions, o, lse and D have q_seq rows,
+and the dk/dv grid runs over all seq keys, each visiting only the chunk's q blocks it can reach
+(none, for keys after the chunk: dk = dv = 0 there). Keys are padded up to the last padded
+query's position, so the query rows' segment ids are read in bounds from the one id array.
+
 Mask semantics (identical to olmo3.attention.reference_attention and the TPU kernel): query i
 sees key j iff j <= i, and i - j < window when window is set, and segment_ids[i] ==
 segment_ids[j] when segment ids are given. Masked scores become a finite MASK_VALUE, so a row
