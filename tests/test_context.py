@@ -281,3 +281,29 @@ def test_checkpoint_of_fsdp8_resumes_on_a_context_mesh(tmp_path):
     assert restored["model"].layers.gate_proj.sharding.spec == jax.P(None, None, ("fsdp", "context"))
     _, rest = run(mc, (restored["model"], restored["opt"]), data[2:])
     np.testing.assert_allclose(first + rest, uninterrupted, rtol=2e-6)
+
+
+@pytest.mark.slow
+def test_hlo_collectives_of_the_context_step():
+    """The compiled context-parallel gradient (fsdp:4,context:2, head_stride 1, seq 48) moves
+    only what the design says: all-gathers of one row's K/V head group [1, 1, 48, hd], its
+    segment ids [1, 48] and full weights; reduce-scatters of dK/dV [1, 1, 24, hd] and weight
+    shards; all-reduces of scalars. No hidden state [.., 48, d_model] ever crosses devices."""
+    from test_sharding import _collectives
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    mesh = sh.make_mesh("fsdp:4,context:2")
+    m = sh.shard_state(model, SkipStepAdamW(lambda s: 1e-3).init(model), mesh)[0]
+    fn = eqx.filter_jit(sh.make_grad_fn(mesh, sh.param_specs(m, mesh), chunk=64, use_segments=True,
+                                        head_stride=1))
+    hlo = fn.lower(m, sh.global_batch(rows(48), mesh)).compile().compiled.as_text()
+    shapes = lambda op: {s for shapes in _collectives(hlo, op) for s in shapes}   # noqa: E731
+    leaves = [x for x in jax.tree.leaves(m) if hasattr(x, "addressable_shards")]
+    full = {tuple(x.shape[1:]) if x.ndim == 3 or (x.ndim == 2 and x.shape[0] == CFG.n_layers) else tuple(x.shape)
+            for x in leaves}
+    local = {tuple(x.addressable_shards[0].data.shape[1:]) for x in leaves} | \
+            {tuple(x.addressable_shards[0].data.shape) for x in leaves}
+    hd = CFG.head_dim
+    assert shapes("all-gather") - full == {(1, 1, 48, hd), (1, 48)}
+    assert shapes("reduce-scatter") - local == {(1, 1, 24, hd)}
+    assert shapes("all-reduce") <= {()}
+    assert not shapes("all-to-all") and not shapes("collective-permute")
