@@ -122,7 +122,8 @@ flags.DEFINE_float("z_loss", 1e-5, "z-loss multiplier.")
 flags.DEFINE_bool("skip_steps", True, "Skip-step on loss / grad-norm spikes (> 6 std over the last 128).")
 flags.DEFINE_integer("loss_chunk", 1024, "Tokens per chunk of the lm_head + cross entropy.")
 # Devices.
-flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp:128,data:1' (default: all devices on fsdp).")
+flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp:128,data:1' (default: all devices on fsdp); "
+                    "'fsdp:8,context:8' adds context parallelism (stage 3, olmo3/sharding.py).")
 flags.DEFINE_string("coordinator", None, "jax.distributed coordinator host:port (multi-process runs).")
 flags.DEFINE_integer("num_processes", None, "jax.distributed process count.")
 flags.DEFINE_integer("process_id", None, "jax.distributed process index.")
@@ -193,6 +194,10 @@ def main(argv):
 
     cluster.start("train.py", F.coordinator, F.num_processes, F.process_id, independent_runs=F.independent_runs)
     mesh = sharding.make_mesh(F.mesh)
+    sharding.check_context(mesh, F.seq_len)   # context:C cuts every instance into 2C chunks
+    if F.stage == "dpo" and sharding.CONTEXT in mesh.axis_names:   # pairs are whole padded rows
+        raise app.UsageError(f"--mesh={F.mesh}: --stage=dpo has no context parallelism (olmo3/dpo.py scores "
+                             "whole rows); drop the context axis")
     rank, num_ranks = jax.process_index(), jax.process_count()
     n_devices = jax.device_count()  # global, across hosts
     microbatches = sharding.microbatches(F.global_batch, F.micro_batch, mesh)

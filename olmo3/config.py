@@ -59,7 +59,8 @@ class Config:
     attention: AttentionImpl = "xla"
     remat: RematPolicy = "save_proj"
     init_std: float = 0.02            # OLMo-core: truncated normal, cut at +-3 std
-    # Splash kernel block sizes (only read when attention == "splash").
+    # Mosaic (TPU) Splash tiles, read when attention == "splash"; the GPU kernel picks its own
+    # (olmo3/splash_gpu.py block_sizes).
     splash_block_q: int = 2048
     splash_block_kv: int = 2048
 

@@ -80,14 +80,20 @@ def layer_output(cfg: Config, p: Layer, x: jax.Array, o: jax.Array) -> jax.Array
 
 
 def layer_forward(cfg: Config, p: Layer, x: jax.Array, layer_type: str, cos: jax.Array,
-                  sin: jax.Array, segment_ids: Optional[jax.Array]) -> jax.Array:
-    """One decoder layer on one sequence x [seq, d_model]; `p` holds unstacked weights."""
+                  sin: jax.Array, segment_ids: Optional[jax.Array],
+                  attend: Optional[Callable] = None) -> jax.Array:
+    """One decoder layer on one sequence x [seq, d_model]; `p` holds unstacked weights.
+    `attend(q, k, v, window=)` replaces `attention` (olmo3/sharding.py's context parallelism:
+    x is then this device's chunk of the sequence and attend gathers the other chunks' K/V)."""
     T = x.shape[0]
     q, k, v = attention_inputs(cfg, p, x, cos, sin)
-    window = cfg.window if layer_type == "sliding" and cfg.window < T else None
-    o = attention(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.transpose(1, 0, 2),
-                  window=window, segment_ids=segment_ids, impl=cfg.attention,
-                  block_q=cfg.splash_block_q, block_kv=cfg.splash_block_kv)   # (H, T, hd)
+    q, k, v = (y.transpose(1, 0, 2) for y in (q, k, v))                  # (heads, T, hd)
+    if attend is not None:
+        o = attend(q, k, v, window=cfg.window if layer_type == "sliding" else None)
+    else:
+        window = cfg.window if layer_type == "sliding" and cfg.window < T else None
+        o = attention(q, k, v, window=window, segment_ids=segment_ids, impl=cfg.attention,
+                      block_q=cfg.splash_block_q, block_kv=cfg.splash_block_kv)   # (H, T, hd)
     return layer_output(cfg, p, x, o.transpose(1, 0, 2).reshape(T, cfg.q_dim))
 
 
@@ -144,11 +150,14 @@ class OLMo3(eqx.Module):
         segment_ids: Optional[Int[Array, " seq"]] = None,
         positions: Optional[Int[Array, " seq"]] = None,
         gather: Optional[Callable[[Layer], Layer]] = None,
+        attend: Optional[Callable] = None,
     ) -> Float[Array, "seq d_model"]:
         """Final-normed hidden states in the compute dtype.
 
         `gather` (used by olmo3/sharding.py) maps one layer's local weight shards to the full
-        weights inside the scanned body, so FSDP all-gathers one layer at a time.
+        weights inside the scanned body, so FSDP all-gathers one layer at a time. `attend`
+        (context parallelism, olmo3/sharding.py) replaces every layer's attention: `tokens` are
+        then this device's chunk of the sequence, at global `positions`.
         """
         c = self.config
         T = tokens.shape[0]
@@ -166,7 +175,7 @@ class OLMo3(eqx.Module):
             if gather is not None:
                 p = gather(p)
             cos, sin = rope_tables[layer_type]
-            return layer_forward(c, p, x, layer_type, cos, sin, segment_ids)
+            return layer_forward(c, p, x, layer_type, cos, sin, segment_ids, attend)
 
         layer_fns = {t: _remat(lambda x, p, t=t: one_layer(x, p, t), c.remat) for t in set(c.layer_pattern)}
 

@@ -1,10 +1,12 @@
-"""Explicit FSDP x data-parallel partitioning under `jax.shard_map` (DESIGN §6; the JAX shard_map
-guide's FSDP section).
+"""Explicit FSDP x data-parallel x context-parallel partitioning under `jax.shard_map` (DESIGN §6;
+the JAX shard_map guide's FSDP section; Llama 3 paper §3.3.2 for the context axis).
 
-The mesh has two axes, ('data', 'fsdp'):
+The mesh has two axes, ('data', 'fsdp'), or three with `--mesh=...,context:C`:
 
-    params, mu, nu   every weight sharded on ONE axis over 'fsdp', replicated over 'data'
-    batch rows       split over ('data', 'fsdp'): every device holds global_batch / n_devices rows
+    params, mu, nu   every weight sharded on ONE axis over 'fsdp' (x 'context'), replicated over
+                     'data'
+    batch rows       split over ('data', 'fsdp'): every device holds global_batch / (data x fsdp)
+                     rows; with a context axis each row's sequence is split over it as well
     one step         for each microbatch, for each layer in the scan: all_gather that layer's
                      weights over 'fsdp', run it, drop it; the backward pass recomputes the gather
                      and its transpose hands back the gradient already reduce-scattered over
@@ -19,14 +21,43 @@ The model math never relies on XLA's automatic sharding: every collective of the
 backward pass is written here. Pure FSDP (data=1) was as fast as FSDP x DP at 128 devices in the
 write-up (DESIGN §6), hence the default: every device on 'fsdp'.
 
+Context parallelism (stage 3: 65,536-token instances, OLMo-core `llama3(degree=8,
+head_stride=4)`, one instance per context group):
+
+    layout      the sequence is cut into 2C chunks; rank r holds chunks r and 2C-1-r (an early
+                and a late one, so every rank does the same causal work), built on the host by
+                `global_batch`: tokens, next-token labels (shifted on the whole row first),
+                global positions (RoPE) and segment ids all follow their tokens
+    attention   in every layer, for each group of head_stride K/V heads: all_gather the group's
+                K and V (and, once per row, the segment ids) over 'context', restore position
+                order, and attend each local query chunk at its global offset against the whole
+                K/V (causal, window and document masks from global positions:
+                attention.chunk_attention, or splash with a static offset per rank). The
+                gather's transpose reduce-scatters dK, dV back to the ranks that own the tokens
+    weights     split over fsdp x context (as OLMo-core's FSDP shards over dp_shard x cp), so
+                the per-layer gather's transpose reduces the gradients over both axes
+    loss        CE and token counts are psummed over data x fsdp x context
+
+Why all-gather K/V and not ring attention: the Llama 3 paper (§3.3.2) chose it because any mask
+(document masks, here also sliding windows) is easy when a rank holds the whole K/V, and because
+GQA made its K/V much smaller than Q. The OLMo 3 7B is MHA, so the bound comes from head_stride
+instead: only one group of 4 K/V heads is gathered at a time (128 MiB in bf16 at seq 65,536,
+against ~23 GiB of saved activations per rank, `python -m olmo3.sharding`), and every attention
+kernel runs unchanged on a query chunk at an offset; GQA variants gather proportionally less.
+OLMo-core's own llama3 load balancer hands each rank one contiguous slice (ring-flash-attn's
+varlen kernel, head_stride K/V heads gathered at a time); our two-chunk layout is the paper's,
+and the loss and gradients do not depend on which rank holds which token.
+
 Topology independence (DESIGN §4, bug 4): the global batch is a recipe constant; the per-device
 batch and the number of microbatches are derived from it and the GLOBAL device count
 (`microbatches`), and a checkpoint is restored onto any mesh from `abstract_state`.
 
-Run `python -m olmo3.sharding` for the per-device memory of the 7B at 128 and 512 devices.
+Run `python -m olmo3.sharding` for the per-device memory of the 7B at 128 and 512 devices, and
+of the stage-3 7B with and without context:8.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Union
 
 import equinox as eqx
@@ -38,22 +69,28 @@ from jaxtyping import PyTree
 
 from olmo3 import step as step_lib
 from olmo3.config import Config
-from olmo3.loss import labels_and_weights
+from olmo3 import attention
+from olmo3.loss import IGNORE, chunked_cross_entropy, labels_and_weights
 from olmo3.model import Layer, OLMo3
 from olmo3.step import Z_LOSS, loss_sums
 
-DATA, FSDP = "data", "fsdp"
-ROWS = P((DATA, FSDP))  # leading (batch) axis split over every device of the mesh
+DATA, FSDP, CONTEXT = "data", "fsdp", "context"
+ROWS = P((DATA, FSDP))  # leading (batch) axis split over data x fsdp (and replicated over context)
+TOKENS = P((DATA, FSDP), CONTEXT)  # [rows, seq] fields under context parallelism
+# K/V heads gathered at a time inside attention (OLMo-core OLMo-3-1025-7B-long-context.py:
+# `TransformerContextParallelConfig.llama3(degree=8, head_stride=4)`).
+HEAD_STRIDE = 4
 
 
 # --------------------------------------------------------------------------------------------
 # Mesh
 # --------------------------------------------------------------------------------------------
 def make_mesh(spec: Optional[str] = None, devices: Optional[list] = None) -> Mesh:
-    """A ('data', 'fsdp') mesh over all global devices (every process's), from a flag value.
+    """A ('data', 'fsdp') mesh over all global devices (every process's), from a flag value;
+    ('data', 'fsdp', 'context') when the spec names a context axis.
 
-    `spec` is "fsdp:N,data:M" in any order; one axis may be left out and takes the rest of the
-    devices; None or "" puts every device on fsdp (pure FSDP)."""
+    `spec` is "fsdp:N,data:M,context:C" in any order; of data and fsdp one may be left out and
+    takes the rest of the devices; None or "" puts every device on fsdp (pure FSDP)."""
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     sizes: dict[str, int] = {}
@@ -61,9 +98,9 @@ def make_mesh(spec: Optional[str] = None, devices: Optional[list] = None) -> Mes
         if not part:
             continue
         name, sep, value = part.partition(":")
-        if not sep or name not in (DATA, FSDP) or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh={spec!r}: each entry must be 'fsdp:N' or 'data:M' with a "
-                             f"positive integer, e.g. --mesh=fsdp:{n},data:1")
+        if not sep or name not in (DATA, FSDP, CONTEXT) or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh={spec!r}: each entry must be 'fsdp:N' or 'data:M' (or "
+                             f"'context:C') with a positive integer, e.g. --mesh=fsdp:{n},data:1")
         if name in sizes:
             raise ValueError(f"--mesh={spec!r}: axis {name!r} given twice")
         sizes[name] = int(value)
@@ -71,22 +108,53 @@ def make_mesh(spec: Optional[str] = None, devices: Optional[list] = None) -> Mes
     if n % given:
         raise ValueError(f"--mesh={spec!r}: {given} does not divide the {n} global devices "
                          f"({jax.process_count()} process(es)); choose sizes whose product is {n}")
+    context = sizes.pop(CONTEXT, None)
+    rows = n // (context or 1)     # devices that hold different rows: data x fsdp
     # An axis left out takes the remaining devices (fsdp first: pure FSDP by default).
     if FSDP not in sizes:
-        sizes[FSDP] = n // sizes.get(DATA, 1)
+        sizes[FSDP] = rows // sizes.get(DATA, 1)
     if DATA not in sizes:
-        sizes[DATA] = n // sizes[FSDP]
-    if sizes[DATA] * sizes[FSDP] != n:
-        raise ValueError(f"--mesh={spec!r}: data:{sizes[DATA]} x fsdp:{sizes[FSDP]} = "
-                         f"{sizes[DATA] * sizes[FSDP]} devices, but there are {n} global devices "
-                         f"({jax.process_count()} process(es)); make the product {n}")
+        sizes[DATA] = rows // sizes[FSDP]
+    if sizes[DATA] * sizes[FSDP] * (context or 1) != n:
+        with_context = f" x context:{context}" if context else ""
+        raise ValueError(f"--mesh={spec!r}: data:{sizes[DATA]} x fsdp:{sizes[FSDP]}{with_context} = "
+                         f"{sizes[DATA] * sizes[FSDP] * (context or 1)} devices, but there are {n} "
+                         f"global devices ({jax.process_count()} process(es)); make the product {n}")
     # Auto axes: outside shard_map (the optimizer) shardings simply follow the inputs.
-    return jax.make_mesh((sizes[DATA], sizes[FSDP]), (DATA, FSDP),
-                         axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    if context is None:
+        return jax.make_mesh((sizes[DATA], sizes[FSDP]), (DATA, FSDP),
+                             axis_types=(AxisType.Auto, AxisType.Auto), devices=devices)
+    # context last: a context group is neighbouring devices (one node's fast links).
+    return jax.make_mesh((sizes[DATA], sizes[FSDP], context), (DATA, FSDP, CONTEXT),
+                         axis_types=(AxisType.Auto,) * 3, devices=devices)
+
+
+def context_size(mesh: Mesh) -> int:
+    """C of the mesh's context axis (1 without one)."""
+    return mesh.shape.get(CONTEXT, 1)
+
+
+def check_context(mesh: Mesh, seq_len: int) -> None:
+    """The sequence must cut into 2 x C equal chunks (each context rank holds two)."""
+    C = context_size(mesh)
+    if CONTEXT in mesh.axis_names and seq_len % (2 * C):
+        raise ValueError(f"--seq_len={seq_len} is not divisible by 2 x context = {2 * C}: "
+                         f"context parallelism cuts every instance into {2 * C} equal chunks; "
+                         f"choose a --seq_len that is a multiple of {2 * C} or a smaller context")
 
 
 def _fsdp_size(mesh_or_size: Union[Mesh, int]) -> int:
-    return mesh_or_size.shape[FSDP] if isinstance(mesh_or_size, Mesh) else int(mesh_or_size)
+    """Devices a weight is split over: fsdp (x context: OLMo-core shards over dp_shard x cp)."""
+    if isinstance(mesh_or_size, Mesh):
+        return mesh_or_size.shape[FSDP] * context_size(mesh_or_size)
+    return int(mesh_or_size)
+
+
+def _shard_axes(mesh_or_size: Union[Mesh, int]):
+    """The mesh axis name(s) a weight's sharded dimension is split over."""
+    if isinstance(mesh_or_size, Mesh) and CONTEXT in mesh_or_size.axis_names:
+        return (FSDP, CONTEXT)
+    return FSDP
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,7 +168,7 @@ def param_specs(model: OLMo3, mesh_or_fsdp: Union[Mesh, int]) -> PyTree:
     (the earlier axis on a tie), never on the stacked [n_layers] axis of `model.layers` (the scan
     walks it; one layer at a time is gathered). A weight with no such axis is refused: name the
     weight, its shape and the fsdp size. Works on abstract models (eqx.filter_eval_shape)."""
-    fsdp = _fsdp_size(mesh_or_fsdp)
+    fsdp, axes_name = _fsdp_size(mesh_or_fsdp), _shard_axes(mesh_or_fsdp)
 
     def spec(path, x):
         name = jax.tree_util.keystr(path)
@@ -113,7 +181,7 @@ def param_specs(model: OLMo3, mesh_or_fsdp: Union[Mesh, int]) -> PyTree:
                 f"that divides one of {tuple(x.shape[first:])}, or pad that dimension (e.g. "
                 "vocab_size to a multiple of 128, as OLMo-core pads 100278 to 100352)")
         best = max(axes, key=lambda a: (x.shape[a], -a))
-        return P(*[FSDP if a == best else None for a in range(x.ndim)])
+        return P(*[axes_name if a == best else None for a in range(x.ndim)])
 
     return jax.tree_util.tree_map_with_path(spec, eqx.filter(model, _is_float))
 
@@ -125,7 +193,7 @@ def _is_float(x) -> bool:
 
 
 def _fsdp_axis(spec: P) -> int:
-    return list(spec).index(FSDP)
+    return next(a for a, e in enumerate(spec) if e == FSDP or (isinstance(e, tuple) and FSDP in e))
 
 
 def opt_specs(opt_state: PyTree, specs: PyTree) -> PyTree:
@@ -197,14 +265,132 @@ def init_sharded(init: Callable[[], tuple[OLMo3, PyTree]], mesh: Mesh) -> tuple[
 
 
 # --------------------------------------------------------------------------------------------
+# Context parallelism: each rank holds two chunks of every sequence
+# --------------------------------------------------------------------------------------------
+def context_order(seq: int, context: int) -> np.ndarray:
+    """The global positions in device order: the sequence cut into 2C chunks of seq / 2C, rank r
+    holding chunks r and 2C - 1 - r (Llama 3 paper §3.3.2), so every rank's causal work (an
+    early chunk + a late one) is the same. Rank r's tokens are order[r * seq/C:(r + 1) * seq/C]."""
+    c = seq // (2 * context)
+    chunks = np.arange(seq).reshape(2 * context, c)
+    return np.concatenate([np.concatenate([chunks[r], chunks[2 * context - 1 - r]])
+                           for r in range(context)])
+
+
+def _natural(x: jax.Array, context: int, axis: int) -> jax.Array:
+    """Undo `context_order` along `axis` of an all-gathered (rank-major) array: x[..., order]
+    -> x in position order, by slicing (rank r's first chunk is chunk r, its second 2C-1-r)."""
+    x = jnp.moveaxis(x, axis, 0)
+    pieces = x.reshape(context, 2, x.shape[0] // (2 * context), *x.shape[1:])  # (C, 2, c, ...)
+    early, late = pieces[:, 0], pieces[::-1, 1]                     # chunks 0..C-1, C..2C-1
+    out = jnp.concatenate([early, late]).reshape(x.shape)
+    return jnp.moveaxis(out, 0, axis)
+
+
+def _context_rows(batch: dict, context: int) -> dict:
+    """Host side: this process's rows in context order, with what a chunk cannot compute alone.
+
+    Next-token labels are shifted on the whole row first (a chunk's last target is the next
+    chunk's first token) and the label mask folded in, as `olmo3.loss.labels_and_weights` does;
+    "positions" carries every token's global position (RoPE, masks)."""
+    tokens = batch["tokens"]
+    B, T = tokens.shape
+    if T % (2 * context):
+        raise ValueError(f"--seq_len={T} is not divisible by 2 x context = {2 * context}: context "
+                         f"parallelism cuts every instance into {2 * context} equal chunks; "
+                         f"choose a --seq_len that is a multiple of {2 * context}")
+    labels = np.concatenate([tokens[:, 1:], np.full((B, 1), IGNORE, tokens.dtype)], axis=1)
+    if batch.get("label_mask") is not None:
+        target_ok = np.concatenate([batch["label_mask"][:, 1:], np.zeros((B, 1), bool)], axis=1)
+        labels = np.where(target_ok, labels, IGNORE)
+    order = context_order(T, context)
+    out = {"labels": labels[:, order].astype(np.int32),
+           "positions": np.ascontiguousarray(np.broadcast_to(order.astype(np.int32), (B, T)))}
+    for key, value in batch.items():
+        if key == "label_mask" or not isinstance(value, np.ndarray):
+            continue
+        out[key] = value[:, order] if value.ndim == 2 else value
+    return out
+
+
+def _context_attention(cfg: Config, segment_ids: Optional[jax.Array], head_stride: int) -> Callable:
+    """`attend(q, k, v, window=)` for one sequence chunk inside shard_map (model.layer_forward).
+
+    q [H, T/C, hd], k, v [KV, T/C, hd] hold this rank's two chunks; `segment_ids` [T] the whole
+    row's, in position order. For each group of `head_stride` K/V heads: all-gather the group's
+    K/V over 'context' (the backward pass reduce-scatters their gradients), restore position
+    order, and attend each of the two query chunks at its global offset."""
+    C, rank = jax.lax.axis_size(CONTEXT), jax.lax.axis_index(CONTEXT)
+
+    def chunks(q, k, v, window, offsets):
+        c = q.shape[1] // 2
+        return jnp.concatenate([
+            attention.attention(q[:, i * c:(i + 1) * c], k, v, window=window,
+                                segment_ids=segment_ids, impl=cfg.attention, q_offset=offset,
+                                block_q=cfg.splash_block_q, block_kv=cfg.splash_block_kv)
+            for i, offset in enumerate(offsets)], axis=1)
+
+    def one_group(q, k, v, window):           # q [s*G, T/C, hd], k, v [s, T/C, hd]
+        k, v = (_natural(jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True), C, axis=1)
+                for x in (k, v))              # (s, T, hd) in position order
+        c = q.shape[1] // 2
+        if cfg.attention == "xla":            # traced offsets: one program for every rank
+            return chunks(q, k, v, window, (rank * c, (2 * C - 1 - rank) * c))
+        # splash builds its block table on the host: one branch per rank, static offsets
+        return jax.lax.switch(rank, [functools.partial(chunks, window=window,
+                                                       offsets=(r * c, (2 * C - 1 - r) * c))
+                                     for r in range(C)], q, k, v)
+
+    def attend(q, k, v, *, window):
+        H, Tc, hd = q.shape
+        KV = k.shape[0]
+        s = min(head_stride, KV)
+        if KV % s:
+            raise ValueError(f"head_stride={head_stride} must divide n_kv_heads={KV}")
+        if KV == s:
+            return one_group(q, k, v, window)
+        groups = lambda x: x.reshape(KV // s, -1, Tc, hd)                   # (KV/s, s[*G], T/C, hd)
+        out = jax.lax.map(lambda a: one_group(*a, window), (groups(q), groups(k), groups(v)))
+        return out.reshape(H, Tc, hd)
+
+    return attend
+
+
+def _context_loss_sums(model: OLMo3, batch: dict, *, chunk: int, use_segments: bool,
+                       gather: Callable, z_loss: Optional[float], head_stride: int):
+    """`olmo3.step.loss_sums` on this rank's chunks of every row: (CE sum, lse^2 sum, counted)."""
+    labels = batch["labels"]
+    counted = (labels != IGNORE).astype(jnp.float32)
+    weights = counted * batch["instance_mask"].astype(jnp.float32)[:, None]
+    C = jax.lax.axis_size(CONTEXT)
+    segs = None
+    if use_segments:   # whole rows, in position order: every chunk's keys need them
+        segs = _natural(jax.lax.all_gather(batch["segment_ids"], CONTEXT, axis=1, tiled=True), C, 1)
+
+    def one(t, pos, seg):
+        return model.hidden(t, positions=pos, gather=gather,
+                            attend=_context_attention(model.config, seg, head_stride))
+
+    if use_segments:
+        h = jax.vmap(one)(batch["tokens"], batch["positions"], segs)
+    else:
+        h = jax.vmap(lambda t, pos: one(t, pos, None))(batch["tokens"], batch["positions"])
+    B, T, d = h.shape
+    ce, z = chunked_cross_entropy(h.reshape(B * T, d), model.lm_head, labels.reshape(-1),
+                                  weights.reshape(-1), chunk=chunk, z_loss=z_loss)
+    return ce, z, jnp.sum(counted)
+
+
+# --------------------------------------------------------------------------------------------
 # The gradient under shard_map
 # --------------------------------------------------------------------------------------------
 def _gather(x: jax.Array, spec: P, axis_offset: int = 0) -> jax.Array:
     """This device's shard -> the full weight. Its transpose (in the backward pass) is a
     reduce-scatter: each device receives the fsdp-summed gradient of its own shard only."""
-    if jax.lax.axis_size(FSDP) == 1:   # nothing to gather: XLA would still copy the weight
+    axis = _fsdp_axis(spec)
+    if jax.lax.axis_size(spec[axis]) == 1:   # nothing to gather: XLA would still copy the weight
         return x
-    return jax.lax.all_gather(x, FSDP, axis=_fsdp_axis(spec) - axis_offset, tiled=True)
+    return jax.lax.all_gather(x, spec[axis], axis=axis - axis_offset, tiled=True)
 
 
 def _gather_layer(layer: Layer, layer_specs: Layer) -> Layer:
@@ -226,17 +412,38 @@ def gathered(model: OLMo3, specs: PyTree) -> tuple[OLMo3, Callable[[Layer], Laye
     return _gather_top(model, specs), lambda layer: _gather_layer(layer, specs.layers)
 
 
+def _batch_specs(batch: dict, mesh: Mesh) -> dict:
+    """Rows over ('data', 'fsdp'); with a context axis, [rows, seq] fields also seq over it."""
+    cp = CONTEXT in mesh.axis_names
+    return {k: TOKENS if cp and v.ndim == 2 else ROWS for k, v in batch.items()}
+
+
+def _loss_fn(mesh: Mesh, *, chunk: int, use_segments: bool, head_stride: int) -> tuple[Callable, Callable, tuple]:
+    """(loss_sums(model, batch, gather, z_loss), counted(batch), the axes every sum runs over)
+    for this mesh: the whole rows, or this rank's chunks of them under context parallelism."""
+    if CONTEXT in mesh.axis_names:
+        sums = functools.partial(_context_loss_sums, chunk=chunk, use_segments=use_segments,
+                                 head_stride=head_stride)
+        return sums, lambda b: (b["labels"] != IGNORE).astype(jnp.float32), (DATA, FSDP, CONTEXT)
+    sums = functools.partial(loss_sums, chunk=chunk, use_segments=use_segments)
+    counted = lambda b: labels_and_weights(b["tokens"], b["instance_mask"], b.get("label_mask"))[2]  # noqa: E731
+    return sums, counted, (DATA, FSDP)
+
+
 def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int = 1024,
-                 z_loss: float = Z_LOSS, use_segments: bool = False) -> Callable:
+                 z_loss: float = Z_LOSS, use_segments: bool = False,
+                 head_stride: int = HEAD_STRIDE) -> Callable:
     """`grad_fn(model, batch) -> (grads, ce_mean, z_mean)` for `olmo3.step.make_train_step`.
 
     `model` arrays are sharded by `specs` (`param_specs`), the batch rows over ('data', 'fsdp')
     (`global_batch`). Returned grads are fp32, sharded like the params; ce/z are the means over
     the counted tokens of the whole global batch (replicated scalars). `microbatches` splits each
     device's rows (see `microbatches()` to derive it from the recipe's global batch)."""
+    sums, count, every_axis = _loss_fn(mesh, chunk=chunk, use_segments=use_segments,
+                                       head_stride=head_stride)
+
     def grad_fn(model: OLMo3, batch: dict):
         params, static = eqx.partition(model, eqx.is_inexact_array)
-        batch_specs = {k: ROWS for k in batch}
 
         def local(params, batch):   # one device: its weight shards and its rows of the batch
             rows = batch["tokens"].shape[0]
@@ -244,14 +451,12 @@ def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int
                 raise ValueError(f"{rows} rows per device do not split into microbatches="
                                  f"{microbatches}; derive it with olmo3.sharding.microbatches()")
             # Global loss denominator: counted tokens of the WHOLE batch (DESIGN §4, bug 4).
-            counted = labels_and_weights(batch["tokens"], batch["instance_mask"], batch.get("label_mask"))[2]
-            n = jnp.maximum(jax.lax.psum(jnp.sum(counted), (DATA, FSDP)), 1.0)
+            n = jnp.maximum(jax.lax.psum(jnp.sum(count(batch)), every_axis), 1.0)
 
             def objective(p, mb):
                 m = _gather_top(eqx.combine(p, static), specs)
-                ce, z, _ = loss_sums(m, mb, chunk=chunk, use_segments=use_segments,
-                                     gather=lambda layer: _gather_layer(layer, specs.layers),
-                                     z_loss=z_loss)
+                ce, z, _ = sums(m, mb, gather=lambda layer: _gather_layer(layer, specs.layers),
+                                z_loss=z_loss)
                 return (ce + z_loss * z) / n, (ce, z)
 
             def body(carry, mb):   # gradient accumulation over this device's microbatches
@@ -268,38 +473,42 @@ def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int
                 zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
                 zero = jnp.zeros((), jnp.float32)
                 (grads, ce, z), _ = jax.lax.scan(body, (zeros, zero, zero), split)
-            # grads are already reduce-scattered over fsdp (transpose of the all_gathers);
-            # sum the data replicas' shards (a copy of every gradient even on one replica: skip
-            # it there). Loss sums over every device.
+            # grads are already reduce-scattered over fsdp (x context): the transpose of the
+            # all_gathers; sum the data replicas' shards (a copy of every gradient even on one
+            # replica: skip it there). Loss sums over every device.
             if mesh.shape[DATA] > 1:
                 grads = jax.lax.psum(grads, DATA)
-            ce, z = jax.lax.psum((ce, z), (DATA, FSDP))
+            ce, z = jax.lax.psum((ce, z), every_axis)
             return grads, ce / n, z / n
 
         # check_vma=False: every collective of the step is the explicit one written above.
         # With the check on, shard_map would broadcast the data-invariant weights implicitly and
         # transpose that into an all-reduce over 'data' of each FULL gathered weight gradient,
         # per layer and microbatch (and every scan carry in the model would need annotating).
-        return jax.shard_map(local, mesh=mesh, in_specs=(specs, batch_specs),
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs, _batch_specs(batch, mesh)),
                              out_specs=(specs, P(), P()), check_vma=False)(params, batch)
 
     return grad_fn
 
 
-def make_eval_fn(mesh: Mesh, specs: PyTree, *, chunk: int = 1024, use_segments: bool = False):
+def make_eval_fn(mesh: Mesh, specs: PyTree, *, chunk: int = 1024, use_segments: bool = False,
+                 head_stride: int = HEAD_STRIDE):
     """`eval_fn(model, batch) -> (CE sum, counted tokens)` over the whole global batch, jitted;
     same gathers as the gradient, no backward pass (held-out evaluation)."""
+    sums, _, every_axis = _loss_fn(mesh, chunk=chunk, use_segments=use_segments,
+                                   head_stride=head_stride)
+
     def local(params, batch, static):
         model = _gather_top(eqx.combine(params, static), specs)
-        ce, _, n = loss_sums(model, batch, chunk=chunk, use_segments=use_segments,
-                             gather=lambda layer: _gather_layer(layer, specs.layers), z_loss=None)
-        return jax.lax.psum((ce, n), (DATA, FSDP))
+        ce, _, n = sums(model, batch, gather=lambda layer: _gather_layer(layer, specs.layers),
+                        z_loss=None)
+        return jax.lax.psum((ce, n), every_axis)
 
     @eqx.filter_jit
     def eval_fn(model: OLMo3, batch: dict):
         params, static = eqx.partition(model, eqx.is_inexact_array)
         return jax.shard_map(lambda p, b: local(p, b, static), mesh=mesh,
-                             in_specs=(specs, {k: ROWS for k in batch}), out_specs=(P(), P()),
+                             in_specs=(specs, _batch_specs(batch, mesh)), out_specs=(P(), P()),
                              check_vma=False)(params, batch)
 
     return eval_fn
@@ -310,7 +519,8 @@ def make_score_fn(mesh: Mesh, specs: PyTree):
     olmo3.scoring.continuation_scores, as numpy arrays on every process. `batch` holds the WHOLE
     batch's rows (numpy, identical on every process: OLMo's in-loop requests are read by each);
     process p keeps its slice, rows are split over every device like held-out evaluation (same
-    per-layer gathers), and the per-row results are gathered back, nothing summed."""
+    per-layer gathers), and the per-row results are gathered back, nothing summed. With a context
+    axis the ranks of a context group score the same whole rows (requests are short)."""
     from jax.experimental import multihost_utils
 
     from olmo3.scoring import continuation_scores
@@ -330,7 +540,7 @@ def make_score_fn(mesh: Mesh, specs: PyTree):
         n, rank = jax.process_count(), jax.process_index()
         rows = len(batch["tokens"]) // n
         mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
-        out = sharded(model, global_batch(mine, mesh))
+        out = sharded(model, global_batch(mine, mesh, whole_rows=True))
         if n == 1:
             return tuple(np.asarray(x) for x in out)
         return tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in out)
@@ -361,11 +571,12 @@ def pinned(optimizer, mesh: Mesh, specs: PyTree):
 
 
 def make_train_step(optimizer, mesh: Mesh, specs: PyTree, *, microbatches: int = 1,
-                    chunk: int = 1024, z_loss: float = Z_LOSS, use_segments: bool = False):
+                    chunk: int = 1024, z_loss: float = Z_LOSS, use_segments: bool = False,
+                    head_stride: int = HEAD_STRIDE):
     """`olmo3.step.make_train_step` with the shard_map gradient and the optimizer update pinned
     to the state's shardings (plain jit on the sharded arrays, outside the shard_map)."""
     grad_fn = make_grad_fn(mesh, specs, microbatches=microbatches, chunk=chunk, z_loss=z_loss,
-                           use_segments=use_segments)
+                           use_segments=use_segments, head_stride=head_stride)
     return step_lib.make_train_step(_Pinned(optimizer, mesh, specs), z_loss=z_loss,
                                     grad_fn=grad_fn)
 
@@ -380,34 +591,42 @@ def microbatches(global_batch: int, micro_batch_per_device: Optional[int], mesh:
     global_batch / n_devices, split into microbatches of `micro_batch_per_device` rows. Losing
     devices raises the microbatch count, never changes the math (DESIGN §4, bug 4).
     None: the whole per-device batch in one microbatch."""
-    n = mesh.size   # GLOBAL device count: every process's devices
+    n = mesh.size // context_size(mesh)   # GLOBAL row groups: the devices of every process,
+    devices = (f"{n} global devices" if CONTEXT not in mesh.axis_names   # a context group as one
+               else f"{n} row groups ({mesh.size} global devices / context {context_size(mesh)})")
     if micro_batch_per_device is None:
         micro_batch_per_device = max(global_batch // n, 1)
     if global_batch < 1 or micro_batch_per_device < 1:
         raise ValueError(f"global_batch={global_batch} and micro_batch_per_device="
                          f"{micro_batch_per_device} must be positive")
     if global_batch % n:
-        raise ValueError(f"global batch {global_batch} is not divisible by the {n} global devices "
+        raise ValueError(f"global batch {global_batch} is not divisible by the {devices} "
                          f"of the mesh {dict(mesh.shape)}; the global batch is a recipe constant, "
                          "so run on a device count that divides it")
     per_device = global_batch // n
     if per_device % micro_batch_per_device:
-        raise ValueError(f"{per_device} rows per device (global batch {global_batch} / {n} "
-                         f"devices) are not divisible by micro_batch_per_device="
+        raise ValueError(f"{per_device} rows per device (global batch {global_batch} / {devices}"
+                         f") are not divisible by micro_batch_per_device="
                          f"{micro_batch_per_device}; choose a divisor of {per_device}")
     return per_device // micro_batch_per_device
 
 
-def global_batch(local_batch: dict, mesh: Mesh) -> dict:
+def global_batch(local_batch: dict, mesh: Mesh, *, whole_rows: bool = False) -> dict:
     """One global jax.Array per numpy field of this process's rows (other fields, e.g. the
     loader's "step" int, are left out), rows split over ('data', 'fsdp').
 
     Process p passes rows [p * L, (p + 1) * L) of the global batch (data rank =
     jax.process_index(), num ranks = jax.process_count()); they land on its own devices. With
     jax.make_mesh's device order (grouped by process) the global array is the global batch in
-    order; a topology-permuted mesh only permutes rows, which no loss sum can see."""
-    sharding = NamedSharding(mesh, ROWS)
-    n_local = len(mesh.local_devices)
+    order; a topology-permuted mesh only permutes rows, which no loss sum can see.
+    With a context axis, rows are first put in context order (`_context_rows`: labels, positions)
+    and their [rows, seq] fields split over 'context' too (a context group within one process),
+    unless `whole_rows` (downstream scoring: every context rank scores whole rows)."""
+    C = context_size(mesh)
+    chunked = CONTEXT in mesh.axis_names and not whole_rows
+    if chunked:
+        local_batch = _context_rows({k: v for k, v in local_batch.items() if isinstance(v, np.ndarray)}, C)
+    n_local = len(mesh.local_devices) // C
     out = {}
     for key, value in local_batch.items():
         if not isinstance(value, np.ndarray):
@@ -417,7 +636,8 @@ def global_batch(local_batch: dict, mesh: Mesh) -> dict:
                              f"{jax.process_index()}: its rows must split evenly over the "
                              f"{n_local} local devices; the local batch is global_batch / "
                              f"process_count rows")
-        out[key] = jax.make_array_from_process_local_data(sharding, value)
+        spec = TOKENS if chunked and value.ndim == 2 else ROWS
+        out[key] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), value)
     return out
 
 
@@ -445,21 +665,29 @@ def initialize_distributed(coordinator: Optional[str] = None, num_processes: Opt
 # --------------------------------------------------------------------------------------------
 # Memory report
 # --------------------------------------------------------------------------------------------
-def memory_report(config: Config, n_devices: int, data: int = 1) -> dict:
+def memory_report(config: Config, n_devices: int, data: int = 1, context: int = 1,
+                  seq_len: Optional[int] = None, head_stride: int = HEAD_STRIDE) -> dict:
     """Per-device bytes of params and optimizer state (fp32 mu, nu and replicated scalars) on a
-    ('data', 'fsdp') = (data, n_devices / data) mesh, from abstract shapes (no allocation)."""
+    ('data', 'fsdp', 'context') = (data, n_devices / (data * context), context) mesh, from
+    abstract shapes (no allocation); weights are split over fsdp x context.
+
+    With `seq_len`: the activations one instance leaves per device, seq_len / context tokens
+    each: the layer inputs and projection outputs the "save_proj" remat policy keeps (a lower
+    bound: XLA's temporaries are not counted), and the K/V of one head_stride group gathered
+    over the context group (transient, inside attention)."""
     from olmo3.optim import SkipStepAdamW
-    if n_devices % data:
-        raise ValueError(f"data={data} does not divide n_devices={n_devices}")
-    fsdp = n_devices // data
+    if n_devices % (data * context):
+        raise ValueError(f"data={data} x context={context} does not divide n_devices={n_devices}")
+    fsdp = n_devices // (data * context)
+    shard = fsdp * context
     model = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     opt = eqx.filter_eval_shape(SkipStepAdamW(lambda s: 0.0).init, model)
-    specs = param_specs(model, fsdp)
+    specs = param_specs(model, shard)
 
     def local_bytes(x, spec):
         shape = list(x.shape)
         if spec is not None and FSDP in spec:
-            shape[_fsdp_axis(spec)] //= fsdp
+            shape[_fsdp_axis(spec)] //= shard
         return int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
 
     def total(tree, spec_tree):
@@ -474,28 +702,53 @@ def memory_report(config: Config, n_devices: int, data: int = 1) -> dict:
     itemsize = jnp.dtype(config.pdtype).itemsize
     gathered = (config.params_per_layer() + 2 * config.vocab_size * config.d_model
                 + config.d_model) * itemsize
-    return {"n_devices": n_devices, "fsdp": fsdp, "data": data,
-            "params": config.num_params(), "param_bytes": params, "opt_bytes": optim,
-            "total_bytes": params + optim, "gathered_bytes": gathered}
+    out = {"n_devices": n_devices, "fsdp": fsdp, "data": data, "context": context,
+           "params": config.num_params(), "param_bytes": params, "opt_bytes": optim,
+           "total_bytes": params + optim, "gathered_bytes": gathered}
+    if seq_len is not None:
+        c, act = config, jnp.dtype(config.dtype).itemsize
+        saved = c.q_dim + 2 * c.kv_dim + 2 * c.mlp_hidden + 3 * c.d_model   # q k v gate up, o down x
+        out["activation_bytes"] = (seq_len // context) * c.n_layers * saved * act
+        out["kv_gathered_bytes"] = 2 * min(head_stride, c.n_kv_heads) * seq_len * c.head_dim * act
+    return out
 
 
 def _main(argv: Optional[list] = None) -> None:
     import argparse
-    ap = argparse.ArgumentParser(description="Per-device param + optimizer memory under FSDP.")
+    ap = argparse.ArgumentParser(description="Per-device param + optimizer memory under FSDP, and "
+                                             "the stage-3 7B under context parallelism.")
     ap.add_argument("--preset", default="olmo3_7b", choices=Config.PRESETS)
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 128, 512])
     args = ap.parse_args(argv)
     cfg = Config.preset(args.preset)
+    cell = lambda b: f"{b:,} B ({b / 2**30:.3f} GiB)"  # noqa: E731
     print(f"{args.preset}: {cfg.num_params():,} params, param_dtype {cfg.param_dtype}, "
           "AdamW mu+nu fp32, pure FSDP")
     print(f"{'devices':>8} {'params/device':>30} {'optimizer/device':>30} {'total/device':>30}")
     for n in args.devices:
         r = memory_report(cfg, n)
-        cell = lambda b: f"{b:,} B ({b / 2**30:.3f} GiB)"  # noqa: E731
         print(f"{n:>8} {cell(r['param_bytes']):>30} {cell(r['opt_bytes']):>30} "
               f"{cell(r['total_bytes']):>30}")
     print(f"plus, transient on every device during the step: at least {cell(r['gathered_bytes'])} of "
           "gathered full weights (embedding + lm_head + final norm + one layer)")
+
+    # Stage 3 (OLMo-core OLMo-3-1025-7B-long-context.py): seq 65,536 (L37), one instance per
+    # rank (L69 rank_microbatch_size=sequence_length), cp llama3(degree=8, head_stride=4) (L89),
+    # hsdp shard_degree=1 (L84): weights split over the 8 ranks of a context group, replicated
+    # over the groups. The script leaves the device count to the launcher: 64 = 8 nodes x 8 shown.
+    # vocab 100352: dolma2 padded to a multiple of 128 (L47, stage3.flags)
+    long, seq = Config.olmo3_7b_long(vocab_size=100352, compute_dtype="bfloat16"), 65536
+    print(f"\nstage 3: olmo3_7b_long, seq {seq:,}, one instance per context group per microbatch, "
+          "bf16 activations, remat save_proj")
+    print(f"{'mesh (64 devices)':>28} {'params+optimizer/device':>30} {'activations/device':>30}")
+    for data, context in ((8, 1), (8, 8), (1, 8)):
+        r = memory_report(long, 64, data=data, context=context, seq_len=seq)
+        mesh = f"data:{data},fsdp:{r['fsdp']},context:{context}" if context > 1 else f"data:{data},fsdp:{r['fsdp']}"
+        print(f"{mesh:>28} {cell(r['total_bytes']):>30} {cell(r['activation_bytes']):>30}")
+    print(f"activations: layer inputs + the projections save_proj keeps, for {seq:,} / context tokens "
+          f"(a lower bound); plus, transient in attention, {cell(r['kv_gathered_bytes'])} of K/V "
+          "(one head_stride=4 group gathered over the context group, full sequence)")
+
 
 if __name__ == "__main__":
     _main()

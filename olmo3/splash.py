@@ -68,7 +68,8 @@ NN = (((1,), (0,)), ((), ()))      # a @ b
 # ---------------------------------------------------------------------------------------------
 
 def block_kinds(seq: int, block_q: int, block_kv: int, window: Optional[int] = None,
-                segmented: bool = False) -> Int8[np.ndarray, "q_blocks kv_blocks"]:
+                segmented: bool = False, q_seq: Optional[int] = None,
+                q_offset: int = 0) -> Int8[np.ndarray, "q_blocks kv_blocks"]:
     """EMPTY / PARTIAL / FULL for every (q block, kv block) tile of the causal(-window) mask.
 
     From interval bounds, not a dense mask, so it is O(blocks) even at seq 65536.
@@ -76,9 +77,10 @@ def block_kinds(seq: int, block_q: int, block_kv: int, window: Optional[int] = N
     k <= q and q - k < window. FULL: the most distant pair (q1, k0) is visible and the nearest
     (q0, k1) is causal. EMPTY: even the nearest pair is out (k0 > q1, or q0 - k1 >= window).
     With segment ids (data-dependent) no tile can be proven FULL, so FULL becomes PARTIAL.
+    A query chunk (context parallelism) has q_seq queries at positions q_offset + 0.. q_seq - 1.
     """
-    nq, nk = seq // block_q, seq // block_kv
-    q0 = (np.arange(nq) * block_q)[:, None]
+    nq, nk = (seq if q_seq is None else q_seq) // block_q, seq // block_kv
+    q0 = (q_offset + np.arange(nq) * block_q)[:, None]
     q1 = q0 + block_q - 1
     k0 = (np.arange(nk) * block_kv)[None, :]
     k1 = k0 + block_kv - 1
@@ -139,7 +141,9 @@ class _Plan:
     """Everything static about one call: shapes, blocks, mask and the host-side tables."""
     heads: int
     kv_heads: int
-    seq: int
+    seq: int                       # keys
+    q_seq: int                     # queries: rows [q_offset, q_offset + q_seq) of the sequence
+    q_offset: int
     head_dim: int
     block_q: int
     block_kv: int
@@ -240,7 +244,7 @@ def _fwd_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
     i, t = pl.program_id(1), pl.program_id(2)
     step = i * plan.fwd_width + t
-    q0, k0 = i * plan.block_q, index_ref[step] * plan.block_kv
+    q0, k0 = plan.q_offset + i * plan.block_q, index_ref[step] * plan.block_kv
 
     @pl.when(t == 0)
     def _init():
@@ -276,11 +280,14 @@ def _fwd_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         lse_ref[...] = m_scr[...] + jnp.log(l)
 
 
-def _segment_operands(segment_ids, seq):
-    """Segment ids twice: as columns [seq, 128] (tile rows) and as rows [8, seq] (tile columns)."""
+def _segment_operands(segment_ids, plan: _Plan):
+    """Segment ids as columns [n, 128] (tile rows) and as rows [8, n] (tile columns), for the
+    queries (n = q_seq) and for the keys (n = seq): (q cols, q rows, k cols, k rows)."""
     seg = segment_ids.astype(jnp.int32)
-    return (jnp.broadcast_to(seg[:, None], (seq, LANES)),
-            jnp.broadcast_to(seg[None, :], (SUBLANES, seq)))
+    q_seg = seg[plan.q_offset:plan.q_offset + plan.q_seq]
+    cols = lambda x: jnp.broadcast_to(x[:, None], (x.shape[0], LANES))  # noqa: E731
+    rows = lambda x: jnp.broadcast_to(x[None, :], (SUBLANES, x.shape[0]))  # noqa: E731
+    return cols(q_seg), rows(q_seg), cols(seg), rows(seg)
 
 
 def _cost(plan: _Plan, matmuls: int, bytes_accessed: int) -> pl.CostEstimate:
@@ -301,33 +308,33 @@ def _forward(plan: _Plan, q, k, v, segment_ids):
                 pl.BlockSpec((None, bkv, d), kv_map)]
     operands = [q, k, v]
     if plan.segmented:
-        seg_cols, seg_rows = _segment_operands(segment_ids, plan.seq)
+        q_cols, _, _, k_rows = _segment_operands(segment_ids, plan)
         in_specs += [pl.BlockSpec((bq, LANES), lambda h, i, t, idx, kind: (i, 0)),
                      pl.BlockSpec((SUBLANES, bkv), lambda h, i, t, idx, kind: (0, idx[i * w + t]))]
-        operands += [seg_cols, seg_rows]
+        operands += [q_cols, k_rows]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(plan.heads, plan.seq // bq, w),
+        grid=(plan.heads, plan.q_seq // bq, w),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, bq, d), q_map), pl.BlockSpec((None, bq, LANES), q_map)],
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),   # running max m
                         pltpu.VMEM((bq, LANES), jnp.float32),   # running sum l
                         pltpu.VMEM((bq, d), jnp.float32)],      # fp32 output accumulator
     )
-    nbytes = 2 * q.size * q.dtype.itemsize + plan.heads * plan.seq * LANES * 4
+    nbytes = 2 * q.size * q.dtype.itemsize + plan.heads * plan.q_seq * LANES * 4
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, plan=plan),
         grid_spec=grid_spec,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    # lane-broadcast lse: a [bq, 1] column would pad to 128 lanes anyway
-                   jax.ShapeDtypeStruct((plan.heads, plan.seq, LANES), jnp.float32)],
+                   jax.ShapeDtypeStruct((plan.heads, plan.q_seq, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=_cost(plan, 2, nbytes),
         interpret=plan.interpret,
         name="splash_fwd",
     )(jnp.asarray(plan.fwd_index), jnp.asarray(plan.fwd_kind), *operands)
-    return o, lse[..., 0]                                                # lse: [heads, seq]
+    return o, lse[..., 0]                                                # lse: [heads, q_seq]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +349,7 @@ def _dq_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref
         dq_ref, acc_scr = refs
     i, t = pl.program_id(1), pl.program_id(2)
     step = i * plan.fwd_width + t
-    q0, k0 = i * plan.block_q, index_ref[step] * plan.block_kv
+    q0, k0 = plan.q_offset + i * plan.block_q, index_ref[step] * plan.block_kv
 
     @pl.when(t == 0)
     def _init():
@@ -378,7 +385,7 @@ def _dkv_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_re
         dk_ref, dv_ref, dk_scr, dv_scr = refs
     j, r, t = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     step = j * plan.bwd_width + t
-    q0, k0 = index_ref[step] * plan.block_q, j * plan.block_kv
+    q0, k0 = plan.q_offset + index_ref[step] * plan.block_q, j * plan.block_kv
 
     @pl.when((r == 0) & (t == 0))
     def _init():
@@ -414,7 +421,7 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     lse_rows, di_rows = lse[:, None, :], di[:, None, :]                # [heads, 1, seq]
     if plan.segmented:
-        seg_cols, seg_rows = _segment_operands(segment_ids, plan.seq)
+        q_cols, q_rows, k_cols, k_rows = _segment_operands(segment_ids, plan)
     params = pltpu.CompilerParams
     nbytes = 4 * q.size * q.dtype.itemsize
 
@@ -430,11 +437,11 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
     if plan.segmented:
         in_specs += [pl.BlockSpec((bq, LANES), lambda h, i, t, idx, kind: (i, 0)),
                      pl.BlockSpec((SUBLANES, bkv), lambda h, i, t, idx, kind: (0, idx[i * w + t]))]
-        operands += [seg_cols, seg_rows]
+        operands += [q_cols, k_rows]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, plan=plan),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(plan.heads, plan.seq // bq, w), in_specs=in_specs,
+            num_scalar_prefetch=2, grid=(plan.heads, plan.q_seq // bq, w), in_specs=in_specs,
             out_specs=pl.BlockSpec((None, bq, d), q_map),
             scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -457,7 +464,7 @@ def _backward(plan: _Plan, q, k, v, segment_ids, o, lse, do):
         in_specs += [pl.BlockSpec((bkv, LANES), lambda kh, j, r, t, idx, kind: (j, 0)),
                      pl.BlockSpec((SUBLANES, bq),
                                   lambda kh, j, r, t, idx, kind: (0, idx[j * w + t]))]
-        operands += [seg_cols, seg_rows]
+        operands += [k_cols, q_rows]
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, plan=plan),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -499,7 +506,7 @@ def _attention_fn(plan: _Plan):
     return attend
 
 
-def _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu):
+def _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu, q_seq=None):
     """Raise a ValueError naming the violated constraint (before any lowering)."""
     if heads % kv_heads:
         raise ValueError(f"splash_attention: heads ({heads}) must be a multiple of kv_heads "
@@ -513,8 +520,9 @@ def _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu
         if b <= 0 or b % unit:
             raise ValueError(f"splash_attention: {name}={b} must be a positive multiple of "
                              f"{unit} ({why}); pass e.g. {name}={max(unit, b - b % unit)}")
-        if seq % b:
-            raise ValueError(f"splash_attention: seq={seq} must be a multiple of {name}={b}; "
+        n = q_seq if name == "block_q" and q_seq is not None else seq
+        if n % b:
+            raise ValueError(f"splash_attention: seq={n} must be a multiple of {name}={b}; "
                              f"pad the sequence or pick a block size that divides it")
     if tpu and not (head_dim % LANES == 0 or head_dim == 64):
         raise ValueError(f"splash_attention: head_dim={head_dim} must be {TPU_HEAD_DIMS} "
@@ -522,7 +530,7 @@ def _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu
 
 
 def splash_attention(
-    q: Float[Array, "heads seq head_dim"],
+    q: Float[Array, "heads q_seq head_dim"],
     k: Float[Array, "kv_heads seq head_dim"],
     v: Float[Array, "kv_heads seq head_dim"],
     *,
@@ -531,7 +539,8 @@ def splash_attention(
     block_q: int = 2048,
     block_kv: int = 2048,
     interpret: Union[bool, pltpu.InterpretParams] = False,
-) -> Float[Array, "heads seq head_dim"]:
+    q_offset: int = 0,
+) -> Float[Array, "heads q_seq head_dim"]:
     """Causal (sliding-window) attention of one sequence, block-sparse, with a Pallas backward.
 
     softmax(q k^T * head_dim**-0.5 + mask) v; head h reads kv head h // (heads // kv_heads).
@@ -539,28 +548,61 @@ def splash_attention(
     (int [seq]) additionally restricts attention to keys of the same segment (document).
     Block sizes are clipped to seq (default 2048 = the write-up's Splash blocks). Batch with
     jax.vmap. interpret: False on TPU; True (plain) or pltpu.InterpretParams() (TPU semantics)
-    to run on CPU.
+    to run on CPU. q_offset (a Python int, context parallelism): q holds only the queries at
+    positions [q_offset, q_offset + q_seq) of the sequence; the grid walks those rows only.
     """
-    heads, seq, head_dim = q.shape
-    kv_heads = k.shape[0]
-    if k.shape != v.shape or k.shape[1:] != q.shape[1:]:
-        raise ValueError(f"splash_attention: expected q [heads, seq, head_dim] and k, v "
+    heads, q_seq, head_dim = q.shape
+    kv_heads, seq = k.shape[:2]
+    if k.shape != v.shape or k.shape[2] != head_dim:
+        raise ValueError(f"splash_attention: expected q [heads, q_seq, head_dim] and k, v "
                          f"[kv_heads, seq, head_dim]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if not isinstance(q_offset, (int, np.integer)) or not 0 <= q_offset <= seq - q_seq:
+        raise ValueError(f"splash_attention: q_offset={q_offset!r} must be a Python int in "
+                         f"[0, seq - q_seq = {seq - q_seq}] (the host builds the block table from it)")
+    q_offset = int(q_offset)
     if segment_ids is not None and segment_ids.shape != (seq,):
         raise ValueError(f"splash_attention: segment_ids must be int [seq={seq}], "
                          f"got {segment_ids.shape}")
-    block_q, block_kv = min(block_q, seq), min(block_kv, seq)
+    plan = _plan(heads, kv_heads, seq, head_dim, window=window,
+                 segmented=segment_ids is not None, block_q=block_q, block_kv=block_kv,
+                 interpret=interpret, q_seq=q_seq, q_offset=q_offset)
+    return _attention_fn(plan)(q, k, v, segment_ids)
+
+
+def _plan(heads, kv_heads, seq, head_dim, *, window, segmented, block_q, block_kv,
+          interpret, q_seq=None, q_offset=0) -> _Plan:
+    q_seq = seq if q_seq is None else q_seq
+    block_q, block_kv = min(block_q, q_seq), min(block_kv, seq)
     tpu = interpret is not True
-    _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu)
+    _check_shapes(heads, kv_heads, seq, head_dim, block_q, block_kv, window, tpu, q_seq)
     unit = LANES if tpu else SUBLANES
     window = None if window is not None and window >= seq else window    # same mask as causal
-    kinds = block_kinds(seq, block_q, block_kv, window, segmented=segment_ids is not None)
+    kinds = block_kinds(seq, block_q, block_kv, window, segmented=segmented,
+                        q_seq=q_seq, q_offset=q_offset)
     fwd_index, fwd_kind, fwd_width = _visit_lists(kinds)
     bwd_index, bwd_kind, bwd_width = _visit_lists(kinds.T)
-    plan = _Plan(heads=heads, kv_heads=kv_heads, seq=seq, head_dim=head_dim, block_q=block_q,
-                 block_kv=block_kv, window=window, segmented=segment_ids is not None,
+    return _Plan(heads=heads, kv_heads=kv_heads, seq=seq, q_seq=q_seq, q_offset=q_offset,
+                 head_dim=head_dim, block_q=block_q,
+                 block_kv=block_kv, window=window, segmented=segmented,
                  interpret=interpret, fwd_index=fwd_index, fwd_kind=fwd_kind,
                  fwd_width=fwd_width, bwd_index=bwd_index, bwd_kind=bwd_kind,
                  bwd_width=bwd_width, tiles=int(np.count_nonzero(kinds)),
                  chunk_q=_compute_chunk(block_q, unit), chunk_kv=_compute_chunk(block_kv, unit))
-    return _attention_fn(plan)(q, k, v, segment_ids)
+
+
+def kernels(heads: int, kv_heads: int, seq: int, head_dim: int, *, window: Optional[int],
+            segmented: bool, block_q: int = 2048, block_kv: int = 2048,
+            interpret: Union[bool, pltpu.InterpretParams] = False,
+            q_seq: Optional[int] = None, q_offset: int = 0):
+    """(forward, backward) for one static shape, raising ValueError if Mosaic cannot tile it.
+
+    forward(q, k, v, segment_ids) -> (o, lse fp32 [heads, q_seq]); backward(q, k, v,
+    segment_ids, o, lse, do) -> (dq, dk, dv): the contract of olmo3.splash_gpu.kernels, so
+    olmo3.attention can pick the kernel per lowering platform inside one custom_vjp.
+    """
+    plan = _plan(heads, kv_heads, seq, head_dim, window=window, segmented=segmented,
+                 block_q=block_q, block_kv=block_kv, interpret=interpret, q_seq=q_seq,
+                 q_offset=q_offset)
+    forward = lambda q, k, v, segment_ids: _forward(plan, q, k, v, segment_ids)
+    backward = lambda *args: _backward(plan, *args)
+    return forward, backward

@@ -82,6 +82,10 @@ def _cases(w):
     return [
         ("mesh_malformed", "train.py", [*T, f"--run_dir={new}", "--mesh=fsdp:x"], 2, "--mesh='fsdp:x'"),
         ("mesh_impossible", "train.py", [*T, f"--run_dir={new}", "--mesh=fsdp:3"], 2, "--mesh='fsdp:3'"),
+        ("context_impossible", "train.py", [*T, f"--run_dir={new}", "--mesh=context:3"], 2,
+         "--mesh='context:3': 3 does not divide the 2 global devices"),
+        ("context_seq_indivisible", "train.py", [*T, f"--run_dir={new}", "--mesh=context:2", "--seq_len=30"], 2,
+         "--seq_len=30 is not divisible by 2 x context = 4"),
         ("global_batch_indivisible", "train.py", [*T, f"--run_dir={new}", "--global_batch=3"], 2,
          "global batch 3 is not divisible by the 2 global devices"),
         ("corpus_missing", "train.py", [*TINY, f"--data={w / 'nowhere'}", f"--run_dir={new}"], 2,

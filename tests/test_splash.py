@@ -119,22 +119,30 @@ def test_computed_block_fraction_at_7b_shapes():
 # Numerics: forward and gradients against the dense oracle
 # ---------------------------------------------------------------------------------------------
 
-def check_against_oracle(q, k, v, cotangent, *, window, segment_ids, bq, bkv, interpret):
+def check_against_oracle(q, k, v, cotangent, *, window, segment_ids, bq, bkv, interpret,
+                         kernel=None):
+    """kernel: a function with splash.splash_attention's signature (default: that one)."""
+    kernel = kernel or splash.splash_attention
+
     def ours(q, k, v):
-        return splash.splash_attention(q, k, v, window=window, segment_ids=segment_ids,
-                                       block_q=bq, block_kv=bkv, interpret=interpret)
+        return kernel(q, k, v, window=window, segment_ids=segment_ids,
+                      block_q=bq, block_kv=bkv, interpret=interpret)
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
 
+    def loss_and_out(q, k, v):
+        out = ours(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
     ref = lambda q, k, v: oracle(q, k, v, window, segment_ids)
     tol = TOL[q.dtype.type]
-    out = ours(q, k, v)
+    # one jit for the output and the gradients: interpret mode compiles once, not op by op
+    grads, out = jax.jit(jax.grad(loss_and_out, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     assert out.shape == q.shape and out.dtype == q.dtype
     want = ref(q, k, v)
     np.testing.assert_allclose(out.astype(jnp.float32), want, atol=tol * np.abs(want).max(),
                                rtol=0)
-    grads = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
     # oracle gradients in fp32 from the same (possibly bf16-rounded) inputs
     want_grads = jax.grad(loss(ref), argnums=(0, 1, 2))(
         *(x.astype(jnp.float32) for x in (q, k, v)))
@@ -290,9 +298,15 @@ def test_bad_gqa_and_interpret_blocks_raise():
 # The model with attention="splash" against attention="xla"
 # ---------------------------------------------------------------------------------------------
 
-def test_model_splash_matches_xla():
+@pytest.mark.parametrize("kernel", ["gpu", pytest.param("tpu", marks=pytest.mark.slow)])
+def test_model_splash_matches_xla(kernel, monkeypatch):
+    # On CPU "splash" runs one of the two kernels in interpret mode (olmo3.attention): the
+    # Triton kernel by default, the Mosaic one when asked.
     import olmo3
+    from olmo3 import attention
     from olmo3.model import OLMo3
+
+    monkeypatch.setattr(attention, "INTERPRETED_KERNEL", kernel)
 
     seq = 128   # window 48 < seq: sliding layers are windowed, the full layer is causal
     cfg = olmo3.Config.tiny(vocab_size=97, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
