@@ -14,6 +14,12 @@ d_model 512, 8 layers, vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10
    normalizer of the chunked cross entropy (a sum of exp over [1024, 100278] logits) took 253 ms
    per chunk there, against 22 ms for XLA's own loop fusion over the same logits. Dots only:
    step 8.76 s -> 8.08 s (AMD EPYC). (Also handing it elementwise ops: 11.04 s; no YNNPACK at all: 8.42 s.)
+   On a 2-core Intel Xeon with AVX-512 and AMX (issue 14) YNNPACK's dots were still the best of
+   the three libraries this XLA can hand dots to: A/B/C runs in turn, three rounds, median step
+   (tokens per CPU-second) YNNPACK 9.9-25 s (85, 65, 115), XNNPACK 12.7-51 s (60, 81, 90), oneDNN
+   11.4-22 s (62, 86, 101), on a machine shared with other jobs (load 1-5). A bare a @ b is faster
+   through XNNPACK or oneDNN there, the step's transposed backward dots are not. So one
+   setting for every CPU; a user's own pick of any dot library (DOT_LIBRARY_FLAGS) wins whole.
 2. Keep freed memory in the process. XLA:CPU mallocs each step's temporaries; glibc hands any
    block over 32 MB straight back to the kernel on free (mmap/munmap), so every step faulted its
    ~3.9 GB of temporaries in again: 986k minor page faults and 1.9 s of system time per 8 s
@@ -44,6 +50,9 @@ import time
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 YNN_DOTS_ONLY = "--xla_cpu_experimental_ynn_fusion_type=dot"
+# The XLA:CPU flags that pick a library for dots: one choice, the user's whole if they set any.
+DOT_LIBRARY_FLAGS = ("xla_cpu_experimental_ynn_fusion_type", "xla_cpu_experimental_xnn_fusion_type",
+                     "xla_cpu_experimental_onednn_fusion_type", "xla_cpu_use_onednn")
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin",
                         "jax_rocm7_plugin", "libtpu")
 WATCH_INTERVAL_S = 0.5
@@ -126,7 +135,9 @@ def tune_cpu(held_limit: int | None = None) -> list[str]:
     if _backends_started():
         raise RuntimeError("olmo3.runtime.tune_cpu() must run before JAX starts a backend "
                            "(before the first jax.devices() or array op)")
-    applied = add_xla_flags([YNN_DOTS_ONLY])
+    user = {flag_name(t) for t in os.environ.get("XLA_FLAGS", "").split()}
+    # The dot library is one choice: a user who picks any of these libraries picks it whole.
+    applied = [] if user & set(DOT_LIBRARY_FLAGS) else add_xla_flags([YNN_DOTS_ONLY])
     libc = _glibc() if sys.platform.startswith("linux") else None
     if libc is not None and _watcher is None:
         # -1 as size_t: never trim the heap top back to the kernel (the watcher bounds it).

@@ -109,6 +109,13 @@ def test_user_xla_flags_win():
     assert out["xla_flags"] == user and runtime.YNN_DOTS_ONLY not in out["applied"]
 
 
+def test_user_dot_library_choice_wins_whole():
+    # A user who hands dots to XNNPACK does not also get YNNPACK's dots added beside it.
+    user = "--xla_cpu_experimental_xnn_fusion_type=dot"
+    out = probe("tune", XLA_FLAGS=user)
+    assert out["xla_flags"] == user and runtime.YNN_DOTS_ONLY not in out["applied"]
+
+
 def test_accelerator_hosts_untouched(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
     assert not runtime.cpu_backend_expected()
