@@ -31,7 +31,8 @@ Tool use (`functions`, `function_calls`) is not rendered; a message carrying the
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from jaxtyping import Bool, UInt32
@@ -68,6 +69,25 @@ def check_messages(messages) -> None:
             raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
         if m.get("functions") is not None or m.get("function_calls") is not None:
             raise ValueError(f"message {i} carries functions / function_calls; tool use is not rendered here")
+
+
+def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
+    """parse(row) of every non-empty line of a JSONL file. A bad line (not JSON, or `parse` raises
+    ValueError) becomes one ValueError naming `path:line`, the problem and `what` a line must hold."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(parse(json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not a JSON object ({e.msg}); {what}") from None
+            except ValueError as e:
+                raise ValueError(f"{path}:{n}: {e}; {what}") from None
+    if not out:
+        raise ValueError(f"{path}: nothing in the file; {what}")
+    return out
 
 
 def pieces(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False,

@@ -16,7 +16,6 @@ before anything is written, naming the file and line.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -28,26 +27,16 @@ MAX_SEQ_LENGTH = 16_384  # open-instruct scripts/train/olmo3/7b_{think,instruct}
 
 def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
     """(chosen, rejected) message lists of a JSONL file; ValueError naming `path:line` on a bad line."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
-                    raise ValueError('expected an object with "chosen" and "rejected" message lists')
-                for side in ("chosen", "rejected"):
-                    chat.check_messages(row[side])
-                    if row[side][-1]["role"] != "assistant":
-                        raise ValueError(f"the last {side} message must be the assistant's response")
-            except (json.JSONDecodeError, ValueError) as e:
-                raise ValueError(f"{path}:{n}: {e}; one preference pair per line, "
-                                 '{"chosen": [{"role", "content"}, ...], "rejected": [...]}') from None
-            out.append((row["chosen"], row["rejected"]))
-    if not out:
-        raise ValueError(f"{path} holds no preference pairs")
-    return out
+    def parse(row):
+        if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
+            raise ValueError('expected an object with "chosen" and "rejected" message lists')
+        for side in ("chosen", "rejected"):
+            chat.check_messages(row[side])
+            if row[side][-1]["role"] != "assistant":
+                raise ValueError(f"the last {side} message must be the assistant's response")
+        return row["chosen"], row["rejected"]
+    return chat.read_jsonl(path, parse, 'one preference pair per line, '
+                                        '{"chosen": [{"role", "content"}, ...], "rejected": [...]}')
 
 
 def prepare_dpo(input_path: str, out_dir: str, template: str = "olmo", max_seq_length: int = MAX_SEQ_LENGTH) -> dict:

@@ -44,27 +44,14 @@ MANIFEST = "sft_manifest.json"
 def read_chats(path: str, require_answer: bool = True) -> list[list[dict]]:
     """The "messages" lists of a JSONL file; ValueError naming `path:line` on a bad line.
     `require_answer`: each must end with an assistant turn (training data)."""
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON object ({e.msg}); one conversation per line") from None
-            messages = row.get("messages") if isinstance(row, dict) else None
-            try:
-                chat.check_messages(messages)
-                if require_answer and messages[-1]["role"] != "assistant":
-                    raise ValueError("the last message must be the assistant's (a conversation is one "
-                                     "document ending in EOS)")
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: {e}") from None
-            out.append(messages)
-    if not out:
-        raise ValueError(f"{path}: no conversation in the file")
-    return out
+    def parse(row):
+        messages = row.get("messages") if isinstance(row, dict) else None
+        chat.check_messages(messages)
+        if require_answer and messages[-1]["role"] != "assistant":
+            raise ValueError("the last message must be the assistant's (a conversation is one "
+                             "document ending in EOS)")
+        return messages
+    return chat.read_jsonl(path, parse, 'one conversation per line, {"messages": [{"role", "content"}, ...]}')
 
 
 def encode_chats(chats: list[list[dict]], template: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:

@@ -336,7 +336,7 @@ def _context_attention(cfg: Config, segment_ids: Optional[jax.Array], head_strid
         c = q.shape[1] // 2
         if cfg.attention == "xla":            # traced offsets: one program for every rank
             return chunks(q, k, v, window, (rank * c, (2 * C - 1 - rank) * c))
-        # splash builds its block table on the host: one branch per rank, static offsets
+        # splash / cudnn build their block tables on the host: one branch per rank, static offsets
         return jax.lax.switch(rank, [functools.partial(chunks, window=window,
                                                        offsets=(r * c, (2 * C - 1 - r) * c))
                                      for r in range(C)], q, k, v)

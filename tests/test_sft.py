@@ -15,6 +15,7 @@ import pytest
 
 import data
 from data import chat, prepare_sft
+from test_train import metrics_by_step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOS, IM_START, IM_END = 100257, 100264, 100265
@@ -193,15 +194,6 @@ def run_train(args, tmp_path, check=True):
     return p
 
 
-def metrics(run_dir):
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            m = json.loads(line)
-            out[m["step"]] = m
-    return out
-
-
 @pytest.mark.slow  # four train.py runs: ~3 min on 2 cores
 def test_sft_fresh_adam_and_exact_resume(tmp_path):
     """A stage-1 base, then SFT from it: Adam starts fresh (count 1 at step 1, where stage 2's
@@ -221,7 +213,7 @@ def test_sft_fresh_adam_and_exact_resume(tmp_path):
     run_train(sft + [f"--run_dir={tmp_path / 'a'}"], tmp_path)
     run_train(sft + [f"--run_dir={tmp_path / 'b'}", "--max_steps=2"], tmp_path)
     run_train(sft + [f"--run_dir={tmp_path / 'b'}", "--resume"], tmp_path)
-    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    a, b = metrics_by_step(tmp_path / "a"), metrics_by_step(tmp_path / "b")
     assert sorted(a) == [0, 1, 2, 3, 4] and a[1]["optim/adam_count"] == 1.0   # fresh Adam
     assert "eval/heldout/loss" in a[0] and "train/loss" not in a[0]             # the base model, before SFT
     assert [a[s]["train/loss"] for s in range(1, 5)] == [b[s]["train/loss"] for s in range(1, 5)]
