@@ -29,9 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 
@@ -102,10 +100,8 @@ def prepare_sft(input_path: str, out_dir: str, template: str = "olmo",
     kept, dropped = encode_chats(read_chats(input_path), template)
     if not kept:
         raise ValueError(f"{input_path}: no conversation has an assistant token to train on")
-    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out_dir)}-", dir=os.path.dirname(out_dir))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the data is not
-    try:
+    from olmo3.checkpoint import new_directory   # temp sibling, renamed into place or removed
+    with new_directory(out_dir, "SFT data") as tmp:
         paths = write_parts(kept, tmp, max_tokens_per_part)
         manifest = {"input": os.path.abspath(input_path), "template": template, "conversations": len(kept),
                     "dropped_without_trained_tokens": dropped, "tokens": int(sum(len(d[0]) for d in kept)),
@@ -113,12 +109,6 @@ def prepare_sft(input_path: str, out_dir: str, template: str = "olmo",
                     "parts": [os.path.basename(p) for p in paths]}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
-        if os.path.exists(out_dir):
-            os.rmdir(out_dir)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 

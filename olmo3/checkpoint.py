@@ -186,6 +186,7 @@ def new_directory(path: Union[str, os.PathLike], what: str = "checkpoint"):
         raise FileExistsError(f"{path!r} exists and is not empty; choose a new directory for the {what}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(path)}-", dir=os.path.dirname(path))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; what it becomes is not
     try:
         yield tmp
         if os.path.exists(path):
