@@ -10,10 +10,26 @@ targets from both, as OLMo-core's `get_labels` does.
 The lm_head matmul runs in chunks of `chunk` tokens, so only [chunk, vocab] logits are ever alive.
 Plain: under `jax.checkpoint`, the backward recomputes them chunk by chunk. Fused (`z_loss=`,
 what the train step uses): the forward also turns each chunk into its gradient, no recompute.
+
+The softmax over the vocabulary reads the [chunk, vocab] logits as few times as it can. On the
+issue-14 CPU config (d_model 512, vocab 100278, 2048 tokens, XLA:CPU 0.10.2) its passes cost as
+much as a third of the lm_head matmuls: the row max alone took 200 ms, a sum of exp 170 ms. So:
+- the row max is skipped when it cannot matter. It only keeps exp() from overflowing; float32's
+  relative precision does not depend on scale. Cauchy-Schwarz bounds every logit of a chunk by
+  B = max_i |h_i| * max_j |lm_head[:, j]|; when vocab * e^B is far below float32's largest value
+  (B + ln vocab < 80, against ln(FLT_MAX) = 88.7), exp(logits) is summed as is. Otherwise (a
+  large model's logits can reach that) the max is taken as usual. Same result either way, to
+  float32 rounding; tests/test_loss.py checks both branches against a numpy oracle.
+- on the CPU the row sum of exp is a matrix-vector product with ones: XLA:CPU rewrites a long
+  row reduction into a tree of reduce-windows (3x slower here than the dot library's matvec).
+  Other platforms keep jnp.sum.
+Measured in one process, `python benchmarks/bench.py --flagfile=benchmarks/bench_cpu.flags`:
+see the README's CPU table.
 """
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -22,6 +38,9 @@ from beartype import beartype
 from jaxtyping import Array, Float, Int, jaxtyped
 
 IGNORE = -100
+# exp(x) overflows float32 above 88.7 = ln(FLT_MAX); a row of `vocab` terms sums to at most
+# vocab * e^B. Below this, with a margin of e^8 for the bound's own rounding, no max is needed.
+EXP_SAFE = 80.0
 
 
 @jaxtyped(typechecker=beartype)
@@ -60,21 +79,42 @@ def _chunks(h, labels, weights, chunk):
     return h.reshape(k, chunk, -1), labels.reshape(k, chunk), weights.reshape(k, chunk)
 
 
-def _lse_target(hc, w, lc):
+def column_norm_max(w: jax.Array) -> jax.Array:
+    """max_j |w[:, j]|, in float32: with |h_i| it bounds every logit h_i . w[:, j]."""
+    w = w.astype(jnp.float32)
+    return jnp.sqrt(jnp.max(jnp.sum(w * w, axis=0)))
+
+
+def _row_sum(e):
+    """e.sum(-1); on the CPU as e @ ones (see the module docstring)."""
+    return jax.lax.platform_dependent(
+        e, cpu=lambda e: jnp.dot(e, jnp.ones(e.shape[-1:], e.dtype), preferred_element_type=jnp.float32),
+        default=lambda e: jnp.sum(e, axis=-1))
+
+
+def _exp_lse_target(hc, w, lc, w_norm):
+    """(e, s, lse, target) of one chunk: e = exp(logits - m) with m = 0 or the row max (module
+    docstring), s = e.sum(-1), lse = m + log s, target = the label's logit."""
     logits = jnp.dot(hc, w, preferred_element_type=jnp.float32)             # (chunk, V) fp32
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    h_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(hc.astype(jnp.float32)), axis=-1)))
+    safe = h_norm * w_norm + math.log(logits.shape[-1]) < EXP_SAFE
+    m = jax.lax.stop_gradient(jax.lax.cond(
+        safe, lambda x: jnp.zeros(x.shape[:-1], x.dtype), lambda x: jnp.max(x, axis=-1), logits))
+    e = jnp.exp(logits - m[:, None])
+    s = _row_sum(e)
     target = jnp.take_along_axis(logits, jnp.maximum(lc, 0)[:, None], axis=-1)[:, 0]
-    return logits, lse, target
+    return e, s, m + jnp.log(s), target
 
 
 def _chunked_ce(h, lm_head, labels, weights, chunk):
     """The plain version: forward keeps [chunk, vocab] logits, backward recomputes them."""
     w = lm_head.astype(h.dtype)
+    w_norm = column_norm_max(w)
 
     @jax.checkpoint
     def one_chunk(carry, x):
         hc, lc, wc = x
-        _, lse, target = _lse_target(hc, w, lc)
+        _, _, lse, target = _exp_lse_target(hc, w, lc, w_norm)
         ce, z = carry
         return (ce + jnp.sum((lse - target) * wc), z + jnp.sum(lse * lse * wc)), None
 
@@ -91,15 +131,15 @@ def _fused_ce(h, lm_head, labels, weights, chunk, z_loss):
 def _fused_ce_fwd(h, lm_head, labels, weights, chunk, z_loss):
     n = h.shape[0]
     w = lm_head.astype(h.dtype)
+    w_norm = column_norm_max(w)
 
     def one_chunk(carry, x):
         ce, z, dw = carry
         hc, lc, wc = x
-        logits, lse, target = _lse_target(hc, w, lc)
-        # d(ce + z_loss * z)/d logits, one row per token; onehot subtracted at the label.
-        p = jnp.exp(logits - lse[:, None])
-        onehot = jax.lax.broadcasted_iota(jnp.int32, p.shape, 1) == lc[:, None]
-        dlogits = ((wc * (1.0 + 2.0 * z_loss * lse))[:, None] * p
+        e, s, lse, target = _exp_lse_target(hc, w, lc, w_norm)
+        # d(ce + z_loss * z)/d logits, one row per token: softmax = e / s; onehot at the label.
+        onehot = jax.lax.broadcasted_iota(jnp.int32, e.shape, 1) == lc[:, None]
+        dlogits = ((wc * (1.0 + 2.0 * z_loss * lse) / s)[:, None] * e
                    - jnp.where(onehot, wc[:, None], 0.0)).astype(h.dtype)
         dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32)          # (chunk, d)
         dw = dw + jnp.dot(hc.T, dlogits, preferred_element_type=jnp.float32)    # (d, V)

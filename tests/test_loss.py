@@ -4,14 +4,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from olmo3.loss import IGNORE, chunked_cross_entropy
+from olmo3.loss import EXP_SAFE, IGNORE, chunked_cross_entropy, column_norm_max
 
 N, D, V = 37, 16, 53   # 37 tokens in chunks of 8: the last chunk is padded
 
 
-def data():
+def data(scale=1.0):
     rng = np.random.default_rng(0)
-    h = rng.normal(size=(N, D)).astype(np.float32)
+    h = (scale * rng.normal(size=(N, D))).astype(np.float32)
     w = rng.normal(size=(D, V)).astype(np.float32)
     labels = rng.integers(0, V, N).astype(np.int32)
     labels[5] = IGNORE
@@ -34,10 +34,15 @@ def oracle(h, w, labels, weights, c_ce, c_z):
     return ce, np.sum(wt * lse * lse), dlogits @ w.T, h.T @ dlogits
 
 
+# scale 1: every chunk's logit bound is below EXP_SAFE, the softmax skips the row max; scale 8:
+# logits up to ~100, above it, the row max is subtracted (olmo3/loss.py's module docstring).
+@pytest.mark.parametrize("scale", [1.0, 8.0])
 @pytest.mark.parametrize("z_loss", [None, 1e-5, 0.3])
 @pytest.mark.parametrize("c_ce,c_z", [("step", "step"), (1.0, 0.0), (0.0, 1.0), (0.7, 0.21)])
-def test_sums_and_gradients(z_loss, c_ce, c_z):
-    h, w, labels, weights = data()
+def test_sums_and_gradients(z_loss, c_ce, c_z, scale):
+    h, w, labels, weights = data(scale)
+    bound = np.sqrt((h.astype(np.float64) ** 2).sum(1)).max() * float(column_norm_max(jnp.asarray(w)))
+    assert (bound + np.log(V) < EXP_SAFE) == (scale == 1.0)   # both branches are exercised
     n = 31.0
     if c_ce == "step":   # what the train step differentiates: (ce + z_loss * z) / n
         zl = 1e-5 if z_loss is None else z_loss
