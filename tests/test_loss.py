@@ -36,10 +36,11 @@ def oracle(h, w, labels, weights, c_ce, c_z):
 
 # scale 1: every chunk's logit bound is below EXP_SAFE, the softmax skips the row max; scale 8:
 # logits up to ~100, above it, the row max is subtracted (olmo3/loss.py's module docstring).
+@pytest.mark.parametrize("chunk", [8, 64])   # 5 chunks (the last padded); one chunk, no loop
 @pytest.mark.parametrize("scale", [1.0, 8.0])
 @pytest.mark.parametrize("z_loss", [None, 1e-5, 0.3])
 @pytest.mark.parametrize("c_ce,c_z", [("step", "step"), (1.0, 0.0), (0.0, 1.0), (0.7, 0.21)])
-def test_sums_and_gradients(z_loss, c_ce, c_z, scale):
+def test_sums_and_gradients(z_loss, c_ce, c_z, scale, chunk):
     h, w, labels, weights = data(scale)
     bound = np.sqrt((h.astype(np.float64) ** 2).sum(1)).max() * float(column_norm_max(jnp.asarray(w)))
     assert (bound + np.log(V) < EXP_SAFE) == (scale == 1.0)   # both branches are exercised
@@ -52,7 +53,7 @@ def test_sums_and_gradients(z_loss, c_ce, c_z, scale):
         combine = lambda ce, z: c_ce * ce + c_z * z  # noqa: E731
 
     def f(h, w):
-        ce, z = chunked_cross_entropy(h, w, jnp.asarray(labels), jnp.asarray(weights), chunk=8,
+        ce, z = chunked_cross_entropy(h, w, jnp.asarray(labels), jnp.asarray(weights), chunk=chunk,
                                       z_loss=z_loss)
         return combine(ce, z), (ce, z)
 
