@@ -59,6 +59,8 @@ for _name, _help in [("vocab_size", "embedding rows (HF 100278, OLMo-core pads t
     flags.DEFINE_integer(_name, None, f"Override the preset's {_name}. {_help}")
 flags.DEFINE_enum("attention", None, ["xla", "splash", "cudnn"], "Attention kernel (default: preset's).")
 flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Rematerialization policy.")
+flags.DEFINE_bool("scan_layers", None, "Scan the layer groups (default, compile time flat in depth); "
+                  "--noscan_layers unrolls them, faster for small models on a CPU (olmo3/config.py).")
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype (moments are fp32 always).")
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
 flags.DEFINE_bool("yarn", None, "YaRN on full-attention layers (default: on for stage 3).")
@@ -208,8 +210,8 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                                             "head_dim", "mlp_hidden", "window", "attention", "remat",
-                                            "param_dtype", "compute_dtype", "splash_block_q",
-                                            "splash_block_kv") if getattr(F, k) is not None}
+                                            "scan_layers", "param_dtype", "compute_dtype",
+                                            "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
     use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")  # SFT/DPO keep stage 3's YaRN
     if use_yarn:
         overrides["yarn"] = olmo3.YaRN(factor=F.yarn_factor, original_max_position=F.yarn_original_max_position)

@@ -8,7 +8,8 @@
 
 Weights are stored [in, out] (`x @ w`); torch's Linear stores [out, in], see olmo3/hf.py.
 Every per-layer weight is stacked on a leading [n_layers] axis and the layers run under
-`jax.lax.scan` over repeating pattern groups, so compile time does not grow with depth.
+`jax.lax.scan` over repeating pattern groups, so compile time does not grow with depth
+(`Config.scan_layers=False` unrolls the groups: small CPU models run faster that way).
 `__call__` works on one sequence; batch with `jax.vmap`.
 """
 from __future__ import annotations
@@ -184,7 +185,11 @@ class OLMo3(eqx.Module):
                 x = layer_fns[layer_type](x, jax.tree.map(lambda w: w[i], gp))
             return x, None
 
-        x, _ = jax.lax.scan(group, x, grouped)
+        if c.scan_layers:
+            x, _ = jax.lax.scan(group, x, grouped)
+        else:   # Config.scan_layers: the same groups, unrolled
+            for g in range(c.n_groups):
+                x, _ = group(x, jax.tree.map(lambda w: w[g], grouped))
         return rms_norm(x, self.norm, c.norm_eps)
 
     @jaxtyped(typechecker=beartype)

@@ -72,6 +72,26 @@ def test_parity_with_transformers_fp32(name, over, seq):
     np.testing.assert_allclose(ours, ref_logits, atol=2e-4, rtol=1e-4)
 
 
+def test_parity_unrolled_layer_groups():
+    """Config.scan_layers=False (a Python loop over the 2 layer groups) against transformers,
+    logits and the scanned model's gradients."""
+    cfg = hf_config(**next(over for name, over, _ in CASES if name == "odd_sizes"))
+    ref = random_hf_model(cfg)
+    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 23))
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor(tokens)).logits.float().numpy()
+    config = hf.config_from_hf(cfg.to_dict()).replace(scan_layers=False)
+    assert config.n_groups == 2
+    model, scanned = (hf.from_hf({k: v for k, v in ref.state_dict().items()}, c)
+                      for c in (config, config.replace(scan_layers=True)))
+    ours = np.asarray(jax.vmap(model)(jnp.asarray(tokens, jnp.int32)))
+    np.testing.assert_allclose(ours, ref_logits, atol=2e-4, rtol=1e-4)
+    loss = lambda m: jnp.sum(jax.vmap(m)(jnp.asarray(tokens, jnp.int32)) ** 2)  # noqa: E731
+    g_loop, g_scan = (eqx.filter_grad(loss)(m) for m in (model, scanned))
+    for a, b in zip(jax.tree.leaves(g_loop), jax.tree.leaves(g_scan)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
+
+
 def test_parity_bf16_compute_reported(capsys):
     cfg = hf_config(num_attention_heads=4, num_key_value_heads=4)
     ref = random_hf_model(cfg)
