@@ -79,7 +79,8 @@ def _chunks(h, labels, weights, chunk):
     return h.reshape(k, chunk, -1), labels.reshape(k, chunk), weights.reshape(k, chunk)
 
 
-def column_norm_max(w: jax.Array) -> jax.Array:
+@jaxtyped(typechecker=beartype)
+def column_norm_max(w: Float[Array, "d_model vocab"]) -> Float[Array, ""]:
     """max_j |w[:, j]|, in float32: with |h_i| it bounds every logit h_i . w[:, j]."""
     w = w.astype(jnp.float32)
     return jnp.sqrt(jnp.max(jnp.sum(w * w, axis=0)))
