@@ -105,6 +105,8 @@ def build_ours(config, tokens_np):
         holder["state"] = (model, opt_state)
         return loss
 
+    # The optimized HLO of this step (benchmarks/profile_step.py names its ops with it).
+    run_step.hlo_text = lambda: step_fn.lower(*holder["state"], batch).compile().compiled.as_text()
     return run_step, mesh.size
 
 

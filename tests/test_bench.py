@@ -55,3 +55,20 @@ def test_bench_rejects_bad_seq_len():
                           "--seq_len=100000", "--steps=1"], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and "--seq_len=100000 exceeds max_position_embeddings" in out.stderr
+
+
+def test_profile_step_names_the_phases(tmp_path):
+    """benchmarks/profile_step.py: one traced step of the same toy config, its thunks summed by phase."""
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")   # one host device
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "profile_step.py"), "--model=tiny", f"--d_model={D}",
+           f"--n_layers={L}", f"--n_heads={H}", f"--n_kv_heads={H}", f"--head_dim={HD}",
+           f"--mlp_hidden={MLP}", "--window=16", f"--vocab_size={V}", f"--batch={B}", f"--seq_len={T}",
+           "--remat=none", "--noscan_layers", "--warmup=1", "--top=3", f"--trace_dir={tmp_path}"]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = dict(re.findall(r"^(layers forward|layers backward|lm_head \+ cross entropy)\s+(\S+)\s+\S+$",
+                           out.stdout, re.M))
+    assert set(rows) == {"layers forward", "layers backward", "lm_head + cross entropy"}, out.stdout
+    assert all(float(ms) > 0 for ms in rows.values())   # each phase ran matmuls
+    assert len(re.findall(r"^\s+\S+\s+\S+", out.stdout.split("ops (ms, summed over calls):")[1], re.M)) == 3
+    assert list(tmp_path.rglob("*.trace.json.gz"))

@@ -1,0 +1,96 @@
+"""Where one training step's time goes: a jax.profiler trace of bench.py's step, summed per op.
+
+    python benchmarks/profile_step.py --flagfile=benchmarks/bench_cpu.flags        # the CPU config
+    python benchmarks/profile_step.py --flagfile=benchmarks/bench_cpu.flags --trace_dir=/tmp/t
+
+Builds exactly the step bench.py times (same flags), runs `--warmup` steps, traces one, and
+prints the thunks XLA ran (on the CPU backend each fusion, matmul or copy is one thunk):
+matmuls (YNNPACK / XNNPACK / oneDNN fusions and plain `dot`s) against everything else, by
+phase of the step (the HLO op names say forward, backward, cross-entropy chunk loop or
+optimizer), then the `--top` most expensive ops. Thunk times are wall time on the thread that
+ran them: two thunks may run at once, and an Eigen `dot` returns before its work is done (its
+time shows up as the wait of whatever needs its result), so columns do not add up to the step.
+Ops XLA made itself, without an op name (e.g. the reduce-windows of its tree reductions), count
+as "other". Found with it (issue 14): the cross entropy's row max, then the stacked residuals.
+Open the trace (`--trace_dir`, perfetto .json.gz) in ui.perfetto.dev for the timeline.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench  # noqa: E402  (defines the step's flags)
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_string("trace_dir", None, "Keep the trace here (default: a temporary directory).")
+flags.DEFINE_integer("top", 15, "How many of the most expensive ops to list.")
+F = flags.FLAGS
+
+_LOOPS = re.compile(r"(while|call|conditional)(\.\d+)?$")   # their bodies' ops are listed
+
+
+def phase(op_name: str) -> str:
+    """Step phase from an HLO op_name ('jit(step)/transpose(jvp(vmap()))/...' = layers backward)."""
+    if "transpose(jvp(vmap" in op_name:
+        return "layers backward"
+    if "jvp(vmap" in op_name:
+        return "layers forward"
+    if "jvp()" in op_name:   # the fused cross entropy: forward and gradient in one chunk loop
+        return "lm_head + cross entropy"
+    return "optimizer, embedding, other"
+
+
+def main(argv):
+    del argv
+    from olmo3 import runtime
+    runtime.tune_cpu()
+    import jax
+    import numpy as np
+
+    import olmo3
+    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "window",
+            "attention", "remat", "scan_layers", "param_dtype", "compute_dtype", "max_position_embeddings")
+    config = olmo3.Config.preset(F.model, **{k: getattr(F, k) for k in keys if getattr(F, k) is not None})
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
+    run_step, _ = bench.build_ours(config, tokens)
+    for _ in range(max(F.warmup, 1)):
+        run_step()
+    trace_dir = F.trace_dir or tempfile.mkdtemp(prefix="olmo3_trace_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        t = time.perf_counter()
+        run_step()
+        step_s = time.perf_counter() - t
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    hlo = run_step.hlo_text()
+    instructions = set(re.findall(r"^\s*(?:ROOT )?%(\S+) = ", hlo, re.M))
+    op_names = dict(re.findall(r'^\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"', hlo, re.M))
+    events = [e for e in json.load(gzip.open(path))["traceEvents"]   # thunks: the step's HLO ops
+              if e.get("ph") == "X" and e["name"] in instructions and not _LOOPS.match(e["name"])]
+
+    by_phase = collections.defaultdict(lambda: [0.0, 0.0])
+    by_op = collections.Counter()
+    for e in events:
+        ms = e["dur"] / 1e3
+        is_dot = e["name"].startswith(("ynn_fusion", "xnn_fusion", "onednn", "dot"))
+        by_phase[phase(op_names.get(e["name"], ""))][0 if is_dot else 1] += ms
+        by_op[e["name"]] += ms
+    print(f"step {step_s:.3f} s (traced); trace: {path}")
+    print(f"{'phase':30s} {'matmul ms':>10s} {'other ms':>10s}")
+    for name, (dots, other) in sorted(by_phase.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{name:30s} {dots:10.1f} {other:10.1f}")
+    print(f"top {F.top} ops (ms, summed over calls):")
+    for name, ms in by_op.most_common(F.top):
+        print(f"  {ms:8.1f}  {name}  {op_names.get(name, '')[-70:]}")
+
+
+if __name__ == "__main__":
+    app.run(main)
