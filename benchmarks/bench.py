@@ -69,6 +69,18 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def config_from_flags():
+    """The olmo3.Config the flags describe: --model's preset with every override given."""
+    import olmo3
+    overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                            "head_dim", "mlp_hidden", "window", "attention", "remat",
+                                            "scan_layers", "param_dtype", "compute_dtype", "max_position_embeddings",
+                                            "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
+    if F.layer_pattern:
+        overrides["layer_pattern"] = tuple(F.layer_pattern)
+    return olmo3.Config.preset(F.model, **overrides)
+
+
 # ---------------------------------------------------------------------------------------------
 # Ours: the same step train.py runs.
 # ---------------------------------------------------------------------------------------------
@@ -169,16 +181,9 @@ def main(argv):
     import jax
     import numpy as np
 
-    import olmo3
     from olmo3 import metrics as metrics_lib
 
-    overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
-                                            "head_dim", "mlp_hidden", "window", "attention", "remat",
-                                            "scan_layers", "param_dtype", "compute_dtype", "max_position_embeddings",
-                                            "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
-    if F.layer_pattern:
-        overrides["layer_pattern"] = tuple(F.layer_pattern)
-    config = olmo3.Config.preset(F.model, **overrides)
+    config = config_from_flags()
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds max_position_embeddings="
                              f"{config.max_position_embeddings} of --model={F.model}")

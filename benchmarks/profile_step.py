@@ -56,10 +56,7 @@ def main(argv):
     import jax
     import numpy as np
 
-    import olmo3
-    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "window",
-            "attention", "remat", "scan_layers", "param_dtype", "compute_dtype", "max_position_embeddings")
-    config = olmo3.Config.preset(F.model, **{k: getattr(F, k) for k in keys if getattr(F, k) is not None})
+    config = bench.config_from_flags()
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
     run_step, _ = bench.build_ours(config, tokens)
     for _ in range(max(F.warmup, 1)):
