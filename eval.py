@@ -88,10 +88,20 @@ flags.DEFINE_integer("sample_seed", 0, "Chat: seed of the sampler.")
 flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
 
 
+def write_json(out_dir: str, name: str, obj, *, indent: int) -> None:
+    """out_dir/name, written whole or not at all (temp file + rename)."""
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=indent)
+    os.replace(tmp, os.path.join(out_dir, name))
+
+
 # ---------------------------------------------------------------------------------------------
 # §1 Held-out domains (Paloma-style multi-domain perplexity): a data bug shows as one domain off,
 # data-order noise as every domain off by the same small amount.
 # ---------------------------------------------------------------------------------------------
+
 def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, data_dir=None, data_mix=None,
                  data_root=None) -> dict:
     """{domain: FSLDataset}."""
@@ -381,11 +391,7 @@ def chat_report(model) -> None:
         print(f"--- {i}: {prompt[-1]['content'][:400]}\n>>> answer:    {answer}"
               + (f"\n>>> reference: {reference}" if reference is not None else ""))
     if F.out:
-        os.makedirs(F.out, exist_ok=True)
-        tmp = os.path.join(F.out, "chat.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(tmp, os.path.join(F.out, "chat.json"))
+        write_json(F.out, "chat.json", results, indent=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,11 +468,7 @@ def main(argv):
             line += f"   # {icl_metrics.display_name(label, metric)}"
         print(line)
     if F.out:
-        os.makedirs(F.out, exist_ok=True)
-        tmp = os.path.join(F.out, "eval.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(results, f, indent=2)
-        os.replace(tmp, os.path.join(F.out, "eval.json"))
+        write_json(F.out, "eval.json", results, indent=2)
 
 
 if __name__ == "__main__":
