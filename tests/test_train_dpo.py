@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from test_train import metrics_by_step  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--flagfile=" + os.path.join(ROOT, "tiny.flags"), "--stage=dpo", "--d_model=32", "--n_heads=2",
          "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--seq_len=64", "--global_batch=4", "--window=16",
@@ -51,12 +53,9 @@ def run(args, run_dir, pairs, check=True):
 
 
 def metrics(run_dir):
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            m = json.loads(line)
-            out[m["step"]] = {k: v for k, v in m.items() if k.startswith(("train/", "eval/", "optim/"))}
-    return out
+    """step -> its train/eval/optim metrics (timings left out: they differ between runs)."""
+    return {step: {k: v for k, v in m.items() if k.startswith(("train/", "eval/", "optim/"))}
+            for step, m in metrics_by_step(run_dir).items()}
 
 
 def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
