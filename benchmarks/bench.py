@@ -169,11 +169,7 @@ def main(argv):
     del argv
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
-    # With torch in the process, both frameworks' freed temporaries share the heap: at the default
-    # limit (a quarter of RAM) every step was trimmed and faulted back in, 0.7-1.9 s of system time
-    # per step for each framework on the 24 GB issue-14 box. Half of RAM keeps both at steady state.
-    held_limit = 2 * runtime.default_held_limit() if F.compare_torch else None
-    tuned = ((runtime.tune_cpu(held_limit) if F.tune_cpu else [])
+    tuned = ((runtime.tune_cpu() if F.tune_cpu else [])
              + (runtime.tune_gpu() if F.tune_gpu else []))
     from olmo3 import cluster   # one process: under srun / mpirun with N > 1 tasks, stop (or --independent_runs)
     cluster.start("bench.py", multi_process=False, independent_runs=F.independent_runs)
@@ -260,6 +256,9 @@ def main(argv):
         return tps, tpc, med
 
     tps, tpc, med = report("ours ", ours_t)
+    if runtime.trims() is not None:   # each trim faults the next steps' temporaries back in
+        print(f"malloc: the heap's free memory was returned to the kernel {runtime.trims()} time(s) "
+              "since start")
     ttps, ttpc, tmed = report("torch", theirs_t) if theirs_t else (float("nan"),) * 3
     per_device = lambda f: f / med / n_devices  # noqa: E731
     for c in ("writeup", "sliding"):

@@ -2,7 +2,7 @@
 
     CPU backend:  XLA_FLAGS += YNNPACK for dots only
                   malloc: one arena, no mmap, no trim          (freed temporaries stay mapped)
-                  a watcher thread: when  RSS - bytes malloc holds live  >  limit,  malloc_trim(0)
+                  a watcher thread: malloc_trim(0) when available memory < reserve
     NVIDIA GPU:   XLA_FLAGS += the flags MaxText / JAX-Toolbox train LLMs with (GPU_XLA_FLAGS)
                   env CUDA_DEVICE_MAX_CONNECTIONS=1, XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
     anything set by the user (one XLA_FLAGS entry, one environment variable) wins over ours.
@@ -31,9 +31,19 @@ d_model 512, 8 layers, vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10
    devices at stage-3 shapes (issue 14) was SIGKILLed at 24.4 GB RSS where glibc's defaults
    finish at 10.1 GB. So a daemon thread reads, twice a second, the resident memory the heap
    holds free (RSS minus the bytes malloc has handed out live) and returns it with
-   malloc_trim(0) when it exceeds `held_limit` (default: a quarter of physical memory): the
-   steady-state step keeps its temporaries mapped (the speed of 2), a run that fragments is
-   trimmed back to about glibc's default footprint. tests/test_runtime.py checks both.
+   malloc_trim(0) when memory runs short: less than `reserve` (a quarter of the memory budget)
+   left available to the process. The budget is physical memory or, under a memory cgroup
+   (SLURM, containers), the cgroup's limit; "available" is the smaller of the kernel's
+   MemAvailable and the cgroup's headroom.
+   Not a limit on what is held: memory the heap holds free is reused by the next step and by
+   allocation spikes; it only hurts when something else needs it. A first version trimmed
+   whenever a quarter of RAM was held free, then half of it. The bench_cpu.flags process holds
+   5-12 GB free between steps (the compiler's freed memory, and temporaries whose holes the
+   next step's allocations do not fit): on a 24 GB box 3 of 6 solo runs of 5-8 steps were
+   trimmed once, at one limit or the other, and the next two steps took 16.8-21.4 s instead of
+   12-13 s (AMD EPYC, faulting the temporaries back in). An explicit `held_limit` still trims above that much.
+   tests/test_runtime.py checks the steady state, the fragmenting run under both triggers,
+   and the cgroup accounting.
 
 Accelerator hosts are left alone by tune_cpu (their steps do not run on these allocators).
 Measure with and without: `python benchmarks/bench.py ... --notune_cpu`.
@@ -102,17 +112,93 @@ def held_free_bytes(libc) -> int:
     return rss - info.uordblks - info.hblkhd
 
 
-class _TrimWatcher(threading.Thread):
-    """(3) above: return held free memory to the kernel when it exceeds `limit` bytes."""
+# Where the kernel describes this process's memory cgroup (module constants: tests point them
+# at a fake tree).
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+_NO_LIMIT = 1 << 60   # cgroup v1 writes "no limit" as a page-rounded 2^63 - 1
 
-    def __init__(self, libc, limit: int):
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):   # absent, or "max" (cgroup v2's "no limit")
+        return None
+
+
+def cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup, v2 or v1, when it has a limit.
+    usage leaves out the inactive page cache, which the kernel reclaims before it kills."""
+    try:
+        with open(PROC_CGROUP) as f:
+            entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    for _, controllers, path in entries:
+        if controllers == "":   # v2: one unified hierarchy
+            dirs, names = [CGROUP_ROOT + path, CGROUP_ROOT], ("memory.max", "memory.current", "inactive_file")
+        elif "memory" in controllers.split(","):
+            base = os.path.join(CGROUP_ROOT, "memory")
+            dirs, names = [base + path, base], ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                 "total_inactive_file")
+        else:
+            continue
+        for d in dirs:   # a cgroup namespace shows the process's own group at the mount's root
+            limit, usage = _read_int(os.path.join(d, names[0])), _read_int(os.path.join(d, names[1]))
+            if usage is None:
+                continue
+            if limit is None or limit >= _NO_LIMIT:
+                break
+            inactive = 0
+            try:
+                with open(os.path.join(d, "memory.stat")) as f:
+                    stat = dict(line.split() for line in f if len(line.split()) == 2)
+                inactive = int(stat.get(names[2], 0))
+            except (OSError, ValueError):
+                pass
+            return limit, max(usage - inactive, 0)
+    return None
+
+
+def memory_budget() -> int:
+    """Bytes this process may use: physical memory, or its memory cgroup's limit if lower."""
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    cg = cgroup_memory()
+    return min(phys, cg[0]) if cg else phys
+
+
+def available_bytes() -> int:
+    """Bytes the process can still get without the kernel reclaiming or killing: MemAvailable,
+    or the cgroup's headroom if lower."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    avail = int(info["MemAvailable"].split()[0]) * 1024
+    cg = cgroup_memory()
+    return min(avail, cg[0] - cg[1]) if cg else avail
+
+
+TRIM_FLOOR = 256 << 20   # above the libraries' resident pages (150-200 MB for jaxlib here)
+
+
+def should_trim(held: int, available: int, held_limit: int | None, reserve: int) -> bool:
+    """(3) above: return the heap's free memory when under `reserve` bytes are left available
+    and the heap holds any (the libraries' own resident pages, also in `held`, are a few hundred
+    MB), or when more than `held_limit` bytes of it are resident (None: no such limit)."""
+    return (held_limit is not None and held > held_limit) or (available < reserve and held > TRIM_FLOOR)
+
+
+class _TrimWatcher(threading.Thread):
+    """(3) above: return held free memory to the kernel when memory runs short."""
+
+    def __init__(self, libc, held_limit: int | None, reserve: int):
         super().__init__(name="olmo3-malloc-trim", daemon=True)
-        self.libc, self.limit, self.trims = libc, limit, 0
+        self.libc, self.held_limit, self.reserve, self.trims = libc, held_limit, reserve, 0
 
     def run(self):
         while True:
             time.sleep(WATCH_INTERVAL_S)
-            if held_free_bytes(self.libc) > self.limit:
+            if should_trim(held_free_bytes(self.libc), available_bytes(), self.held_limit, self.reserve):
                 self.libc.malloc_trim(0)   # every whole free page, not only the heap's top
                 self.trims += 1
 
@@ -120,15 +206,17 @@ class _TrimWatcher(threading.Thread):
 _watcher: _TrimWatcher | None = None
 
 
-def default_held_limit() -> int:
-    """A quarter of physical memory: above one CPU step's temporaries here (3.9 GB of 23 GB)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+def trims() -> int | None:
+    """How many times the watcher has returned memory so far (None when it is not running)."""
+    return None if _watcher is None else _watcher.trims
 
 
-def tune_cpu(held_limit: int | None = None) -> list[str]:
+def tune_cpu(held_limit: int | None = None, reserve: int | None = None) -> list[str]:
     """Apply (1)-(3) above when the backend will be the CPU; returns what was applied (empty on
-    accelerator hosts). `held_limit`: bytes of free memory the heap may keep resident (default
-    `default_held_limit()`). Raises if JAX already started a backend: too late then."""
+    accelerator hosts). The heap's resident free memory goes back to the kernel when less than
+    `reserve` bytes are available (default: a quarter of `memory_budget()`) or, if `held_limit`
+    is given, when more than that many bytes of it are held. Raises if JAX already started a
+    backend: too late then."""
     global _watcher
     if not cpu_backend_expected():
         return []
@@ -143,10 +231,12 @@ def tune_cpu(held_limit: int | None = None) -> list[str]:
         # -1 as size_t: never trim the heap top back to the kernel (the watcher bounds it).
         if all(libc.mallopt(p, v) == 1 for p, v in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0),
                                                      (_M_TRIM_THRESHOLD, -1))):
-            limit = held_limit or default_held_limit()
-            _watcher = _TrimWatcher(libc, limit)
+            reserve = memory_budget() // 4 if reserve is None else reserve
+            _watcher = _TrimWatcher(libc, held_limit, reserve)
             _watcher.start()
-            applied.append(f"malloc: one arena, no mmap, trimmed above {limit / 2**30:.1f} GB held free")
+            applied.append(f"malloc: one arena, no mmap, free memory returned when under "
+                           f"{reserve / 2**30:.1f} GB is available"
+                           + (f" or over {held_limit / 2**30:.1f} GB is held" if held_limit else ""))
     return applied
 
 
