@@ -16,7 +16,9 @@ from olmo3 import runtime
 PROBE = textwrap.dedent("""
     import json, os, resource, sys
     from olmo3 import runtime
-    applied = runtime.tune_cpu() if sys.argv[1] == "tune" else []
+    # reserve=0: the allocator settings alone (the watcher's decision is test_trim_decision's;
+    # a CI box short of memory would trim here and fault).
+    applied = runtime.tune_cpu(reserve=0) if sys.argv[1] == "tune" else []
     import jax, jax.numpy as jnp
     f = jax.jit(lambda x, w: jnp.exp(x) @ w)
     x, w = jnp.ones((16384, 2048), jnp.float32), jnp.ones((2048, 8), jnp.float32)
@@ -101,12 +103,13 @@ def test_tuned_allocator_memory_stays_bounded_across_shapes():
     over_limit = peak("tune", str(64 << 20), "0")
     short = peak("tune", str(1 << 50), str(1 << 50))
     assert any(a.startswith("malloc") for a in never_trimmed["applied"])
-    assert never_trimmed["trims"] == 0 and over_limit["trims"] > 0 and short["trims"] > 0
+    assert never_trimmed["trims"] == 0 and over_limit["trims"] > 0
     # Peak RSS, GB, glibc 2.36. Intel Xeon: glibc defaults 1.29-1.32, never trimmed 1.48, over the
     # limit 1.28-1.29. AMD EPYC: 1.24, 1.50, over the limit 1.31-1.33, short 1.32-1.33 (the watcher
     # looks twice a second; the probe's programs run faster than that there).
     if never_trimmed["peak_gb"] < 1.08 * plain:
         pytest.skip(f"this allocator did not fragment here ({never_trimmed['peak_gb']:.2f} vs {plain:.2f} GB)")
+    assert short["trims"] > 0   # the heap held more than TRIM_FLOOR free: it fragmented
     ratchet = never_trimmed["peak_gb"] - plain
     for bounded in (over_limit, short):   # each trigger takes back at least half of the ratchet
         assert bounded["peak_gb"] - plain <= 0.5 * ratchet, (plain, never_trimmed, over_limit, short)
