@@ -40,7 +40,7 @@ d_model 512, 8 layers, vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10
    whenever a quarter of RAM was held free, then half of it. The bench_cpu.flags process holds
    5-12 GB free between steps (the compiler's freed memory, and temporaries whose holes the
    next step's allocations do not fit): on a 24 GB box 3 of 6 solo runs of 5-8 steps were
-   trimmed once, at one limit or the other, and the next two steps took 16.8-21.4 s instead of
+   trimmed once, at one limit or the other, and the next two steps took 16.4-21.4 s instead of
    12-13 s (AMD EPYC, faulting the temporaries back in). The stage-3 run above now finishes at
    13.3 GB peak RSS there. An explicit `held_limit` still trims above that much held free.
    tests/test_runtime.py checks the steady state, the fragmenting run under both triggers,
