@@ -237,7 +237,7 @@ def tune_cpu(held_limit: int | None = None, reserve: int | None = None) -> list[
             _watcher.start()
             applied.append(f"malloc: one arena, no mmap, free memory returned when under "
                            f"{reserve / 2**30:.1f} GB is available"
-                           + (f" or over {held_limit / 2**30:.1f} GB is held" if held_limit else ""))
+                           + (f" or over {held_limit / 2**30:.1f} GB is held" if held_limit is not None else ""))
     return applied
 
 
