@@ -1,0 +1,64 @@
+"""RoPE tables against a numpy oracle, and compiled once per step (not per head and batch row).
+
+The rotation itself is checked end to end against transformers in test_model.py (plain RoPE and
+YaRN layers, even and odd head counts).
+"""
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import olmo3
+from olmo3 import rope
+from olmo3.config import Config, YaRN
+
+
+@pytest.mark.parametrize("head_dim,yarn", [(64, None), (12, None), (128, YaRN())])
+def test_cos_sin_match_numpy(head_dim, yarn):
+    positions = np.array([0, 1, 2, 7, 4095, 8191, 8192, 40_000, 65_535], np.int32)
+    inv_freq, scale = rope.inv_frequencies(head_dim, 5e5, yarn)
+    angles = (positions.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
+    angles = np.concatenate([angles, angles], axis=-1)          # rotate-half: both halves alike
+    cos, sin = rope.cos_sin(jnp.asarray(positions), head_dim, 5e5, yarn)
+    assert cos.shape == sin.shape == (len(positions), head_dim)
+    np.testing.assert_allclose(np.asarray(cos), np.cos(angles) * scale, rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(sin), np.sin(angles) * scale, rtol=0, atol=2e-6)
+    if yarn is not None:
+        assert scale == pytest.approx(0.1 * np.log(8.0) + 1.0)
+
+
+def _fusion_outputs_with(hlo: str, ops: tuple[str, ...]) -> list[int]:
+    """Element counts of the fusions (and unfused instructions) of an optimized HLO module that
+    compute any of `ops`."""
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S)}
+    computes = {name for name, body in bodies.items() if any(f" {op}(" in body for op in ops)}
+    sizes = []
+    for shape, rest in re.findall(r"^\s*(?:ROOT )?%[\w.\-]+ = (\S+) (\w[\w-]*\(.*)$", hlo, re.M):
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        if (called and called.group(1) in computes) or rest.split("(")[0] in ops:
+            sizes.append(sum(int(np.prod([int(x) for x in dims.split(",") if x]))
+                             for dims in re.findall(r"\[([\d,]*)\]", shape)))
+    return sizes
+
+
+def test_tables_are_computed_once_per_step():
+    """The CPU forward + backward of a batch computes sin and cos on table-sized buffers only:
+    no fusion recomputes them per batch row and head (olmo3/rope.py cos_sin)."""
+    config = Config.tiny(vocab_size=128, n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                         mlp_hidden=96, window=8, yarn=YaRN(factor=4.0, original_max_position=16),
+                         remat="none", scan_layers=False)
+    batch, seq = 3, 32
+    model = olmo3.OLMo3(config, jax.random.key(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 128, (batch, seq)), jnp.int32)
+    params, static = eqx.partition(model, eqx.is_array)
+    loss = lambda p: jnp.mean(jax.vmap(eqx.combine(p, static))(tokens) ** 2)  # noqa: E731
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    sizes = _fusion_outputs_with(hlo, ("sine", "cosine"))
+    assert sizes, "no sin/cos found in the compiled step: the check would pass vacuously"
+    table = 2 * seq * config.head_dim          # cos and sin stacked: [2 x seq, head_dim]
+    assert max(sizes) <= table, (
+        f"sin/cos computed into buffers of {sorted(set(sizes))} elements; the tables hold {table}: "
+        f"XLA fused them into the per-head RoPE fusions")
