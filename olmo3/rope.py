@@ -55,9 +55,10 @@ def cos_sin(positions: Int[Array, " seq"], head_dim: int, theta: float,
     every consumer: written as cos(concat([f, f])) the tables were recomputed for each batch
     row and head inside the RoPE fusions of every layer, forward and backward (50 sine ops in
     the CPU benchmark's step; an isolated RoPE forward + backward of q and k took 30 ms that
-    way and 6.6 ms with the tables precomputed). No compiler fuses a dot into an elementwise
-    consumer. The product is exact: one nonzero term per output, at HIGHEST precision (no
-    bf16 passes on TPU, no TF32 on GPU).
+    way and 6.6 ms with the tables precomputed). XLA:CPU does not fuse a dot into an
+    elementwise consumer (tests/test_rope.py checks the compiled step). The product is exact:
+    one nonzero term per output, at HIGHEST precision (full float32 on TPU and GPU: not a
+    single bf16 pass, not TF32).
     """
     inv_freq, scale = inv_frequencies(head_dim, theta, yarn)
     half, T = head_dim // 2, positions.shape[0]
