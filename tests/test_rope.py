@@ -33,7 +33,8 @@ def test_cos_sin_match_numpy(head_dim, yarn):
 def _fusion_outputs_with(hlo: str, ops: tuple[str, ...]) -> list[int]:
     """Element counts of the fusions (and unfused instructions) of an optimized HLO module that
     compute any of `ops`."""
-    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}", hlo, re.M | re.S)}
+    computation = r"^%?([\w.\-]+) [^\n]*\{\n(.*?)\n\}"            # name ... {\n body \n}
+    bodies = {m.group(1): m.group(2) for m in re.finditer(computation, hlo, re.M | re.S)}
     computes = {name for name, body in bodies.items() if any(f" {op}(" in body for op in ops)}
     sizes = []
     for shape, rest in re.findall(r"^\s*(?:ROOT )?%[\w.\-]+ = (\S+) (\w[\w-]*\(.*)$", hlo, re.M):
