@@ -256,9 +256,9 @@ def main(argv):
         return tps, tpc, med
 
     tps, tpc, med = report("ours ", ours_t)
-    if runtime.trims() is not None:   # each trim faults the next steps' temporaries back in
-        print(f"malloc: the heap's free memory was returned to the kernel {runtime.trims()} time(s) "
-              "since start")
+    trims = runtime.trims()
+    if trims is not None:   # each trim faults the next steps' temporaries back in
+        print(f"malloc: the heap's free memory was returned to the kernel {trims} time(s) since start")
     ttps, ttpc, tmed = report("torch", theirs_t) if theirs_t else (float("nan"),) * 3
     per_device = lambda f: f / med / n_devices  # noqa: E731
     for c in ("writeup", "sliding"):

@@ -112,8 +112,9 @@ def test_one_further_step_matches_olmo_core(ref):
     that cancels (sum_t p_tj h_t over signed h). Measured (CPU), against updates up to 7e-4:
     params within 4.9e-7 on an Intel Xeon (lm_head); on an AMD EPYC within 1.2e-7 (norm gains:
     1 ulp at 1.0) but for one element, lm_head row 92703 (nu 2.6e-14), off by 2.4e-6 = 0.6% of
-    its update of 4.1e-4. Moments within 6e-6 of their largest value. Tolerances: each parameter's update within 1e-6 + 1% of
-    its own size (weight decay and the decay mask are test_optim.py's, against an oracle); 2e-5."""
+    its update of 4.1e-4. Moments within 6e-6 of their largest value. Tolerances: each
+    parameter's update within 1e-6 + 1% of its own size (weight decay and the decay mask are
+    test_optim.py's, against an oracle); 2e-5."""
     model, opt, _, _ = restore(str(ref["dir"] / "orbax"), ref["config"])
     sched = schedules.linear_schedule(R.LR, 0, R.MAX_STEPS)
     m3 = ref["metrics3"]
