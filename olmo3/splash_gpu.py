@@ -68,8 +68,9 @@ Block sizes for H100/H200 (sm_90: 228 KiB shared memory per SM, at most 227 KiB 
 32-bit registers per SM). Nothing here has been timed on a GPU (none was available when this
 was written); the choices follow the public tuned references, and the kernels' Triton IR
 (bf16, head_dim 64/128/256) compiles for sm_90 with the pip Triton 3.9 + its ptxas without
-register spills (an independent check: on a GPU, XLA compiles it with the Triton in jaxlib) (head_dim 128: forward 226 registers/thread and 128 KiB shared memory; dq 138-175
-registers, 96 KiB; dk/dv 250-254 registers, 97 KiB):
+register spills (benchmarks/splash_gpu_ptxas.py; an independent check: on a GPU, XLA compiles
+it with the Triton in jaxlib). At head_dim 128: forward 226 registers/thread and 128 KiB shared
+memory; dq 138-175 registers, 96 KiB; dk/dv 250-254 registers, 97 KiB. The tiles:
   forward  128 x 64, 8 warps (head_dim >= 128) / 4 warps, 3 stages: the Triton fused-attention
            tutorial's and JAX's flash kernel's forward tiles for head_dim 128. SMEM in bf16:
            q 32 KiB + 3 stages x (k + v) 32 KiB = 128 KiB.
