@@ -22,7 +22,6 @@ UTF-8 bytes of the predicted tokens (dolma2 decoding), which makes tokenizers co
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -31,7 +30,7 @@ import numpy as np
 from absl import app, flags, logging
 
 import data
-from olmo3 import cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
+from olmo3 import atomic, cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
 from olmo3.config import config_diff, config_from_dict
 
 # ---------------------------------------------------------------------------------------------
@@ -89,12 +88,8 @@ flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,c
 
 
 def write_json(out_dir: str, name: str, obj, *, indent: int) -> None:
-    """out_dir/name, written whole or not at all (temp file + rename)."""
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=indent)
-    os.replace(tmp, os.path.join(out_dir, name))
+    """out_dir/name, written whole or not at all (olmo3/atomic.py)."""
+    atomic.write_json(os.path.join(out_dir, name), obj, indent=indent)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ import json
 import os
 import random
 import sys
-import tempfile
 
 from data import chat, corpus
+from olmo3 import atomic
 
 PROMPT = "Write the docstring of this Python function.\n\n"
 
@@ -100,11 +100,7 @@ def preference_rows(pairs: list[tuple[str, str]], seed: int) -> list[dict]:
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)  # atomic
+    atomic.write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def main(argv):

@@ -39,6 +39,7 @@ import numpy as np
 
 from data import packing, storage
 from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
+from olmo3 import atomic
 
 
 def permute_sources(paths: Sequence[str], seed: int | None) -> list[int]:
@@ -142,11 +143,9 @@ class PackedFSLDataset:
                  "spans": spans[order],  # (docs, 2) group-token offsets, in packing order
                  "offsets": np.cumsum([0] + [len(d) for d in instances]).astype(np.int64),
                  "docs": np.array([k for d in instances for k in d], np.int64)}
-        if cached:
-            os.makedirs(os.path.dirname(cached), exist_ok=True)
-            tmp = f"{cached}.{os.getpid()}.tmp.npz"
-            np.savez(tmp, **group)
-            os.replace(tmp, cached)  # atomic: another host may write the same file
+        if cached:   # another host may write the same file: each renames a whole one over it
+            with atomic.replacing(cached, suffix=".npz") as tmp:
+                np.savez(tmp, **group)
         return group
 
     def __len__(self) -> int:

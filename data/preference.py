@@ -27,6 +27,7 @@ import os
 import numpy as np
 
 from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
+from olmo3 import atomic
 
 TOKENS, MASKS, MANIFEST = "token_ids.npy", "labels_mask.npy", "pairs.json"
 FORMAT = "olmo3-jax preference pairs v1"
@@ -134,37 +135,33 @@ def write_pairs(out_dir: str | os.PathLike, pairs, *, max_seq_length: int, info:
     written under temporary names and renamed, the manifest last: a crash leaves no half data set
     that reads as whole. Returns the manifest."""
     out_dir = os.fspath(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    tmp = {name: os.path.join(out_dir, f".{name}.{os.getpid()}.tmp") for name in (TOKENS, MASKS, MANIFEST)}
+    path = {name: os.path.join(out_dir, name) for name in (TOKENS, MASKS, MANIFEST)}
     lengths, dropped = [], 0
     sha = {TOKENS: hashlib.sha256(), MASKS: hashlib.sha256()}
-    with open(tmp[TOKENS], "wb") as ft, open(tmp[MASKS], "wb") as fm:
-        for chosen, rejected in pairs:
-            sides = [(np.asarray(ids, np.uint32)[:max_seq_length], np.asarray(m, bool)[:max_seq_length])
-                     for ids, m in (chosen, rejected)]
-            if any(len(ids) != len(m) for ids, m in sides):
-                raise ValueError("a rendered sequence has a label mask of another length than its tokens")
-            if not all(m.any() for _, m in sides):
-                dropped += 1
-                continue
-            for ids, m in sides:
-                for name, f, buf in ((TOKENS, ft, ids.tobytes()), (MASKS, fm, m.tobytes())):
-                    f.write(buf)
-                    sha[name].update(buf)
-                lengths.append(len(ids))
-    if not lengths:
-        for p in tmp.values():
-            if os.path.exists(p):
-                os.remove(p)
-        raise ValueError(f"no pair with a trainable token on both sides (of {dropped}); nothing written to {out_dir}")
+    # Token and mask files are renamed into place when this block ends (nothing on an error),
+    # after the old manifest is gone; the new manifest is written after them.
+    with atomic.replacing(path[TOKENS]) as tmp_tokens, atomic.replacing(path[MASKS]) as tmp_masks:
+        with open(tmp_tokens, "wb") as ft, open(tmp_masks, "wb") as fm:
+            for chosen, rejected in pairs:
+                sides = [(np.asarray(ids, np.uint32)[:max_seq_length], np.asarray(m, bool)[:max_seq_length])
+                         for ids, m in (chosen, rejected)]
+                if any(len(ids) != len(m) for ids, m in sides):
+                    raise ValueError("a rendered sequence has a label mask of another length than its tokens")
+                if not all(m.any() for _, m in sides):
+                    dropped += 1
+                    continue
+                for ids, m in sides:
+                    for name, f, buf in ((TOKENS, ft, ids.tobytes()), (MASKS, fm, m.tobytes())):
+                        f.write(buf)
+                        sha[name].update(buf)
+                    lengths.append(len(ids))
+        if not lengths:
+            raise ValueError(f"no pair with a trainable token on both sides (of {dropped}); nothing written to "
+                             f"{out_dir}")
+        if os.path.exists(path[MANIFEST]):   # no old manifest over new files, even mid-crash
+            os.remove(path[MANIFEST])
     manifest = {"format": FORMAT, "pairs": len(lengths) // 2, "dropped": dropped, "max_seq_length": max_seq_length,
                 "token_ids_sha256": sha[TOKENS].hexdigest(), "labels_mask_sha256": sha[MASKS].hexdigest(),
                 **(info or {}), "lengths": lengths}
-    with open(tmp[MANIFEST], "w") as f:
-        json.dump(manifest, f)
-    if os.path.exists(os.path.join(out_dir, MANIFEST)):   # no old manifest over new files, even mid-crash
-        os.remove(os.path.join(out_dir, MANIFEST))
-    os.replace(tmp[TOKENS], os.path.join(out_dir, TOKENS))
-    os.replace(tmp[MASKS], os.path.join(out_dir, MASKS))
-    os.replace(tmp[MANIFEST], os.path.join(out_dir, MANIFEST))
+    atomic.write_json(path[MANIFEST], manifest)
     return manifest

@@ -37,6 +37,7 @@ from absl import logging
 from data import corpus as corpus_lib
 from data.dataset import FSLDataset
 from data.tokenizer import CL100K_SHA256, EOS_ID, PAD_ID, VOCAB_SIZE, dolma2
+from olmo3 import atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "olmo-core-fsl-uint32/v1"
@@ -201,20 +202,6 @@ class _SplitWriter:
         }
 
 
-def _write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def _remove_temporaries(created: list[str]):
     for p in created:
         if os.path.exists(p):
@@ -366,7 +353,7 @@ def prepare(
     }
     if any(s in ("stdlib", "stdlib-code", "stdlib-docs") for s, _ in sources):
         manifest["stdlib"] = corpus_lib.stdlib_description()
-    _write_json_atomic(manifest_path, manifest)
+    atomic.write_json(manifest_path, manifest, indent=1, sort_keys=True)
     return manifest
 
 

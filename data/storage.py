@@ -32,7 +32,6 @@ import os
 import random
 import re
 import socket
-import tempfile
 import threading
 import time
 import urllib.error
@@ -43,6 +42,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorstore as ts
 from jaxtyping import UInt32
+
+from olmo3 import atomic
 
 DTYPE = np.uint32  # OLMo-core writes dolma2 token ids as headerless uint32
 ITEMSIZE = 4
@@ -344,17 +345,8 @@ def save_manifest(path: str, sizes: dict[str, int]):
     """Merge `sizes` into the manifest at `path`; written to a temp name and renamed."""
     merged = load_manifest(path)
     merged.update(sizes)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    doc = {"format": MANIFEST_FORMAT,
-           "files": {u: {"bytes": n} for u, n in sorted(merged.items())}}
-    fd, tmp = tempfile.mkstemp(prefix=".remote_sizes.", dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=0)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic.write_json(path, {"format": MANIFEST_FORMAT,
+                             "files": {u: {"bytes": n} for u, n in sorted(merged.items())}}, indent=0)
 
 
 # --- readers -----------------------------------------------------------------------------------

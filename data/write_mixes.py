@@ -12,11 +12,11 @@ renamed, so a failed run leaves the previous lists intact.
 import os
 import re
 import subprocess
-import tempfile
 
 from absl import app, flags
 
 from data import mixes
+from olmo3 import atomic
 
 MIX_DIR = "src/olmo_core/data/mixes"
 # The recipe's three stages and the perplexity sets (see data/mixes.py).
@@ -75,16 +75,8 @@ def normalize(name: str, text: str, source: str) -> str:
 
 
 def write(out_dir: str, name: str, body: str) -> str:
-    os.makedirs(out_dir, exist_ok=True)
     dest = os.path.join(out_dir, name + ".txt")
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(body)
-        os.replace(tmp, dest)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic.write_text(dest, body)
     return dest
 
 

@@ -18,7 +18,7 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 import numpy as np
 from jaxtyping import Float
 
-from olmo3 import checkpoint
+from olmo3 import atomic, checkpoint
 from olmo3.metrics import read_jsonl
 
 
@@ -100,11 +100,6 @@ def write_report(rows: list[dict], out_dir: str, title: str, notes: Sequence[str
     cols = list(dict.fromkeys(k for r in rows for k in r))
     paths = {k: os.path.join(out_dir, f"report.{k}") for k in ("md", "csv", "png")}
 
-    def atomic(path, write):
-        tmp = path + ".tmp"
-        write(tmp)
-        os.replace(tmp, path)
-
     def csv_(tmp):
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=cols)
@@ -138,9 +133,9 @@ def write_report(rows: list[dict], out_dir: str, title: str, notes: Sequence[str
         fig.savefig(tmp, format="png")
         plt.close(fig)
 
-    atomic(paths["csv"], csv_)
-    atomic(paths["md"], md)
-    atomic(paths["png"], png)
+    for kind, write in (("csv", csv_), ("md", md), ("png", png)):
+        with atomic.replacing(paths[kind]) as tmp:
+            write(tmp)
     return paths
 
 

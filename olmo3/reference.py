@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
+from olmo3 import atomic
 from olmo3.cli import UserError
 
 CACHE_NAME = "reference_logps.npz"
@@ -91,12 +92,10 @@ def load(path: str, expected: str) -> np.ndarray | None:
 
 
 def write(path: str, expected: str, sums: np.ndarray, counts: np.ndarray) -> None:
-    """Atomic: a temporary file in the same directory, then renamed over `path`."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(tmp, fingerprint=np.array(expected), sums=np.asarray(sums, np.float32),
-             counts=np.asarray(counts, np.int32))
-    os.replace(tmp, path)
+    """Whole or not at all (olmo3/atomic.py)."""
+    with atomic.replacing(path, suffix=".npz") as tmp:
+        np.savez(tmp, fingerprint=np.array(expected), sums=np.asarray(sums, np.float32),
+                 counts=np.asarray(counts, np.int32))
 
 
 def load_or_compute(path: str, expected: str, compute: Callable[[], tuple[np.ndarray, np.ndarray]], *,

@@ -1,0 +1,69 @@
+"""olmo3/atomic.py: a file is replaced whole or left as it was, and no temporary is left behind."""
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from olmo3 import atomic
+
+
+def test_replacing_renames_a_whole_file_with_the_umask_permissions(tmp_path):
+    path = tmp_path / "sub" / "out.json"          # the directory is made
+    old = os.umask(0o022)
+    try:
+        atomic.write_json(path, {"a": 1}, indent=1)
+    finally:
+        os.umask(old)
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644   # not mkstemp's 0600
+    assert os.listdir(path.parent) == ["out.json"]
+    atomic.write_text(path, "second\n")           # over an existing file
+    assert path.read_text() == "second\n" and os.listdir(path.parent) == ["out.json"]
+
+
+def test_an_error_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "out.txt"
+    path.write_text("old")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic.replacing(path) as tmp:
+            assert os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith(".")
+            with open(tmp, "w") as f:
+                f.write("half of the new")
+            raise RuntimeError("disk full")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.txt"]
+
+
+def test_suffix_keeps_np_savez_on_the_temporary_name(tmp_path):
+    path = tmp_path / "cache.npz"
+    with atomic.replacing(path, suffix=".npz") as tmp:
+        assert tmp.endswith(".npz")
+        np.savez(tmp, x=np.arange(3))            # would write tmp + ".npz" without the suffix
+    with np.load(path) as z:
+        np.testing.assert_array_equal(z["x"], np.arange(3))
+    assert os.listdir(tmp_path) == ["cache.npz"]
+
+
+def test_two_writers_of_one_file_get_distinct_temporaries(tmp_path):
+    path = tmp_path / "shared.txt"
+    with atomic.replacing(path) as a, atomic.replacing(path) as b:
+        assert a != b
+        for t, text in ((a, "from a"), (b, "from b")):
+            with open(t, "w") as f:
+                f.write(text)
+    assert path.read_text() == "from a"           # the last rename wins, with a whole file
+    assert os.listdir(tmp_path) == ["shared.txt"]
+
+
+def test_write_pairs_leaves_nothing_on_a_bad_pair(tmp_path):
+    from data import preference
+    good = (([1, 2, 3], [False, True, True]), ([1, 2, 4], [False, True, True]))
+    bad = (([1, 2, 3], [False, True]), ([1, 2, 4], [False, True, True]))   # mask shorter than tokens
+    out = tmp_path / "pairs"
+    manifest = preference.write_pairs(out, [good], max_seq_length=8)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    assert manifest["pairs"] == 1 and not [n for n in before if n.startswith(".")]
+    with pytest.raises(ValueError, match="label mask of another length"):
+        preference.write_pairs(out, [good, bad], max_seq_length=8)
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before   # the old data set, whole
