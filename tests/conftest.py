@@ -1,5 +1,8 @@
 """Test setup: 8 host CPU devices and runtime jaxtyping checks for the whole package."""
+import atexit
 import os
+import shutil
+import tempfile
 
 # Must precede the first `import jax`: the sharding tests use 8 CPU devices.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -13,3 +16,12 @@ _hook = install_import_hook(["olmo3", "data"], "beartype.beartype")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# After `import jax`, so only for the scripts tests start as subprocesses (train.py, eval.py,
+# convert.py, bench.py): one persistent compilation cache for the session, so that runs of one
+# program (a run and its resumed copy, the bad-input cases) compile it once. Programs that
+# compile in under a second are not cached (JAX's default threshold). The key is the program,
+# the XLA flags and the jaxlib version, so a hit runs the same executable a compile would have.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="olmo3-test-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -84,10 +84,10 @@ def test_parity_unrolled_layer_groups():
     assert config.n_groups == 2
     model, scanned = (hf.from_hf({k: v for k, v in ref.state_dict().items()}, c)
                       for c in (config, config.replace(scan_layers=True)))
-    ours = np.asarray(jax.vmap(model)(jnp.asarray(tokens, jnp.int32)))
+    ours = np.asarray(eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(model, jnp.asarray(tokens, jnp.int32)))
     np.testing.assert_allclose(ours, ref_logits, atol=2e-4, rtol=1e-4)
     loss = lambda m: jnp.sum(jax.vmap(m)(jnp.asarray(tokens, jnp.int32)) ** 2)  # noqa: E731
-    g_loop, g_scan = (eqx.filter_grad(loss)(m) for m in (model, scanned))
+    g_loop, g_scan = (eqx.filter_jit(eqx.filter_grad(loss))(m) for m in (model, scanned))
     for a, b in zip(jax.tree.leaves(g_loop), jax.tree.leaves(g_scan)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
 
