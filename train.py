@@ -136,6 +136,9 @@ flags.DEFINE_float("peak_tflops", None, "Per-device peak TFLOP/s for MFU (defaul
 flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only and keep freed memory in "
                   "the process (olmo3/runtime.py; CPU benchmark step with remat save_proj: 8.76 s -> 7.10 s). "
                   "No effect on GPU/TPU hosts.")
+flags.DEFINE_string("compilation_cache", "run_dir", "Where compiled programs are kept so that a resumed run "
+                    "loads them instead of compiling again (olmo3/runtime.py): 'run_dir' = "
+                    "<run_dir>/compilation_cache, a directory, or 'none'. JAX_COMPILATION_CACHE_DIR wins.")
 flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: the XLA flags MaxText and JAX-Toolbox train "
                   "LLMs with (olmo3/runtime.py); your own XLA_FLAGS entries win one by one.")
 
@@ -184,7 +187,9 @@ def main(argv):
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
     tuned = ((runtime.tune_cpu() if F.tune_cpu else [])   # before JAX starts its backend
-             + (runtime.tune_gpu() if F.tune_gpu else []))
+             + (runtime.tune_gpu() if F.tune_gpu else [])
+             + runtime.compilation_cache({"none": None, "run_dir": os.path.join(F.run_dir, "compilation_cache")}
+                                         .get(F.compilation_cache, F.compilation_cache)))
     import equinox as eqx
     import jax
 

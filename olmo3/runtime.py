@@ -5,6 +5,8 @@
                   a watcher thread: malloc_trim(0) when available memory < reserve
     NVIDIA GPU:   XLA_FLAGS += the flags MaxText / JAX-Toolbox train LLMs with (GPU_XLA_FLAGS)
                   env CUDA_DEVICE_MAX_CONNECTIONS=1, XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+    every backend: a persistent compilation cache (`compilation_cache`), so that a resumed run
+                  (--resume_until_done after a crash, a preempted job) does not compile again
     anything set by the user (one XLA_FLAGS entry, one environment variable) wins over ours.
 
 CPU: each setting was found by profiling the issue-8 CPU config (benchmarks/bench_cpu.flags:
@@ -326,3 +328,24 @@ def tune_gpu() -> list[str]:
             os.environ[name] = value
             applied.append(f"{name}={value}")
     return applied
+
+
+# ---------------------------------------------------------------------------------------------
+# Every backend: JAX's persistent compilation cache. A resumed run traces the same programs
+# as the run it continues (the step does not bake in its start step; tests/test_train.py checks
+# that the resumed run finds its step in the cache), so it loads the executables instead of
+# compiling them: the 7B step's compile is minutes on a TPU slice or a GPU node, paid again
+# at every restart of a crash-resubmission loop. MaxText keeps one too (`jax_cache_dir`). JAX
+# keys an entry by the program, the XLA flags, the devices and the jaxlib version, caches only
+# programs that took over a second to compile, and only process 0 writes.
+# ---------------------------------------------------------------------------------------------
+def compilation_cache(directory: str | None) -> list[str]:
+    """Cache compiled programs in `directory` (None: off). JAX_COMPILATION_CACHE_DIR in the
+    environment wins (JAX reads it itself). Returns what was applied, for the run's header."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return [f"compilation cache {os.environ['JAX_COMPILATION_CACHE_DIR']} (JAX_COMPILATION_CACHE_DIR)"]
+    if not directory:
+        return []
+    import jax
+    jax.config.update("jax_compilation_cache_dir", directory)
+    return [f"compilation cache {directory}"]

@@ -48,6 +48,7 @@ def docs(tmp_path_factory):
 def run(args, run_dir, docs, data_dir, check=True, env_extra=None, **kw):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **(env_extra or {})})
+    env = {k: v for k, v in env.items() if v is not None}   # env_extra {name: None} removes it
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}",
            f"--data_dir={data_dir}", f"--run_dir={run_dir}", *args]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, **kw)
@@ -79,10 +80,19 @@ def uninterrupted(tmp_path_factory, docs):
 
 
 def test_resume_is_bit_exact(uninterrupted, docs):
+    """... and the resumed run loads its training step from <run_dir>/compilation_cache instead
+    of compiling it again (the default --compilation_cache; the suite's own cache is removed)."""
     base = uninterrupted
-    run(["--max_steps=3", "--save_interval=3"], base / "b", docs, base / "data")
+    own_cache = {"JAX_COMPILATION_CACHE_DIR": None}
+    cache = base / "b" / "compilation_cache"
+    run(["--max_steps=3", "--save_interval=3"], base / "b", docs, base / "data", env_extra=own_cache)
     assert sorted(os.listdir(base / "b" / "checkpoints")) == ["3"]
-    run(["--max_steps=6", "--save_interval=3", "--resume"], base / "b", docs, base / "data")
+    steps = sorted(n for n in os.listdir(cache) if n.startswith("jit_step-"))
+    assert len(steps) == 1, os.listdir(cache)
+    p = run(["--max_steps=6", "--save_interval=3", "--resume"], base / "b", docs, base / "data",
+            env_extra=own_cache)
+    assert f"compilation cache {cache}" in p.stdout + p.stderr
+    assert sorted(n for n in os.listdir(cache) if n.startswith("jit_step-")) == steps   # a hit: same key
     a, b = losses(base / "a"), losses(base / "b")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # exact, not approximate
