@@ -188,8 +188,7 @@ def main(argv):
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
     tuned = ((runtime.tune_cpu() if F.tune_cpu else [])   # before JAX starts its backend
              + (runtime.tune_gpu() if F.tune_gpu else [])
-             + runtime.compilation_cache({"none": None, "run_dir": os.path.join(F.run_dir, "compilation_cache")}
-                                         .get(F.compilation_cache, F.compilation_cache)))
+             + runtime.compilation_cache(compilation_cache_dir()))
     import equinox as eqx
     import jax
 
@@ -585,6 +584,16 @@ def packing_cache() -> str | None:
     else:
         where = os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", "packing")
     return None if storage.is_remote(where) else where
+
+
+def compilation_cache_dir() -> str | None:
+    """--compilation_cache as a directory; the default only for a local --run_dir (a cache on
+    object storage needs packages this project does not install)."""
+    if F.compilation_cache == "none":
+        return None
+    if F.compilation_cache == "run_dir":
+        return None if "://" in F.run_dir else os.path.join(F.run_dir, "compilation_cache")
+    return F.compilation_cache
 
 
 def reference_logps(ds, path: str, identity: str, model, compute):

@@ -346,6 +346,13 @@ def compilation_cache(directory: str | None) -> list[str]:
         return [f"compilation cache {os.environ['JAX_COMPILATION_CACHE_DIR']} (JAX_COMPILATION_CACHE_DIR)"]
     if not directory:
         return []
+    if "://" not in directory:   # a speed-up, never a reason to stop a run: JAX would raise mid-compile
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            return [f"no compilation cache ({directory}: {e.strerror})"]
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return [f"no compilation cache ({directory} is not writable)"]
     import jax
     jax.config.update("jax_compilation_cache_dir", directory)
     return [f"compilation cache {directory}"]

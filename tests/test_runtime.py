@@ -234,3 +234,24 @@ def test_gpu_flags_not_set_for_a_cpu(monkeypatch):
     assert runtime.tune_gpu() == []
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
     assert runtime.gpu_backend_expected()
+
+
+def test_compilation_cache_never_stops_a_run(tmp_path, monkeypatch):
+    """An unusable directory turns the cache off with a note instead of failing the first compile;
+    JAX_COMPILATION_CACHE_DIR wins over the flag. (The cache's use, a resumed run loading its step:
+    tests/test_train.py::test_resume_is_bit_exact.)"""
+    import jax
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/somewhere/else")
+    assert runtime.compilation_cache(str(tmp_path / "c")) == [
+        "compilation cache /somewhere/else (JAX_COMPILATION_CACHE_DIR)"]
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    before = jax.config.jax_compilation_cache_dir
+    (tmp_path / "file").write_text("")
+    assert runtime.compilation_cache(str(tmp_path / "file" / "c")) == [
+        f"no compilation cache ({tmp_path / 'file' / 'c'}: Not a directory)"]
+    if os.geteuid() != 0:   # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        assert runtime.compilation_cache(str(ro)) == [f"no compilation cache ({ro} is not writable)"]
+    assert runtime.compilation_cache(None) == []
+    assert jax.config.jax_compilation_cache_dir == before   # nothing was switched on
