@@ -347,12 +347,13 @@ def compilation_cache(directory: str | None) -> list[str]:
     if not directory:
         return []
     if "://" not in directory:   # a speed-up, never a reason to stop a run: JAX would raise mid-compile
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as e:
-            return [f"no compilation cache ({directory}: {e.strerror})"]
-        if not os.access(directory, os.W_OK | os.X_OK):
-            return [f"no compilation cache ({directory} is not writable)"]
+        # JAX makes the directory at the first compile; a run stopped by bad input before that
+        # leaves none behind. Here: the nearest existing ancestor must be a writable directory.
+        d = os.path.abspath(directory)
+        while not os.path.exists(d):
+            d = os.path.dirname(d)
+        if not os.path.isdir(d) or not os.access(d, os.W_OK | os.X_OK):
+            return [f"no compilation cache ({d} is not a writable directory)"]
     import jax
     jax.config.update("jax_compilation_cache_dir", directory)
     return [f"compilation cache {directory}"]

@@ -247,11 +247,19 @@ def test_compilation_cache_never_stops_a_run(tmp_path, monkeypatch):
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
     before = jax.config.jax_compilation_cache_dir
     (tmp_path / "file").write_text("")
-    assert runtime.compilation_cache(str(tmp_path / "file" / "c")) == [
-        f"no compilation cache ({tmp_path / 'file' / 'c'}: Not a directory)"]
+    assert runtime.compilation_cache(str(tmp_path / "file" / "c" / "d")) == [
+        f"no compilation cache ({tmp_path / 'file'} is not a writable directory)"]
     if os.geteuid() != 0:   # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
-        assert runtime.compilation_cache(str(ro)) == [f"no compilation cache ({ro} is not writable)"]
+        assert runtime.compilation_cache(str(ro / "c")) == [f"no compilation cache ({ro} is not a writable directory)"]
     assert runtime.compilation_cache(None) == []
-    assert jax.config.jax_compilation_cache_dir == before   # nothing was switched on
+    assert jax.config.jax_compilation_cache_dir == before   # nothing was switched on here
+    # Switched on (in a child process, not this one): the directory is JAX's to make at the
+    # first compile, so a run stopped by bad input before it leaves none behind.
+    probe = ("import sys; from olmo3 import runtime; import jax; print(runtime.compilation_cache(sys.argv[1]), "
+             "jax.config.jax_compilation_cache_dir)")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "new" / "c")], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}, timeout=120)
+    assert out.stdout.split() == ["['compilation", "cache", f"{tmp_path / 'new' / 'c'}']", str(tmp_path / "new" / "c")]
+    assert not (tmp_path / "new").exists()
