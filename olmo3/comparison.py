@@ -96,7 +96,6 @@ def verdict(train_delta: float, heldout_delta: float, tol: float = 0.0, *, train
 def write_report(rows: list[dict], out_dir: str, title: str, notes: Sequence[str] = ()) -> dict:
     """report.md, report.csv and report.png (training-loss delta and held-out delta by step)."""
     import csv
-    os.makedirs(out_dir, exist_ok=True)
     cols = list(dict.fromkeys(k for r in rows for k in r))
     paths = {k: os.path.join(out_dir, f"report.{k}") for k in ("md", "csv", "png")}
 
