@@ -312,8 +312,7 @@ class MetricsWriter:
         os.makedirs(run_dir, exist_ok=True)
         self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         try:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            self._tb = _summary_writer(os.path.join(run_dir, "tb"))
         except ImportError:  # TensorBoard is optional; metrics.jsonl is the record
             self._tb = None
 
@@ -350,6 +349,26 @@ class MetricsWriter:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _summary_writer(logdir: str):
+    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch whenever
+    it is installed (the test extras, OLMo-core, most GPU images), only so that it can accept
+    torch tensors; we log Python floats. That import cost each training process 2.6 s and
+    240 MB of RSS on a CPU box (`python -X importtime -c "import tensorboardX"`), and puts
+    torch's CUDA libraries into a JAX GPU process (jax-ml/jax#18032, #19004: a torch cuDNN
+    loaded first stops JAX's CUDA backend). tensorboardX falls back to numpy when `import torch`
+    raises ImportError, which a None entry in sys.modules makes it do; the entry is removed
+    again at once, so the process can still import torch later."""
+    block = "torch" not in sys.modules
+    if block:
+        sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if block:
+            del sys.modules["torch"]
+    return SummaryWriter(logdir)
 
 
 def _hms(seconds: float) -> str:

@@ -216,3 +216,30 @@ def test_progress_line_of_an_evaluation_only_step(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == ["step       0 | held-out heldout 0.693",
                      "step      10 | loss 0.5000 | 80 tok/s | MFU 25.0% | acc 0.875 margin 1.2500 | held-out heldout 0.625"]
+
+
+def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
+    # A fresh process where torch is installed (the test extras): writing TensorBoard events
+    # must not import it (olmo3.metrics._summary_writer), and torch must still import after.
+    # The oracle for the event file is TensorBoard's own Event proto, as tensorboardX ships it.
+    import struct
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
+    code = ("import sys; from olmo3 import metrics; w = metrics.MetricsWriter(sys.argv[1]); "
+            "w.write(7, {'train/loss': 2.5, 'perf/tokens_per_s': 100.0}); w.close(); "
+            "print('torch' in sys.modules); import torch; print(torch.__name__)")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["False", "torch"]
+    (name,) = os.listdir(tmp_path / "tb")
+    data = (tmp_path / "tb" / name).read_bytes()
+    events, i = [], 0
+    while i < len(data):   # TFRecord framing: u64 length, u32 crc, payload, u32 crc
+        (n,) = struct.unpack("<Q", data[i:i + 8])
+        events.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+        i += 12 + n + 4
+    scalars = {(e.step, v.tag): v.simple_value for e in events for v in e.summary.value}
+    assert scalars == {(7, "train/loss"): 2.5, (7, "perf/tokens_per_s"): 100.0}
