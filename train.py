@@ -27,7 +27,8 @@ from olmo3 import cli
 F = flags.FLAGS
 flags.DEFINE_enum("stage", "1", ["1", "2", "3", "sft", "dpo"], "Recipe stage: 1 pretrain, 2 mid-training anneal, "
                   "3 long context, sft supervised fine-tuning on chats (Think / Instruct), dpo preference tuning.")
-flags.DEFINE_string("run_dir", "runs/default", "Checkpoints, metrics.jsonl and TensorBoard events.")
+flags.DEFINE_string("run_dir", "runs/default", "Checkpoints, metrics.jsonl and TensorBoard events: a path "
+                    "every host sees (a shared filesystem or a mounted bucket), not a URL.")
 flags.DEFINE_integer("max_steps", None, "Stop after this many optimizer steps (default: schedule horizon).")
 flags.DEFINE_integer("save_interval", 1000, "Checkpoint every N steps (and at the end).")
 flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
@@ -494,6 +495,10 @@ def check_flags():
     if F.stage == "sft" and not (F.packed and F.label_masks):
         raise app.UsageError("--stage=sft trains on packed conversations with label masks: add --packed --label_masks "
                              "(files from python -m data.prepare_sft or open-instruct's converter)")
+    if "://" in F.run_dir:   # os.path would make 'gs://B/run' the local ./gs:/B/run: checkpoints lost with the host
+        raise app.UsageError(f"--run_dir={F.run_dir!r}: the run directory is written through the local filesystem; "
+                             "give a path every host sees: a shared filesystem, or the bucket mounted with Cloud "
+                             "Storage FUSE (e.g. --run_dir=/gcs/BUCKET/run; launch/tpu_jobset.yaml mounts it)")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps", "downstream_eval_interval"):
@@ -579,20 +584,17 @@ def packing_cache() -> str | None:
     from data import storage
     if F.packing_cache or F.data_dir:
         where = F.packing_cache or os.path.join(F.data_dir, "packing")
-    elif storage.is_remote(F.run_dir):
-        return None
-    else:
+    else:   # --run_dir is a local path (check_flags)
         where = os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", "packing")
     return None if storage.is_remote(where) else where
 
 
 def compilation_cache_dir() -> str | None:
-    """--compilation_cache as a directory; the default only for a local --run_dir (a cache on
-    object storage needs packages this project does not install)."""
+    """--compilation_cache as a directory (None: off); 'run_dir' is <run_dir>/compilation_cache."""
     if F.compilation_cache == "none":
         return None
     if F.compilation_cache == "run_dir":
-        return None if "://" in F.run_dir else os.path.join(F.run_dir, "compilation_cache")
+        return os.path.join(F.run_dir, "compilation_cache")
     return F.compilation_cache
 
 

@@ -86,6 +86,8 @@ def _cases(w):
          "--mesh='context:3': 3 does not divide the 2 global devices"),
         ("context_seq_indivisible", "train.py", [*T, f"--run_dir={new}", "--mesh=context:2", "--seq_len=30"], 2,
          "--seq_len=30 is not divisible by 2 x context = 4"),
+        ("run_dir_remote", "train.py", [*T, "--run_dir=gs://bucket/run"], 2,
+         "--run_dir='gs://bucket/run': the run directory is written through the local filesystem"),
         ("global_batch_indivisible", "train.py", [*T, f"--run_dir={new}", "--global_batch=3"], 2,
          "global batch 3 is not divisible by the 2 global devices"),
         ("corpus_missing", "train.py", [*TINY, f"--data={w / 'nowhere'}", f"--run_dir={new}"], 2,
