@@ -618,6 +618,9 @@ def _parse(spec: str, flag: str) -> tuple[str, str]:
     kind, sep, path = (spec or "").partition(":")
     if not sep or kind not in ("hf", "orbax", "olmo-core") or not path:
         raise app.UsageError(f"--{flag}={spec!r}: expected hf:<dir>, orbax:<dir> or olmo-core:<dir or URL>")
+    if "://" in path and (kind != "olmo-core" or flag == "to"):   # os.path would write ./gs:/... locally
+        raise app.UsageError(f"--{flag}={spec!r}: {kind}: takes a local or mounted directory, not a URL "
+                             "(only --from=olmo-core: reads a URL); mount the bucket (Cloud Storage FUSE) or copy it")
     return kind, path
 
 

@@ -119,6 +119,8 @@ def _cases(w):
         ("eval_metrics_not_json", "eval.py", [f"--compare={w / 'run'},{w / 'badmetrics'}", f"--out={w / 'report'}",
                                               f"--heldout={w / 'docs'}"], 2, "metrics.jsonl:"),
         ("convert_bad_spec", "convert.py", ["--from=foo", f"--to=hf:{w / 'out'}"], 2, "--from='foo'"),
+        ("convert_to_url", "convert.py", [f"--from=orbax:{w / 'run'}", "--to=hf:gs://bucket/hf"], 2,
+         "--to='hf:gs://bucket/hf': hf: takes a local or mounted directory, not a URL"),
         ("convert_wrong_model_type", "convert.py", [f"--from=hf:{w / 'hf_llama'}", f"--to=orbax:{w / 'out'}"], 2,
          "model_type 'llama'"),
         ("convert_config_not_json", "convert.py", [f"--from=hf:{w / 'hf_badjson'}", f"--to=orbax:{w / 'out'}"], 2,
