@@ -45,7 +45,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from olmo3 import cli
+from olmo3 import atomic, cli
 
 # ---------------------------------------------------------------------------------------------
 # §0 Flags.
@@ -632,6 +632,7 @@ def main(argv):
     (src_kind, src), (dst_kind, dst) = _parse(F["from"].value, "from"), _parse(F.to, "to")
     if src_kind == dst_kind or "orbax" not in (src_kind, dst_kind):
         raise app.UsageError("--from and --to must be one orbax: and one hf: or olmo-core:")
+    atomic.check_directory(dst, "--to", F.to)   # every format is written to a temporary directory, then renamed
     t0 = time.time()
     if "olmo-core" in (src_kind, dst_kind):  # §4
         for name in ("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"):

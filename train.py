@@ -19,7 +19,7 @@ import sys
 
 from absl import app, flags, logging
 
-from olmo3 import cli
+from olmo3 import atomic, cli
 
 # ---------------------------------------------------------------------------------------------
 # §0 Flags. Defaults are the stage-1 7B recipe; the flagfiles spell every number out.
@@ -499,6 +499,7 @@ def check_flags():
         raise app.UsageError(f"--run_dir={F.run_dir!r}: the run directory is written through the local filesystem; "
                              "give a path every host sees: a shared filesystem, or the bucket mounted with Cloud "
                              "Storage FUSE (e.g. --run_dir=/gcs/BUCKET/run; launch/tpu_jobset.yaml mounts it)")
+    atomic.check_directory(F.run_dir, "--run_dir")   # checkpoints rename directories: not every mount can
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps", "downstream_eval_interval"):

@@ -18,15 +18,20 @@ The data is fsynced before the rename, so a machine crash right after it cannot 
 file under the target's name (ext4 and XFS may otherwise commit the rename before the data).
 
 Directories (converted checkpoints, SFT token files) use `olmo3.checkpoint.new_directory`;
-Orbax writes its own checkpoints atomically.
+Orbax writes its own checkpoints atomically. Both rename a whole directory into place, which not
+every filesystem does: `check_directory` tries it once, before a run starts.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
+import socket
 import uuid
 from typing import Any, Iterator
+
+from olmo3.cli import UserError
 
 
 @contextlib.contextmanager
@@ -59,3 +64,51 @@ def write_text(path: str | os.PathLike, text: str) -> None:
 def write_json(path: str | os.PathLike, obj: Any, **dump_kwargs) -> None:
     """json.dump(obj, **dump_kwargs) at `path`, whole or not at all (a trailing newline)."""
     write_text(path, json.dumps(obj, **dump_kwargs) + "\n")
+
+
+# Said when a directory cannot be renamed. Cloud Storage FUSE renames a folder atomically in a
+# bucket with hierarchical namespace; in a flat bucket it copies and deletes every object, and only
+# for folders with fewer descendants than the mount option rename-dir-limit, which defaults to 0
+# (gcsfuse docs/semantics.md, `--rename-dir-limit`).
+RENAME_ADVICE = ("checkpoints are written into a temporary directory that is then renamed into place, so the "
+                 "run directory must be on a filesystem that renames directories: a local or shared filesystem, "
+                 "or a Cloud Storage FUSE mount of a bucket with hierarchical namespace (or of a flat bucket "
+                 "mounted with rename-dir-limit=200000, as launch/tpu_jobset.yaml does)")
+
+
+def check_directory(path: str | os.PathLike, flag: str, given: str | None = None) -> None:
+    """Stop with one line (UserError naming `flag` and its value, `given` or `path`) unless directories can be made and renamed
+    where `path` is, or will be: in `path` itself, else in its nearest existing ancestor, a
+    probe directory holding one file is created, renamed and removed. Checkpoints (Orbax's and
+    `olmo3.checkpoint.new_directory`'s) need exactly that, and a filesystem that refuses it
+    would otherwise end a run at its first save, after the first save interval's steps. The
+    probe's name is unique per host and process, so every host of a job may probe at once."""
+    said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
+    where = os.path.abspath(os.fspath(path))
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise UserError(f"{said}{where} is a file, not a directory; give a directory path")
+    name = f".olmo3-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    made, renamed = os.path.join(where, name), os.path.join(where, name + "-renamed")
+    step = "create a directory"
+    try:
+        os.mkdir(made)
+        try:
+            step = "write a file"
+            with open(os.path.join(made, "probe"), "w") as f:
+                f.write("olmo3")
+            step = "rename a directory"
+            os.rename(made, renamed)
+            with open(os.path.join(renamed, "probe")) as f:
+                if f.read() != "olmo3":
+                    raise OSError(f"{renamed}/probe does not read back after the rename")
+        finally:
+            for d in (made, renamed):
+                shutil.rmtree(d, ignore_errors=True)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        said += f"cannot {step} in {where} ({reason}); "
+        if step == "rename a directory":
+            raise UserError(said + RENAME_ADVICE) from e
+        raise UserError(said + "give a directory this process can write") from e

@@ -67,3 +67,45 @@ def test_write_pairs_leaves_nothing_on_a_bad_pair(tmp_path):
     with pytest.raises(ValueError, match="label mask of another length"):
         preference.write_pairs(out, [good, bad], max_seq_length=8)
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before   # the old data set, whole
+
+
+def test_check_directory_probes_where_the_run_directory_will_be_and_leaves_nothing(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    atomic.check_directory(tmp_path, "--run_dir")                     # an existing directory
+    atomic.check_directory(tmp_path / "new" / "run", "--run_dir")     # probed in tmp_path, not made
+    assert os.listdir(tmp_path) == ["keep.txt"]
+    with pytest.raises(atomic.UserError, match=r"^--run_dir='.*keep.txt/run': .*keep.txt is a file, not a directory"):
+        atomic.check_directory(tmp_path / "keep.txt" / "run", "--run_dir")
+
+
+def test_check_directory_names_the_mount_fix_when_directories_cannot_be_renamed(tmp_path, monkeypatch):
+    """A Cloud Storage FUSE mount of a flat bucket refuses directory renames by default
+    (rename-dir-limit 0); Orbax's and new_directory's checkpoints need them."""
+    def refuse(src, dst):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(os, "rename", refuse)
+    with pytest.raises(atomic.UserError) as e:
+        atomic.check_directory(tmp_path / "run", "--to", given="orbax:" + str(tmp_path / "run"))
+    line = str(e.value)
+    assert line.startswith(f"--to='orbax:{tmp_path / 'run'}': cannot rename a directory in {tmp_path} "
+                           "(Function not implemented); checkpoints are written into a temporary directory")
+    assert "hierarchical namespace" in line and "rename-dir-limit=" in line and "\n" not in line
+    assert os.listdir(tmp_path) == []                                  # the probe is gone
+
+
+def test_tpu_jobset_mount_renames_directories():
+    """launch/tpu_jobset.yaml's run directory sits on its Cloud Storage FUSE volume, mounted with
+    the rename-dir-limit that atomic.check_directory's advice names (a flat bucket refuses
+    directory renames without it)."""
+    yaml = pytest.importorskip("yaml")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "launch", "tpu_jobset.yaml")) as f:
+        pod = yaml.safe_load(f)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    train = pod["containers"][0]
+    run_dir = next(a.split("=", 1)[1] for a in train["command"] if a.startswith("--run_dir="))
+    mount = next(m for m in train["volumeMounts"] if run_dir.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
+    options = volume["csi"]["volumeAttributes"]["mountOptions"].split(",")
+    limit = next(o for o in options if o.startswith("rename-dir-limit="))
+    assert limit in atomic.RENAME_ADVICE

@@ -88,6 +88,8 @@ def _cases(w):
          "--seq_len=30 is not divisible by 2 x context = 4"),
         ("run_dir_remote", "train.py", [*T, "--run_dir=gs://bucket/run"], 2,
          "--run_dir='gs://bucket/run': the run directory is written through the local filesystem"),
+        ("run_dir_under_a_file", "train.py", [*T, f"--run_dir={w / 'bad.flags' / 'run'}"], 2,
+         f"--run_dir='{w / 'bad.flags' / 'run'}': {w / 'bad.flags'} is a file, not a directory"),
         ("global_batch_indivisible", "train.py", [*T, f"--run_dir={new}", "--global_batch=3"], 2,
          "global batch 3 is not divisible by the 2 global devices"),
         ("corpus_missing", "train.py", [*TINY, f"--data={w / 'nowhere'}", f"--run_dir={new}"], 2,
