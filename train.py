@@ -195,7 +195,7 @@ def main(argv):
 
     import data
     import olmo3
-    from olmo3 import checkpoint, cluster, metrics as metrics_lib, optim, schedules, sharding
+    from olmo3 import checkpoint, cluster, metrics as metrics_lib, optim, preemption, schedules, sharding
     from olmo3.config import config_to_dict
     from olmo3.model import decay_mask
 
@@ -446,6 +446,10 @@ def main(argv):
                  f"steps {start + 1}..{max_steps}" + (f" | tuning: {'; '.join(tuned)}" if tuned else ""))
     paused = {}  # step -> seconds the loop waited for its checkpoint save to start
     step = start
+    # A preemption notice (SIGTERM; on any process of a multi-process run) ends the loop after the
+    # step in progress, with a checkpoint of it: olmo3/preemption.py.
+    notice = preemption.Notice()
+    stopped = False
     try:
         if F.eval_at_start and start == 0:
             with clock.excluded("eval"):
@@ -459,25 +463,40 @@ def main(argv):
             check_finite(m, step, ckpt)
             cli.mark_running()  # inputs are all checked: a failure from here on is retryable
             m.update(clock.step_done(step))  # raw in metrics.jsonl; a moving window on the progress line
-            if step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps:
+            # The same answer on every process, at the same step. A stop skips the evaluations (a
+            # grace period may be 30 s); at the last step the run just ends as it would have.
+            stopped = notice.reached(step) and step < max_steps
+            if not stopped and (step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps):
                 with clock.excluded("eval"):  # evaluations and saves are billed to no step
                     m.update(evaluate(model))
                 check_finite(m, step, ckpt)
-            if downstream is not None and step % F.downstream_eval_interval == 0:
+            if downstream is not None and not stopped and step % F.downstream_eval_interval == 0:
                 with clock.excluded("downstream"):  # nor the downstream evaluation
                     m.update(downstream(model))
                 m["downstream/seconds"] = clock.last["downstream"]
             log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
-            if step % F.save_interval == 0 or step == max_steps:
+            if step % F.save_interval == 0 or step == max_steps or stopped:
                 with clock.excluded("save"):
                     save(step)
                 paused[step] = clock.last["save"]
             report_saves(log, ckpt, paused)
+            if stopped:
+                break
     finally:
+        notice.close()
         ckpt.wait()
         report_saves(log, ckpt, paused)
         loader.close()
         log.close()
+    if stopped:   # the checkpoint is written (ckpt.wait above); a rerun with --resume continues from it
+        if num_ranks > 1:   # no process exits (srun --kill-on-bad-exit) before every one has its save done
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("olmo3: preemption checkpoint written")
+        if is_main:
+            logging.warning("Stopped by SIGTERM after step %d: checkpoint %d is in %s; exit status %d "
+                            "(run again with --resume to continue)", step, step, ckpt.directory,
+                            preemption.EXIT_STATUS)
+        sys.exit(preemption.EXIT_STATUS)
 
 
 def report_saves(log, ckpt, paused: dict) -> None:

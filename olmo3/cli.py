@@ -8,6 +8,9 @@
              of it was written; the line names the last good one. Not retried either: a rerun
              would resume into the same numbers.
     exit 1   anything else (a lost host, an I/O error mid-run, a bug): a traceback, retried.
+    exit 143 train.py was sent SIGTERM (a preemption, a time limit) and saved a checkpoint of the
+             step it was on first (olmo3/preemption.py). Retried, unless the launcher was sent
+             SIGTERM too.
 
 What counts as a user's error is decided by the exception's type, at the one place every
 script ends (`run`): our own `UserError`, absl's flag and usage errors, and the built-in types

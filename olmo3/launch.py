@@ -11,10 +11,17 @@ together do not stampede the scheduler; a run that lived `reset_after_s` made pr
 failure count starts over; `max_attempts=None` never gives up. Exit codes that a rerun cannot
 fix stop at once: 2, a user's error (flags, paths, input files), and 3, a non-finite state
 (olmo3/cli.py).
+
+SIGTERM to the launcher (srun signals every process of the job step at the time limit; a
+Kubernetes pod's first process alone is signalled) is passed on to the child, which saves a
+checkpoint and exits (olmo3/preemption.py); the launcher then waits for it and stops with its
+exit status instead of rerunning it. Dying at once would let the scheduler kill the child in
+the middle of that save.
 """
 from __future__ import annotations
 
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -60,8 +67,11 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
     while True:
         attempt += 1
         start = time.monotonic()
-        rc = subprocess.run(list(argv)).returncode
+        rc, told_to_stop = _run_forwarding_sigterm(argv)
         ran = time.monotonic() - start
+        if told_to_stop:
+            log(f"[launch] SIGTERM: attempt {attempt} stopped with exit code {rc}; not rerunning")
+            return rc
         if rc == 0:
             if attempt > 1:
                 log(f"[launch] attempt {attempt} succeeded")
@@ -77,3 +87,22 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
         log(f"[launch] attempt {attempt} exited with {rc} after {ran:.0f}s; "
             f"rerunning in {delay:.1f}s (consecutive failures: {failures})")
         sleep(delay)
+
+
+def _run_forwarding_sigterm(argv: Sequence[str]) -> tuple[int, bool]:
+    """Run `argv` to its end; a SIGTERM to this process meanwhile is passed on to it. Returns
+    (its exit code, whether this process was sent SIGTERM)."""
+    told = []
+    proc = subprocess.Popen(list(argv))
+
+    def forward(signum, frame):
+        told.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        rc = proc.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return rc, bool(told)

@@ -75,3 +75,41 @@ def test_strip_flag():
     argv = ["--stage=1", "--resume_until_done", "--noresume_until_done", "--resume_until_done=true",
             "--resume", "--resume_until_done_x"]
     assert strip_flag(argv, "resume_until_done") == ["--stage=1", "--resume", "--resume_until_done_x"]
+
+
+# Traps SIGTERM as train.py does (olmo3/preemption.py): "saves", then exits 143.
+TRAPPING = textwrap.dedent("""
+    import os, signal, sys, time
+    path = sys.argv[1]
+    def stop(signum, frame):
+        with open(path, "a") as f:
+            f.write("saved\\n")
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, stop)
+    with open(path, "a") as f:
+        f.write("started\\n")
+    time.sleep(60)
+    sys.exit(1)
+""")
+
+
+def test_sigterm_is_passed_to_the_child_and_ends_the_loop(tmp_path):
+    """srun's SIGTERM at the time limit reaches the launcher: it must not die before the child
+    has saved, nor rerun the child afterwards."""
+    import os
+    import signal
+    import subprocess
+    import time
+    log = tmp_path / "child.txt"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    launcher = (f"import sys; from olmo3.launch import run_until_done; "
+                f"sys.exit(run_until_done([sys.executable, '-c', {TRAPPING!r}, {str(log)!r}], base_delay_s=0.01))")
+    p = subprocess.Popen([sys.executable, "-c", launcher], cwd=root, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (log.exists() and "started" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)          # the launcher only; it passes the signal on
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 143, err
+    assert log.read_text().split() == ["started", "saved"]    # one attempt, which saved
+    assert "SIGTERM: attempt 1 stopped with exit code 143; not rerunning" in err

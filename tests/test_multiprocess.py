@@ -10,6 +10,7 @@ directory must restore here, in a third process, to exactly the params they trai
 """
 import os
 import socket
+import time
 import subprocess
 import sys
 
@@ -156,3 +157,48 @@ def test_train_py_two_processes_match_one(tmp_path):
     assert len(one) == 3
     np.testing.assert_allclose(two, one, rtol=2e-6)
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
+    """A preemption notice that reaches one process of two (a GPU node or TPU VM signalled alone):
+    JAX's preemption sync manager tells both to stop at the same step (olmo3/preemption.py); both
+    write their shards of that one checkpoint and exit 143."""
+    import re
+    import signal
+
+    from test_train import SMALL, word_corpus
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    word_corpus(corpus)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    logs = [open(tmp_path / f"p{i}.log", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
+                               f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}", "--max_steps=12",
+                               "--save_interval=1000", "--mesh=fsdp:4", f"--coordinator=127.0.0.1:{port}",
+                               "--num_processes=2", f"--process_id={i}"],
+                              env=env, stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while not re.search(r"^step +2 \|", (tmp_path / "p0.log").read_text(), re.M):
+            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "p0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)     # process 1 only; process 0 hears it through JAX
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    out = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
+    assert codes == [143, 143], out[0][-3000:] + out[1][-3000:]
+    saved = sorted(int(n) for n in os.listdir(tmp_path / "run" / "checkpoints") if n.isdigit())
+    assert len(saved) == 1 and 2 <= saved[0] < 12, saved
+    assert f"Stopped by SIGTERM after step {saved[0]}" in out[0]
+    print(f"SIGTERM to process 1 after step 2 was logged; both stopped after step {saved[0]}")
+    from olmo3.checkpoint import CheckpointManager
+    ckpt = CheckpointManager(str(tmp_path / "run"), read_only=True)
+    assert ckpt.read_extra(saved[0])["loader"]["step"] == saved[0]

@@ -124,6 +124,32 @@ def test_sigkill_during_async_save_then_resume(uninterrupted, docs, tmp_path):
     print("killed during a save in progress:", caught_tmp)
 
 
+
+def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, docs, tmp_path):
+    """A preemption notice (SIGTERM) after step 2 of 6, with no save due before step 6: the run
+    checkpoints the step it is on, exits 143, and --resume from there equals the uninterrupted run."""
+    base = uninterrupted
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}",
+           f"--data_dir={base / 'data'}", f"--run_dir={tmp_path}", "--max_steps=6", "--save_interval=1000"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if re.match(r"step +2 \|", line):
+            proc.send_signal(signal.SIGTERM)
+            break
+    err += proc.stderr.readlines()
+    assert proc.wait(timeout=300) == 143, "".join(err[-30:])
+    saved = sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit())
+    assert len(saved) == 1 and 2 <= saved[0] < 6, saved       # the step in progress, not step 6
+    assert f"Stopped by SIGTERM after step {saved[0]}: checkpoint {saved[0]} is in" in "".join(err)
+    assert "Traceback" not in "".join(err)
+    run(["--max_steps=6", "--save_interval=3", "--resume"], tmp_path, docs, base / "data")
+    a, b = losses(base / "a"), losses(tmp_path)
+    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]   # exact
+
 ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ (\S+):\d+\]", re.M)
 
 

@@ -1,0 +1,72 @@
+"""Preemption notices: a checkpoint at a step every process agrees on, then exit status 143.
+
+Schedulers warn before they take the machines away, with SIGTERM and then, after a grace period,
+SIGKILL: SLURM at the time limit (`#SBATCH --signal=TERM@600` sends the warning 10 minutes
+early; its KillWait default is 30 s), GKE and Cloud TPU on preemption or maintenance
+(the pod's `terminationGracePeriodSeconds`), Kubernetes on `kubectl delete`. Left alone, SIGTERM
+ends the process at once and the steps since the last checkpoint are trained again: up to
+--save_interval of them, 1000 steps at stage 1.
+
+train.py asks `Notice.reached(step)` after every step and, on True, saves checkpoint `step`,
+waits for it to be written and exits with status 143.
+- One process: a Python SIGTERM handler only sets a flag; the step that finishes next is saved.
+- Several processes (jax.distributed): JAX's preemption sync manager, which
+  jax.distributed.initialize starts with its own SIGTERM handler, spreads a notice that reached
+  any one process to all of them (a preempted TPU VM or GPU node is signalled alone) and answers
+  True on every process at the same step: the largest step any of them had reported, plus one
+  (`multihost_utils.reached_preemption_sync_point`). A Python handler here would replace JAX's,
+  so none is installed.
+
+143 is 128 + SIGTERM, what a shell reports for a process that SIGTERM ended. It is not 0, so a
+Kubernetes Job does not count the pod as completed, and it is retryable: `--resume_until_done`
+(olmo3/launch.py) reruns the command from the new checkpoint unless the launcher was told to
+stop as well, as under srun, which signals every process of the job step.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+from absl import logging
+
+EXIT_STATUS = 128 + signal.SIGTERM   # 143
+
+
+class Notice:
+    """Whether this process (or, across processes, any process) was told to stop; install once
+    the processes have joined (olmo3.cluster.start), before the first step."""
+
+    def __init__(self) -> None:
+        import jax
+        self._received = threading.Event()
+        self._previous = None
+        self._mode = "jax" if jax.process_count() > 1 else "signal"
+        if self._mode == "signal":   # signal.signal works from the main thread only
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if not self._received.is_set():
+            logging.warning("SIGTERM received: saving a checkpoint after the step in progress, then exiting")
+        self._received.set()
+
+    def reached(self, step: int) -> bool:
+        """True at the step to checkpoint before stopping (the same step on every process). Call
+        it after every step, on every process, from the same first step on."""
+        if self._mode == "signal":
+            return self._received.is_set()
+        if self._mode == "off":
+            return False
+        from jax.experimental import multihost_utils
+        try:
+            return multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError as e:   # jax_enable_preemption_service turned off by the user
+            logging.warning("preemption notices are off (%s): SIGTERM ends the run without a checkpoint",
+                            " ".join(str(e).split()))
+            self._mode = "off"
+            return False
+
+    def close(self) -> None:
+        """Give SIGTERM back its previous handler."""
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
