@@ -41,18 +41,18 @@ class Notice:
         self._received = threading.Event()
         self._previous = None
         self._mode = "jax" if jax.process_count() > 1 else "signal"
-        if self._mode == "signal":   # signal.signal works from the main thread only
+        if self._mode == "signal":
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
-        if not self._received.is_set():
-            logging.warning("SIGTERM received: saving a checkpoint after the step in progress, then exiting")
-        self._received.set()
+        self._received.set()   # only that: the handler may interrupt the main thread anywhere
 
     def reached(self, step: int) -> bool:
         """True at the step to checkpoint before stopping (the same step on every process). Call
         it after every step, on every process, from the same first step on."""
         if self._mode == "signal":
+            if self._received.is_set():
+                logging.warning("SIGTERM received: saving checkpoint %d, then exiting", step)
             return self._received.is_set()
         if self._mode == "off":
             return False
