@@ -77,12 +77,13 @@ RENAME_ADVICE = ("checkpoints are written into a temporary directory that is the
 
 
 def check_directory(path: str | os.PathLike, flag: str, given: str | None = None) -> None:
-    """Stop with one line (UserError naming `flag` and its value, `given` or `path`) unless directories can be made and renamed
-    where `path` is, or will be: in `path` itself, else in its nearest existing ancestor, a
-    probe directory holding one file is created, renamed and removed. Checkpoints (Orbax's and
-    `olmo3.checkpoint.new_directory`'s) need exactly that, and a filesystem that refuses it
-    would otherwise end a run at its first save, after the first save interval's steps. The
-    probe's name is unique per host and process, so every host of a job may probe at once."""
+    """Stop with one line (UserError naming `flag` and its value, `given` or `path`) unless
+    directories can be made and renamed where `path` is, or will be: in `path` itself, else in
+    its nearest existing ancestor, a probe directory holding one file is created, renamed and
+    removed. Checkpoints (Orbax's and `olmo3.checkpoint.new_directory`'s) need exactly that; a
+    filesystem that refuses it would otherwise end a run at its first save, after the first
+    save interval's steps. The probe's name is unique per host and process, so every host of a
+    job may probe at once."""
     said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
     where = os.path.abspath(os.fspath(path))
     while not os.path.exists(where):

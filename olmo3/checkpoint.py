@@ -138,6 +138,9 @@ def locate(path: str) -> tuple[str, Optional[int]]:
 
     Accepts a step directory `<run>/checkpoints/<N>`, a `<run>/checkpoints` directory, or a run
     directory."""
+    if "://" in path:   # os.path would look for a local ./gs:/... directory and call it missing
+        raise FileNotFoundError(f"{path}: a URL; checkpoints are read through the local filesystem: mount the "
+                                "bucket (Cloud Storage FUSE) or copy the run directory here")
     p = os.path.abspath(path.rstrip("/"))
     base = os.path.basename(p)
     parent = os.path.dirname(p)

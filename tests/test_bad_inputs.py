@@ -114,6 +114,8 @@ def _cases(w):
          "No checkpoint was written yet"),
         ("eval_no_model", "eval.py", [], 2, "give --model"),
         ("eval_model_missing", "eval.py", [f"--model={w / 'nowhere'}"], 2, f"{w / 'nowhere'}: not a run directory"),
+        ("eval_model_url", "eval.py", ["--model=gs://bucket/run"], 2,
+         "gs://bucket/run: a URL; checkpoints are read through the local filesystem"),
         ("eval_damaged_checkpoint", "eval.py", [f"--model={w / 'damaged'}", f"--heldout={w / 'docs'}"], 2,
          f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
         ("eval_hf_config_not_json", "eval.py", [f"--model={w / 'hf_badjson'}"], 2,
