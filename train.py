@@ -46,6 +46,9 @@ flags.DEFINE_integer("downstream_batch", None, "Rows per downstream scoring batc
 flags.DEFINE_bool("resume", False, "Continue from the latest complete checkpoint in --run_dir.")
 flags.DEFINE_bool("resume_until_done", False, "Launcher: rerun this command with --resume after a crash.")
 flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many crashes.")
+flags.DEFINE_float("hang_timeout_s", 1800, "End the process (exit status 1, rerun by --resume_until_done) when no "
+                  "step finishes for this long after the first: a hung collective or read (olmo3/watchdog.py). "
+                  "Evaluations and saves are not timed. 0: never.")
 flags.DEFINE_string("init_from", None, "Stage 2/3: checkpoint dir (a run_dir or one step dir) to warm-start from.")
 flags.DEFINE_bool("init_weights_only", False, "With --init_from: take the weights only and start Adam fresh "
                   "(e.g. stage 1 from AI2's step-0 weights converted by convert.py).")
@@ -195,7 +198,7 @@ def main(argv):
 
     import data
     import olmo3
-    from olmo3 import checkpoint, cluster, metrics as metrics_lib, optim, preemption, schedules, sharding
+    from olmo3 import checkpoint, cluster, metrics as metrics_lib, optim, preemption, schedules, sharding, watchdog
     from olmo3.config import config_to_dict
     from olmo3.model import decay_mask
 
@@ -450,9 +453,10 @@ def main(argv):
     # step in progress, with a checkpoint of it: olmo3/preemption.py.
     notice = preemption.Notice()
     stopped = False
+    hang = watchdog.Watchdog(F.hang_timeout_s)   # a step that never finishes: exit 1, rerun (not a lost allocation)
     try:
         if F.eval_at_start and start == 0:
-            with clock.excluded("eval"):
+            with clock.excluded("eval"), hang.paused():
                 log.write(0, evaluate(model))
         while step < max_steps:
             batch = next(loader)
@@ -460,6 +464,7 @@ def main(argv):
             model, opt_state, m = train_step(model, opt_state, sharding.global_batch(batch, mesh))
             step += 1
             m = {k: float(v) for k, v in m.items()}
+            hang.beat(step)
             check_finite(m, step, ckpt)
             cli.mark_running()  # inputs are all checked: a failure from here on is retryable
             m.update(clock.step_done(step))  # raw in metrics.jsonl; a moving window on the progress line
@@ -467,22 +472,23 @@ def main(argv):
             # grace period may be 30 s); at the last step the run just ends as it would have.
             stopped = notice.reached(step) and step < max_steps
             if not stopped and (step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps):
-                with clock.excluded("eval"):  # evaluations and saves are billed to no step
+                with clock.excluded("eval"), hang.paused():  # evaluations and saves are billed to no step
                     m.update(evaluate(model))
                 check_finite(m, step, ckpt)
             if downstream is not None and not stopped and step % F.downstream_eval_interval == 0:
-                with clock.excluded("downstream"):  # nor the downstream evaluation
+                with clock.excluded("downstream"), hang.paused():  # nor the downstream evaluation
                     m.update(downstream(model))
                 m["downstream/seconds"] = clock.last["downstream"]
             log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
             if step % F.save_interval == 0 or step == max_steps or stopped:
-                with clock.excluded("save"):
+                with clock.excluded("save"), hang.paused():
                     save(step)
                 paused[step] = clock.last["save"]
             report_saves(log, ckpt, paused)
             if stopped:
                 break
     finally:
+        hang.close()
         notice.close()
         ckpt.wait()
         report_saves(log, ckpt, paused)

@@ -202,3 +202,49 @@ def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
     from olmo3.checkpoint import CheckpointManager
     ckpt = CheckpointManager(str(tmp_path / "run"), read_only=True)
     assert ckpt.read_extra(saved[0])["loader"]["step"] == saved[0]
+
+
+@pytest.mark.slow
+def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path):
+    """Process 1 frozen (SIGSTOP) after step 2: process 0 waits in a collective that never
+    completes. The watchdog ends it with status 1 (rerun) after --hang_timeout_s, with the line
+    that says so (olmo3/watchdog.py). A frozen process is also what JAX's heartbeat sees, after
+    100 s; the hang only the watchdog sees, every process alive and stuck (a device, a deadlocked
+    collective, a read), cannot be made on CPU: this is the same wait, seen from process 0."""
+    import re
+    import signal
+
+    from test_train import SMALL, word_corpus
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    word_corpus(corpus)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    logs = [open(tmp_path / f"p{i}.log", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
+                               f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}", "--max_steps=20",
+                               "--save_interval=1000", "--mesh=fsdp:4", "--hang_timeout_s=8",
+                               f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
+                              env=env, stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        deadline = time.time() + 300
+        while not re.search(r"^step +2 \|", (tmp_path / "p0.log").read_text(), re.M):
+            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "p0.log").read_text()[-3000:]
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        code = procs[0].wait(timeout=90)
+        waited = time.time() - stopped_at
+    finally:
+        for p in procs:
+            p.kill()
+    out = (tmp_path / "p0.log").read_text()
+    assert code == 1, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert re.match(r"train\.py: error: no training step finished for \d+ s after step \d+ \(it took", last), last
+    assert "--hang_timeout_s=8" in last
+    print(f"process 0 ended {waited:.0f} s after its peer stopped: {last}")
