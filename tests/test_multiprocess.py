@@ -8,11 +8,14 @@ parameter update per weight in L2 norm 1e-3 relative (Adam's sign-like first ste
 rounding in near-zero gradient entries). The checkpoint both processes wrote into ONE Orbax
 directory must restore here, in a third process, to exactly the params they trained (bitwise).
 """
+import contextlib
 import os
+import re
+import signal
 import socket
-import time
 import subprocess
 import sys
+import time
 
 import equinox as eqx
 import pytest
@@ -159,14 +162,11 @@ def test_train_py_two_processes_match_one(tmp_path):
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3"]
 
 
-@pytest.mark.slow
-def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
-    """A preemption notice that reaches one process of two (a GPU node or TPU VM signalled alone):
-    JAX's preemption sync manager tells both to stop at the same step (olmo3/preemption.py); both
-    write their shards of that one checkpoint and exit 143."""
-    import re
-    import signal
-
+@contextlib.contextmanager
+def _two_train_py_after_step_2(tmp_path, *extra):
+    """train.py as 2 processes x 2 CPU devices (fsdp:4) with SMALL's recipe, output in
+    tmp_path/p{0,1}.log; yields the two processes once process 0 has logged step 2, kills
+    whatever is left when the block ends."""
     from test_train import SMALL, word_corpus
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -179,20 +179,29 @@ def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     logs = [open(tmp_path / f"p{i}.log", "w+") for i in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
-                               f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}", "--max_steps=12",
+                               f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}",
                                "--save_interval=1000", "--mesh=fsdp:4", f"--coordinator=127.0.0.1:{port}",
-                               "--num_processes=2", f"--process_id={i}"],
+                               "--num_processes=2", f"--process_id={i}", *extra],
                               env=env, stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         deadline = time.time() + 300
         while not re.search(r"^step +2 \|", (tmp_path / "p0.log").read_text(), re.M):
             assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "p0.log").read_text()[-3000:]
             time.sleep(0.05)
-        procs[1].send_signal(signal.SIGTERM)     # process 1 only; process 0 hears it through JAX
-        codes = [p.wait(timeout=300) for p in procs]
+        yield procs
     finally:
         for p in procs:
             p.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
+    """A preemption notice that reaches one process of two (a GPU node or TPU VM signalled alone):
+    JAX's preemption sync manager tells both to stop at the same step (olmo3/preemption.py); both
+    write their shards of that one checkpoint and exit 143."""
+    with _two_train_py_after_step_2(tmp_path, "--max_steps=12") as procs:
+        procs[1].send_signal(signal.SIGTERM)     # process 1 only; process 0 hears it through JAX
+        codes = [p.wait(timeout=300) for p in procs]
     out = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
     assert codes == [143, 143], out[0][-3000:] + out[1][-3000:]
     saved = sorted(int(n) for n in os.listdir(tmp_path / "run" / "checkpoints") if n.isdigit())
@@ -211,37 +220,11 @@ def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path):
     that says so (olmo3/watchdog.py). A frozen process is also what JAX's heartbeat sees, after
     100 s; the hang only the watchdog sees, every process alive and stuck (a device, a deadlocked
     collective, a read), cannot be made on CPU: this is the same wait, seen from process 0."""
-    import re
-    import signal
-
-    from test_train import SMALL, word_corpus
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    corpus = tmp_path / "docs"
-    corpus.mkdir()
-    word_corpus(corpus)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    logs = [open(tmp_path / f"p{i}.log", "w+") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
-                               f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}", "--max_steps=20",
-                               "--save_interval=1000", "--mesh=fsdp:4", "--hang_timeout_s=8",
-                               f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}"],
-                              env=env, stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        deadline = time.time() + 300
-        while not re.search(r"^step +2 \|", (tmp_path / "p0.log").read_text(), re.M):
-            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "p0.log").read_text()[-3000:]
-            time.sleep(0.05)
+    with _two_train_py_after_step_2(tmp_path, "--max_steps=20", "--hang_timeout_s=8") as procs:
         procs[1].send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         code = procs[0].wait(timeout=90)
         waited = time.time() - stopped_at
-    finally:
-        for p in procs:
-            p.kill()
     out = (tmp_path / "p0.log").read_text()
     assert code == 1, out[-3000:]
     last = out.strip().splitlines()[-1]
