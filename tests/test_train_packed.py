@@ -116,7 +116,8 @@ def test_packed_two_processes_match_one(tmp_path):
                     "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *PACKED, f"--data={docs}",
                f"--data_dir={tmp_path / 'data'}", f"--run_dir={run_dir}", "--max_steps=3", "--save_interval=3",
-               "--mesh=fsdp:4", *extra]
+               "--mesh=fsdp:4", "--eval_padded", *extra]   # padded: fixed-length windows of the short held-out
+                                                          # documents are fewer than the 4 devices (not evaluated)
         return sp.Popen(cmd, env=env, stdout=sp.PIPE, stderr=sp.STDOUT, text=True)
 
     def wait(procs):
