@@ -11,7 +11,7 @@ Why: a collective that never completes (a GPU fallen off the bus, a link that dr
 deadlock in the collective library) or a read that never returns blocks every process of a run
 while each one is still alive. JAX's heartbeat sees nothing wrong and the job keeps its machines
 until the scheduler's time limit, hours of a whole cluster. PyTorch's NCCL watchdog makes the
-same trade (TORCH_NCCL_ASYNC_ERROR_HANDLING, 10-minute default collective timeout).
+same trade: a collective past its timeout (10 minutes by default) ends the process.
 
 When no step has finished for `timeout_s` seconds outside a paused phase, a daemon thread prints
 every Python thread's stack (faulthandler: where the main thread waits), then one line (the last
