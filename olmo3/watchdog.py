@@ -44,10 +44,8 @@ class Watchdog:
         self._step = self._took = None
         self._paused = 0
         self._stop = threading.Event()
-        self._thread = None
         if self.timeout_s is not None:
-            self._thread = threading.Thread(target=self._watch, name="olmo3-watchdog", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._watch, name="olmo3-watchdog", daemon=True).start()
 
     def beat(self, step: int) -> None:
         """Step `step` finished: the clock starts again."""
