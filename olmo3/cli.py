@@ -1,9 +1,10 @@
 """How train.py, eval.py and convert.py end when something is wrong.
 
     exit 0   done
-    exit 2   a user's error: a flag, a path or an input file. One line on stderr names the culprit
-             and the fix; no traceback (`--verbosity=1` adds it). Never retried by
-             --resume_until_done (olmo3/launch.py): a rerun cannot fix it.
+    exit 2   a user's error: a flag, a path or an input file, or a program that does not fit in
+             device memory before the first step. One line on stderr names the culprit and the
+             fix; no traceback (`--verbosity=1` adds it). Never retried by --resume_until_done
+             (olmo3/launch.py): a rerun cannot fix it.
     exit 3   the state became non-finite (NaN / inf loss, parameters or moments). No checkpoint
              of it was written; the line names the last good one. Not retried either: a rerun
              would resume into the same numbers.
@@ -18,7 +19,9 @@ our input checks raise with a message naming the thing and the fix (ValueError, 
 existing files). Inputs are checked before the first step; once a run has made progress
 (`mark_running`, after train.py's first step) a missing or unreadable file is a fault of the
 storage, not of the command (a flaky mount, a lost host), and is retried; a ValueError (bad data
-deep in the corpus) stays final.
+deep in the corpus) stays final. Out of device memory is the same: before the first step the
+shapes that did not fit are the flags' (final, with the advice the script gave `on_out_of_memory`),
+after it they ran before, so fragmentation or a leak is more likely and a fresh process may pass.
 """
 from __future__ import annotations
 
@@ -46,6 +49,11 @@ USER_ERRORS = (UserError, app.UsageError, flags.Error, ValueError, FileNotFoundE
 
 
 _running = False
+_memory_advice = ""
+
+# How XLA says a buffer did not fit: the CPU and GPU allocators at run time, the TPU compiler
+# ("Ran out of memory in memory space hbm"), the TPU runtime ("Attempting to allocate ...").
+_OUT_OF_MEMORY = ("out of memory", "ran out of memory", "attempting to allocate", "failed to allocate")
 
 
 def mark_running() -> None:
@@ -54,18 +62,42 @@ def mark_running() -> None:
     _running = True
 
 
+def on_out_of_memory(advice: str) -> None:
+    """What to change when a program does not fit in device memory (the flags and their values):
+    appended to the line an out-of-memory ending prints."""
+    global _memory_advice
+    _memory_advice = advice
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """XLA ran out of device memory (host memory on a CPU backend), at compile or at run time."""
+    text = _first_line(e).lower()
+    return (isinstance(e, RuntimeError) and "resource_exhausted" in text
+            and any(words in text for words in _OUT_OF_MEMORY))
+
+
 def exit_status(e: BaseException) -> int:
     """The exit status for an exception that ended a script (see the table above)."""
     if isinstance(e, NonFiniteError):
         return NON_FINITE
+    if is_out_of_memory(e):
+        return 1 if _running else USER_ERROR
     if _running and isinstance(e, OSError):
         return 1
     return USER_ERROR if isinstance(e, USER_ERRORS) else 1
 
 
 def one_line(e: BaseException) -> str:
-    """The exception's message on one line."""
+    """The exception's message on one line; out of memory: XLA's first line (the rest lists the
+    program's buffers, which --verbosity=1 prints) and the script's advice."""
+    if is_out_of_memory(e):
+        advice = f": {_memory_advice}" if _memory_advice else ""
+        return " ".join(f"out of device memory ({_first_line(e).rstrip('.')}){advice}".split())
     return " ".join(str(e).split()) or type(e).__name__
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), "")
 
 
 def fail(prog: str, e: BaseException) -> NoReturn:

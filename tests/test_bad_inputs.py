@@ -181,11 +181,45 @@ def test_exit_status_before_and_after_the_first_step(monkeypatch):
     flaky mount is retried (1). Bad values (2) and a non-finite state (3) stay final."""
     from olmo3 import cli
     monkeypatch.setattr(cli, "_running", False)
+    # Out of device memory as XLA's CPU / GPU allocators and the TPU compiler say it; a storage
+    # quota (RESOURCE_EXHAUSTED too) is not memory.
+    oom = [RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3411055920 bytes."),
+           RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB.\nBufferAssignment"),
+           RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+                        "hbm. Used 20.5G of 15.48G hbm.")]
     cases = [FileNotFoundError("x"), ValueError("x"), cli.UserError("x"), cli.NonFiniteError("x"),
-             OSError("x"), RuntimeError("x")]
-    assert [cli.exit_status(e) for e in cases] == [2, 2, 2, 3, 1, 1]
+             OSError("x"), RuntimeError("x"), RuntimeError("RESOURCE_EXHAUSTED: quota exceeded"), *oom]
+    assert [cli.exit_status(e) for e in cases] == [2, 2, 2, 3, 1, 1, 1, 2, 2, 2]
+    assert cli.one_line(oom[1]) == "out of device memory (RESOURCE_EXHAUSTED: Out of memory while trying to " \
+                                   "allocate 2.00GiB)"
     cli.mark_running()
-    assert [cli.exit_status(e) for e in cases] == [1, 2, 2, 3, 1, 1]
+    assert [cli.exit_status(e) for e in cases] == [1, 2, 2, 3, 1, 1, 1, 1, 1, 1]
+
+
+def test_a_run_that_does_not_fit_in_memory_ends_as_a_users_error(tmp_path):
+    """The first step needs more memory than the device has (here the CPU backend's: host memory,
+    capped with RLIMIT_AS; the step's logits alone are ~13 GB, the cap 8 GB, an ordinary run of
+    this model peaks at ~2.4 GB of address space): exit 2, so --resume_until_done does not
+    rerun it, and one line with XLA's first line and the flags to change, at their values."""
+    import resource
+    os.makedirs(tmp_path / "code")
+    for f in os.listdir(os.path.join(ROOT, "olmo3")):
+        if f.endswith(".py"):
+            shutil.copy(os.path.join(ROOT, "olmo3", f), tmp_path / "code" / f"{f}.txt")
+    cap = lambda: resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # noqa: E731
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *TINY, f"--data={tmp_path / 'code'}",
+                        f"--run_dir={tmp_path / 'run'}", "--seq_len=128", "--global_batch=512",
+                        "--loss_chunk=32768"], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                       env={**ENV, "MALLOC_ARENA_MAX": "2"}, preexec_fn=cap)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert lines[-1].startswith("train.py: error: out of device memory (RESOURCE_EXHAUSTED: Out of memory "), \
+        lines[-1]
+    assert lines[-1].endswith("the run does not fit at 256 instance(s) of 128 tokens per device per "
+                              "microbatch; lower --micro_batch, use --remat=full (now save_proj), a smaller "
+                              "--loss_chunk (now 32768 tokens of fp32 logits), or more devices (--mesh, now "
+                              "data:1,fsdp:2; a context axis cuts every sequence)"), lines[-1]
+    assert "Traceback" not in p.stderr and not os.listdir(tmp_path / "run" / "checkpoints")
 
 
 def test_verbosity_brings_the_traceback_back(world):
