@@ -633,6 +633,7 @@ def main(argv):
     if src_kind == dst_kind or "orbax" not in (src_kind, dst_kind):
         raise app.UsageError("--from and --to must be one orbax: and one hf: or olmo-core:")
     atomic.check_directory(dst, "--to", F.to)   # every format is written to a temporary directory, then renamed
+    cli.advise(disk_full=f"free space under {dst} (--to), then convert again")
     t0 = time.time()
     if "olmo-core" in (src_kind, dst_kind):  # §4
         for name in ("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"):

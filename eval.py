@@ -400,9 +400,10 @@ def main(argv):
     cluster.start("eval.py", multi_process=False, independent_runs=F.independent_runs)
     from olmo3 import logs
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
-    cli.on_out_of_memory(f"lower --eval_batch_size (now {F.eval_batch_size} instances of {F.eval_seq_len} tokens), "
-                         f"--olmo_batch_rows (now {F.olmo_batch_rows}) or --max_length (now {F.max_length}), "
-                         "or evaluate in --compute_dtype=bfloat16")
+    cli.advise(out_of_memory=f"lower --eval_batch_size (now {F.eval_batch_size} instances of {F.eval_seq_len} "
+                             f"tokens), --olmo_batch_rows (now {F.olmo_batch_rows}) or --max_length (now "
+                             f"{F.max_length}), or evaluate in --compute_dtype=bfloat16",
+               disk_full="free space where --out, --eval_data_dir or the prepared held-out data are written")
     sets_fn = lambda config: heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size,  # noqa: E731
                                           data_dir=F.eval_data_dir, data_mix=F.data_mix, data_root=F.data_root)
     if F.compare:

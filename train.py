@@ -182,6 +182,8 @@ def main(argv):
         rng = random.Random(job_id()) if job_id() else None
         sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts, rng=rng))
     check_flags()
+    cli.advise(disk_full=f"free space under --run_dir={F.run_dir} or keep fewer checkpoints (--keep_checkpoints, "
+                         f"now {F.keep_checkpoints}), then run again with --resume")
 
     # -----------------------------------------------------------------------------------------
     # §1 Devices, mesh and processes. Under srun / mpirun / a TPU slice the processes join
@@ -230,7 +232,7 @@ def main(argv):
     # Out of device memory before the first step is these numbers' fault: exit 2 with this advice
     # (after it, exit 1 and a rerun: olmo3/cli.py).
     rows_per_micro = F.global_batch // (n_devices // sharding.context_size(mesh)) // microbatches
-    cli.on_out_of_memory(
+    cli.advise(out_of_memory=
         f"the run does not fit at {rows_per_micro} instance(s) of {F.seq_len} tokens per device per microbatch; "
         f"lower --micro_batch, use --remat=full (now {config.remat}), a smaller --loss_chunk (now "
         f"{F.loss_chunk} tokens of fp32 logits), or more devices (--mesh, now "

@@ -20,11 +20,13 @@ existing files). Inputs are checked before the first step; once a run has made p
 (`mark_running`, after train.py's first step) a missing or unreadable file is a fault of the
 storage, not of the command (a flaky mount, a lost host), and is retried; a ValueError (bad data
 deep in the corpus) stays final. Out of device memory is the same: before the first step the
-shapes that did not fit are the flags' (final, with the advice the script gave `on_out_of_memory`),
-after it they ran before, so fragmentation or a leak is more likely and a fresh process may pass.
+shapes that did not fit are the flags' (final, with the advice the script gave `advise`), after
+it they ran before, so fragmentation or a leak is more likely and a fresh process may pass. A
+full disk is final whenever it happens: someone has to free space first.
 """
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import traceback
@@ -49,11 +51,13 @@ USER_ERRORS = (UserError, app.UsageError, flags.Error, ValueError, FileNotFoundE
 
 
 _running = False
-_memory_advice = ""
+_advice = {"memory": "", "disk": ""}
 
 # How XLA says a buffer did not fit: the CPU and GPU allocators at run time, the TPU compiler
 # ("Ran out of memory in memory space hbm"), the TPU runtime ("Attempting to allocate ...").
 _OUT_OF_MEMORY = ("out of memory", "ran out of memory", "attempting to allocate", "failed to allocate")
+# A full disk or quota as the OS says it; TensorStore (Orbax's writer) wraps it in a ValueError.
+_DISK_FULL = ("no space left on device", "disk quota exceeded")
 
 
 def mark_running() -> None:
@@ -62,11 +66,13 @@ def mark_running() -> None:
     _running = True
 
 
-def on_out_of_memory(advice: str) -> None:
-    """What to change when a program does not fit in device memory (the flags and their values):
-    appended to the line an out-of-memory ending prints."""
-    global _memory_advice
-    _memory_advice = advice
+def advise(*, out_of_memory: str | None = None, disk_full: str | None = None) -> None:
+    """What the script's user can change (the flags and their values) when a program does not fit
+    in device memory, or the disk is full: appended to the line that ending prints."""
+    if out_of_memory is not None:
+        _advice["memory"] = out_of_memory
+    if disk_full is not None:
+        _advice["disk"] = disk_full
 
 
 def is_out_of_memory(e: BaseException) -> bool:
@@ -76,24 +82,38 @@ def is_out_of_memory(e: BaseException) -> bool:
             and any(words in text for words in _OUT_OF_MEMORY))
 
 
+def is_disk_full(e: BaseException) -> bool:
+    """A write found no space left (or the quota spent): a rerun cannot fix it until someone frees
+    space, and each rerun would train up to a checkpoint it cannot write."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(e, (OSError, ValueError)) and any(words in str(e).lower() for words in _DISK_FULL)
+
+
 def exit_status(e: BaseException) -> int:
     """The exit status for an exception that ended a script (see the table above)."""
     if isinstance(e, NonFiniteError):
         return NON_FINITE
     if is_out_of_memory(e):
         return 1 if _running else USER_ERROR
+    if is_disk_full(e):
+        return USER_ERROR
     if _running and isinstance(e, OSError):
         return 1
     return USER_ERROR if isinstance(e, USER_ERRORS) else 1
 
 
 def one_line(e: BaseException) -> str:
-    """The exception's message on one line; out of memory: XLA's first line (the rest lists the
-    program's buffers, which --verbosity=1 prints) and the script's advice."""
+    """The exception's message on one line, with the script's advice for a full disk; out of
+    memory: XLA's first line (the rest lists the program's buffers, which --verbosity=1 prints)."""
     if is_out_of_memory(e):
-        advice = f": {_memory_advice}" if _memory_advice else ""
-        return " ".join(f"out of device memory ({_first_line(e).rstrip('.')}){advice}".split())
-    return " ".join(str(e).split()) or type(e).__name__
+        return _with_advice(f"out of device memory ({_first_line(e).rstrip('.')})", "memory")
+    text = " ".join(str(e).split()) or type(e).__name__
+    return _with_advice(f"disk full: {text}", "disk") if is_disk_full(e) else text
+
+
+def _with_advice(line: str, kind: str) -> str:
+    return " ".join(f"{line}: {_advice[kind]}".split()) if _advice[kind] else " ".join(line.split())
 
 
 def _first_line(e: BaseException) -> str:

@@ -222,6 +222,29 @@ def test_a_run_that_does_not_fit_in_memory_ends_as_a_users_error(tmp_path):
     assert "Traceback" not in p.stderr and not os.listdir(tmp_path / "run" / "checkpoints")
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_ends_the_run_as_a_users_error(world, tmp_path):
+    """metrics.jsonl on a full disk (a link to /dev/full: every write fails with ENOSPC), first
+    written after step 1: exit 2, not 1, since each rerun would train up to a write it cannot
+    make; the line says so and what to do. Orbax's own write error (TensorStore's ValueError) is
+    recognised too."""
+    from olmo3 import cli
+    os.makedirs(tmp_path / "run")
+    os.symlink("/dev/full", tmp_path / "run" / "metrics.jsonl")
+    p = script("train.py", *TINY, f"--data={world / 'docs'}", f"--data_dir={world / 'data' / 'docs'}",
+               f"--run_dir={tmp_path / 'run'}", "--keep_checkpoints=2")
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 2, (p.returncode, p.stderr[-3000:])
+    assert lines[-1] == (f"train.py: error: disk full: [Errno 28] No space left on device: free space under "
+                         f"--run_dir={tmp_path / 'run'} or keep fewer checkpoints (--keep_checkpoints, now 2), then "
+                         "run again with --resume"), lines[-1]
+    assert "Traceback" not in p.stderr
+    orbax = ValueError('RESOURCE_EXHAUSTED: Error writing "model.embed/0.0.0" in OCDBT database at local file '
+                       '"/r/checkpoints/2.orbax-checkpoint-tmp/": Failed to write 3612672 bytes to file 11: No space '
+                       "left on device [os_error_code='28']")
+    assert cli.is_disk_full(orbax) and not cli.is_disk_full(ValueError("RESOURCE_EXHAUSTED: rate limit"))
+
+
 def test_verbosity_brings_the_traceback_back(world):
     p = script("eval.py", f"--model={world / 'nowhere'}", "--verbosity=1")   # library logs may follow it
     assert p.returncode == 2 and "Traceback" in p.stderr
