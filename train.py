@@ -65,6 +65,9 @@ flags.DEFINE_enum("attention", None, ["xla", "splash", "cudnn"], "Attention kern
 flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Rematerialization policy.")
 flags.DEFINE_bool("scan_layers", None, "Scan the layer groups (default, compile time flat in depth); "
                   "--noscan_layers unrolls them, faster for small models on a CPU (olmo3/config.py).")
+flags.DEFINE_bool("float8", None, "Every layer's seven projections through float8, torchao's tensorwise Float8Linear "
+                  "(the stage-3 recipe; olmo3/float8.py). Where the chip has no float8 GEMM the same numbers come from "
+                  "float8 values multiplied at the compute dtype's speed, plus the casts.")
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype (moments are fp32 always).")
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
 flags.DEFINE_bool("yarn", None, "YaRN on full-attention layers (default: on for stage 3).")
@@ -220,7 +223,7 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                                             "head_dim", "mlp_hidden", "window", "attention", "remat",
-                                            "scan_layers", "param_dtype", "compute_dtype",
+                                            "scan_layers", "float8", "param_dtype", "compute_dtype",
                                             "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
     use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")  # SFT/DPO keep stage 3's YaRN
     if use_yarn:

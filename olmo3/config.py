@@ -63,6 +63,10 @@ class Config:
     # stacked into [n_groups, ...] buffers for the backward (on the issue-14 CPU config, 2
     # groups, the step is 5.6% faster: benchmarks/bench_cpu.flags).
     scan_layers: bool = True
+    # The seven projections of every layer through float8 (torchao's tensorwise Float8Linear, as
+    # the stage-3 recipe trains: olmo3/float8.py). A way of computing, like remat: not saved as
+    # part of a checkpoint's architecture.
+    float8: bool = False
     init_std: float = 0.02            # OLMo-core: truncated normal, cut at +-3 std
     # Mosaic (TPU) Splash tiles, read when attention == "splash"; the GPU kernel picks its own
     # (olmo3/splash_gpu.py block_sizes).

@@ -23,7 +23,7 @@ from beartype import beartype
 from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, PRNGKeyArray, jaxtyped
 
-from olmo3 import rope
+from olmo3 import float8, rope
 from olmo3.attention import attention
 from olmo3.config import Config
 
@@ -55,17 +55,22 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
-def _proj(x: jax.Array, w: jax.Array, name: str) -> jax.Array:
-    y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+def _proj(cfg: Config, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
+    # The stage-3 recipe's torchao Float8Linear (olmo3/float8.py), on the linears OLMo-core's
+    # Float8Config converts: those whose every dimension is a multiple of 16.
+    if cfg.float8 and w.shape[-2] % 16 == 0 and w.shape[-1] % 16 == 0:
+        y = float8.linear(x, w)
+    else:
+        y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     return checkpoint_name(y, name)
 
 
 def attention_inputs(cfg: Config, p: Layer, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """q (T, H, hd), k and v (T, KV, hd) of one layer: QK-norm over the full projection, then RoPE."""
     T = x.shape[0]
-    q = rms_norm(_proj(x, p.q_proj, "q_proj"), p.q_norm, cfg.norm_eps)   # (T, H*hd)
-    k = rms_norm(_proj(x, p.k_proj, "k_proj"), p.k_norm, cfg.norm_eps)   # (T, KV*hd)
-    v = _proj(x, p.v_proj, "v_proj")                                     # (T, KV*hd)
+    q = rms_norm(_proj(cfg, x, p.q_proj, "q_proj"), p.q_norm, cfg.norm_eps)   # (T, H*hd)
+    k = rms_norm(_proj(cfg, x, p.k_proj, "k_proj"), p.k_norm, cfg.norm_eps)   # (T, KV*hd)
+    v = _proj(cfg, x, p.v_proj, "v_proj")                                     # (T, KV*hd)
     q = rope.apply_rope(q.reshape(T, cfg.n_heads, cfg.head_dim), cos, sin)     # (T, H, hd)
     k = rope.apply_rope(k.reshape(T, cfg.n_kv_heads, cfg.head_dim), cos, sin)  # (T, KV, hd)
     return q, k, v.reshape(T, cfg.n_kv_heads, cfg.head_dim)
@@ -73,10 +78,10 @@ def attention_inputs(cfg: Config, p: Layer, x: jax.Array, cos: jax.Array, sin: j
 
 def layer_output(cfg: Config, p: Layer, x: jax.Array, o: jax.Array) -> jax.Array:
     """The rest of the layer given the attention output o (T, H*hd): reordered norms + SwiGLU."""
-    h = x + rms_norm(_proj(o, p.o_proj, "o_proj"), p.post_attention_norm, cfg.norm_eps)
-    gate = _proj(h, p.gate_proj, "gate_proj")
-    up = _proj(h, p.up_proj, "up_proj")
-    mlp = _proj(jax.nn.silu(gate) * up, p.down_proj, "down_proj")              # (T, d)
+    h = x + rms_norm(_proj(cfg, o, p.o_proj, "o_proj"), p.post_attention_norm, cfg.norm_eps)
+    gate = _proj(cfg, h, p.gate_proj, "gate_proj")
+    up = _proj(cfg, h, p.up_proj, "up_proj")
+    mlp = _proj(cfg, jax.nn.silu(gate) * up, p.down_proj, "down_proj")              # (T, d)
     return h + rms_norm(mlp, p.post_feedforward_norm, cfg.norm_eps)
 
 

@@ -1,0 +1,94 @@
+"""Float8 linears: the stage-3 recipe's `Float8Config(enabled=True, ao=AOFloat8LinearConfig.recommended())`.
+
+OLMo-core's long-context script (OLMo-3-1025-7B-long-context.py, `float8_config=...`) swaps every
+`nn.Linear` except the LM head (`Transformer.apply_fp8` ignores "lm_head.w_out") for torchao's
+`Float8Linear` with its default "tensorwise dynamic" recipe, scales rounded down to powers of 2
+(`round_scales_to_power_of_2=True`) and the weights cast to float8 from the fp32 master copy
+before FSDP gathers them (`enable_fsdp_float8_all_gather=True`). In this model that is the seven
+projections of every layer (q, k, v, o, gate, up, down). One linear y = x @ w, as torchao does it:
+
+    forward     x8 = cast(x, e4m3)   w8 = cast(w, e4m3)     y  = x8 @ w8        (in x's dtype)
+    backward    g8 = cast(dy, e5m2)                         dx = g8 @ w8^T      (in dy's dtype)
+                                                            dw = x8^T @ g8      (in dy's dtype)
+    cast(t, f8) = saturate(t * s) -> f8, dequantized as / s;  s = 2^floor(log2(max_f8 / amax|t|))
+
+Each tensor gets one scale from its own absolute maximum ("tensorwise"; e4m3 max 448 for
+activations and weights, e5m2 max 57344 for gradients, whose range matters more than precision).
+A power-of-2 scale makes the dequantized values exact in bf16 and fp32, so `qdq` (quantize, then
+dequantize to the compute dtype) followed by an ordinary dot computes exactly torchao's emulated
+`mm(a8.float() / sa, b8.float() / sb)`: on CPU and TPU the products are the float8 ones, at
+bf16 speed; on Hopper and later GPUs XLA's GEMM rewriter turns convert-to-f8 / scale / dot into
+cuBLASLt float8 GEMMs (the pattern JAX's and Flax's fp8 examples rely on).
+
+**Whose maximum.** torchao's is over the tensor a rank multiplies: its whole microbatch. Here the
+model runs one sequence at a time under `jax.vmap`, so the activation and gradient maxima are per
+sequence. That is torchao's exactly when a device's microbatch is one instance, which is how the
+stage-3 recipe runs (`rank_microbatch_size=sequence_length`, "for CP we want only 1 instance per
+rank"; under context parallelism, as there, a rank's maximum is over its own chunks); with more
+instances per microbatch the scales are finer-grained than torchao's. Weights are whole inside the
+layer (the FSDP gather), so their maximum is the full tensor's, as torchao's precomputed one is.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+E4M3 = jnp.float8_e4m3fn      # activations and weights (torchao e4m3_dtype)
+E5M2 = jnp.float8_e5m2        # gradients of the outputs (torchao e5m2_dtype)
+EPS = 1e-12                   # torchao float8_utils.EPS: the smallest amax a scale is taken from
+
+
+def scale(amax: Float[Array, ""], dtype) -> Float[Array, ""]:
+    """torchao `amax_to_scale(..., round_scales_to_power_of_2=True)`: max_f8 / max(amax, EPS),
+    rounded down to a power of 2. The rounding is exact here (frexp's exponent; XLA's exp2 and
+    log2 are approximations); torchao's exp2(floor(log2(s))) in fp32 can round a quotient a few
+    fp32 ulps below a power of 2 up to it, a scale twice ours for such a tensor."""
+    s = jnp.float32(jnp.finfo(dtype).max) / jnp.maximum(amax.astype(jnp.float32), EPS)
+    _, e = jnp.frexp(s)                            # s = m * 2^e, m in [0.5, 1): floor(log2 s) = e - 1
+    return jnp.ldexp(jnp.float32(1.0), e - 1)
+
+
+def quantize(t: Float[Array, "..."], dtype) -> tuple[Array, Float[Array, ""]]:
+    """(t in float8 `dtype`, its scale): torchao's `hp_tensor_to_float8_dynamic`, tensorwise:
+    the fp32 product t * s saturated to the format's range (torch's cast does not saturate)."""
+    s = scale(jnp.max(jnp.abs(t)), dtype)
+    top = float(jnp.finfo(dtype).max)
+    return jnp.clip(t.astype(jnp.float32) * s, -top, top).astype(dtype), s
+
+
+def qdq(t: Float[Array, "..."], dtype, out_dtype) -> Float[Array, "..."]:
+    """t cast to float8 and back, in `out_dtype`: the value a float8 GEMM multiplies (exact in bf16
+    and fp32, the scale being a power of 2)."""
+    q, s = quantize(t, dtype)
+    return q.astype(out_dtype) * (1.0 / s).astype(out_dtype)
+
+
+def _dot(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype)
+
+
+@jax.custom_vjp
+def linear(x: Float[Array, "*batch k"], w: Float[Array, "k n"]) -> Float[Array, "*batch n"]:
+    """x @ w through float8 (torchao `Float8Linear`, tensorwise): the output in x's dtype, fp32
+    accumulation; `w` may be the fp32 master weight (cast to float8 from it, not from bf16)."""
+    return _dot(qdq(x, E4M3, x.dtype), qdq(w, E4M3, x.dtype), x.dtype)
+
+
+def _forward(x, w):
+    x8, w8 = qdq(x, E4M3, x.dtype), qdq(w, E4M3, x.dtype)
+    # Residuals: the float8 values (torchao recasts the same tensors with the same scales in its
+    # backward) and a zero of w's dtype, which the weight gradient must come back in.
+    return _dot(x8, w8, x.dtype), (x8, w8, jnp.zeros((), w.dtype))
+
+
+def _backward(res, dy):
+    x8, w8, w_zero = res
+    g8 = qdq(dy, E5M2, dy.dtype)
+    dx = _dot(g8, w8.T, dy.dtype)
+    k, n = w8.shape
+    dw = _dot(x8.reshape(-1, k).T, g8.reshape(-1, n), dy.dtype)   # torchao: dy's dtype, then the reduce
+    return dx, dw.astype(w_zero.dtype)
+
+
+linear.defvjp(_forward, _backward)

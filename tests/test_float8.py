@@ -1,0 +1,176 @@
+"""Float8 linears (olmo3/float8.py) against torchao's own `Float8Linear`, the module OLMo-core's
+stage-3 recipe trains with, run in torchao's emulation mode on CPU: the casts bit for bit, one
+linear's output and gradients, and a whole transformers `Olmo3ForCausalLM` converted the way
+OLMo-core converts it (every linear but the LM head)."""
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+torchao_float8 = pytest.importorskip("torchao.float8")
+
+from olmo3 import float8, hf  # noqa: E402
+from test_model import hf_config, random_hf_model  # noqa: E402
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def torchao_config():
+    """AOFloat8LinearConfig.recommended() (OLMo-core float8/ao.py) with torchao's CPU emulation.
+    enable_fsdp_float8_all_gather changes where the weight is cast (before FSDP's gather, from the
+    fp32 shard with the global amax), not the numbers, and needs FSDP: off here."""
+    return torchao_float8.Float8LinearConfig(round_scales_to_power_of_2=True, emulate=True)
+
+
+def to_torch(x, dtype):
+    return torch.tensor(np.asarray(jnp.asarray(x, jnp.float32)), dtype=TORCH_DTYPES[dtype])
+
+
+def to_numpy(t):
+    return t.detach().float().numpy()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_cast_is_torchaos_bit_for_bit(dtype, fmt):
+    """Scale and float8 bits of tensors whose maxima span the formats' ranges (tiny, huge, zero)."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    ours_dtype, theirs_dtype = {"e4m3": (float8.E4M3, torch.float8_e4m3fn),
+                                "e5m2": (float8.E5M2, torch.float8_e5m2)}[fmt]
+    rng = np.random.default_rng(0)
+    for magnitude in (1e-9, 3e-3, 0.7, 1.0, 448.0, 5e4, 3e7):
+        x = jnp.asarray(magnitude * rng.standard_normal((33, 40)), dtype)
+        q, s = float8.quantize(x, ours_dtype)
+        t = hp_tensor_to_float8_dynamic(to_torch(x, dtype), theirs_dtype, LinearMMConfig(),
+                                        round_scales_to_power_of_2=True)
+        assert float(s) == float(t._scale), (magnitude, float(s), float(t._scale))
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), t._data.view(torch.uint8).numpy())
+    q, s = float8.quantize(jnp.zeros((4, 4), dtype), ours_dtype)
+    assert not np.asarray(q, np.float32).any() and np.isfinite(float(s))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_and_its_gradients_equal_torchaos(dtype):
+    """y = x @ w, dx and dw for a given dy, x in the compute dtype and w the fp32 master weight:
+    equal to torchao's Float8Linear up to the fp32 summation order (rounded once more to bf16 in
+    the bf16 case), and far from the same linear without float8 (the test can tell)."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((48, 64)), dtype)
+    w = jnp.asarray(0.05 * rng.standard_normal((64, 96)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((48, 96)), dtype)
+    y, vjp = jax.vjp(float8.linear, x, w)
+    dx, dw = vjp(dy)
+    assert (y.dtype, dx.dtype, dw.dtype) == (x.dtype, x.dtype, jnp.float32)
+
+    lin = torch.nn.Linear(64, 96, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor(np.asarray(w).T))
+    lin = torchao_float8.convert_to_float8_training(torch.nn.Sequential(lin), config=torchao_config())[0]
+    xt = to_torch(x, dtype).requires_grad_(True)
+    yt = lin(xt)
+    yt.backward(to_torch(dy, dtype))
+    ulp = 2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -20   # relative, of each tensor's largest entry
+    plain = jax.vjp(lambda x, w: jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype),
+                    x, w)
+    plain = (plain[0], *plain[1](dy))
+    for name, ours, theirs, without in zip(("y", "dx", "dw"), (y, dx, dw), (yt, xt.grad, lin.weight.grad.T), plain):
+        theirs = to_numpy(theirs)
+        tol = ulp * np.abs(theirs).max()
+        np.testing.assert_allclose(np.asarray(ours, np.float32), theirs, rtol=0, atol=tol, err_msg=name)
+        assert np.abs(np.asarray(without, np.float32) - theirs).max() > 4 * tol, name   # float8's own effect
+
+
+def test_model_equals_transformers_converted_by_torchao():
+    """The whole model with Config.float8 against transformers' Olmo3ForCausalLM whose linears
+    torchao converted as OLMo-core's `Transformer.apply_fp8` does (the LM head left alone): the
+    logits and every weight's gradient of the mean cross entropy, one sequence (the recipe's one
+    instance per microbatch), fp32. Measured: logits within 7e-7 of theirs where float8 itself moves
+    them by 0.57, every gradient within 3e-6 of float8's own effect on it; bound: 1e-3 of it (a
+    summation-order difference can move a value across a float8 rounding boundary)."""
+    cfg = hf_config(vocab_size=128, intermediate_size=96)
+    ref = random_hf_model(cfg)
+    torchao_float8.convert_to_float8_training(ref, config=torchao_config(),
+                                              module_filter_fn=lambda m, fqn: fqn != "lm_head")
+    assert type(ref.model.layers[0].mlp.down_proj).__name__ == "Float8Linear"
+    assert type(ref.lm_head).__name__ == "Linear"
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(1, 40))
+    out = ref(torch.tensor(tokens), labels=torch.tensor(tokens))
+    out.loss.backward()
+    state = {k: v for k, v in ref.state_dict().items()}
+    config = hf.config_from_hf(cfg.to_dict())
+    model, plain = (hf.from_hf(state, config.replace(float8=f)) for f in (True, False))
+
+    def loss(m):
+        logits = m(jnp.asarray(tokens[0], jnp.int32))
+        lp = jax.nn.log_softmax(logits[:-1])
+        return -jnp.mean(jnp.take_along_axis(lp, jnp.asarray(tokens[0, 1:, None]), axis=-1)), logits
+
+    (l8, logits8), g8 = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(model)
+    (_, logits), g = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))(plain)
+    theirs = to_numpy(out.logits[0])
+    effect = np.abs(np.asarray(logits) - theirs).max()   # float8's own effect on the logits
+    assert effect > 1e-2, effect
+    assert np.abs(np.asarray(logits8) - theirs).max() < 1e-3 * effect
+    assert abs(float(l8) - out.loss.item()) < 1e-4
+    grads, plain_grads = hf.state_dict(g8), hf.state_dict(g)   # torch names and [out, in] layout
+    for name, p in ref.named_parameters():
+        theirs = to_numpy(p.grad)
+        effect = np.abs(np.asarray(plain_grads[name]) - theirs).max()
+        err = np.abs(np.asarray(grads[name]) - theirs).max()
+        assert err < 1e-3 * effect + 1e-7, (name, err, effect)
+
+
+def _tiny(**over):
+    import olmo3
+    return olmo3.Config.tiny(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16, mlp_hidden=128,
+                             n_layers=4, window=8, remat="none", **over)
+
+
+def test_fsdp_and_data_parallel_gradients_equal_one_devices():
+    """On an fsdp:4 x data:2 mesh each layer's weights are gathered whole before the cast (the
+    weight's maximum is the full tensor's, as torchao's precomputed FSDP scales are), activation
+    and gradient maxima are per sequence: the gradients equal one device's, to fp32 summation
+    order, which float8's own effect on them exceeds many times."""
+    import olmo3
+    from olmo3 import sharding as sh
+    from olmo3.loss import labels_and_weights
+    from olmo3.step import accumulate_grads
+    rng = np.random.default_rng(4)
+    batch = {"tokens": rng.integers(0, 512, (8, 32)).astype(np.int32), "instance_mask": np.ones(8, bool)}
+    n = jnp.sum(labels_and_weights(jnp.asarray(batch["tokens"]), jnp.asarray(batch["instance_mask"]))[2])
+
+    def one_device(config):
+        model = olmo3.OLMo3(config, jax.random.key(0))
+        grads, ce, _ = eqx.filter_jit(lambda m, b: accumulate_grads(m, b, n, microbatches=1, chunk=64, z_loss=1e-5,
+                                                                    use_segments=False))(
+            model, {k: jnp.asarray(v) for k, v in batch.items()})
+        return model, grads, float(ce / n)
+
+    model, want, want_loss = one_device(_tiny(float8=True))
+    _, plain, _ = one_device(_tiny())
+    mesh = sh.make_mesh("fsdp:4,data:2")
+    from olmo3.optim import SkipStepAdamW
+    sharded = sh.shard_state(model, SkipStepAdamW(lambda s: 1e-3).init(model), mesh)[0]
+    grad_fn = eqx.filter_jit(sh.make_grad_fn(mesh, sh.param_specs(sharded, mesh), chunk=64))
+    grads, loss, _ = grad_fn(sharded, sh.global_batch({**batch, "step": 0}, mesh))
+    assert abs(float(loss) - want_loss) < 1e-6 * want_loss
+    for got, w, p in zip(jax.tree.leaves(grads), jax.tree.leaves(want), jax.tree.leaves(plain)):
+        err, effect = (float(jnp.linalg.norm((a - w).ravel()) / jnp.linalg.norm(w.ravel())) for a in (got, p))
+        assert err < 1e-5 and effect > 1e-3, (err, effect)
+
+
+def test_lowers_for_cuda_with_float8_operands():
+    """The gradient of a float8 model exports for CUDA from this CPU host, the casts in place: e4m3
+    activations and weights, e5m2 output gradients (what XLA's GPU GEMM rewriter turns into
+    cuBLASLt float8 GEMMs on Hopper and later)."""
+    import olmo3
+    model = olmo3.OLMo3(_tiny(float8=True, compute_dtype="bfloat16"), jax.random.key(0))
+    loss = lambda m, t: jnp.mean(jax.vmap(m)(t) ** 2)  # noqa: E731
+    params, static = eqx.partition(model, eqx.is_array)
+    f = jax.jit(lambda p, t: jax.grad(lambda p: loss(eqx.combine(p, static), t))(p))
+    exported = jax.export.export(f, platforms=["cuda"])(params, jnp.zeros((2, 32), jnp.int32))
+    text = exported.mlir_module()
+    assert "f8E4M3FN" in text and "f8E5M2" in text
