@@ -40,6 +40,8 @@ flags.DEFINE_enum("attention", None, ["xla", "splash", "cudnn"], "Attention kern
 flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Rematerialization policy.")
 flags.DEFINE_bool("scan_layers", None, "Scan the layer groups (default, compile time flat in depth); "
                   "--noscan_layers unrolls them, faster for small models on a CPU (olmo3/config.py).")
+flags.DEFINE_bool("float8", None, "The layers' projections through float8 (the stage-3 recipe, olmo3/float8.py); "
+                  "ours only: --compare_torch's model keeps its bf16/fp32 linears.")
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype.")
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
 flags.DEFINE_integer("batch", 4, "Global batch (instances per step).")
@@ -74,7 +76,7 @@ def config_from_flags():
     import olmo3
     overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                                             "head_dim", "mlp_hidden", "window", "attention", "remat",
-                                            "scan_layers", "param_dtype", "compute_dtype", "max_position_embeddings",
+                                            "scan_layers", "float8", "param_dtype", "compute_dtype", "max_position_embeddings",
                                             "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
     if F.layer_pattern:
         overrides["layer_pattern"] = tuple(F.layer_pattern)
@@ -198,7 +200,7 @@ def main(argv):
           f"{config.n_kv_heads}x{config.head_dim} mlp={config.mlp_hidden} window={config.window} "
           f"vocab={config.vocab_size} | batch {F.batch} x seq {F.seq_len} | {config.param_dtype} params, "
           f"{config.compute_dtype} compute | attention={config.attention} remat={config.remat} "
-          f"scan_layers={config.scan_layers} "
+          f"scan_layers={config.scan_layers} float8={config.float8} "
           f"loss_chunk={F.loss_chunk}" + (f" | documents of {F.doc_len} tokens" if F.doc_len else ""))
     print(f"params: {config.num_params():,} ({config.num_params(False):,} without the input embedding); "
           f"train FLOPs/token: {flops['writeup'] / tokens_per_step / 1e6:.1f} M (write-up), "
