@@ -48,7 +48,7 @@ flags.DEFINE_bool("resume_until_done", False, "Launcher: rerun this command with
 flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many crashes.")
 flags.DEFINE_float("hang_timeout_s", 1800, "End the process (exit status 1, rerun by --resume_until_done) when no "
                   "step finishes for this long after the first: a hung collective or read (olmo3/watchdog.py). "
-                  "Evaluations and saves are not timed. 0: never.")
+                  "An evaluation or save may take 3 x its longest earlier run (its first is not timed). 0: never.")
 flags.DEFINE_string("init_from", None, "Stage 2/3: checkpoint dir (a run_dir or one step dir) to warm-start from.")
 flags.DEFINE_bool("init_weights_only", False, "With --init_from: take the weights only and start Adam fresh "
                   "(e.g. stage 1 from AI2's step-0 weights converted by convert.py).")
@@ -470,7 +470,7 @@ def main(argv):
     hang = watchdog.Watchdog(F.hang_timeout_s)   # a step that never finishes: exit 1, rerun (not a lost allocation)
     try:
         if F.eval_at_start and start == 0:
-            with clock.excluded("eval"), hang.paused():
+            with clock.excluded("eval"), hang.phase("held-out evaluation"):
                 log.write(0, evaluate(model))
         while step < max_steps:
             batch = next(loader)
@@ -486,16 +486,17 @@ def main(argv):
             # grace period may be 30 s); at the last step the run just ends as it would have.
             stopped = notice.reached(step) and step < max_steps
             if not stopped and (step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps):
-                with clock.excluded("eval"), hang.paused():  # evaluations and saves are billed to no step
+                # Evaluations and saves are billed to no step, and bounded by their own durations.
+                with clock.excluded("eval"), hang.phase("held-out evaluation"):
                     m.update(evaluate(model))
                 check_finite(m, step, ckpt)
             if downstream is not None and not stopped and step % F.downstream_eval_interval == 0:
-                with clock.excluded("downstream"), hang.paused():  # nor the downstream evaluation
+                with clock.excluded("downstream"), hang.phase("downstream evaluation"):
                     m.update(downstream(model))
                 m["downstream/seconds"] = clock.last["downstream"]
             log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
             if step % F.save_interval == 0 or step == max_steps or stopped:
-                with clock.excluded("save"), hang.paused():
+                with clock.excluded("save"), hang.phase("checkpoint save"):
                     save(step)
                 paused[step] = clock.last["save"]
             report_saves(log, ckpt, paused)

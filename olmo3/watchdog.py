@@ -4,8 +4,8 @@
     for step in ...:
         train_step(...)            # blocks in float(loss) while the devices work
         watchdog.beat(step)        # armed from the first beat: the first step's compile is free
-        with watchdog.paused():    # evaluations and saves have their own pace
-            evaluate(); save()
+        with watchdog.phase("held-out evaluation"):   # its own pace: see below
+            evaluate()
 
 Why: a collective that never completes (a GPU fallen off the bus, a link that drops a peer, a
 deadlock in the collective library) or a read that never returns blocks every process of a run
@@ -13,12 +13,18 @@ while each one is still alive. JAX's heartbeat sees nothing wrong and the job ke
 until the scheduler's time limit, hours of a whole cluster. PyTorch's NCCL watchdog makes the
 same trade: a collective past its timeout (10 minutes by default) ends the process.
 
-When no step has finished for `timeout_s` seconds outside a paused phase, a daemon thread prints
-every Python thread's stack (faulthandler: where the main thread waits), then one line (the last
-step and how long it took), and ends the process with status 1 (os._exit: the main thread is stuck
-and cannot unwind). `--resume_until_done` and the cluster's restart policy then resume from the
+When no step has finished for `timeout_s` seconds outside a phase, a daemon thread prints every
+Python thread's stack (faulthandler: where the main thread waits), then one line (the last step
+and how long it took), and ends the process with status 1 (os._exit: the main thread is stuck and
+cannot unwind). `--resume_until_done` and the cluster's restart policy then resume from the
 newest checkpoint; every process of a hung run has its own watchdog and they all stop within a
-second or two of each other. A hang inside an evaluation or a save is not caught.
+second or two of each other.
+
+A phase (an evaluation, a save) is work of its own size: the first one of each name is not timed
+(it compiles, and nothing says how long it should take), and each later one may take
+max(timeout_s, PHASE_FACTOR x the longest of its name so far) before the same ending. A save
+stuck behind a storage mount that stopped answering, or an evaluation's collective that never
+completes, then ends the process too, however long the phase is normally.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import time
 from typing import Iterator, Optional
 
 EXIT_STATUS = 1   # retried by --resume_until_done (olmo3/cli.py)
+PHASE_FACTOR = 3.0   # a phase may take this many times its longest earlier run (and at least timeout_s)
 
 
 class Watchdog:
@@ -42,7 +49,8 @@ class Watchdog:
         self._lock = threading.Lock()
         self._last: Optional[float] = None      # monotonic time of the last beat; None: not armed
         self._step = self._took = None
-        self._paused = 0
+        self._phase: Optional[tuple[str, float]] = None   # (name, monotonic start) of the phase running
+        self._longest: dict[str, float] = {}              # each phase's longest run so far, seconds
         self._stop = threading.Event()
         if self.timeout_s is not None:
             threading.Thread(target=self._watch, name="olmo3-watchdog", daemon=True).start()
@@ -55,17 +63,21 @@ class Watchdog:
             self._last, self._step = now, step
 
     @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """A phase with no steps (an evaluation, a save): not timed; the clock restarts after it."""
+    def phase(self, name: str) -> Iterator[None]:
+        """A phase with no steps (an evaluation, a save), bounded by its own earlier durations (see
+        the module docstring); the step clock restarts after it. Phases do not nest."""
         with self._lock:
-            self._paused += 1
+            assert self._phase is None, f"phase {name!r} inside phase {self._phase[0]!r}"
+            self._phase = (name, time.monotonic())
         try:
             yield
         finally:
+            now = time.monotonic()
             with self._lock:
-                self._paused -= 1
+                self._longest[name] = max(self._longest.get(name, 0.0), now - self._phase[1])
+                self._phase = None
                 if self._last is not None:
-                    self._last = time.monotonic()
+                    self._last = now
 
     def close(self) -> None:
         self._stop.set()
@@ -74,16 +86,27 @@ class Watchdog:
         period = min(self.timeout_s / 4, 10.0)
         while not self._stop.wait(period):
             with self._lock:
-                if self._last is None or self._paused:
+                if self._last is None:
                     continue
-                waited = time.monotonic() - self._last
-                step, took = self._step, self._took
-            if waited > self.timeout_s:
-                print(f"{self.prog}: no training step finished for {waited:.0f} s; where every thread waits:",
-                      file=sys.stderr, flush=True)
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                last = f" (it took {took:.1f} s)" if took is not None else ""
-                print(f"{self.prog}: error: no training step finished for {waited:.0f} s after step {step}{last}, "
-                      f"--hang_timeout_s={self.timeout_s:g}: a hung collective, device or read; exiting with status "
-                      f"{EXIT_STATUS} so that the run restarts from its newest checkpoint", file=sys.stderr, flush=True)
-                os._exit(EXIT_STATUS)
+                now, step, took = time.monotonic(), self._step, self._took
+                if self._phase is None:
+                    waited, limit = now - self._last, self.timeout_s
+                    last = f" (it took {took:.1f} s)" if took is not None else ""
+                    what = f"no training step finished for {waited:.0f} s after step {step}{last}"
+                else:
+                    name, started = self._phase
+                    if name not in self._longest:   # the first of its name: compiles, no measure yet
+                        continue
+                    waited, limit = now - started, max(self.timeout_s, PHASE_FACTOR * self._longest[name])
+                    what = (f"the {name} after step {step} has run for {waited:.0f} s, past {limit:.0f} s "
+                            f"({PHASE_FACTOR:g} x its longest before, {self._longest[name]:.1f} s, or the timeout)")
+            if waited > limit:
+                self._end(what)
+
+    def _end(self, what: str) -> None:
+        print(f"{self.prog}: {what}; where every thread waits:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        print(f"{self.prog}: error: {what}, --hang_timeout_s={self.timeout_s:g}: a hung collective, device or read; "
+              f"exiting with status {EXIT_STATUS} so that the run restarts from its newest checkpoint",
+              file=sys.stderr, flush=True)
+        os._exit(EXIT_STATUS)
