@@ -235,12 +235,12 @@ def main(argv):
     # Out of device memory before the first step is these numbers' fault: exit 2 with this advice
     # (after it, exit 1 and a rerun: olmo3/cli.py).
     rows_per_micro = F.global_batch // (n_devices // sharding.context_size(mesh)) // microbatches
-    cli.advise(out_of_memory=
+    cli.advise(out_of_memory=(
         f"the run does not fit at {rows_per_micro} instance(s) of {F.seq_len} tokens per device per microbatch; "
-        f"lower --micro_batch, use --remat=full (now {config.remat}), a smaller --loss_chunk (now "
-        f"{F.loss_chunk} tokens of fp32 logits), or more devices (--mesh, now "
-        + ",".join(f"{k}:{v}" for k, v in mesh.shape.items())
-        + ("" if F.stage == "dpo" else "; a context axis cuts every sequence") + ")")
+        + ("lower --micro_batch, " if rows_per_micro > 1 else "")
+        + f"use --remat=full (now {config.remat}), a smaller --loss_chunk (now {F.loss_chunk} tokens of fp32 "
+        f"logits), or more devices (--mesh, now {','.join(f'{k}:{v}' for k, v in mesh.shape.items())}"
+        + ("" if F.stage == "dpo" else "; a context axis cuts every sequence") + ")"))
 
     # -----------------------------------------------------------------------------------------
     # §3 Data: OLMo-core fixed-length or packed instances, one seeded permutation per epoch,
