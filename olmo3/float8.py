@@ -57,11 +57,16 @@ def quantize(t: Float[Array, "..."], dtype) -> tuple[Array, Float[Array, ""]]:
     return jnp.clip(t.astype(jnp.float32) * s, -top, top).astype(dtype), s
 
 
-def qdq(t: Float[Array, "..."], dtype, out_dtype) -> Float[Array, "..."]:
-    """t cast to float8 and back, in `out_dtype`: the value a float8 GEMM multiplies (exact in bf16
-    and fp32, the scale being a power of 2)."""
-    q, s = quantize(t, dtype)
+def dequantize(q: Array, s: Float[Array, ""], out_dtype) -> Float[Array, "..."]:
+    """q / s in `out_dtype`: the value a float8 GEMM multiplies (exact in bf16 and fp32, the scale
+    being a power of 2). Written as convert-then-multiply-by-a-scalar, the operand pattern XLA's
+    GPU GEMM rewriter replaces with a float8 GEMM."""
     return q.astype(out_dtype) * (1.0 / s).astype(out_dtype)
+
+
+def qdq(t: Float[Array, "..."], dtype, out_dtype) -> Float[Array, "..."]:
+    """t cast to float8 and back, in `out_dtype`."""
+    return dequantize(*quantize(t, dtype), out_dtype)
 
 
 def _dot(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
@@ -76,19 +81,23 @@ def linear(x: Float[Array, "*batch k"], w: Float[Array, "k n"]) -> Float[Array, 
 
 
 def _forward(x, w):
-    x8, w8 = qdq(x, E4M3, x.dtype), qdq(w, E4M3, x.dtype)
-    # Residuals: the float8 values (torchao recasts the same tensors with the same scales in its
-    # backward) and a zero of w's dtype, which the weight gradient must come back in.
-    return _dot(x8, w8, x.dtype), (x8, w8, jnp.zeros((), w.dtype))
+    (qx, sx), (qw, sw) = quantize(x, E4M3), quantize(w, E4M3)
+    y = _dot(dequantize(qx, sx, x.dtype), dequantize(qw, sw, x.dtype), x.dtype)
+    # Residuals: the float8 tensors and their scales (torchao recasts the same tensors with the
+    # same scales in its backward): a byte per element where a layer's residuals are kept, and
+    # the backward's dots again read float8 operands. Zeros carry the dtypes of x and w, which
+    # the gradients must come back in.
+    return y, (qx, sx, qw, sw, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
 
 
 def _backward(res, dy):
-    x8, w8, w_zero = res
+    qx, sx, qw, sw, x_zero, w_zero = res
     g8 = qdq(dy, E5M2, dy.dtype)
+    x8, w8 = dequantize(qx, sx, dy.dtype), dequantize(qw, sw, dy.dtype)
     dx = _dot(g8, w8.T, dy.dtype)
     k, n = w8.shape
     dw = _dot(x8.reshape(-1, k).T, g8.reshape(-1, n), dy.dtype)   # torchao: dy's dtype, then the reduce
-    return dx, dw.astype(w_zero.dtype)
+    return dx.astype(x_zero.dtype), dw.astype(w_zero.dtype)
 
 
 linear.defvjp(_forward, _backward)
