@@ -374,7 +374,10 @@ def main(argv):
     else:
         train_step = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
                                               chunk=F.loss_chunk, z_loss=F.z_loss, use_segments=use_segments)
-    eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=use_segments)
+    # Held-out batches run at most a training microbatch's rows per device at a time: a run whose
+    # first step fits cannot run out of memory in its first evaluation (a failure a rerun repeats).
+    eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=use_segments,
+                                    micro_rows=rows_per_micro)
 
     def eval_plan(ds):
         """(rows per batch, batches): rows a multiple of the device count, at most --eval_batches.

@@ -492,16 +492,31 @@ def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int
 
 
 def make_eval_fn(mesh: Mesh, specs: PyTree, *, chunk: int = 1024, use_segments: bool = False,
-                 head_stride: int = HEAD_STRIDE):
+                 head_stride: int = HEAD_STRIDE, micro_rows: Optional[int] = None):
     """`eval_fn(model, batch) -> (CE sum, counted tokens)` over the whole global batch, jitted;
-    same gathers as the gradient, no backward pass (held-out evaluation)."""
+    same gathers as the gradient, no backward pass (held-out evaluation). `micro_rows`: each
+    device runs its rows at most this many at a time (the largest divisor of its rows that is
+    not above it), so an evaluation never holds more activations than a training microbatch of
+    that size; the sums are the same."""
     sums, _, every_axis = _loss_fn(mesh, chunk=chunk, use_segments=use_segments,
                                    head_stride=head_stride)
 
     def local(params, batch, static):
         model = _gather_top(eqx.combine(params, static), specs)
-        ce, _, n = sums(model, batch, gather=lambda layer: _gather_layer(layer, specs.layers),
-                        z_loss=None)
+
+        def one(mb):
+            ce, _, n = sums(model, mb, gather=lambda layer: _gather_layer(layer, specs.layers),
+                            z_loss=None)
+            return ce, n
+
+        rows = batch["tokens"].shape[0]
+        k = max(d for d in range(1, min(rows, micro_rows or rows) + 1) if rows % d == 0)
+        if k == rows:
+            ce, n = one(batch)
+        else:   # rows / k pieces of k rows, summed in order
+            split = jax.tree.map(lambda x: x.reshape(rows // k, k, *x.shape[1:]), batch)
+            ce, n = jax.lax.map(one, split)
+            ce, n = jnp.sum(ce), jnp.sum(n)
         return jax.lax.psum((ce, n), every_axis)
 
     @eqx.filter_jit

@@ -281,3 +281,23 @@ def test_initialize_distributed_reads_env(monkeypatch):
         sh.initialize_distributed()
     with pytest.raises(ValueError, match=r"process_id=7 must be in \[0, num_processes=2\)"):
         sh.initialize_distributed(process_id=7)          # the flag wins over JAX_PROCESS_ID=2
+
+
+def test_eval_fn_in_microbatches_sums_the_same_and_holds_less():
+    """Held-out batches in pieces of at most `micro_rows` rows per device (train.py passes the
+    training microbatch's): the same CE sum (rtol 1e-6, summation order) and token count, with
+    less device memory for temporaries (XLA's own buffer assignment, memory_analysis)."""
+    config = CFG.replace(mlp_hidden=1024)      # activations, not the fixed logits chunk, dominate
+    model = olmo3.OLMo3(config, jax.random.key(0))
+    mesh = sh.make_mesh("fsdp:2", devices=jax.devices()[:2])
+    m = sh.shard_state(model, optimizer().init(model), mesh)[0]
+    rng = np.random.default_rng(5)
+    batch = sh.global_batch({"tokens": rng.integers(0, 512, (16, 128)).astype(np.int32),   # 8 rows per device
+                             "instance_mask": np.ones(16, bool), "step": 0}, mesh)
+    specs = sh.param_specs(m, mesh)
+    whole, pieces = (sh.make_eval_fn(mesh, specs, chunk=64, micro_rows=r) for r in (None, 3))   # 3 -> 2 rows
+    (ce, n), (ce2, n2) = whole(m, batch), pieces(m, batch)
+    np.testing.assert_allclose(float(ce2), float(ce), rtol=1e-6)
+    assert float(n2) == float(n)
+    temp = [f.lower(m, batch).compile().compiled.memory_analysis().temp_size_in_bytes for f in (whole, pieces)]
+    assert temp[1] < 0.5 * temp[0], temp
