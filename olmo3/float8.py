@@ -46,7 +46,9 @@ def scale(amax: Float[Array, ""], dtype) -> Float[Array, ""]:
     fp32 ulps below a power of 2 up to it, a scale twice ours for such a tensor."""
     s = jnp.float32(jnp.finfo(dtype).max) / jnp.maximum(amax.astype(jnp.float32), EPS)
     _, e = jnp.frexp(s)                            # s = m * 2^e, m in [0.5, 1): floor(log2 s) = e - 1
-    return jnp.ldexp(jnp.float32(1.0), e - 1)
+    # An inf amax gives s = 0 and a NaN one s = NaN, kept as torchao keeps them, so that a
+    # non-finite activation makes the output NaN instead of being saturated into range.
+    return jnp.where(s > 0, jnp.ldexp(jnp.float32(1.0), e - 1), s)
 
 
 def quantize(t: Float[Array, "..."], dtype) -> tuple[Array, Float[Array, ""]]:

@@ -50,6 +50,14 @@ def test_cast_is_torchaos_bit_for_bit(dtype, fmt):
         np.testing.assert_array_equal(np.asarray(q).view(np.uint8), t._data.view(torch.uint8).numpy())
     q, s = float8.quantize(jnp.zeros((4, 4), dtype), ours_dtype)
     assert not np.asarray(q, np.float32).any() and np.isfinite(float(s))
+    for bad in (np.inf, np.nan):   # a non-finite entry: NaN where torchao has NaN, never saturated away
+        x = jnp.asarray(rng.standard_normal((8, 8)), dtype).at[3, 5].set(bad)
+        q, _ = float8.quantize(x, ours_dtype)
+        t = hp_tensor_to_float8_dynamic(to_torch(x, dtype), theirs_dtype, LinearMMConfig(),
+                                        round_scales_to_power_of_2=True)
+        theirs = t._data.float().numpy()
+        np.testing.assert_array_equal(np.isnan(np.asarray(q, np.float32)), np.isnan(theirs))
+        assert np.isnan(theirs[3, 5]) and np.isnan(np.asarray(float8.qdq(x, ours_dtype, jnp.float32))).any()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
