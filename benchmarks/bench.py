@@ -41,7 +41,7 @@ flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Re
 flags.DEFINE_bool("scan_layers", None, "Scan the layer groups (default, compile time flat in depth); "
                   "--noscan_layers unrolls them, faster for small models on a CPU (olmo3/config.py).")
 flags.DEFINE_bool("float8", None, "The layers' projections through float8 (the stage-3 recipe, olmo3/float8.py); "
-                  "ours only: --compare_torch's model keeps its bf16/fp32 linears.")
+                  "--compare_torch's model gets torchao's Float8Linear the same way (emulated without CUDA).")
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype.")
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
 flags.DEFINE_integer("batch", 4, "Global batch (instances per step).")
@@ -142,6 +142,13 @@ def build_torch(config, tokens_np, attn_impl: str):
         pad_token_id=None, eos_token_id=None, tie_word_embeddings=False,
         attn_implementation=attn_impl)
     model = transformers.Olmo3ForCausalLM(hf_cfg).float().train()
+    if config.float8:   # as OLMo-core's stage 3 converts it: torchao on every linear but the LM head
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(round_scales_to_power_of_2=True, emulate=not torch.cuda.is_available()),
+            module_filter_fn=lambda m, fqn: fqn != "lm_head" and all(d % 16 == 0 for d in m.weight.shape))
+        n = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        print(f"torch: torchao Float8Linear on {n} linears{'' if torch.cuda.is_available() else ' (emulated)'}")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     tokens = torch.from_numpy(tokens_np).long()
 

@@ -33,7 +33,11 @@ def run_bench(*extra):
 
 
 def test_bench_smoke_with_torch():
-    lines = run_bench("--compare_torch", "--torch_attention=eager", "--torch_threads=1")
+    """Both frameworks with float8 linears (the stage-3 recipe): ours, and torchao's on the torch
+    model's 7 projections per layer, its LM head left alone as OLMo-core leaves it."""
+    lines = run_bench("--compare_torch", "--torch_attention=eager", "--torch_threads=1", "--float8")
+    assert f"torch: torchao Float8Linear on {7 * L} linears (emulated)" in lines
+    assert any(line.startswith("config:") and "float8=True" in line for line in lines)
     m = LAST.match(lines[-1])
     assert m, f"last line not machine-readable: {lines[-1]!r}"
     tps, ttps, ratio, mfu, mfu_nominal = map(float, m.groups())
