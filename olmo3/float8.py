@@ -4,8 +4,10 @@ OLMo-core's long-context script (OLMo-3-1025-7B-long-context.py, `float8_config=
 `nn.Linear` except the LM head (`Transformer.apply_fp8` ignores "lm_head.w_out") for torchao's
 `Float8Linear` with its default "tensorwise dynamic" recipe, scales rounded down to powers of 2
 (`round_scales_to_power_of_2=True`) and the weights cast to float8 from the fp32 master copy
-before FSDP gathers them (`enable_fsdp_float8_all_gather=True`). In this model that is the seven
-projections of every layer (q, k, v, o, gate, up, down). One linear y = x @ w, as torchao does it:
+before FSDP gathers them (`enable_fsdp_float8_all_gather=True`; here the fp32 shards are gathered
+and then cast: the same numbers, 4x the bytes for those weights). In this model that is the seven
+projections of every layer (q, k, v, o, gate, up, down), where both dimensions are multiples of
+16 as OLMo-core's filter asks (olmo3/model.py). One linear y = x @ w, as torchao does it:
 
     forward     x8 = cast(x, e4m3)   w8 = cast(w, e4m3)     y  = x8 @ w8        (in x's dtype)
     backward    g8 = cast(dy, e5m2)                         dx = g8 @ w8^T      (in dy's dtype)
@@ -16,9 +18,10 @@ Each tensor gets one scale from its own absolute maximum ("tensorwise"; e4m3 max
 activations and weights, e5m2 max 57344 for gradients, whose range matters more than precision).
 A power-of-2 scale makes the dequantized values exact in bf16 and fp32, so `qdq` (quantize, then
 dequantize to the compute dtype) followed by an ordinary dot computes exactly torchao's emulated
-`mm(a8.float() / sa, b8.float() / sb)`: on CPU and TPU the products are the float8 ones, at
-bf16 speed; on Hopper and later GPUs XLA's GEMM rewriter turns convert-to-f8 / scale / dot into
-cuBLASLt float8 GEMMs (the pattern JAX's and Flax's fp8 examples rely on).
+`mm(a8.float() / sa, b8.float() / sb)`: where the chip has no float8 GEMM the products are the
+float8 ones at the compute dtype's speed. Convert-from-f8, multiply by a scalar, dot is the pattern
+XLA's GPU GEMM rewriter turns into cuBLASLt float8 GEMMs on Hopper and later, which JAX's and
+Flax's fp8 examples rely on; not yet seen on a GPU here (benchmarks/gpu_check.sh's stage-3 row).
 
 **Whose maximum.** torchao's is over the tensor a rank multiplies: its whole microbatch. Here the
 model runs one sequence at a time under `jax.vmap`, so the activation and gradient maxima are per
