@@ -82,7 +82,7 @@ def _dot(a: jax.Array, b: jax.Array, dtype) -> jax.Array:
 def linear(x: Float[Array, "*batch k"], w: Float[Array, "k n"]) -> Float[Array, "*batch n"]:
     """x @ w through float8 (torchao `Float8Linear`, tensorwise): the output in x's dtype, fp32
     accumulation; `w` may be the fp32 master weight (cast to float8 from it, not from bf16)."""
-    return _dot(qdq(x, E4M3, x.dtype), qdq(w, E4M3, x.dtype), x.dtype)
+    return _forward(x, w)[0]   # the residuals are unused outside differentiation: XLA drops them
 
 
 def _forward(x, w):
