@@ -4,8 +4,8 @@ OLMo-core's long-context script (OLMo-3-1025-7B-long-context.py, `float8_config=
 `nn.Linear` except the LM head (`Transformer.apply_fp8` ignores "lm_head.w_out") for torchao's
 `Float8Linear` with its default "tensorwise dynamic" recipe, scales rounded down to powers of 2
 (`round_scales_to_power_of_2=True`) and the weights cast to float8 from the fp32 master copy
-before FSDP gathers them (`enable_fsdp_float8_all_gather=True`; here the fp32 shards are gathered
-and then cast: the same numbers, 4x the bytes for those weights). In this model that is the seven
+before FSDP gathers them (`enable_fsdp_float8_all_gather=True`: one byte per element on the wire,
+the scale from the whole weight's maximum; olmo3/sharding.py `_wire`). In this model that is the seven
 projections of every layer (q, k, v, o, gate, up, down), where both dimensions are multiples of
 16 as OLMo-core's filter asks (olmo3/model.py). One linear y = x @ w, as torchao does it:
 
@@ -33,6 +33,8 @@ layer (the FSDP gather), so their maximum is the full tensor's, as torchao's pre
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -54,10 +56,12 @@ def scale(amax: Float[Array, ""], dtype) -> Float[Array, ""]:
     return jnp.where(s > 0, jnp.ldexp(jnp.float32(1.0), e - 1), s)
 
 
-def quantize(t: Float[Array, "..."], dtype) -> tuple[Array, Float[Array, ""]]:
+def quantize(t: Float[Array, "..."], dtype, amax: Optional[Float[Array, ""]] = None
+             ) -> tuple[Array, Float[Array, ""]]:
     """(t in float8 `dtype`, its scale): torchao's `hp_tensor_to_float8_dynamic`, tensorwise:
-    the fp32 product t * s saturated to the format's range (torch's cast does not saturate)."""
-    s = scale(jnp.max(jnp.abs(t)), dtype)
+    the fp32 product t * s saturated to the format's range (torch's cast does not saturate).
+    `amax`: the whole tensor's absolute maximum when `t` is one shard of it (the FSDP gather)."""
+    s = scale(jnp.max(jnp.abs(t)) if amax is None else amax, dtype)
     top = float(jnp.finfo(dtype).max)
     return jnp.clip(t.astype(jnp.float32) * s, -top, top).astype(dtype), s
 

@@ -55,10 +55,15 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
+def uses_float8(cfg: Config, name: str, shape: tuple[int, ...]) -> bool:
+    """Whether the layer weight `name` of (whole, unsharded) `shape` runs through float8: the
+    stage-3 recipe's torchao Float8Linear (olmo3/float8.py) on the linears OLMo-core's
+    Float8Config converts, those whose every dimension is a multiple of 16."""
+    return cfg.float8 and name in _PROJ_NAMES and shape[-2] % 16 == 0 and shape[-1] % 16 == 0
+
+
 def _proj(cfg: Config, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
-    # The stage-3 recipe's torchao Float8Linear (olmo3/float8.py), on the linears OLMo-core's
-    # Float8Config converts: those whose every dimension is a multiple of 16.
-    if cfg.float8 and w.shape[-2] % 16 == 0 and w.shape[-1] % 16 == 0:
+    if uses_float8(cfg, name, w.shape):
         y = float8.linear(x, w)
     else:
         y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)

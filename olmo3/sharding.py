@@ -10,7 +10,10 @@ The mesh has two axes, ('data', 'fsdp'), or three with `--mesh=...,context:C`:
     one step         for each microbatch, for each layer in the scan: all_gather that layer's
                      weights over 'fsdp', run it, drop it; the backward pass recomputes the gather
                      and its transpose hands back the gradient already reduce-scattered over
-                     'fsdp'. After the last microbatch the shard gradients are psummed over
+                     'fsdp'. Weights cross the wire as the model computes with them (`_wire`:
+                     matrices in the compute dtype, float8 linears as float8 bytes, norms as
+                     stored; OLMo-core's FSDP param_dtype=bf16), gradients are reduce-scattered
+                     in fp32 (its reduce_dtype). After the last microbatch the shard gradients are psummed over
                      'data' (replicas) once. The loss denominator is the psum of counted tokens over
                      every device, so the math is that of one device holding the whole batch.
     optimizer        plain jit on the sharded arrays, OUTSIDE the shard_map: skip-step AdamW needs
@@ -57,6 +60,7 @@ of the stage-3 7B with and without context:8.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Optional, Union
 
@@ -69,7 +73,8 @@ from jaxtyping import PyTree
 
 from olmo3 import step as step_lib
 from olmo3.config import Config
-from olmo3 import attention
+from olmo3 import attention, float8
+from olmo3 import model as model_lib
 from olmo3.loss import IGNORE, chunked_cross_entropy, labels_and_weights
 from olmo3.model import Layer, OLMo3
 from olmo3.step import Z_LOSS, loss_sums
@@ -384,32 +389,107 @@ def _context_loss_sums(model: OLMo3, batch: dict, *, chunk: int, use_segments: b
 # --------------------------------------------------------------------------------------------
 # The gradient under shard_map
 # --------------------------------------------------------------------------------------------
-def _gather(x: jax.Array, spec: P, axis_offset: int = 0) -> jax.Array:
+def _wire(cfg: Config, name: str, shape: tuple[int, ...], dtype) -> Union[str, jnp.dtype, None]:
+    """How the weight `name` (whole shape `shape`, stored as `dtype`) crosses the wire in the FSDP
+    all-gather, losslessly for the model that uses it:
+      "float8"      a float8 linear (model.uses_float8) as the e4m3 bytes and one scale that its
+                    torchao cast makes from the whole fp32 weight: what torchao's
+                    `enable_fsdp_float8_all_gather` sends, a quarter of an fp32 weight's bytes
+      compute dtype every other matrix (projections, embedding, lm_head), which the model casts to
+                    the compute dtype before any use: OLMo-core's FSDP `param_dtype=bfloat16`
+                    gathers these in bf16, half an fp32 weight's bytes
+      None          the norms, multiplied in fp32 (model.rms_norm), and whatever is stored in the
+                    compute dtype already: as they are
+    XLA's CPU backend widens bf16 collectives back to fp32 (its float normalization); GPUs (NCCL
+    bf16) and TPUs gather them as given. Float8 travels as uint8 bytes everywhere.
+    """
+    if model_lib.uses_float8(cfg, name, shape):
+        return "float8"
+    if name not in _NORMS and jnp.dtype(cfg.dtype).itemsize < jnp.dtype(dtype).itemsize:
+        return jnp.dtype(cfg.dtype)
+    return None
+
+
+_NORMS = ("q_norm", "k_norm", "post_attention_norm", "post_feedforward_norm", "norm")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _all_gather_as(x: jax.Array, names, axis: int, wire) -> jax.Array:
+    """all_gather(x over `names`, tiled on `axis`) whose bytes travel as `wire` (see `_wire`) and
+    arrive back in x's dtype, holding exactly the values the model then computes with. The
+    gradient is reduce-scattered in x's dtype, as OLMo-core's `reduce_dtype=float32` does: the
+    cast is straight-through there (torchao's float8 cast is too), the same gradient as
+    gathering x itself."""
+    if wire == "float8":
+        amax = jax.lax.pmax(jnp.max(jnp.abs(x)), names)      # the whole weight's maximum
+        q, s = float8.quantize(x, float8.E4M3, amax=amax)
+        # As bytes: a collective of a float8 type need not exist on every backend.
+        q = jax.lax.bitcast_convert_type(
+            jax.lax.all_gather(jax.lax.bitcast_convert_type(q, jnp.uint8), names, axis=axis,
+                               tiled=True), float8.E4M3)
+        # Dequantized exactly (q / s, s a power of 2). float8.linear recasts it with the same
+        # scale or twice it (when the largest |q| rounded down to half the format's maximum),
+        # either way to the same float8 values: the forward and backward of the layer are
+        # those of a weight cast from the whole fp32 tensor on one device.
+        return float8.dequantize(q, s, x.dtype)
+    return jax.lax.all_gather(x.astype(wire), names, axis=axis, tiled=True).astype(x.dtype)
+
+
+def _all_gather_as_fwd(x, names, axis, wire):
+    return _all_gather_as(x, names, axis, wire), None
+
+
+def _all_gather_as_bwd(names, axis, wire, _, g):
+    return (jax.lax.psum_scatter(g, names, scatter_dimension=axis, tiled=True),)
+
+
+_all_gather_as.defvjp(_all_gather_as_fwd, _all_gather_as_bwd)
+
+
+def _gather(x: jax.Array, spec: P, axis_offset: int = 0, wire=None) -> jax.Array:
     """This device's shard -> the full weight. Its transpose (in the backward pass) is a
-    reduce-scatter: each device receives the fsdp-summed gradient of its own shard only."""
+    reduce-scatter: each device receives the fsdp-summed gradient of its own shard only.
+    `wire`: how the bytes travel (`_wire`); None sends x as it is."""
     axis = _fsdp_axis(spec)
     if jax.lax.axis_size(spec[axis]) == 1:   # nothing to gather: XLA would still copy the weight
         return x
-    return jax.lax.all_gather(x, spec[axis], axis=axis - axis_offset, tiled=True)
+    if wire is None:
+        return jax.lax.all_gather(x, spec[axis], axis=axis - axis_offset, tiled=True)
+    return _all_gather_as(x, spec[axis], axis - axis_offset, wire)
 
 
-def _gather_layer(layer: Layer, layer_specs: Layer) -> Layer:
+def _whole_shape(x: jax.Array, spec: P, axis_offset: int) -> tuple[int, ...]:
+    axis = _fsdp_axis(spec)
+    shape = list(x.shape)
+    shape[axis - axis_offset] *= jax.lax.axis_size(spec[axis])
+    return tuple(shape)
+
+
+def _gather_layer(layer: Layer, layer_specs: Layer, cfg: Config) -> Layer:
     """ONE layer's weights (the stacked layer axis already indexed away by the scan), called by
     model.hidden inside the scanned body: only one layer is ever whole on a device."""
-    return jax.tree.map(lambda x, s: _gather(x, s, axis_offset=1), layer, layer_specs)
+    def one(name):
+        x, spec = getattr(layer, name), getattr(layer_specs, name)
+        return _gather(x, spec, 1, _wire(cfg, name, _whole_shape(x, spec, 1), x.dtype))
+
+    return Layer(**{f.name: one(f.name) for f in dataclasses.fields(Layer)})
 
 
 def _gather_top(model: OLMo3, specs: PyTree) -> OLMo3:
     """The weights used outside the layer scan: embedding, final norm, lm_head."""
+    def one(name):
+        x, spec = getattr(model, name), getattr(specs, name)
+        return _gather(x, spec, 0, _wire(model.config, name, x.shape, x.dtype))
+
     return eqx.tree_at(lambda m: (m.embed, m.norm, m.lm_head), model,
-                       (_gather(model.embed, specs.embed), _gather(model.norm, specs.norm),
-                        _gather(model.lm_head, specs.lm_head)))
+                       (one("embed"), one("norm"), one("lm_head")))
 
 
 def gathered(model: OLMo3, specs: PyTree) -> tuple[OLMo3, Callable[[Layer], Layer]]:
     """Inside a shard_map: the model with its top-level weights whole, and the per-layer gather
-    to pass as `model.hidden(gather=...)`. For losses written outside this module (olmo3/dpo.py)."""
-    return _gather_top(model, specs), lambda layer: _gather_layer(layer, specs.layers)
+    to pass as `model.hidden(gather=...)`. For every loss (here and olmo3/dpo.py)."""
+    cfg = model.config
+    return _gather_top(model, specs), lambda layer: _gather_layer(layer, specs.layers, cfg)
 
 
 def _batch_specs(batch: dict, mesh: Mesh) -> dict:
@@ -454,9 +534,8 @@ def make_grad_fn(mesh: Mesh, specs: PyTree, *, microbatches: int = 1, chunk: int
             n = jnp.maximum(jax.lax.psum(jnp.sum(count(batch)), every_axis), 1.0)
 
             def objective(p, mb):
-                m = _gather_top(eqx.combine(p, static), specs)
-                ce, z, _ = sums(m, mb, gather=lambda layer: _gather_layer(layer, specs.layers),
-                                z_loss=z_loss)
+                m, gather = gathered(eqx.combine(p, static), specs)
+                ce, z, _ = sums(m, mb, gather=gather, z_loss=z_loss)
                 return (ce + z_loss * z) / n, (ce, z)
 
             def body(carry, mb):   # gradient accumulation over this device's microbatches
@@ -502,11 +581,10 @@ def make_eval_fn(mesh: Mesh, specs: PyTree, *, chunk: int = 1024, use_segments: 
                                    head_stride=head_stride)
 
     def local(params, batch, static):
-        model = _gather_top(eqx.combine(params, static), specs)
+        model, gather = gathered(eqx.combine(params, static), specs)
 
         def one(mb):
-            ce, _, n = sums(model, mb, gather=lambda layer: _gather_layer(layer, specs.layers),
-                            z_loss=None)
+            ce, _, n = sums(model, mb, gather=gather, z_loss=None)
             return ce, n
 
         rows = batch["tokens"].shape[0]
@@ -541,8 +619,8 @@ def make_score_fn(mesh: Mesh, specs: PyTree):
     from olmo3.scoring import continuation_scores
 
     def local(params, batch, static):
-        model = _gather_top(eqx.combine(params, static), specs)
-        return continuation_scores(model, batch, gather=lambda layer: _gather_layer(layer, specs.layers))
+        model, gather = gathered(eqx.combine(params, static), specs)
+        return continuation_scores(model, batch, gather=gather)
 
     @eqx.filter_jit
     def sharded(model: OLMo3, batch: dict):

@@ -301,3 +301,44 @@ def test_eval_fn_in_microbatches_sums_the_same_and_holds_less():
     assert float(n2) == float(n)
     temp = [f.lower(m, batch).compile().compiled.memory_analysis().temp_size_in_bytes for f in (whole, pieces)]
     assert temp[1] < 0.5 * temp[0], temp
+
+
+def test_gathers_send_what_the_model_computes_with_and_change_no_bit():
+    """FSDP gathers in bf16 compute over fp32 weights, with float8 linears: the projections cross
+    the wire as e4m3 bytes (1 byte per element), the embedding and lm_head in bf16 (OLMo-core's
+    FSDP param_dtype), the norms in fp32; every gradient is reduce-scattered in fp32. Against
+    gathering the fp32 weights themselves (`_wire` off), the loss and every gradient are equal
+    bit for bit."""
+    config = CFG.replace(compute_dtype="bfloat16", float8=True)
+    model = olmo3.OLMo3(config, jax.random.key(0))
+    mesh = mesh_of("4x2")
+    m = sh.shard_state(model, optimizer().init(model), mesh)[0]
+    batch = sh.global_batch(batches(1)[0], mesh)
+    specs = sh.param_specs(m, mesh)
+
+    def grads(wire):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sh, "_wire", wire)
+            fn = eqx.filter_jit(sh.make_grad_fn(mesh, specs, chunk=64))
+            text = fn.lower(m, batch).as_text()             # what XLA is given, before any pass
+            return fn(m, batch), text
+
+    (got, loss, _), text = grads(sh._wire)
+    (want, want_loss, _), plain = grads(lambda *a: None)
+    assert float(loss) == float(want_loss)
+    for name, a, b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert bool(jnp.array_equal(a, b)), name[0]
+
+    def gathered(t):   # {(element type, shape)} of every all_gather result
+        return {(ty, tuple(int(d) for d in dims.split("x") if d))
+                for dims, ty in re.findall(r'stablehlo\.all_gather.*-> tensor<((?:\d+x)*)(\w+)>', t)}
+
+    L, d, V = config.n_layers, config.d_model, config.vocab_size
+    proj = {(config.d_model, config.q_dim), (config.d_model, config.kv_dim), (config.q_dim, d),
+            (d, config.mlp_hidden), (config.mlp_hidden, d)}
+    norms = {(config.q_dim,), (config.kv_dim,), (d,)}
+    assert gathered(text) == ({("ui8", s) for s in proj} | {("bf16", (V, d)), ("bf16", (d, V))}
+                              | {("f32", s) for s in norms}), gathered(text)
+    assert {ty for ty, _ in gathered(plain)} == {"f32"}
+    scattered = set(re.findall(r'stablehlo\.reduce_scatter.*?\) -> tensor<(?:\d+x)*(\w+)>', text, re.S))
+    assert scattered == {"f32"}, scattered
