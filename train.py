@@ -432,6 +432,9 @@ def main(argv):
         # Tokenized now: a missing wheel or file stops the run here, not at the first interval.
         rows_cache = oe_tasks.prepare(labels, encode, limit=F.downstream_limit, max_length=F.seq_len)
         ds_rows = -(-(F.downstream_batch or 8) // n_devices) * n_devices
+        downstream_advice = (f"a request of up to {F.seq_len} tokens (--seq_len) and its fp32 logits over the "
+                             f"whole vocabulary do not fit; score fewer or shorter tasks (--downstream_tasks) "
+                             f"in the run, and the rest on its checkpoints with eval.py")
 
         def downstream(model):
             return oe_tasks.evaluate(model, labels, score_fn=score_fn, encode=encode, pad_id=data.PAD_ID,
@@ -471,9 +474,19 @@ def main(argv):
     notice = preemption.Notice()
     stopped = False
     hang = watchdog.Watchdog(F.hang_timeout_s)   # a step that never finishes: exit 1, rerun (not a lost allocation)
+    # Out of memory in an evaluation's first run is final too (its shapes never fitted, and every
+    # rerun would train up to it): exit 2 with what to change (olmo3/cli.py first_run).
+    if F.stage == "dpo":   # held-out pairs in batches of pair_rows, whatever the training microbatch
+        eval_advice = (f"{pair_rows // n_devices} rows of {F.seq_len} tokens per device do not fit (at most 16 "
+                       f"pairs per batch, fewer with a smaller --global_batch); use more devices (--mesh)")
+    else:
+        eval_advice = (f"{rows_per_micro} instance(s) of {F.seq_len} tokens per device at a time do not fit; "
+                       + ("lower --micro_batch, " if rows_per_micro > 1 else "")
+                       + f"use a smaller --loss_chunk (now {F.loss_chunk}) or more devices (--mesh)")
     try:
         if F.eval_at_start and start == 0:
-            with clock.excluded("eval"), hang.phase("held-out evaluation"):
+            with (clock.excluded("eval"), hang.phase("held-out evaluation"),
+                  cli.first_run("held-out evaluation", eval_advice)):
                 log.write(0, evaluate(model))
         while step < max_steps:
             batch = next(loader)
@@ -490,11 +503,13 @@ def main(argv):
             stopped = notice.reached(step) and step < max_steps
             if not stopped and (step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps):
                 # Evaluations and saves are billed to no step, and bounded by their own durations.
-                with clock.excluded("eval"), hang.phase("held-out evaluation"):
+                with (clock.excluded("eval"), hang.phase("held-out evaluation"),
+                      cli.first_run("held-out evaluation", eval_advice)):
                     m.update(evaluate(model))
                 check_finite(m, step, ckpt)
             if downstream is not None and not stopped and step % F.downstream_eval_interval == 0:
-                with clock.excluded("downstream"), hang.phase("downstream evaluation"):
+                with (clock.excluded("downstream"), hang.phase("downstream evaluation"),
+                      cli.first_run("downstream evaluation", downstream_advice)):
                     m.update(downstream(model))
                 m["downstream/seconds"] = clock.last["downstream"]
             log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))

@@ -2,7 +2,7 @@
 
     exit 0   done
     exit 2   a user's error: a flag, a path or an input file, or a program that does not fit in
-             device memory before the first step. One line on stderr names the culprit and the
+             device memory before the first step (or in its first run: `first_run`). One line on stderr names the culprit and the
              fix; no traceback (`--verbosity=1` adds it). Never retried by --resume_until_done
              (olmo3/launch.py): a rerun cannot fix it.
     exit 3   the state became non-finite (NaN / inf loss, parameters or moments). No checkpoint
@@ -21,16 +21,20 @@ existing files). Inputs are checked before the first step; once a run has made p
 storage, not of the command (a flaky mount, a lost host), and is retried; a ValueError (bad data
 deep in the corpus) stays final. Out of device memory is the same: before the first step the
 shapes that did not fit are the flags' (final, with the advice the script gave `advise`), after
-it they ran before, so fragmentation or a leak is more likely and a fresh process may pass. A
-full disk is final whenever it happens: someone has to free space first.
+it they ran before, so fragmentation or a leak is more likely and a fresh process may pass.
+Except in a program's first run after the first step (`first_run`: the first held-out or
+downstream evaluation): its shapes never fitted, and each rerun would train up to it and fail
+there again, so it is final too, with that program's advice. A full disk is final whenever it
+happens: someone has to free space first.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
 import traceback
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 from absl import app, flags, logging
 
@@ -52,6 +56,8 @@ USER_ERRORS = (UserError, app.UsageError, flags.Error, ValueError, FileNotFoundE
 
 _running = False
 _advice = {"memory": "", "disk": ""}
+_ran_once: set[str] = set()     # the `first_run` programs that have completed once
+_oom_final = False              # an out-of-memory error came from a program's first run
 
 # How XLA says a buffer did not fit: the CPU and GPU allocators at run time, the TPU compiler
 # ("Ran out of memory in memory space hbm"), the TPU runtime ("Attempting to allocate ...").
@@ -75,6 +81,25 @@ def advise(*, out_of_memory: str | None = None, disk_full: str | None = None) ->
         _advice["disk"] = disk_full
 
 
+@contextlib.contextmanager
+def first_run(name: str, out_of_memory: str) -> Iterator[None]:
+    """Around each run of the program `name`. In its first run (until one completes) running out
+    of device memory is a user's error even after the first step, ended with this advice instead
+    of the step's: the shapes are the flags', and every rerun would fail at the same point."""
+    global _oom_final
+    if name in _ran_once:
+        yield
+        return
+    try:
+        yield
+    except BaseException as e:
+        if is_out_of_memory(e):
+            _oom_final = True
+            _advice["memory"] = f"{name}: {out_of_memory}"
+        raise
+    _ran_once.add(name)
+
+
 def is_out_of_memory(e: BaseException) -> bool:
     """XLA ran out of device memory (host memory on a CPU backend), at compile or at run time."""
     text = _first_line(e).lower()
@@ -95,7 +120,7 @@ def exit_status(e: BaseException) -> int:
     if isinstance(e, NonFiniteError):
         return NON_FINITE
     if is_out_of_memory(e):
-        return 1 if _running else USER_ERROR
+        return 1 if _running and not _oom_final else USER_ERROR
     if is_disk_full(e):
         return USER_ERROR
     if _running and isinstance(e, OSError):

@@ -196,6 +196,34 @@ def test_exit_status_before_and_after_the_first_step(monkeypatch):
     assert [cli.exit_status(e) for e in cases] == [1, 2, 2, 3, 1, 1, 1, 1, 1, 1]
 
 
+def test_out_of_memory_in_a_programs_first_run_is_final_with_its_advice(monkeypatch):
+    """After the first step, out of memory in an evaluation that never completed is final (2) with
+    that evaluation's advice: every rerun would train up to it. Once it has completed, a later
+    one is retried (1). Other errors pass through unchanged."""
+    from olmo3 import cli
+    monkeypatch.setattr(cli, "_running", True)
+    monkeypatch.setattr(cli, "_ran_once", set())
+    monkeypatch.setattr(cli, "_oom_final", False)
+    monkeypatch.setattr(cli, "_advice", {"memory": "the step's advice", "disk": ""})
+    oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 3411055920 bytes.")
+
+    def attempt(name, error):
+        try:
+            with cli.first_run(name, "lower --x (now 8)"):
+                if error is not None:
+                    raise error
+        except RuntimeError as e:
+            return cli.exit_status(e), cli.one_line(e)
+        return None
+
+    assert attempt("evaluation", RuntimeError("a lost host")) == (1, "a lost host")
+    assert attempt("evaluation", None) is None           # completes: from now on retried
+    assert attempt("evaluation", oom) == (1, "out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating "
+                                             "3411055920 bytes): the step's advice")
+    assert attempt("downstream", oom) == (2, "out of device memory (RESOURCE_EXHAUSTED: Out of memory allocating "
+                                             "3411055920 bytes): downstream: lower --x (now 8)")
+
+
 def test_a_run_that_does_not_fit_in_memory_ends_as_a_users_error(tmp_path):
     """The first step needs more memory than the device has (here the CPU backend's: host memory,
     capped with RLIMIT_AS; the step's logits alone are ~13 GB, the cap 8 GB, an ordinary run of
