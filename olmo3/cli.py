@@ -2,9 +2,9 @@
 
     exit 0   done
     exit 2   a user's error: a flag, a path or an input file, or a program that does not fit in
-             device memory before the first step (or in its first run: `first_run`). One line on stderr names the culprit and the
-             fix; no traceback (`--verbosity=1` adds it). Never retried by --resume_until_done
-             (olmo3/launch.py): a rerun cannot fix it.
+             device memory before the first step (or in its own first run: `first_run`). One
+             line on stderr names the culprit and the fix; no traceback (`--verbosity=1` adds
+             it). Never retried by --resume_until_done (olmo3/launch.py): a rerun cannot fix it.
     exit 3   the state became non-finite (NaN / inf loss, parameters or moments). No checkpoint
              of it was written; the line names the last good one. Not retried either: a rerun
              would resume into the same numbers.

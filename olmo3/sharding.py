@@ -13,9 +13,10 @@ The mesh has two axes, ('data', 'fsdp'), or three with `--mesh=...,context:C`:
                      'fsdp'. Weights cross the wire as the model computes with them (`_wire`:
                      matrices in the compute dtype, float8 linears as float8 bytes, norms as
                      stored; OLMo-core's FSDP param_dtype=bf16), gradients are reduce-scattered
-                     in fp32 (its reduce_dtype). After the last microbatch the shard gradients are psummed over
-                     'data' (replicas) once. The loss denominator is the psum of counted tokens over
-                     every device, so the math is that of one device holding the whole batch.
+                     in fp32 (its reduce_dtype). After the last microbatch the shard gradients
+                     are psummed over 'data' (replicas) once. The loss denominator is the psum
+                     of counted tokens over every device, so the math is that of one device
+                     holding the whole batch.
     optimizer        plain jit on the sharded arrays, OUTSIDE the shard_map: skip-step AdamW needs
                      a global grad norm, which jit gets right on global arrays; its elementwise
                      update keeps the params' sharding (the step pins it, see `make_train_step`).
@@ -479,7 +480,7 @@ def _gather_top(model: OLMo3, specs: PyTree) -> OLMo3:
     """The weights used outside the layer scan: embedding, final norm, lm_head."""
     def one(name):
         x, spec = getattr(model, name), getattr(specs, name)
-        return _gather(x, spec, 0, _wire(model.config, name, x.shape, x.dtype))
+        return _gather(x, spec, 0, _wire(model.config, name, _whole_shape(x, spec, 0), x.dtype))
 
     return eqx.tree_at(lambda m: (m.embed, m.norm, m.lm_head), model,
                        (one("embed"), one("norm"), one("lm_head")))
