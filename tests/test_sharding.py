@@ -333,13 +333,14 @@ def test_gathers_send_what_the_model_computes_with_and_change_no_bit():
         return {(ty, tuple(int(d) for d in dims.split("x") if d))
                 for dims, ty in re.findall(r'stablehlo\.all_gather.*-> tensor<((?:\d+x)*)(\w+)>', t)}
 
-    L, d, V = config.n_layers, config.d_model, config.vocab_size
+    d, V = config.d_model, config.vocab_size
     proj = {(config.d_model, config.q_dim), (config.d_model, config.kv_dim), (config.q_dim, d),
             (d, config.mlp_hidden), (config.mlp_hidden, d)}
     norms = {(config.q_dim,), (config.kv_dim,), (d,)}
     assert gathered(text) == ({("ui8", s) for s in proj} | {("bf16", (V, d)), ("bf16", (d, V))}
                               | {("f32", s) for s in norms}), gathered(text)
     assert {ty for ty, _ in gathered(plain)} == {"f32"}
+
     def scattered(t):   # [(dims, element type)] of every reduce_scatter result
         return sorted(re.findall(r'stablehlo\.reduce_scatter.*?\) -> tensor<((?:\d+x)*)(\w+)>', t, re.S))
 
