@@ -399,19 +399,16 @@ def _wire(cfg: Config, name: str, shape: tuple[int, ...], dtype) -> Union[str, j
       compute dtype every other matrix (projections, embedding, lm_head), which the model casts to
                     the compute dtype before any use: OLMo-core's FSDP `param_dtype=bfloat16`
                     gathers these in bf16, half an fp32 weight's bytes
-      None          the norms, multiplied in fp32 (model.rms_norm), and whatever is stored in the
-                    compute dtype already: as they are
+      None          the norm vectors, multiplied in fp32 (model.rms_norm), and whatever is stored
+                    in the compute dtype already: as they are
     XLA's CPU backend widens bf16 collectives back to fp32 (its float normalization); GPUs (NCCL
     bf16) and TPUs gather them as given. Float8 travels as uint8 bytes everywhere.
     """
     if model_lib.uses_float8(cfg, name, shape):
         return "float8"
-    if name not in _NORMS and jnp.dtype(cfg.dtype).itemsize < jnp.dtype(dtype).itemsize:
+    if len(shape) == 2 and jnp.dtype(cfg.dtype).itemsize < jnp.dtype(dtype).itemsize:
         return jnp.dtype(cfg.dtype)
     return None
-
-
-_NORMS = ("q_norm", "k_norm", "post_attention_norm", "post_feedforward_norm", "norm")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -447,43 +444,33 @@ def _all_gather_as_bwd(names, axis, wire, _, g):
 _all_gather_as.defvjp(_all_gather_as_fwd, _all_gather_as_bwd)
 
 
-def _gather(x: jax.Array, spec: P, axis_offset: int = 0, wire=None) -> jax.Array:
-    """This device's shard -> the full weight. Its transpose (in the backward pass) is a
-    reduce-scatter: each device receives the fsdp-summed gradient of its own shard only.
-    `wire`: how the bytes travel (`_wire`); None sends x as it is."""
+def _gather(x: jax.Array, spec: P, axis_offset: int, cfg: Config, name: str) -> jax.Array:
+    """This device's shard of the weight `name` -> the full weight, its bytes sent as `_wire`
+    says. Its transpose (in the backward pass) is a reduce-scatter: each device receives the
+    fsdp-summed gradient of its own shard only."""
     axis = _fsdp_axis(spec)
-    if jax.lax.axis_size(spec[axis]) == 1:   # nothing to gather: XLA would still copy the weight
+    n = jax.lax.axis_size(spec[axis])
+    if n == 1:   # nothing to gather: XLA would still copy the weight
         return x
+    shape = tuple(d * n if i == axis - axis_offset else d for i, d in enumerate(x.shape))
+    wire = _wire(cfg, name, shape, x.dtype)
     if wire is None:
         return jax.lax.all_gather(x, spec[axis], axis=axis - axis_offset, tiled=True)
     return _all_gather_as(x, spec[axis], axis - axis_offset, wire)
 
 
-def _whole_shape(x: jax.Array, spec: P, axis_offset: int) -> tuple[int, ...]:
-    axis = _fsdp_axis(spec)
-    shape = list(x.shape)
-    shape[axis - axis_offset] *= jax.lax.axis_size(spec[axis])
-    return tuple(shape)
-
-
 def _gather_layer(layer: Layer, layer_specs: Layer, cfg: Config) -> Layer:
     """ONE layer's weights (the stacked layer axis already indexed away by the scan), called by
     model.hidden inside the scanned body: only one layer is ever whole on a device."""
-    def one(name):
-        x, spec = getattr(layer, name), getattr(layer_specs, name)
-        return _gather(x, spec, 1, _wire(cfg, name, _whole_shape(x, spec, 1), x.dtype))
-
-    return Layer(**{f.name: one(f.name) for f in dataclasses.fields(Layer)})
+    names = [f.name for f in dataclasses.fields(Layer)]
+    return Layer(**{k: _gather(getattr(layer, k), getattr(layer_specs, k), 1, cfg, k) for k in names})
 
 
 def _gather_top(model: OLMo3, specs: PyTree) -> OLMo3:
     """The weights used outside the layer scan: embedding, final norm, lm_head."""
-    def one(name):
-        x, spec = getattr(model, name), getattr(specs, name)
-        return _gather(x, spec, 0, _wire(model.config, name, _whole_shape(x, spec, 0), x.dtype))
-
+    names = ("embed", "norm", "lm_head")
     return eqx.tree_at(lambda m: (m.embed, m.norm, m.lm_head), model,
-                       (one("embed"), one("norm"), one("lm_head")))
+                       tuple(_gather(getattr(model, k), getattr(specs, k), 0, model.config, k) for k in names))
 
 
 def gathered(model: OLMo3, specs: PyTree) -> tuple[OLMo3, Callable[[Layer], Layer]]:
