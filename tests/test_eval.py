@@ -305,7 +305,10 @@ def test_compare_flags_memorization_not_seed_noise(runs, tmp_path):
     assert last_bad["train_delta"] < -0.5 and last_bad["heldout_delta"] > 0.0  # the signature, by margin
     assert not clean["flagged"], clean["verdict"]
     assert not any(r["flag"] for r in clean["rows"])
-    assert abs(last_ok["train_delta"]) < 0.05 and abs(last_ok["heldout_delta"]) < 0.05  # 10x inside
+    # Seed noise is far inside the signature: at least 10x smaller train delta and gap. (An absolute
+    # bound is not: the two seeds differ by 0.060 held-out on a Zen 5 EPYC, by < 0.05 on earlier CPUs.)
+    gap = lambda row: row["heldout_delta"] - row["train_delta"]  # noqa: E731
+    assert 10 * abs(last_ok["train_delta"]) < -last_bad["train_delta"] and 10 * abs(gap(last_ok)) < gap(last_bad)
     assert last_ok["kl_AB"] > 0 and set(last_ok) >= {"heldout/chain_a_delta", "heldout/chain_b_delta"}
     for row in clean["rows"] + bad["rows"]:  # the bands are measured, finite and positive
         assert 0 < row["train_se"] < 0.2 and 0 < row["heldout_se"] < 1 and row["train_band"] == 3 * row["train_se"]
