@@ -20,13 +20,16 @@ d_model 512, 8 layers, vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10
    the three libraries this XLA can hand dots to: A/B/C runs in turn, three rounds, median step
    (tokens per CPU-second) YNNPACK 9.9-25 s (85, 65, 115), XNNPACK 12.7-51 s (60, 81, 90), oneDNN
    11.4-22 s (62, 86, 101), on a machine shared with other jobs (load 1-5). A bare a @ b is faster
-   through XNNPACK or oneDNN there, the step's transposed backward dots are not. So one
+   through XNNPACK or oneDNN there, the step's transposed backward dots are not. On a 2-core
+   AMD EPYC with AVX-512 (Zen 5), two rounds in turn, median step: YNNPACK 3.60 / 3.84 s,
+   XNNPACK 3.87 / 4.02 s, oneDNN 3.89 / 4.57 s, none of them (`ynn_fusion_type=`) 4.05 / 4.20 s. So one
    setting for every CPU; a user's own pick of any dot library (DOT_LIBRARY_FLAGS) wins whole.
 2. Keep freed memory in the process. XLA:CPU mallocs each step's temporaries; glibc hands any
    block over 32 MB straight back to the kernel on free (mmap/munmap), so every step faulted its
    ~3.9 GB of temporaries in again: 986k minor page faults and 1.9 s of system time per 8 s
    step. With one malloc arena that never mmaps and never trims, steady-state steps fault
-   nothing: 8.1 s -> 7.0 s.
+   nothing: 8.1 s -> 7.0 s. On the Zen 5 EPYC above (YNNPACK dots in both; two rounds in turn):
+   4.88 / 4.82 s -> 3.87 / 3.63 s.
 3. ...but bound what it keeps. A heap that never shrinks also keeps its holes: temporaries of
    other shapes (evaluation, a checkpoint's host copies, 8 host devices allocating at once) land
    beside each other and the heap's high-water mark ratchets up. A train.py run with 8 host
