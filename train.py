@@ -47,7 +47,8 @@ flags.DEFINE_bool("resume", False, "Continue from the latest complete checkpoint
 flags.DEFINE_bool("resume_until_done", False, "Launcher: rerun this command with --resume after a crash.")
 flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many crashes.")
 flags.DEFINE_float("hang_timeout_s", 1800, "End the process (exit status 1, rerun by --resume_until_done) when no "
-                  "step finishes for this long after the first: a hung collective or read (olmo3/watchdog.py). "
+                  "step finishes for this long, compiling aside (the first step included): a hung collective or read "
+                  "(olmo3/watchdog.py). "
                   "An evaluation or save may take 3 x its longest earlier run (its first is not timed). 0: never.")
 flags.DEFINE_string("init_from", None, "Stage 2/3: checkpoint dir (a run_dir or one step dir) to warm-start from.")
 flags.DEFINE_bool("init_weights_only", False, "With --init_from: take the weights only and start Adam fresh "
@@ -488,6 +489,7 @@ def main(argv):
             with (clock.excluded("eval"), hang.phase("held-out evaluation"),
                   cli.first_run("held-out evaluation", eval_advice)):
                 log.write(0, evaluate(model))
+        hang.arm(step)   # the first step is timed too, from the end of its compilation
         while step < max_steps:
             batch = next(loader)
             assert batch["step"] == step, (batch["step"], step)  # batch index N for step N+1

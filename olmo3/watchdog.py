@@ -1,9 +1,10 @@
 """A step that never finishes ends the process (exit status 1, rerun), not the allocation.
 
     watchdog = Watchdog(timeout_s=1800)
+    watchdog.arm(start)            # the first step is timed too; compiling never is
     for step in ...:
         train_step(...)            # blocks in float(loss) while the devices work
-        watchdog.beat(step)        # armed from the first beat: the first step's compile is free
+        watchdog.beat(step)
         with watchdog.phase("held-out evaluation"):   # its own pace: see below
             evaluate()
 
@@ -12,6 +13,17 @@ deadlock in the collective library) or a read that never returns blocks every pr
 while each one is still alive. JAX's heartbeat sees nothing wrong and the job keeps its machines
 until the scheduler's time limit, hours of a whole cluster. PyTorch's NCCL watchdog makes the
 same trade: a collective past its timeout (10 minutes by default) ends the process.
+
+Compiling is not a hang, however long it takes (a 7B's first step, a recompile): JAX announces
+the start and the end of each trace, lowering and backend compile (jax.monitoring: a scalar at
+the start, a duration at the end, `COMPILE_EVENTS`); while one runs the clock stands still, and
+it starts again from zero when the last one ends. So the first step is timed from the end of its
+compilation, and a first collective that never completes (a peer that never joined, a
+misconfigured network between hosts: the commonest way a multi-host job hangs) ends the run as
+any later one does. A host that compiles longer holds its peers' first step, so the timeout must
+cover the spread of compile times between hosts; the worst case is a fresh host with a cold
+compilation cache among warm ones. Until a start has been announced (or should a JAX version stop
+announcing them), the first step is not timed: the clock starts at its beat.
 
 When no step has finished for `timeout_s` seconds outside a phase, a daemon thread prints every
 Python thread's stack (faulthandler: where the main thread waits), then one line (the last step
@@ -37,6 +49,11 @@ import time
 from typing import Iterator, Optional
 
 EXIT_STATUS = 1   # retried by --resume_until_done (olmo3/cli.py)
+# The jax.monitoring events of one compilation (jax/_src/dispatch.py: JAXPR_TRACE_EVENT,
+# JAXPR_TO_MLIR_MODULE_EVENT, BACKEND_COMPILE_EVENT), each announced at its start and its end.
+COMPILE_EVENTS = frozenset(("/jax/core/compile/jaxpr_trace_duration",
+                            "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                            "/jax/core/compile/backend_compile_duration"))
 PHASE_FACTOR = 3.0   # a phase may take this many times its longest earlier run (and at least timeout_s)
 
 
@@ -51,16 +68,44 @@ class Watchdog:
         self._step = self._took = None
         self._phase: Optional[tuple[str, float]] = None   # (name, monotonic start) of the phase running
         self._longest: dict[str, float] = {}              # each phase's longest run so far, seconds
+        self._compiling = 0          # compile events started and not yet ended (they nest)
+        self._announces: Optional[bool] = None   # does this JAX announce compile starts? (see above)
+        self._first = False          # armed, and no step finished since
         self._stop = threading.Event()
         if self.timeout_s is not None:
+            import jax.monitoring
+            jax.monitoring.register_scalar_listener(self._compile_started)
+            jax.monitoring.register_event_duration_secs_listener(self._compile_ended)
             threading.Thread(target=self._watch, name="olmo3-watchdog", daemon=True).start()
+
+    def arm(self, step: int) -> None:
+        """The loop is about to run the step after `step`: the clock starts now (compiling aside).
+        Without `arm`, the first `beat` starts it."""
+        with self._lock:
+            self._last, self._step, self._took, self._first = time.monotonic(), step, None, True
 
     def beat(self, step: int) -> None:
         """Step `step` finished: the clock starts again."""
         now = time.monotonic()
         with self._lock:
             self._took = None if self._last is None else now - self._last
-            self._last, self._step = now, step
+            self._last, self._step, self._first = now, step, False
+
+    def _compile_started(self, event: str, value: float, **kwargs) -> None:
+        if event in COMPILE_EVENTS:
+            with self._lock:
+                self._compiling += 1
+                self._announces = True
+
+    def _compile_ended(self, event: str, duration_s: float, **kwargs) -> None:
+        if event in COMPILE_EVENTS:
+            with self._lock:
+                if self._compiling == 0:     # no start announced (or one before we listened)
+                    self._announces = self._announces or False
+                    return
+                self._compiling -= 1
+                if self._compiling == 0 and self._last is not None:
+                    self._last = time.monotonic()   # the clock starts again from the compile's end
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -81,18 +126,26 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
+        if self.timeout_s is not None:
+            import jax.monitoring
+            jax.monitoring.unregister_scalar_listener(self._compile_started)
+            jax.monitoring.unregister_event_duration_listener(self._compile_ended)
 
     def _watch(self) -> None:
         period = min(self.timeout_s / 4, 10.0)
         while not self._stop.wait(period):
             with self._lock:
-                if self._last is None:
+                if self._last is None or self._compiling:
                     continue
                 now, step, took = time.monotonic(), self._step, self._took
                 if self._phase is None:
+                    if self._first and not self._announces:   # compiling and hanging would look alike
+                        continue
                     waited, limit = now - self._last, self.timeout_s
                     last = f" (it took {took:.1f} s)" if took is not None else ""
-                    what = f"no training step finished for {waited:.0f} s after step {step}{last}"
+                    what = (f"step {step + 1}, the first of this run, has not finished {waited:.0f} s after its "
+                            f"compilation" if self._first else
+                            f"no training step finished for {waited:.0f} s after step {step}{last}")
                 else:
                     name, started = self._phase
                     if name not in self._longest:   # the first of its name: compiles, no measure yet

@@ -163,10 +163,10 @@ def test_train_py_two_processes_match_one(tmp_path):
 
 
 @contextlib.contextmanager
-def _two_train_py_after_step_2(tmp_path, *extra):
+def _two_train_py(tmp_path, *extra, until=r"^step +2 \|"):
     """train.py as 2 processes x 2 CPU devices (fsdp:4) with SMALL's recipe, output in
-    tmp_path/p{0,1}.log; yields the two processes once process 0 has logged step 2, kills
-    whatever is left when the block ends."""
+    tmp_path/p{0,1}.log; yields the two processes once process 0 has logged a line matching
+    `until` (by default step 2), kills whatever is left when the block ends."""
     from test_train import SMALL, word_corpus
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,7 +185,7 @@ def _two_train_py_after_step_2(tmp_path, *extra):
                               env=env, stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         deadline = time.time() + 300
-        while not re.search(r"^step +2 \|", (tmp_path / "p0.log").read_text(), re.M):
+        while not re.search(until, (tmp_path / "p0.log").read_text(), re.M):
             assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "p0.log").read_text()[-3000:]
             time.sleep(0.05)
         yield procs
@@ -199,7 +199,7 @@ def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
     """A preemption notice that reaches one process of two (a GPU node or TPU VM signalled alone):
     JAX's preemption sync manager tells both to stop at the same step (olmo3/preemption.py); both
     write their shards of that one checkpoint and exit 143."""
-    with _two_train_py_after_step_2(tmp_path, "--max_steps=12") as procs:
+    with _two_train_py(tmp_path, "--max_steps=12") as procs:
         procs[1].send_signal(signal.SIGTERM)     # process 1 only; process 0 hears it through JAX
         codes = [p.wait(timeout=300) for p in procs]
     out = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
@@ -220,7 +220,7 @@ def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path):
     that says so (olmo3/watchdog.py). A frozen process is also what JAX's heartbeat sees, after
     100 s; the hang only the watchdog sees, every process alive and stuck (a device, a deadlocked
     collective, a read), cannot be made on CPU: this is the same wait, seen from process 0."""
-    with _two_train_py_after_step_2(tmp_path, "--max_steps=20", "--hang_timeout_s=8") as procs:
+    with _two_train_py(tmp_path, "--max_steps=20", "--hang_timeout_s=8") as procs:
         procs[1].send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         code = procs[0].wait(timeout=90)
@@ -230,4 +230,24 @@ def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path):
     last = out.strip().splitlines()[-1]
     assert re.match(r"train\.py: error: no training step finished for \d+ s after step \d+ \(it took", last), last
     assert "--hang_timeout_s=8" in last
+    print(f"process 0 ended {waited:.0f} s after its peer stopped: {last}")
+
+
+@pytest.mark.slow
+def test_a_peer_that_never_joins_the_first_step_ends_the_run_through_the_watchdog(tmp_path):
+    """Process 1 frozen (SIGSTOP) before the first step, as process 0 logs its header: process 0
+    compiles its step untimed, then waits in the step's first collective. The watchdog times the
+    first step from the end of its compilation (olmo3/watchdog.py) and ends it with status 1 after
+    --hang_timeout_s, before JAX's heartbeat (100 s) would."""
+    with _two_train_py(tmp_path, "--max_steps=20", "--hang_timeout_s=8", until=r"^OLMo 3 stage") as procs:
+        procs[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        code = procs[0].wait(timeout=90)
+        waited = time.time() - stopped_at
+    out = (tmp_path / "p0.log").read_text()
+    assert code == 1, out[-3000:]
+    assert not re.search(r"^step +1 \|", out, re.M)
+    last = out.strip().splitlines()[-1]
+    assert re.match(r"train\.py: error: step 1, the first of this run, has not finished \d+ s after its "
+                    r"compilation", last), last
     print(f"process 0 ended {waited:.0f} s after its peer stopped: {last}")

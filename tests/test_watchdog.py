@@ -1,5 +1,6 @@
 """olmo3/watchdog.py: a step that never finishes ends the process with status 1 (rerun), naming
-the last step and showing where the main thread waits; phases and the first step are not timed."""
+the last step and showing where the main thread waits; compiling and a phase's first run are not
+timed, the first step after `arm` is."""
 import os
 import subprocess
 import sys
@@ -68,3 +69,51 @@ def test_a_phase_that_ran_before_is_bounded_by_its_own_duration():
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("train.py: error: the checkpoint save after step 3 has run for "), last
     assert "3 x its longest before, 0.6 s" in last, last
+
+
+def test_the_first_step_is_timed_from_the_end_of_its_compilation():
+    """After `arm`, the clock stands still while JAX compiles (its announced start and end: a real
+    jit compile here, then a 2 s "compile" recorded as JAX records one, 4x the timeout) and starts
+    again from the compile's end; a first step that then never finishes ends the process, named."""
+    p = run("""
+        import jax, jax.numpy as jnp
+        from olmo3.watchdog import COMPILE_EVENTS
+        w = Watchdog(0.5)
+        w.arm(5)
+        jax.jit(lambda x: jnp.sin(x) @ x.T)(jnp.ones((64, 64))).block_until_ready()
+        assert w._announces is True and w._compiling == 0, (w._announces, w._compiling)
+        event = "/jax/core/compile/backend_compile_duration"
+        assert event in COMPILE_EVENTS
+        jax.monitoring.record_scalar(event, time.time())            # a compile starts...
+        time.sleep(2.0)
+        jax.monitoring.record_event_duration_secs(event, 2.0)       # ...and ends 2 s later
+        time.sleep(0.2)
+        print("compiled", flush=True)
+        def the_first_collective():
+            time.sleep(60)     # a peer that never joined
+        the_first_collective()
+    """)
+    assert p.returncode == 1 and p.stdout.strip() == "compiled", (p.stdout, p.stderr)
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: step 6, the first of this run, has not finished "), last
+    assert "s after its compilation" in last and "--hang_timeout_s=0.5" in last, last
+    assert "in the_first_collective" in p.stderr
+
+
+def test_the_first_step_is_not_timed_when_compile_starts_are_not_announced():
+    """A compile's end with no start announced (a JAX that does not announce them): compiling and
+    a hang cannot be told apart, so the first step runs untimed and the clock starts at its beat."""
+    p = run("""
+        import jax
+        w = Watchdog(0.3)
+        w.arm(0)
+        jax.monitoring.record_event_duration_secs("/jax/core/compile/backend_compile_duration", 1.0)
+        time.sleep(1.5)          # compiling, as far as anyone can tell
+        w.beat(1)
+        time.sleep(0.1)
+        w.beat(2)
+        print("done", flush=True)
+        time.sleep(60)           # step 3 never finishes: timed as before
+    """)
+    assert p.returncode == 1 and p.stdout.strip() == "done", (p.stdout, p.stderr)
+    assert "no training step finished for " in p.stderr and "after step 2 (it took" in p.stderr
