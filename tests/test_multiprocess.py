@@ -214,13 +214,18 @@ def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path):
-    """Process 1 frozen (SIGSTOP) after step 2: process 0 waits in a collective that never
-    completes. The watchdog ends it with status 1 (rerun) after --hang_timeout_s, with the line
-    that says so (olmo3/watchdog.py). A frozen process is also what JAX's heartbeat sees, after
-    100 s; the hang only the watchdog sees, every process alive and stuck (a device, a deadlocked
-    collective, a read), cannot be made on CPU: this is the same wait, seen from process 0."""
-    with _two_train_py(tmp_path, "--max_steps=20", "--hang_timeout_s=8") as procs:
+@pytest.mark.parametrize("when", ["after step 2", "before the first step"])
+def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path, when):
+    """Process 1 frozen (SIGSTOP) after step 2, or before the first step (as process 0 logs its
+    header): process 0 waits in a collective that never completes. The watchdog ends it with status
+    1 (rerun) after --hang_timeout_s, with the line that says so (olmo3/watchdog.py); the first
+    step is timed from the end of its compilation. A frozen process is also what JAX's heartbeat
+    sees, after 100 s; the hang only the watchdog sees, every process alive and stuck (a device, a
+    deadlocked collective, a read), cannot be made on CPU: this is the same wait, seen from
+    process 0."""
+    first = when == "before the first step"
+    until = r"^OLMo 3 stage" if first else r"^step +2 \|"
+    with _two_train_py(tmp_path, "--max_steps=20", "--hang_timeout_s=8", until=until) as procs:
         procs[1].send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         code = procs[0].wait(timeout=90)
@@ -228,26 +233,11 @@ def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path):
     out = (tmp_path / "p0.log").read_text()
     assert code == 1, out[-3000:]
     last = out.strip().splitlines()[-1]
-    assert re.match(r"train\.py: error: no training step finished for \d+ s after step \d+ \(it took", last), last
+    if first:
+        assert not re.search(r"^step +1 \|", out, re.M)
+        assert re.match(r"train\.py: error: step 1, the first of this run, has not finished \d+ s after its "
+                        r"compilation", last), last
+    else:
+        assert re.match(r"train\.py: error: no training step finished for \d+ s after step \d+ \(it took", last), last
     assert "--hang_timeout_s=8" in last
-    print(f"process 0 ended {waited:.0f} s after its peer stopped: {last}")
-
-
-@pytest.mark.slow
-def test_a_peer_that_never_joins_the_first_step_ends_the_run_through_the_watchdog(tmp_path):
-    """Process 1 frozen (SIGSTOP) before the first step, as process 0 logs its header: process 0
-    compiles its step untimed, then waits in the step's first collective. The watchdog times the
-    first step from the end of its compilation (olmo3/watchdog.py) and ends it with status 1 after
-    --hang_timeout_s, before JAX's heartbeat (100 s) would."""
-    with _two_train_py(tmp_path, "--max_steps=20", "--hang_timeout_s=8", until=r"^OLMo 3 stage") as procs:
-        procs[1].send_signal(signal.SIGSTOP)
-        stopped_at = time.time()
-        code = procs[0].wait(timeout=90)
-        waited = time.time() - stopped_at
-    out = (tmp_path / "p0.log").read_text()
-    assert code == 1, out[-3000:]
-    assert not re.search(r"^step +1 \|", out, re.M)
-    last = out.strip().splitlines()[-1]
-    assert re.match(r"train\.py: error: step 1, the first of this run, has not finished \d+ s after its "
-                    r"compilation", last), last
-    print(f"process 0 ended {waited:.0f} s after its peer stopped: {last}")
+    print(f"process 0 ended {waited:.0f} s after its peer stopped {when}: {last}")
