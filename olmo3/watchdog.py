@@ -73,9 +73,7 @@ class Watchdog:
         self._first = False          # armed, and no step finished since
         self._stop = threading.Event()
         if self.timeout_s is not None:
-            import jax.monitoring
-            jax.monitoring.register_scalar_listener(self._compile_started)
-            jax.monitoring.register_event_duration_secs_listener(self._compile_ended)
+            self._listen(True)
             threading.Thread(target=self._watch, name="olmo3-watchdog", daemon=True).start()
 
     def arm(self, step: int) -> None:
@@ -127,9 +125,19 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
         if self.timeout_s is not None:
-            import jax.monitoring
-            jax.monitoring.unregister_scalar_listener(self._compile_started)
-            jax.monitoring.unregister_event_duration_listener(self._compile_ended)
+            self._listen(False)
+
+    def _listen(self, on: bool) -> None:
+        """(Un)register the compile listeners. A JAX without scalar listeners (they are newer than
+        duration listeners) announces no starts, and the first step goes untimed."""
+        import jax.monitoring
+        pairs = ((("register_scalar_listener", "unregister_scalar_listener"), self._compile_started),
+                 (("register_event_duration_secs_listener", "unregister_event_duration_listener"),
+                  self._compile_ended))
+        for (register, unregister), callback in pairs:
+            function = getattr(jax.monitoring, register if on else unregister, None)
+            if function is not None:
+                function(callback)
 
     def _watch(self) -> None:
         period = min(self.timeout_s / 4, 10.0)
