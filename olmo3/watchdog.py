@@ -19,7 +19,7 @@ the start and the end of each trace, lowering and backend compile (jax.monitorin
 the start, a duration at the end, `COMPILE_EVENTS`); while one runs the clock stands still, and
 it starts again from zero when the last one ends. So the first step is timed from the end of its
 compilation, and a first collective that never completes (a peer that never joined, a
-misconfigured network between hosts: the commonest way a multi-host job hangs) ends the run as
+misconfigured network between hosts: a common way for a multi-host job to hang) ends the run as
 any later one does. A host that compiles longer holds its peers' first step, so the timeout must
 cover the spread of compile times between hosts; the worst case is a fresh host with a cold
 compilation cache among warm ones. Until a start has been announced (or should a JAX version stop
