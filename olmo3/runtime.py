@@ -23,7 +23,8 @@ d_model 512, 8 layers, vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10
    through XNNPACK or oneDNN there, the step's transposed backward dots are not. On a 2-core
    AMD EPYC with AVX-512 (Zen 5), two rounds in turn, median step: YNNPACK 3.60 / 3.84 s,
    XNNPACK 3.87 / 4.02 s, oneDNN 3.89 / 4.57 s, none of them (`ynn_fusion_type=`) 4.05 /
-   4.20 s. So one setting for every CPU; a user's own pick of any dot library (DOT_LIBRARY_FLAGS) wins whole.
+   4.20 s. So one setting for every CPU; a user's own pick of any dot library
+   (DOT_LIBRARY_FLAGS) wins whole.
 2. Keep freed memory in the process. XLA:CPU mallocs each step's temporaries; glibc hands any
    block over 32 MB straight back to the kernel on free (mmap/munmap), so every step faulted its
    ~3.9 GB of temporaries in again: 986k minor page faults and 1.9 s of system time per 8 s
