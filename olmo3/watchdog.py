@@ -22,8 +22,9 @@ compilation, and a first collective that never completes (a peer that never join
 misconfigured network between hosts: a common way for a multi-host job to hang) ends the run as
 any later one does. A host that compiles longer holds its peers' first step, so the timeout must
 cover the spread of compile times between hosts; the worst case is a fresh host with a cold
-compilation cache among warm ones. Until a start has been announced (or should a JAX version stop
-announcing them), the first step is not timed: the clock starts at its beat.
+compilation cache among warm ones. Until a start has been announced, the first step is not timed:
+the clock starts at its beat. jax 0.10.2 announces starts; jax 0.6.0 (setup.cfg's oldest) records
+only the ends, so there the first step goes untimed, as before.
 
 When no step has finished for `timeout_s` seconds outside a phase, a daemon thread prints every
 Python thread's stack (faulthandler: where the main thread waits), then one line (the last step
@@ -47,6 +48,8 @@ import sys
 import threading
 import time
 from typing import Iterator, Optional
+
+import jax.monitoring
 
 EXIT_STATUS = 1   # retried by --resume_until_done (olmo3/cli.py)
 # The jax.monitoring events of one compilation (jax/_src/dispatch.py: JAXPR_TRACE_EVENT,
@@ -73,7 +76,8 @@ class Watchdog:
         self._first = False          # armed, and no step finished since
         self._stop = threading.Event()
         if self.timeout_s is not None:
-            self._listen(True)
+            jax.monitoring.register_scalar_listener(self._compile_started)
+            jax.monitoring.register_event_duration_secs_listener(self._compile_ended)
             threading.Thread(target=self._watch, name="olmo3-watchdog", daemon=True).start()
 
     def arm(self, step: int) -> None:
@@ -124,20 +128,12 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
-        if self.timeout_s is not None:
-            self._listen(False)
-
-    def _listen(self, on: bool) -> None:
-        """(Un)register the compile listeners. A JAX without scalar listeners (they are newer than
-        duration listeners) announces no starts, and the first step goes untimed."""
-        import jax.monitoring
-        pairs = ((("register_scalar_listener", "unregister_scalar_listener"), self._compile_started),
-                 (("register_event_duration_secs_listener", "unregister_event_duration_listener"),
-                  self._compile_ended))
-        for (register, unregister), callback in pairs:
-            function = getattr(jax.monitoring, register if on else unregister, None)
-            if function is not None:
-                function(callback)
+        if self.timeout_s is not None:   # jax 0.6's public API cannot unregister: they stay, unused
+            for name, callback in (("unregister_scalar_listener", self._compile_started),
+                                   ("unregister_event_duration_listener", self._compile_ended)):
+                unregister = getattr(jax.monitoring, name, None)
+                if unregister is not None:
+                    unregister(callback)
 
     def _watch(self) -> None:
         period = min(self.timeout_s / 4, 10.0)
