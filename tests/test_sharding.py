@@ -334,7 +334,7 @@ def test_gathers_send_what_the_model_computes_with_and_change_no_bit():
                 for dims, ty in re.findall(r'stablehlo\.all_gather.*-> tensor<((?:\d+x)*)(\w+)>', t)}
 
     d, V = config.d_model, config.vocab_size
-    proj = {(config.d_model, config.q_dim), (config.d_model, config.kv_dim), (config.q_dim, d),
+    proj = {(d, config.q_dim), (d, config.kv_dim), (config.q_dim, d),
             (d, config.mlp_hidden), (config.mlp_hidden, d)}
     norms = {(config.q_dim,), (config.kv_dim,), (d,)}
     assert gathered(text) == ({("ui8", s) for s in proj} | {("bf16", (V, d)), ("bf16", (d, V))}
