@@ -445,11 +445,13 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     # §7 Checkpoints: model + optimizer + loader state in one atomic step directory.
     # -----------------------------------------------------------------------------------------
-    def save(step):
+    def save(step, owed=()):
         extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
                  "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
         if F.stage == "dpo":   # the reference the cached log-probs belong to (checked on resume)
             extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}
+        if owed:   # evaluations a preemption stop skipped at this step: the resumed run does them first
+            extra["owed_evaluations"] = list(owed)
         ckpt.save(step, {"model": model, "opt": opt_state}, extra)
 
     # -----------------------------------------------------------------------------------------
@@ -484,11 +486,34 @@ def main(argv):
         eval_advice = (f"{rows_per_micro} instance(s) of {F.seq_len} tokens per device at a time do not fit; "
                        + ("lower --micro_batch, " if rows_per_micro > 1 else "")
                        + f"use a smaller --loss_chunk (now {F.loss_chunk}) or more devices (--mesh)")
-    try:
-        if F.eval_at_start and start == 0:
+
+    def evaluations(step, names):
+        """The evaluations in `names` ("held-out", "downstream") of the model at `step`, as metrics."""
+        m = {}
+        if "held-out" in names:   # evaluations and saves are billed to no step, and bounded by their own durations
             with (clock.excluded("eval"), hang.phase("held-out evaluation"),
                   cli.first_run("held-out evaluation", eval_advice)):
-                log.write(0, evaluate(model))
+                m.update(evaluate(model))
+            check_finite(m, step, ckpt)
+        if "downstream" in names and downstream is not None:
+            with (clock.excluded("downstream"), hang.phase("downstream evaluation"),
+                  cli.first_run("downstream evaluation", downstream_advice)):
+                m.update(downstream(model))
+            m["downstream/seconds"] = clock.last["downstream"]
+        return m
+
+    # A preemption stop skips the evaluations due at its step (its grace period may be 30 s) and
+    # names them in its checkpoint; resumed from it, the run does them before its first step, so
+    # the record has every evaluation an uninterrupted run would have. One more line for that
+    # step in metrics.jsonl; readers merge a step's lines (olmo3/comparison.py read_metrics).
+    owed = [name for name in extra.get("owed_evaluations", ()) if name != "downstream" or downstream is not None]
+    try:
+        if F.eval_at_start and start == 0:
+            log.write(0, evaluations(0, ["held-out"]))
+        if owed:
+            log.info(f"The {' and '.join(owed)} evaluation{'s' if len(owed) > 1 else ''} of step {start}, which the "
+                     "preemption stop skipped, before training on")
+            log.write(start, evaluations(start, owed))
         hang.arm(step)   # the first step is timed too, from the end of its compilation
         while step < max_steps:
             batch = next(loader)
@@ -500,24 +525,20 @@ def main(argv):
             check_finite(m, step, ckpt)
             cli.mark_running()  # inputs are all checked: a failure from here on is retryable
             m.update(clock.step_done(step))  # raw in metrics.jsonl; a moving window on the progress line
-            # The same answer on every process, at the same step. A stop skips the evaluations (a
-            # grace period may be 30 s); at the last step the run just ends as it would have.
+            # The same answer on every process, at the same step. A stop skips the evaluations due
+            # (a grace period may be 30 s) and owes them; at the last step the run just ends as it would have.
             stopped = notice.reached(step) and step < max_steps
-            if not stopped and (step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps):
-                # Evaluations and saves are billed to no step, and bounded by their own durations.
-                with (clock.excluded("eval"), hang.phase("held-out evaluation"),
-                      cli.first_run("held-out evaluation", eval_advice)):
-                    m.update(evaluate(model))
-                check_finite(m, step, ckpt)
-            if downstream is not None and not stopped and step % F.downstream_eval_interval == 0:
-                with (clock.excluded("downstream"), hang.phase("downstream evaluation"),
-                      cli.first_run("downstream evaluation", downstream_advice)):
-                    m.update(downstream(model))
-                m["downstream/seconds"] = clock.last["downstream"]
+            due = []
+            if step % F.eval_interval == 0 or step % F.save_interval == 0 or step == max_steps:
+                due.append("held-out")
+            if downstream is not None and step % F.downstream_eval_interval == 0:
+                due.append("downstream")
+            if not stopped:
+                m.update(evaluations(step, due))
             log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
             if step % F.save_interval == 0 or step == max_steps or stopped:
                 with clock.excluded("save"), hang.phase("checkpoint save"):
-                    save(step)
+                    save(step, owed=due if stopped else ())
                 paused[step] = clock.last["save"]
             report_saves(log, ckpt, paused)
             if stopped:

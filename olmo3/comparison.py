@@ -23,14 +23,15 @@ from olmo3.metrics import read_jsonl
 
 
 def read_metrics(run_dir: str) -> dict[int, dict]:
-    """metrics.jsonl -> {step: metrics}; a step logged twice (a resumed run) keeps the last line."""
+    """metrics.jsonl -> {step: metrics}; the lines of a step logged more than once (a resumed run)
+    are merged in order, a later value winning (olmo3/metrics.py)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: the run comparison needs each run's metrics.jsonl")
     out: dict[int, dict] = {}
     for rec in read_jsonl(path):
         if "step" in rec:
-            out[int(rec["step"])] = rec
+            out.setdefault(int(rec["step"]), {}).update(rec)
     return out
 
 

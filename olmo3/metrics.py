@@ -1,8 +1,11 @@
 """Training metrics: metrics.jsonl, TensorBoard events, a one-line progress display, MFU.
 
 Every logged step is one JSON object with a `step` key in `<run_dir>/metrics.jsonl` (appended
-and flushed per line, so a crash loses at most the line being written; on resume, lines for
-steps after the checkpoint are superseded by the rerun's lines, last one wins).
+and flushed per line, so a crash loses at most the line being written). A step may have more
+than one line; a reader merges them in order, a later value winning:
+- on resume, lines for steps after the checkpoint are superseded by the rerun's lines;
+- a run resumed from a preemption stop logs the evaluations the stop skipped at its step in a
+  line of their own, after that step's training line (train.py §8).
 """
 from __future__ import annotations
 

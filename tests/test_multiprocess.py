@@ -163,21 +163,21 @@ def test_train_py_two_processes_match_one(tmp_path):
 
 
 @contextlib.contextmanager
-def _two_train_py(tmp_path, *extra, until=r"^step +2 \|"):
+def _two_train_py(tmp_path, *extra, until=r"^step +2 \|", log="p"):
     """train.py as 2 processes x 2 CPU devices (fsdp:4) with SMALL's recipe, output in
-    tmp_path/p{0,1}.log; yields the two processes once process 0 has logged a line matching
+    tmp_path/{log}{0,1}.log; yields the two processes once process 0 has logged a line matching
     `until` (by default step 2), kills whatever is left when the block ends."""
     from test_train import SMALL, word_corpus
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     corpus = tmp_path / "docs"
-    corpus.mkdir()
+    corpus.mkdir(exist_ok=True)
     word_corpus(corpus)
     port = _free_port()
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    logs = [open(tmp_path / f"p{i}.log", "w+") for i in range(2)]
+    logs = [open(tmp_path / f"{log}{i}.log", "w+") for i in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
                                f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}",
                                "--save_interval=1000", "--mesh=fsdp:4", f"--coordinator=127.0.0.1:{port}",
@@ -185,8 +185,8 @@ def _two_train_py(tmp_path, *extra, until=r"^step +2 \|"):
                               env=env, stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         deadline = time.time() + 300
-        while not re.search(until, (tmp_path / "p0.log").read_text(), re.M):
-            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / "p0.log").read_text()[-3000:]
+        while not re.search(until, (tmp_path / f"{log}0.log").read_text(), re.M):
+            assert time.time() < deadline and procs[0].poll() is None, (tmp_path / f"{log}0.log").read_text()[-3000:]
             time.sleep(0.05)
         yield procs
     finally:
@@ -198,8 +198,9 @@ def _two_train_py(tmp_path, *extra, until=r"^step +2 \|"):
 def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
     """A preemption notice that reaches one process of two (a GPU node or TPU VM signalled alone):
     JAX's preemption sync manager tells both to stop at the same step (olmo3/preemption.py); both
-    write their shards of that one checkpoint and exit 143."""
-    with _two_train_py(tmp_path, "--max_steps=12") as procs:
+    write their shards of that one checkpoint and exit 143. Resumed, both do the held-out
+    evaluation the stop skipped (a collective each: one process alone would hang) before training on."""
+    with _two_train_py(tmp_path, "--max_steps=12", "--eval_interval=1") as procs:
         procs[1].send_signal(signal.SIGTERM)     # process 1 only; process 0 hears it through JAX
         codes = [p.wait(timeout=300) for p in procs]
     out = [(tmp_path / f"p{i}.log").read_text() for i in range(2)]
@@ -211,6 +212,14 @@ def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
     from olmo3.checkpoint import CheckpointManager
     ckpt = CheckpointManager(str(tmp_path / "run"), read_only=True)
     assert ckpt.read_extra(saved[0])["loader"]["step"] == saved[0]
+    assert ckpt.read_extra(saved[0])["owed_evaluations"] == ["held-out"]
+    with _two_train_py(tmp_path, f"--max_steps={saved[0] + 1}", "--resume", until="^OLMo 3 stage", log="r") as procs:
+        codes = [p.wait(timeout=300) for p in procs]
+    out = [(tmp_path / f"r{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
+    assert f"The held-out evaluation of step {saved[0]}, which the preemption stop skipped" in out[0]
+    from olmo3.comparison import read_metrics
+    assert any(k.startswith("eval/") for k in read_metrics(str(tmp_path / "run"))[saved[0]])
 
 
 @pytest.mark.slow

@@ -58,13 +58,10 @@ def run(args, run_dir, docs, data_dir, check=True, env_extra=None, **kw):
 
 
 def metrics_by_step(run_dir):
-    """step -> the metrics logged for it; a rerun after resume supersedes: last one wins."""
-    out = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            m = json.loads(line)
-            out[m["step"]] = m
-    return out
+    """step -> the metrics logged for it, its lines merged: a rerun after resume supersedes, an
+    evaluation owed by a preemption stop adds to its step's line (olmo3/comparison.py)."""
+    from olmo3 import comparison
+    return comparison.read_metrics(str(run_dir))
 
 
 def losses(run_dir):
@@ -74,7 +71,7 @@ def losses(run_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, docs):
     base = tmp_path_factory.mktemp("runs")
-    p = run(["--max_steps=6", "--save_interval=3"], base / "a", docs, base / "data")
+    p = run(["--max_steps=6", "--save_interval=3", "--eval_interval=1"], base / "a", docs, base / "data")
     (base / "a.out").write_text(p.stdout + p.stderr)
     return base
 
@@ -127,12 +124,15 @@ def test_sigkill_during_async_save_then_resume(uninterrupted, docs, tmp_path):
 
 def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, docs, tmp_path):
     """A preemption notice (SIGTERM) after step 2 of 6, with no save due before step 6: the run
-    checkpoints the step it is on, exits 143, and --resume from there equals the uninterrupted run."""
+    checkpoints the step it is on, exits 143, and --resume from there equals the uninterrupted run,
+    held-out evaluations included: the one due at the stop's step, which the stop skipped, is done
+    by the resumed run before it trains on."""
     base = uninterrupted
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}",
-           f"--data_dir={base / 'data'}", f"--run_dir={tmp_path}", "--max_steps=6", "--save_interval=1000"]
+           f"--data_dir={base / 'data'}", f"--run_dir={tmp_path}", "--max_steps=6", "--save_interval=1000",
+           "--eval_interval=1"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     err = []
     for line in proc.stderr:
@@ -146,9 +146,17 @@ def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, d
     assert len(saved) == 1 and 2 <= saved[0] < 6, saved       # the step in progress, not step 6
     assert f"Stopped by SIGTERM after step {saved[0]}: checkpoint {saved[0]} is in" in "".join(err)
     assert "Traceback" not in "".join(err)
-    run(["--max_steps=6", "--save_interval=3", "--resume"], tmp_path, docs, base / "data")
-    a, b = losses(base / "a"), losses(tmp_path)
-    assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]   # exact
+    stop = saved[0]
+    assert all(any(k.startswith("eval/") for k in m) == (s < stop)    # every step's but the stop's
+               for s, m in metrics_by_step(tmp_path).items()), metrics_by_step(tmp_path)
+    p = run(["--max_steps=6", "--save_interval=3", "--resume"], tmp_path, docs, base / "data")
+    assert f"The held-out evaluation of step {stop}, which the preemption stop skipped" in p.stderr
+    a, b = metrics_by_step(base / "a"), metrics_by_step(tmp_path)
+    assert [a[s]["train/loss"] for s in range(1, 7)] == [b[s]["train/loss"] for s in range(1, 7)]   # exact
+    evaluated = {s: {k: v for k, v in m.items() if k.startswith("eval/")} for s, m in b.items()}
+    assert all(evaluated[s] for s in range(1, stop + 1))   # the stop's step too, once resumed
+    for s, held_out in evaluated.items():
+        assert held_out == {k: a[s][k] for k in held_out}, s  # exact as well
 
 ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ (\S+):\d+\]", re.M)
 
