@@ -45,7 +45,7 @@ flags.DEFINE_integer("downstream_batch", None, "Rows per downstream scoring batc
                      "to a multiple of the device count).")
 flags.DEFINE_bool("resume", False, "Continue from the latest complete checkpoint in --run_dir.")
 flags.DEFINE_bool("resume_until_done", False, "Launcher: rerun this command with --resume after a crash.")
-flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many crashes.")
+flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many crashes in a row without a new checkpoint.")
 flags.DEFINE_float("hang_timeout_s", 1800, "End the process (exit status 1, rerun by --resume_until_done) when no "
                   "step finishes for this long, compiling aside (the first step included): a hung collective or read "
                   "(olmo3/watchdog.py). "
@@ -179,12 +179,15 @@ def main(argv):
         import random
 
         from olmo3.cluster import job_id
-        from olmo3.launch import run_until_done, strip_flag
+        from olmo3.launch import newest_checkpoint, run_until_done, strip_flag
         args = strip_flag(strip_flag(sys.argv, "resume_until_done"), "resume") + ["--resume"]
         # The tasks of one cluster job draw the same backoff delays: a crash stops every task (JAX's
         # heartbeat), so they restart together and find each other again; other jobs still differ.
         rng = random.Random(job_id()) if job_id() else None
-        sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts, rng=rng))
+        # Progress is a new checkpoint: --max_restarts attempts in a row without one end the loop.
+        checkpoints = os.path.join(F.run_dir, "checkpoints")   # olmo3/checkpoint.py CHECKPOINTS
+        sys.exit(run_until_done([sys.executable] + args, max_attempts=F.max_restarts, rng=rng,
+                                progress=lambda: newest_checkpoint(checkpoints)))
     check_flags()
     cli.advise(disk_full=f"free space under --run_dir={F.run_dir} or keep fewer checkpoints (--keep_checkpoints, "
                          f"now {F.keep_checkpoints}), then run again with --resume")

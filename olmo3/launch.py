@@ -7,10 +7,15 @@ manager makes every restart exact (checkpoint N = N steps done, resume at step N
 Why backoff and not a fixed retry budget: the MaxText reproduction's resubmission loop gave up
 inside a long queue outage (DESIGN §4, bug 5). Here the delay doubles per consecutive failure up
 to `max_delay_s`, with "equal jitter" (half fixed, half random) so that many jobs restarting
-together do not stampede the scheduler; a run that lived `reset_after_s` made progress, so the
-failure count starts over; `max_attempts=None` never gives up. Exit codes that a rerun cannot
-fix stop at once: 2, a user's error (flags, paths, input files), and 3, a non-finite state
-(olmo3/cli.py).
+together do not stampede the scheduler. An attempt that made progress starts the failure count
+over; `max_attempts=None` never gives up. Progress is a checkpoint newer than the newest one at
+the attempt's start (train.py passes `newest_checkpoint` of its run directory): time alone is not
+progress. A run that crashes every 70 minutes, each time before its next save (a bad node, a
+crash at the first evaluation or downstream run, a save interval longer than the time between
+failures), would otherwise be rerun forever, each rerun training the same steps again; now it
+ends after `max_attempts` attempts with the newest checkpoint named. Without a progress probe,
+an attempt that ran `reset_after_s` counts as progress. Exit codes that a rerun cannot fix stop
+at once: 2, a user's error (flags, paths, input files), and 3, a non-finite state (olmo3/cli.py).
 
 SIGTERM to the launcher (srun signals every process of the job step at the time limit; a
 Kubernetes pod's first process alone is signalled) is passed on to the child, which saves a
@@ -20,6 +25,7 @@ the middle of that save.
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
 import subprocess
@@ -46,18 +52,32 @@ def strip_flag(argv: Sequence[str], name: str) -> list[str]:
             if a not in (f"--{name}", f"--no{name}") and not a.startswith(f"--{name}=")]
 
 
+def newest_checkpoint(directory: str) -> Optional[int]:
+    """The largest step among the complete checkpoints in `directory` (`<step>/` folders; an
+    unfinished save's temporary folder has a longer name), None if there are none. Reads only the
+    listing, so a launcher that never imports JAX can ask."""
+    try:
+        steps = [int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
+    except FileNotFoundError:
+        return None
+    return max(steps, default=None)
+
+
 def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
                    base_delay_s: float = 30.0, max_delay_s: float = 1800.0, *,
                    no_retry: Iterable[int] = NON_RETRYABLE, reset_after_s: float = 3600.0,
+                   progress: Optional[Callable[[], Optional[int]]] = None,
                    sleep: Callable[[float], None] = time.sleep,
                    rng: Optional[random.Random] = None,
                    log: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
                    ) -> int:
     """Run `argv` until it exits 0; returns the last exit code.
 
-    Stops on rc 0, on an rc in `no_retry`, or after `max_attempts` consecutive failed attempts
-    (None: never). A child killed by a signal (rc < 0, e.g. SIGKILL from the OOM killer or a
-    preemption) is retried. An attempt that ran at least `reset_after_s` resets the count."""
+    Stops on rc 0, on an rc in `no_retry`, or after `max_attempts` consecutive attempts that
+    failed without progress (None: never). A child killed by a signal (rc < 0, e.g. SIGKILL from
+    the OOM killer or a preemption) is retried. `progress()` is the newest checkpoint step (or
+    None): an attempt after which it is larger than before made progress and resets the count.
+    Without `progress`, an attempt that ran at least `reset_after_s` resets it."""
     if max_attempts is not None and max_attempts < 1:
         raise ValueError(f"max_attempts={max_attempts} must be >= 1 (or None for no limit)")
     no_retry = frozenset(no_retry)
@@ -67,6 +87,7 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
     while True:
         attempt += 1
         start = time.monotonic()
+        before = progress() if progress is not None else None
         rc, told_to_stop = _run_forwarding_sigterm(argv)
         ran = time.monotonic() - start
         if told_to_stop:
@@ -79,13 +100,21 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
         if rc in no_retry:
             log(f"[launch] exit code {rc} is not retryable (usage error?); stopping")
             return rc
-        failures = 1 if ran >= reset_after_s else failures + 1
+        if progress is None:
+            progressed, since = ran >= reset_after_s, ""
+        else:
+            after = progress()
+            progressed = after is not None and (before is None or after > before)
+            since = (f", checkpoint {after} new" if progressed else
+                     f", no checkpoint newer than {before}" if before is not None else ", no checkpoint yet")
+        failures = 1 if progressed else failures + 1
         if max_attempts is not None and failures >= max_attempts:
-            log(f"[launch] giving up after {failures} consecutive failed attempts (last rc {rc})")
+            log(f"[launch] giving up after {failures} consecutive failed attempts without progress "
+                f"(last rc {rc}{since})")
             return rc
         delay = backoff_delay(failures, base_delay_s, max_delay_s, rng)
-        log(f"[launch] attempt {attempt} exited with {rc} after {ran:.0f}s; "
-            f"rerunning in {delay:.1f}s (consecutive failures: {failures})")
+        log(f"[launch] attempt {attempt} exited with {rc} after {ran:.0f}s{since}; "
+            f"rerunning in {delay:.1f}s (consecutive failures without progress: {failures})")
         sleep(delay)
 
 

@@ -5,29 +5,34 @@ import textwrap
 
 import pytest
 
-from olmo3.launch import backoff_delay, run_until_done, strip_flag
+from olmo3.launch import backoff_delay, newest_checkpoint, run_until_done, strip_flag
 
 # Each run appends a line to the counter file, then exits with codes[run index] (or the last).
+# A code ending in "+" saves first: a checkpoint folder named by the run's number in argv[3]; one
+# ending in "~" leaves only an unfinished save's temporary folder there.
 SCRIPT = textwrap.dedent("""
     import os, signal, sys
-    path, codes = sys.argv[1], [int(c) for c in sys.argv[2].split(",")]
+    path, codes, checkpoints = sys.argv[1], sys.argv[2].split(","), sys.argv[3]
     with open(path, "a") as f:
         f.write("x\\n")
     n = sum(1 for _ in open(path))
-    rc = codes[min(n, len(codes)) - 1]
-    if rc == -9:
+    code = codes[min(n, len(codes)) - 1]
+    if code[-1] in "+~":
+        os.makedirs(os.path.join(checkpoints, str(n) + ("" if code[-1] == "+" else ".orbax-checkpoint-tmp-1")))
+        code = code[:-1]
+    if int(code) == -9:
         os.kill(os.getpid(), signal.SIGKILL)
-    sys.exit(rc)
+    sys.exit(int(code))
 """)
 
 
-def _run(tmp_path, codes, **kw):
+def _run(tmp_path, codes, log=lambda s: None, **kw):
     counter = tmp_path / "runs.txt"
     delays = []
     kw.setdefault("base_delay_s", 0.01)
     kw.setdefault("max_delay_s", 0.04)
-    rc = run_until_done([sys.executable, "-c", SCRIPT, str(counter), codes],
-                        sleep=delays.append, rng=random.Random(0), log=lambda s: None, **kw)
+    rc = run_until_done([sys.executable, "-c", SCRIPT, str(counter), codes, str(tmp_path / "checkpoints")],
+                        sleep=delays.append, rng=random.Random(0), log=log, **kw)
     runs = len(counter.read_text().splitlines())
     return rc, runs, delays
 
@@ -53,10 +58,34 @@ def test_gives_up_after_max_attempts(tmp_path):
     assert (rc, runs, len(delays)) == (4, 3, 2)
 
 
-def test_long_runs_reset_the_failure_count(tmp_path):
+def test_long_runs_reset_the_failure_count_without_a_progress_probe(tmp_path):
     # Every attempt counts as healthy (reset_after_s=0): three failures never exhaust 2 attempts.
     rc, runs, _ = _run(tmp_path, "1,1,1,0", max_attempts=2, reset_after_s=0.0)
     assert (rc, runs) == (0, 4)
+
+
+def test_a_new_checkpoint_is_progress_and_time_is_not(tmp_path):
+    """With train.py's probe (the newest checkpoint), an attempt that saved resets the count; one
+    that ran long but saved nothing (reset_after_s=0: every attempt is 'long') does not, nor does
+    a save that never finished. A run crashing before each next save ends instead of looping."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    rc, runs, _ = _run(first, "1+,1+,1+,0", max_attempts=2, progress=lambda: newest_checkpoint(f"{first}/checkpoints"))
+    assert (rc, runs) == (0, 4)             # each failure saved first: never two in a row
+    lines = []
+    rc, runs, _ = _run(second, "1,1+,1~,1,1", max_attempts=3, reset_after_s=0.0, log=lines.append,
+                       progress=lambda: newest_checkpoint(f"{second}/checkpoints"))
+    assert (rc, runs) == (1, 4)             # a failure that saved checkpoint 2 starts a new count, two more end it
+    assert "checkpoint 2 new" in lines[1] and "no checkpoint newer than 2" in lines[2]
+    assert lines[-1].startswith("[launch] giving up after 3 consecutive failed attempts without progress")
+
+
+def test_newest_checkpoint_lists_finished_saves_only(tmp_path):
+    assert newest_checkpoint(str(tmp_path / "none")) is None
+    for name in ("3", "12", "40.orbax-checkpoint-tmp-7", ".deleted"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "99").write_text("")      # a file, not a step folder
+    assert newest_checkpoint(str(tmp_path)) == 12
 
 
 def test_backoff_is_exponential_jittered_and_capped():

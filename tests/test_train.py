@@ -92,6 +92,8 @@ def test_resume_is_bit_exact(uninterrupted, docs):
     assert sorted(n for n in os.listdir(cache) if n.startswith("jit_step-")) == steps   # a hit: same key
     a, b = losses(base / "a"), losses(base / "b")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    from olmo3.launch import newest_checkpoint   # --resume_until_done's progress probe reads the same folder
+    assert newest_checkpoint(str(base / "b" / "checkpoints")) == 6
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # exact, not approximate
 
 
