@@ -49,10 +49,17 @@ class Layer(eqx.Module):
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """OLMo/HF RMSNorm: float32 statistics, weight multiplied in float32, cast back."""
+    """OLMo/HF RMSNorm: float32 statistics, weight multiplied in float32, cast back.
+
+    The weight takes x's (the compute) dtype first, as every other weight does: OLMo-core's FSDP
+    materialises every parameter, the norms' too, in `param_dtype` (bf16 in the recipe;
+    olmo_core/nn/transformer/model.py `apply_fsdp`, MixedPrecisionPolicy), and its RMSNorm then
+    upcasts that bf16 weight (`self.weight.type_as(x)`); HF's bf16 model holds it in bf16 too.
+    Its gradient is rounded the same way, as the bf16 parameter's gradient is there. In float32
+    compute this is the float32 weight."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * xf).astype(x.dtype)
+    return (weight.astype(x.dtype).astype(jnp.float32) * xf).astype(x.dtype)
 
 
 def uses_float8(cfg: Config, name: str, shape: tuple[int, ...]) -> bool:

@@ -11,8 +11,8 @@ The mesh has two axes, ('data', 'fsdp'), or three with `--mesh=...,context:C`:
                      weights over 'fsdp', run it, drop it; the backward pass recomputes the gather
                      and its transpose hands back the gradient already reduce-scattered over
                      'fsdp'. Weights cross the wire as the model computes with them (`_wire`:
-                     matrices in the compute dtype, float8 linears as float8 bytes, norms as
-                     stored; OLMo-core's FSDP param_dtype=bf16), gradients are reduce-scattered
+                     float8 linears as float8 bytes, every other weight in the compute dtype;
+                     OLMo-core's FSDP param_dtype=bf16), gradients are reduce-scattered
                      in fp32 (its reduce_dtype). After the last microbatch the shard gradients
                      are psummed over 'data' (replicas) once. The loss denominator is the psum
                      of counted tokens over every device, so the math is that of one device
@@ -396,17 +396,16 @@ def _wire(cfg: Config, name: str, shape: tuple[int, ...], dtype) -> Union[str, j
       "float8"      a float8 linear (model.uses_float8) as the e4m3 bytes and one scale that its
                     torchao cast makes from the whole fp32 weight: what torchao's
                     `enable_fsdp_float8_all_gather` sends, a quarter of an fp32 weight's bytes
-      compute dtype every other matrix (projections, embedding, lm_head), which the model casts to
-                    the compute dtype before any use: OLMo-core's FSDP `param_dtype=bfloat16`
-                    gathers these in bf16, half an fp32 weight's bytes
-      None          the norm vectors, multiplied in fp32 (model.rms_norm), and whatever is stored
-                    in the compute dtype already: as they are
+      compute dtype every other weight (projections, embedding, lm_head, norms), which the model
+                    casts to the compute dtype before any use (model.rms_norm too): OLMo-core's
+                    FSDP `param_dtype=bfloat16` gathers these in bf16, half an fp32 weight's bytes
+      None          whatever is stored in the compute dtype already: as it is
     XLA's CPU backend widens bf16 collectives back to fp32 (its float normalization); GPUs (NCCL
     bf16) and TPUs gather them as given. Float8 travels as uint8 bytes everywhere.
     """
     if model_lib.uses_float8(cfg, name, shape):
         return "float8"
-    if len(shape) == 2 and jnp.dtype(cfg.dtype).itemsize < jnp.dtype(dtype).itemsize:
+    if jnp.dtype(cfg.dtype).itemsize < jnp.dtype(dtype).itemsize:
         return jnp.dtype(cfg.dtype)
     return None
 

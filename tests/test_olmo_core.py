@@ -58,6 +58,31 @@ def ours_by_olmo_core_name(tree, n_layers):
     return out
 
 
+def test_rms_norm_in_bf16_equals_olmo_core_under_fsdp_mixed_precision():
+    """bf16 compute over an fp32 norm weight off the bf16 grid (a trained master weight): our
+    rms_norm against OLMo-core's RMSNorm run as its FSDP runs it, on the bf16 parameter that
+    MixedPrecisionPolicy(param_dtype=bfloat16) materialises (olmo_core/nn/transformer/model.py
+    apply_fsdp). Forward and weight gradient equal bit for bit; multiplying the fp32 weight
+    itself instead matched about 73% of the outputs."""
+    from olmo_core.nn.layer_norm import RMSNorm
+
+    from olmo3.model import rms_norm
+    rng = np.random.default_rng(0)
+    d, eps = 512, 1e-6
+    x = jnp.asarray(rng.standard_normal((64, d)), jnp.bfloat16)
+    w = (1 + 0.05 * rng.standard_normal(d)).astype(np.float32)
+    g = jnp.asarray(rng.standard_normal((64, d)), jnp.bfloat16)      # the gradient arriving, bf16
+    norm = RMSNorm(size=d, eps=eps, bias=False)
+    norm.weight = torch.nn.Parameter(torch.tensor(w).bfloat16())     # what FSDP hands the module
+    out = norm(torch.tensor(np.asarray(x.astype(jnp.float32))).bfloat16())
+    (out.float() * torch.tensor(np.asarray(g.astype(jnp.float32)))).sum().backward()
+
+    f = lambda w: rms_norm(x, w, eps).astype(jnp.float32)              # noqa: E731
+    ours, vjp = jax.vjp(f, jnp.asarray(w))
+    np.testing.assert_array_equal(np.asarray(ours), out.detach().float().numpy())
+    np.testing.assert_array_equal(np.asarray(vjp(g.astype(jnp.float32))[0]), norm.weight.grad.float().numpy())
+
+
 def test_config_read_from_olmo_core_config_json(ref):
     c = ref["config"]
     assert (c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.head_dim, c.mlp_hidden, c.window) == (

@@ -305,8 +305,8 @@ def test_eval_fn_in_microbatches_sums_the_same_and_holds_less():
 
 def test_gathers_send_what_the_model_computes_with_and_change_no_bit():
     """FSDP gathers in bf16 compute over fp32 weights, with float8 linears: the projections cross
-    the wire as e4m3 bytes (1 byte per element), the embedding and lm_head in bf16 (OLMo-core's
-    FSDP param_dtype), the norms in fp32; every gradient is reduce-scattered in fp32. Against
+    the wire as e4m3 bytes (1 byte per element), the embedding, lm_head and norms in bf16
+    (OLMo-core's FSDP param_dtype); every gradient is reduce-scattered in fp32. Against
     gathering the fp32 weights themselves (`_wire` off), the loss and every gradient are equal
     bit for bit."""
     config = CFG.replace(compute_dtype="bfloat16", float8=True)
@@ -338,7 +338,7 @@ def test_gathers_send_what_the_model_computes_with_and_change_no_bit():
             (d, config.mlp_hidden), (config.mlp_hidden, d)}
     norms = {(config.q_dim,), (config.kv_dim,), (d,)}
     assert gathered(text) == ({("ui8", s) for s in proj} | {("bf16", (V, d)), ("bf16", (d, V))}
-                              | {("f32", s) for s in norms}), gathered(text)
+                              | {("bf16", s) for s in norms}), gathered(text)
     assert {ty for ty, _ in gathered(plain)} == {"f32"}
 
     def scattered(t):   # [(dims, element type)] of every reduce_scatter result
