@@ -5,6 +5,15 @@ YaRN (Peng et al. 2023, arXiv:2309.00071) on the full-attention layers only; sli
 plain RoPE (OLMo-core; transformers' per-layer-type `rope_parameters`). Frequencies are computed
 in float32 on the host, like transformers' `_compute_yarn_parameters`, including its
 floor/ceil-truncated correction range.
+
+Positions run over the whole instance, packed documents included (stage 3, SFT): a document
+packed at offset 40,000 is rotated from 40,000, while attention stays inside it. That is what
+OLMo 3 was trained with: the long-context script (OLMo-core 6b73ba050, 2025-11-17, #458) ran a
+RotaryEmbedding with no per-document positions. OLMo-core added intra-document RoPE later
+(60d2487ab, 2026-05-07, #663: positions restart at each document whenever doc lengths are
+given). The two are the same model: RoPE is relative, so with attention kept inside documents
+a document's scores depend only on distances within it. They differ in rounding only (float32
+angles at positions up to 65,536; tests/test_rope.py).
 """
 from __future__ import annotations
 

@@ -63,3 +63,20 @@ def test_tables_are_computed_once_per_step():
     assert max(sizes) <= table, (
         f"sin/cos computed into buffers of {sorted(set(sizes))} elements; the tables hold {table}: "
         f"XLA fused them into the per-head RoPE fusions")
+
+
+def test_a_packed_documents_offset_changes_rounding_only():
+    """A packed document (segment ids) is rotated from its offset in the instance, as OLMo 3 was
+    trained (olmo3/rope.py): its hidden states are those of its forward alone at positions
+    offset..offset+n and, RoPE being relative, those from position 0 (OLMo-core's later
+    intra-document RoPE), both to float32 rounding."""
+    config = Config.tiny(vocab_size=256, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=128,
+                         n_layers=4, window=8, remat="none")
+    model = olmo3.OLMo3(config, jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (48,), 0, 256)
+    segments = jnp.asarray([0] * 20 + [1] * 28, jnp.int32)
+    packed = np.asarray(model.hidden(tokens, segment_ids=segments)[20:])
+    at_offset = np.asarray(model.hidden(tokens[20:], positions=jnp.arange(20, 48, dtype=jnp.int32)))
+    from_zero = np.asarray(model.hidden(tokens[20:]))
+    np.testing.assert_allclose(packed, at_offset, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(packed, from_zero, rtol=1e-5, atol=1e-5)
