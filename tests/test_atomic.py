@@ -109,3 +109,18 @@ def test_tpu_jobset_mount_renames_directories():
     options = volume["csi"]["volumeAttributes"]["mountOptions"].split(",")
     limit = next(o for o in options if o.startswith("rename-dir-limit="))
     assert limit in atomic.RENAME_ADVICE
+
+
+def test_tpu_jobset_never_restarts_what_the_launcher_never_reruns():
+    """launch/tpu_jobset.yaml ends the JobSet, instead of restarting every pod, on exactly the exit
+    statuses that --resume_until_done never reruns (olmo3/launch.py NON_RETRYABLE: 2, a user's
+    error; 3, a non-finite state that a restart would resume into again)."""
+    yaml = pytest.importorskip("yaml")
+    from olmo3.launch import NON_RETRYABLE
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "launch", "tpu_jobset.yaml")) as f:
+        spec = yaml.safe_load(f)["spec"]
+    assert {"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]} in spec["failurePolicy"]["rules"]
+    job = spec["replicatedJobs"][0]["template"]["spec"]
+    final = [r["onExitCodes"] for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
+    assert [(f["containerName"], f["operator"], set(f["values"])) for f in final] == [("train", "In", set(NON_RETRYABLE))]
