@@ -5,8 +5,9 @@ OLMo-core semantics (DESIGN §3): float32 logits; labels -100 are ignored; z-los
 global batch. (In bf16 compute the logits here are the lm_head matmul's float32 accumulator.
 OLMo-core's run rounds them to bf16 first: its LM head is an nn.Linear in FSDP's bf16
 param_dtype, and `cross_entropy_loss` upcasts its bf16 output, `logits.float()`. Kept as
-DESIGN §3 says; the difference is per-token rounding, at most half a bf16 ulp of each logit.) Tokens of instances masked by the repetition filter contribute nothing to the
-numerator but still count in the denominator (OLMo-core's InstanceFilter semantics).
+DESIGN §3 says; the difference is per-token rounding, at most half a bf16 ulp of each logit.)
+Tokens of instances masked by the repetition filter contribute nothing to the numerator but
+still count in the denominator (OLMo-core's InstanceFilter semantics).
 A per-token label mask (packed and padded instances: padding; SFT: prompt tokens) removes
 targets from both, as OLMo-core's `get_labels` does.
 

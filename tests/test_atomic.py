@@ -93,14 +93,19 @@ def test_check_directory_names_the_mount_fix_when_directories_cannot_be_renamed(
     assert os.listdir(tmp_path) == []                                  # the probe is gone
 
 
+def tpu_jobset_spec() -> dict:
+    """launch/tpu_jobset.yaml's JobSet spec."""
+    yaml = pytest.importorskip("yaml")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "launch", "tpu_jobset.yaml")) as f:
+        return yaml.safe_load(f)["spec"]
+
+
 def test_tpu_jobset_mount_renames_directories():
     """launch/tpu_jobset.yaml's run directory sits on its Cloud Storage FUSE volume, mounted with
     the rename-dir-limit that atomic.check_directory's advice names (a flat bucket refuses
     directory renames without it)."""
-    yaml = pytest.importorskip("yaml")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "launch", "tpu_jobset.yaml")) as f:
-        pod = yaml.safe_load(f)["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    pod = tpu_jobset_spec()["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     train = pod["containers"][0]
     run_dir = next(a.split("=", 1)[1] for a in train["command"] if a.startswith("--run_dir="))
     mount = next(m for m in train["volumeMounts"] if run_dir.startswith(m["mountPath"] + "/"))
@@ -115,11 +120,8 @@ def test_tpu_jobset_never_restarts_what_the_launcher_never_reruns():
     """launch/tpu_jobset.yaml ends the JobSet, instead of restarting every pod, on exactly the exit
     statuses that --resume_until_done never reruns (olmo3/launch.py NON_RETRYABLE: 2, a user's
     error; 3, a non-finite state that a restart would resume into again)."""
-    yaml = pytest.importorskip("yaml")
     from olmo3.launch import NON_RETRYABLE
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, "launch", "tpu_jobset.yaml")) as f:
-        spec = yaml.safe_load(f)["spec"]
+    spec = tpu_jobset_spec()
     assert {"action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]} in spec["failurePolicy"]["rules"]
     job = spec["replicatedJobs"][0]["template"]["spec"]
     final = [r["onExitCodes"] for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
