@@ -6,8 +6,9 @@ global batch. (In bf16 compute the logits here are the lm_head matmul's float32 
 OLMo-core's run rounds them to bf16 first: its LM head is an nn.Linear in FSDP's bf16
 param_dtype, and `cross_entropy_loss` upcasts its bf16 output, `logits.float()`. Kept as
 DESIGN §3 says; the difference is per-token rounding, at most half a bf16 ulp of each logit.)
-Tokens of instances masked by the repetition filter contribute nothing to the numerator but
-still count in the denominator (OLMo-core's InstanceFilter semantics).
+Instances masked by the repetition filter contribute nothing to the numerator but still count
+in the denominator, as seq_len tokens each (OLMo-core's InstanceFilter semantics:
+`TransformerTrainModule.train_batch` adds back `batch_num_tokens_per_instance` per masked instance).
 A per-token label mask (packed and padded instances: padding; SFT: prompt tokens) removes
 targets from both, as OLMo-core's `get_labels` does.
 
@@ -39,7 +40,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jaxtyping import Array, Float, Int, jaxtyped
+from jaxtyping import Array, Bool, Float, Int, jaxtyped
 
 IGNORE = -100
 # exp(x) overflows float32 above 88.7 = ln(FLT_MAX); a row of `vocab` terms sums to at most
@@ -190,13 +191,20 @@ def labels_and_weights(tokens: jax.Array, instance_mask: jax.Array,
     is ignored when label_mask[b, t + 1] is False, as OLMo-core's `get_labels` masks before the
     shift; padding is never trained on and never counted. weights are 0 on ignored positions and
     on instances masked by the repetition filter; `counted` marks the positions in the
-    denominator (every non-ignored label, masked instances included).
+    denominator: every non-ignored label, and every position (T) of a masked instance, as
+    OLMo-core adds back seq_len tokens per masked instance.
     """
     B = tokens.shape[0]
     labels = jnp.concatenate([tokens[:, 1:], jnp.full((B, 1), IGNORE, tokens.dtype)], axis=1)
     if label_mask is not None:
         target_ok = jnp.concatenate([label_mask[:, 1:], jnp.zeros((B, 1), bool)], axis=1)
         labels = jnp.where(target_ok, labels, IGNORE)
+    return (labels, *loss_weights(labels, instance_mask))
+
+
+def loss_weights(labels: Int[Array, "B T"], instance_mask: Bool[Array, " B"]) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """(weights, counted) for next-token `labels` (see `labels_and_weights`): a masked instance
+    trains no target and counts all its T positions."""
     counted = (labels != IGNORE).astype(jnp.float32)
     weights = counted * instance_mask.astype(jnp.float32)[:, None]
-    return labels, weights, counted
+    return weights, jnp.where(instance_mask[:, None], counted, 1.0)

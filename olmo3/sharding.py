@@ -76,7 +76,7 @@ from olmo3 import step as step_lib
 from olmo3.config import Config
 from olmo3 import attention, float8
 from olmo3 import model as model_lib
-from olmo3.loss import IGNORE, chunked_cross_entropy, labels_and_weights
+from olmo3.loss import IGNORE, chunked_cross_entropy, labels_and_weights, loss_weights
 from olmo3.model import Layer, OLMo3
 from olmo3.step import Z_LOSS, loss_sums
 
@@ -366,8 +366,7 @@ def _context_loss_sums(model: OLMo3, batch: dict, *, chunk: int, use_segments: b
                        gather: Callable, z_loss: Optional[float], head_stride: int):
     """`olmo3.step.loss_sums` on this rank's chunks of every row: (CE sum, lse^2 sum, counted)."""
     labels = batch["labels"]
-    counted = (labels != IGNORE).astype(jnp.float32)
-    weights = counted * batch["instance_mask"].astype(jnp.float32)[:, None]
+    weights, counted = loss_weights(labels, batch["instance_mask"])
     C = jax.lax.axis_size(CONTEXT)
     segs = None
     if use_segments:   # whole rows, in position order: every chunk's keys need them
@@ -491,7 +490,7 @@ def _loss_fn(mesh: Mesh, *, chunk: int, use_segments: bool, head_stride: int) ->
     if CONTEXT in mesh.axis_names:
         sums = functools.partial(_context_loss_sums, chunk=chunk, use_segments=use_segments,
                                  head_stride=head_stride)
-        return sums, lambda b: (b["labels"] != IGNORE).astype(jnp.float32), (DATA, FSDP, CONTEXT)
+        return sums, lambda b: loss_weights(b["labels"], b["instance_mask"])[1], (DATA, FSDP, CONTEXT)
     sums = functools.partial(loss_sums, chunk=chunk, use_segments=use_segments)
     counted = lambda b: labels_and_weights(b["tokens"], b["instance_mask"], b.get("label_mask"))[2]  # noqa: E731
     return sums, counted, (DATA, FSDP)

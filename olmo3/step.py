@@ -4,6 +4,13 @@ The global batch arrives whole (a recipe constant); it is split into `microbatch
 whose gradients are summed in float32 (gradient accumulation). Every loss term is a SUM divided by
 the number of counted tokens of the WHOLE global batch, so the result does not depend on how the
 batch is split across microbatches or devices (DESIGN §4, bug 4).
+
+Where OLMo-core differs: its train module divides each data-parallel rank's loss sum by that rank's
+own counted tokens and then averages gradients over ranks (`TransformerTrainModule.train_batch`,
+`loss_div_factor=batch_num_tokens_for_loss`). With every target counted (stages 1-2: T - 1 per
+instance) the two are the same number. With padding or label masks (stage 3's packed instances,
+SFT) OLMo-core weighs a token by 1 / (its rank's count), so its loss depends on the number of ranks
+and on which instances land together; ours weighs every counted token of the global batch equally.
 """
 from __future__ import annotations
 

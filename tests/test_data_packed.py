@@ -199,11 +199,17 @@ def test_label_mask_reaches_the_loss_as_olmo_core(tmp_path):
     b["instance_mask"][1] = False
     labels, weights, counted = labels_and_weights(jnp.asarray(b["tokens"]), jnp.asarray(b["instance_mask"]),
                                                   jnp.asarray(b["label_mask"]))
-    ref = get_labels({"input_ids": torch.tensor(b["tokens"], dtype=torch.long),
-                      "label_mask": torch.tensor(b["label_mask"])}).numpy()
+    batch = {"input_ids": torch.tensor(b["tokens"], dtype=torch.long), "label_mask": torch.tensor(b["label_mask"])}
+    ref = get_labels(batch).numpy()
     np.testing.assert_array_equal(np.asarray(labels), ref)
-    np.testing.assert_array_equal(np.asarray(counted), ref != IGNORE)  # padding: never counted
-    np.testing.assert_array_equal(np.asarray(weights), (ref != IGNORE) & b["instance_mask"][:, None])
+    kept = b["instance_mask"]
+    np.testing.assert_array_equal(np.asarray(counted)[kept], (ref != IGNORE)[kept])  # padding: never counted
+    # The masked instance: no target trained, seq_len tokens in the denominator, as
+    # TransformerTrainModule.train_batch counts `batch_num_tokens_for_loss`.
+    ref_masked = get_labels(dict(batch, instance_mask=torch.tensor(kept))).numpy()
+    np.testing.assert_array_equal(np.asarray(weights), ref_masked != IGNORE)
+    T = b["tokens"].shape[1]
+    assert float(counted.sum()) == (ref_masked != IGNORE).sum() + (~kept).sum() * T
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2])
