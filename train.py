@@ -593,6 +593,12 @@ def check_flags():
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps and F.epochs is None:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
+    if F.joined_at is not None and F.max_steps is None:
+        from olmo3 import schedules
+        # AI2's joined schedule: the half cosine runs to the 7T-token horizon, the run stops earlier
+        raise app.UsageError(f"--joined_at={F.joined_at}: the joined schedule's second cosine runs to --total_steps "
+                             f"(AI2's: {schedules.STAGE1_JOINED_TOTAL}, 7T tokens) and the run stops at --max_steps "
+                             f"(AI2's: {schedules.STAGE1_TOTAL}, one epoch); give --max_steps too")
     if F.source_group_size < 1:
         raise app.UsageError(f"--source_group_size={F.source_group_size} must be >= 1")
     if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):

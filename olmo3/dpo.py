@@ -50,7 +50,9 @@ BETA = 5.0  # open-instruct 7b_{think,instruct}_dpo.sh: --dpo_beta 5
 def token_logps(h: Float[Array, "n d_model"], lm_head: Float[Array, "d_model vocab"],
                 labels: Int[Array, " n"], *, chunk: int = 1024) -> Float[Array, " n"]:
     """log softmax(h @ lm_head)[label] per position, float32 (0 where the label is IGNORE);
-    [chunk, vocab] logits at a time, recomputed chunk by chunk in the backward pass."""
+    [chunk, vocab] logits at a time, recomputed chunk by chunk in the backward pass. The logits
+    are the matmul's float32 accumulator; open-instruct's bf16 run upcasts bf16 logits
+    (`concatenated_forward`: `.logits.to(torch.float32)`), as olmo3/loss.py says for OLMo-core."""
     n, d = h.shape
     chunk = min(chunk, n)
     pad = (-n) % chunk

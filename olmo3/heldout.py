@@ -72,13 +72,16 @@ def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int
     per_batch = []
     for b in range(n):
         rows = data.get_batch(dataset, batch_size, 0, b)
-        batch = {"tokens": jnp.asarray(rows["tokens"]), "instance_mask": jnp.asarray(rows["instance_mask"]),
-                 "segment_ids": jnp.asarray(rows["segment_ids"])}
+        batch = {k: jnp.asarray(rows[k]) for k in ("tokens", "instance_mask", "segment_ids", "label_mask")
+                 if k in rows}   # label_mask: packed / padded sets (their padding is no target)
         s, c = fn(model, batch)
         ce, tokens = ce + float(s), tokens + float(c)
         per_batch.append(float(s) / max(float(c), 1.0))
-        if byte_lengths is not None:  # the targets are tokens[:, 1:]
-            nbytes += float(byte_lengths[rows["tokens"][:, 1:]].sum())
+        if byte_lengths is not None:  # the targets are tokens[:, 1:], where the label mask allows
+            target_bytes = byte_lengths[rows["tokens"][:, 1:]]
+            if "label_mask" in rows:
+                target_bytes = target_bytes * rows["label_mask"][:, 1:]
+            nbytes += float(target_bytes.sum())
     out = {"ce_sum": ce, "tokens": tokens, "bytes": nbytes, "loss": ce / tokens, "batches": n,
            "batch_losses": per_batch}
     out["bpb"] = ce / (math.log(2) * nbytes) if nbytes else float("nan")

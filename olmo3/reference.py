@@ -9,8 +9,9 @@
         it does not:      sums, counts = compute(); written to a temporary file, then renamed
 
 open-instruct (`dpo_tune_cache.py`) also runs the reference once over the data before training and
-keeps the results (`build_reference_logprobs_cache`, keyed by a hash of the model name and the
-data config). Here the key is the reference's *weights*: two integer checksums per tensor of its
+keeps the results: in memory at the commit the OLMo 3 scripts cite (`get_cache_ref_logprobs`,
+3af17aacf), on disk keyed by a hash of the model name and the data config in later versions
+(`dpo_utils.build_reference_logprobs_cache`). Here the key is the reference's *weights*: two integer checksums per tensor of its
 raw bits (a plain sum and a position-weighted sum, both mod 2^32, so exact and independent of how
 the tensor is sharded), so a renamed or copied checkpoint keeps its cache and a retrained one at
 the same path does not. The data fingerprint (data/preference.py) covers the files' contents and

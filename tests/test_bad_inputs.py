@@ -104,6 +104,8 @@ def _cases(w):
          "--lr must be finite and > 0"),
         ("beta_out_of_range", "train.py", [*T, f"--run_dir={new}", "--b2=1.0"], 2, "--b2 must be in [0, 1)"),
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
+        ("joined_schedule_without_stop", "train.py", [*T, f"--run_dir={new}", "--joined_at=2"], 2,
+         "--joined_at=2: the joined schedule's second cosine runs to --total_steps"),
         ("checkpoint_of_another_model", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--d_model=64",
                                                      "--head_dim=32"], 2, "model config differs"),
         ("checkpoint_of_another_stage", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--stage=2"], 2,

@@ -98,6 +98,31 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
     np.testing.assert_allclose(report["eval/all/loss"], ce / n, rtol=1e-5)
 
 
+def test_heldout_on_padded_documents_scores_the_documents_only(tmp_path):
+    """One whole document per row, padded (OLMo-core's NumpyPaddedFSLDataset): CE and bytes count
+    each document's own next-token targets, never the padding (numpy oracle: each document alone)."""
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    eos, pad = 510, 511   # within the tiny vocabulary
+    docs = [list(rng.integers(0, 500, size=int(n))) + [eos] for n in rng.integers(3, 30, size=8)]
+    ds = data.PaddedFSLDataset([token_file(tmp_path / "p.npy", np.concatenate(docs))], 32, vocab_size=512,
+                               eos_id=eos, pad_id=pad)
+    assert len(ds) == 8
+    lengths = heldout.token_byte_lengths(512)
+    got = heldout.heldout(model, ds, batch_size=4, byte_lengths=lengths)
+    ce, n, nbytes = 0.0, 0, 0
+    for row in np.concatenate([data.get_batch(ds, 4, 0, b)["tokens"] for b in range(2)]):
+        doc = np.asarray(next(d for d in docs if list(row[:len(d)]) == d))   # the row's document
+        assert (row[len(doc):] == pad).all()
+        lp = log_softmax64(forward(model, doc, pad=32))
+        ce -= np.take_along_axis(lp[:-1], doc[1:, None], -1).sum()
+        n += len(doc) - 1
+        nbytes += int(lengths[doc[1:]].sum())
+    assert got["tokens"] == n
+    np.testing.assert_allclose(got["loss"], ce / n, rtol=1e-5)
+    assert got["bytes"] == nbytes
+
+
 def test_logit_agreement_against_direct_formulas():
     rng = np.random.default_rng(0)
     a, b = rng.normal(size=(5, 40)), rng.normal(size=(5, 40))
