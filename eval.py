@@ -30,6 +30,7 @@ import numpy as np
 from absl import app, flags, logging
 
 import data
+from data import chat
 from olmo3 import atomic, cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
 from olmo3.config import config_diff, config_from_dict
 
@@ -79,8 +80,9 @@ flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun
 flags.DEFINE_string("chat", None, "Chat: the model's answer to this user message (OLMo 3 chat template, data/chat.py).")
 flags.DEFINE_string("chat_file", None, "Chat: answer each conversation of this JSONL ({\"messages\": [...]}; a final "
                     "assistant turn is the reference, printed beside the answer). --limit: at most this many.")
-flags.DEFINE_enum("chat_template", "olmo", ["olmo", "olmo_thinker"], "Chat template (olmo_thinker opens with <think>).")
-flags.DEFINE_bool("chat_think", None, "Chat: open the answer with <think> (default: with olmo_thinker).")
+flags.DEFINE_enum("chat_template", "olmo", list(chat.TEMPLATES), "Chat template (data/chat.py; olmo_thinker opens "
+                  "the answer with <think>).")
+flags.DEFINE_bool("chat_think", None, "Chat: open the answer with <think> (default: as the template does, olmo_thinker).")
 flags.DEFINE_integer("max_new_tokens", 256, "Chat: longest answer.")
 flags.DEFINE_float("temperature", 0.0, "Chat: 0 = greedy, else sample from softmax(logits / temperature).")
 flags.DEFINE_integer("sample_seed", 0, "Chat: seed of the sampler.")
@@ -360,7 +362,6 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
 def chat_answer(model, messages: list, template: str = "olmo", max_new_tokens: int = 256,
                 temperature: float = 0.0, seed: int = 0, max_length: int = 2048, think=None) -> str:
     """The model's next assistant turn for `messages`, as text (the stop token removed)."""
-    from data import chat
     stops = (data.EOS_ID, data.tokenizer.IM_END_ID)
     prompt = chat.generation_prompt(messages, template, think)
     out = scoring.Scorer(model, max_length=max_length).generate(

@@ -7,11 +7,17 @@
                            assistant:   <|im_start|> "assistant\\n" content
                                         + (<|endoftext|> if last else <|im_end|> "\\n")
                        [+ <|im_start|> "assistant\\n" (+ "<think>" for olmo_thinker) if generating]
+    templates (open-instruct CHAT_TEMPLATES, 3af17aacf) differ in the default system turn and in
+    whether the generation prompt ends with "<think>":
+        olmo                                     Instruct                 OLMo identity   no <think>
+        olmo_thinker                             Think DPO                generic         <think>
+        olmo_thinker_no_think_7b                 the 7B's Think SFT data  OLMo identity   no <think>
+        olmo_thinker_no_think_sft_tokenization   the 32B's Think SFT data generic         no <think>
     mask[t] = 0 on every token of a non-assistant turn, from where the conversation up to it ends
-              to where it ends with that turn (+ the "<|im_start|>assistant\\n" prompt when an
+              to where it ends with that turn (+ the template's generation prompt when an
               assistant turn follows); 1 elsewhere: assistant content and its <|im_end|> / EOS.
 
-open-instruct's `olmo` and `olmo_thinker` chat templates (open_instruct/dataset_transformation.py,
+open-instruct's OLMo 3 chat templates (open_instruct/dataset_transformation.py,
 CHAT_TEMPLATES) with its SFT masking (`sft_tulu_tokenize_and_truncate_v1`): the span of each
 non-assistant message is measured by rendering the prefixes messages[:i] and messages[:i+1].
 A prefix ending in an assistant turn renders that turn as the last one (ending in EOS, one token),
@@ -23,10 +29,16 @@ one document. `convert_sft_data_for_olmocore.py` writes mask = (label != -100).
 Why it is built this way: the template is a few lines of string assembly, not Jinja, so the
 token sequence is visible here; special tokens are placed only by the template (content is
 encoded as plain text, so a chat that quotes "<|im_end|>" cannot end its own turn; Hugging Face
-tokenizers would parse it as the special token). The Think SFT data was tokenized without
-"<think>" in the masking prompt (open-instruct `olmo_thinker_no_think_sft_tokenization`, docs
-olmo3.md: the 7B used the `_no_think_7b` variant), so a leading "<think>" of the answer is trained;
-`generation_prompt` adds it back for inference, as the released Think chat template does.
+tokenizers would parse it as the special token).
+
+"<think>" and the mask: the mask's prompt is the template's own generation prompt, measured in
+tokens, as open-instruct measures it. With `olmo_thinker` (the Think DPO script's template) that
+prompt ends in "<think>", so the first tokens of every answer, "<think>" when the answer starts
+with it, are masked ("our code incorrectly masks the first <think> token as part of the prompt",
+open-instruct docs/olmo3.md); Think DPO trained that way. The Think SFT data was tokenized with a
+`_no_think` template (the 7B with `olmo_thinker_no_think_7b`, docs/olmo3.md), so a leading
+"<think>" is trained there; `generation_prompt(..., think=True)` adds it for inference, as the
+released Think chat template does.
 Tool use (`functions`, `function_calls`) is not rendered; a message carrying them is refused.
 """
 from __future__ import annotations
@@ -39,15 +51,20 @@ from jaxtyping import Bool, UInt32
 
 from data.tokenizer import EOS_ID, IM_END_ID, IM_START_ID, dolma2
 
-TEMPLATES = ("olmo", "olmo_thinker")
 ROLES = ("system", "user", "assistant", "environment")
-# The default system turn when a conversation has none (open-instruct CHAT_TEMPLATES).
+# The default system turn when a conversation has none (open-instruct CHAT_TEMPLATES, 3af17aacf).
 DEFAULT_SYSTEM = {
     "olmo": ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date cutoff is "
              "November 2024, and your model weights are available at https://huggingface.co/allenai. "
              "You do not currently have access to any functions. <functions></functions>"),
     "olmo_thinker": "You are a helpful AI assistant.",
+    "olmo_thinker_no_think_7b": ("You are Olmo, a helpful AI assistant built by Ai2. Your date cutoff is "
+                                 "December 2024, and your model weights are available at "
+                                 "https://huggingface.co/allenai."),
+    "olmo_thinker_no_think_sft_tokenization": "You are a helpful AI assistant.",
 }
+TEMPLATES = tuple(DEFAULT_SYSTEM)
+THINK_PROMPT = ("olmo_thinker",)   # the templates whose generation prompt ends with "<think>"
 # Appended to a given system message when it has no `functions` (both templates).
 SYSTEM_SUFFIX = " You do not currently have access to any functions. <functions></functions>"
 THINK = "<think>"  # olmo_thinker's generation prompt ends with it (plain text in dolma2)
@@ -91,10 +108,12 @@ def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
 
 
 def pieces(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False,
-           think: bool = False) -> list[Piece]:
-    """The rendered conversation as special ids and text pieces (see the module docstring)."""
+           think: bool | None = None) -> list[Piece]:
+    """The rendered conversation as special ids and text pieces (see the module docstring);
+    the generation prompt ends with "<think>" when `think`, by default when the template's does."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown chat template {template!r}; choose one of {', '.join(TEMPLATES)}")
+    think = template in THINK_PROMPT if think is None else think
     out: list[Piece] = []
     if not any(m["role"] == "system" for m in messages):
         out += [IM_START_ID, "system\n" + DEFAULT_SYSTEM[template], IM_END_ID, "\n"]
@@ -129,7 +148,7 @@ def encode_pieces(ps: Sequence[Piece]) -> list[int]:
 
 
 def encode(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of the rendered conversation (no "<think>": the SFT tokenization)."""
+    """Token ids of the rendered conversation, as the template renders it."""
     return encode_pieces(pieces(messages, template, add_generation_prompt))
 
 
@@ -150,10 +169,9 @@ def encode_with_mask(messages: Sequence[dict], template: str = "olmo"
 
 
 def generation_prompt(messages: Sequence[dict], template: str = "olmo", think: bool | None = None) -> list[int]:
-    """Token ids that ask the model for the next assistant turn; "<think>" opens it for
-    olmo_thinker unless `think=False` (a model trained on answers without it)."""
+    """Token ids that ask the model for the next assistant turn; "<think>" opens it when `think`,
+    by default as the template does (olmo_thinker)."""
     check_messages(messages)
-    think = template == "olmo_thinker" if think is None else think
     return encode_pieces(pieces(messages, template, add_generation_prompt=True, think=think))
 
 

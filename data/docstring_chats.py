@@ -122,7 +122,8 @@ if __name__ == "__main__":
     from olmo3 import cli
     flags.DEFINE_string("out", None, "directory for sft_*.jsonl and dpo_*.jsonl", required=True)
     flags.DEFINE_integer("max_tokens", 256, "keep conversations whose rendered tokens fit (the model's seq_len)")
-    flags.DEFINE_enum("template", "olmo_thinker", list(chat.TEMPLATES), "chat template used to measure lengths")
+    flags.DEFINE_enum("template", "olmo_thinker_no_think_sft_tokenization", list(chat.TEMPLATES),
+                      "chat template used to measure lengths")
     flags.DEFINE_integer("seed", 0, "shuffle seed")
     flags.DEFINE_integer("max_train", None, "at most this many training functions")
     flags.DEFINE_integer("max_heldout", None, "at most this many held-out functions")

@@ -1,6 +1,6 @@
 """Chats (JSONL) -> OLMo-core SFT files: token ids and label masks, one conversation per document.
 
-    python -m data.prepare_sft --input=chats.jsonl --out_dir=runs/sft_data [--template=olmo_thinker]
+    python -m data.prepare_sft --input=chats.jsonl --out_dir=runs/sft_data [--template=olmo_thinker_no_think_7b]
 
     for each line {"messages": [{"role", "content"}, ...]}:
         ids, mask = data.chat.encode_with_mask(messages)    # ends in exactly one EOS

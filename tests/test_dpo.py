@@ -261,8 +261,8 @@ def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path
     from data import chat
     from data.prepare_dpo import prepare_dpo
     user = {"role": "user", "content": "Name a prime."}
-    rows = [{"chosen": [user, {"role": "assistant", "content": "7"}],
-             "rejected": [user, {"role": "assistant", "content": "8, which is even"}]}]
+    rows = [{"chosen": [user, {"role": "assistant", "content": "<think>Seven has no divisor.</think>7"}],
+             "rejected": [user, {"role": "assistant", "content": "<think>Eight is even.</think>8"}]}]
     (tmp_path / "ok.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     prepare_dpo(str(tmp_path / "ok.jsonl"), str(tmp_path / "out"), "olmo_thinker", max_seq_length=128)
     ds = PairDataset(tmp_path / "out", seq_len=128)

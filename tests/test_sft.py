@@ -34,7 +34,8 @@ def test_special_token_ids():
 
 
 def test_template_renders_known_sequence():
-    """olmo_thinker, two turns: hand-built ids and mask (open-instruct's SFT masking rule)."""
+    """olmo_thinker_no_think_sft_tokenization, two turns: hand-built ids and mask (open-instruct's
+    SFT masking rule)."""
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ciao"}]
     want, mask = [], []
@@ -49,9 +50,36 @@ def test_template_renders_known_sequence():
     add([NL], 0)                                   # ... not the newline after it
     add([IM_START] + text("user\nBye") + [IM_END, NL] + [IM_START, ASSISTANT, NL], 0)
     add(text("Ciao") + [EOS], 1)                   # the last answer ends in EOS, trained
-    ids, m = chat.encode_with_mask(msgs, "olmo_thinker")
+    ids, m = chat.encode_with_mask(msgs, "olmo_thinker_no_think_sft_tokenization")
     assert ids.tolist() == want and m.astype(int).tolist() == mask
     assert ids.dtype == np.uint32 and (ids == EOS).sum() == 1
+
+
+def test_think_templates_mask_and_system_turn():
+    """olmo_thinker (Think DPO) masks the tokens of its generation prompt "assistant\\n<think>"
+    counted from the start of the answer, as open-instruct measures the prompt (docs/olmo3.md: "masks
+    the first <think> token"); the 7B's Think SFT template trains them, under the OLMo identity
+    system turn."""
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>Add them.</think>4"}]
+    user = [IM_START] + text("user\n2+2?") + [IM_END, NL]
+    answer = [IM_START] + text("assistant\n<think>Add them.</think>4") + [EOS]
+    generic = [IM_START] + text("system\nYou are a helpful AI assistant.") + [IM_END, NL]
+    ids, m = chat.encode_with_mask(msgs, "olmo_thinker")
+    masked = len(generic + user + [IM_START] + text("assistant\n<think>"))
+    assert ids.tolist() == generic + user + answer
+    assert m.astype(int).tolist() == [0] * masked + [1] * (len(ids) - masked)
+    assert masked > len(generic + user + [IM_START, ASSISTANT, NL])   # "<think>" itself is masked
+
+    identity = [IM_START] + text("system\nYou are Olmo, a helpful AI assistant built by Ai2. Your date cutoff is "
+                                 "December 2024, and your model weights are available at "
+                                 "https://huggingface.co/allenai.") + [IM_END, NL]
+    ids, m = chat.encode_with_mask(msgs, "olmo_thinker_no_think_7b")
+    assert ids.tolist() == identity + user + answer
+    prompt = len(identity + user + [IM_START, ASSISTANT, NL])
+    assert m.astype(int).tolist() == [0] * prompt + [1] * (len(ids) - prompt)
+    assert chat.generation_prompt(msgs[:1], "olmo_thinker_no_think_7b") == identity + user + [IM_START, ASSISTANT, NL]
+    assert chat.generation_prompt(msgs[:1], "olmo_thinker_no_think_7b", think=True) == \
+        identity + user + [IM_START] + text("assistant\n<think>")
 
 
 def test_template_system_and_generation_prompt():
@@ -112,8 +140,8 @@ def test_sft_files_load_in_olmo_core(tmp_path, monkeypatch):
     olmo_data = pytest.importorskip("olmo_core.data", reason="needs ai2-olmo-core")
     monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
     rows = chats(40)
-    m = prepare_sft.prepare_sft(str(write_chats(tmp_path / "c.jsonl", rows)), str(tmp_path / "sft"), "olmo_thinker",
-                                max_tokens_per_part=600)
+    m = prepare_sft.prepare_sft(str(write_chats(tmp_path / "c.jsonl", rows)), str(tmp_path / "sft"),
+                                "olmo_thinker_no_think_sft_tokenization", max_tokens_per_part=600)
     assert len(m["parts"]) > 1 and m["conversations"] == 41 and m["dropped_without_trained_tokens"] == 0
     paths = prepare_sft.token_files(str(tmp_path / "sft"))
     masks = sorted(str(p) for p in (tmp_path / "sft").glob("labels_mask_*.npy"))   # the SFT script's glob
@@ -135,7 +163,7 @@ def test_sft_files_load_in_olmo_core(tmp_path, monkeypatch):
                  for n, e in zip(t["doc_lens"], ends)
                  if t["input_ids"][e - 1] == EOS]   # the padding run is no document
     # Every packed document is one whole conversation, ids and mask exactly the template's.
-    want = [chat.encode_with_mask(r["messages"], "olmo_thinker") for r in rows]
+    want = [chat.encode_with_mask(r["messages"], "olmo_thinker_no_think_sft_tokenization") for r in rows]
     assert sorted(docs) == sorted((tuple(i.tolist()), tuple(m.tolist())) for i, m in want)
 
 
@@ -207,7 +235,7 @@ def test_sft_fresh_adam_and_exact_resume(tmp_path):
                f"--run_dir={tmp_path / 'base'}"], tmp_path)
     for split, seed in (("train", 0), ("heldout", 1)):
         prepare_sft.prepare_sft(str(write_chats(tmp_path / f"{split}.jsonl", chats(60, seed))),
-                                str(tmp_path / "sft" / split), "olmo_thinker")
+                                str(tmp_path / "sft" / split), "olmo_thinker_no_think_sft_tokenization")
     sft = ["--flagfile=" + os.path.join(ROOT, "tiny_sft.flags"), *SMALL_MODEL, f"--data={tmp_path / 'sft' / 'train'}", f"--sft_heldout={tmp_path / 'sft' / 'heldout'}",
            f"--init_from={tmp_path / 'base'}", "--save_interval=2", "--eval_interval=2", "--max_steps=4"]
     run_train(sft + [f"--run_dir={tmp_path / 'a'}"], tmp_path)
