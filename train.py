@@ -207,7 +207,8 @@ def main(argv):
 
     import data
     import olmo3
-    from olmo3 import checkpoint, cluster, metrics as metrics_lib, optim, preemption, schedules, sharding, watchdog
+    from olmo3 import checkpoint, cluster, heldout as heldout_lib, metrics as metrics_lib, optim, preemption
+    from olmo3 import schedules, sharding, watchdog
     from olmo3.config import config_to_dict
     from olmo3.model import decay_mask
 
@@ -407,15 +408,19 @@ def main(argv):
         for domain, ds in heldout.items():
             rows, batches = eval_plans[domain]
             ce = n = 0.0
+            documents = 0
             for b in range(batches):
                 if F.eval_padded:  # documents in file order
                     batch = data.get_eval_batch(ds, rows, b, rank, num_ranks)
+                    documents += data.eval_batch_instances(len(ds), rows, b)
                 else:
                     batch = data.get_batch(ds, rows, 0, b, rank, num_ranks)  # seed 0: a fixed order
                 s, c = eval_fn(model, sharding.global_batch(batch, mesh))
                 ce, n = ce + float(s), n + float(c)
             if n:
                 out[f"eval/{domain}/loss"] = ce / n
+                if F.eval_padded:   # the number OLMo-core's LMEvaluator logs for the same documents
+                    out[f"eval/{domain}/olmo_core_ce"] = heldout_lib.olmo_core_ce(ce, n, documents)
         for name, ds in (dpo_heldout.items() if F.stage == "dpo" else []):   # held-out preference pairs
             m = dpo.evaluate_pairs(logps_fn, model, ds, ref_sums[name], loss=F.dpo_loss, beta=F.dpo_beta,
                                    rows=pair_rows)

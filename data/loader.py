@@ -66,6 +66,12 @@ def _rows(dataset, instances: list, repetition_filter: bool = False) -> dict:
     return out
 
 
+def eval_batch_instances(num_instances: int, rows: int, batch: int) -> int:
+    """How many of held-out batch `batch`'s `rows` rows are the dataset's instances, not filler
+    (see get_eval_batch)."""
+    return max(0, min(rows, num_instances - batch * rows))
+
+
 def get_eval_batch(dataset: PackedFSLDataset, rows: int, batch: int, rank: int = 0, num_ranks: int = 1) -> dict:
     """Rank `rank`'s share of held-out batch `batch`: instances [batch * rows, (batch + 1) * rows)
     in dataset order, rank r taking rows r, r + R, ... Rows past the end of the dataset are

@@ -3,6 +3,7 @@ training-loss curve).
 
     heldout(model, dataset, ...)        held-out CE with the TRAINING loss function
                                         (olmo3.step.eval_loss), and bits per byte
+    olmo_core_ce(ce, targets, n)        the same as OLMo-core's LMEvaluator reports it
     token_byte_lengths(vocab)           UTF-8 bytes per dolma2 token (the bpb denominator)
     by_position(model, dataset, bounds) held-out CE per position bucket [bounds[k], bounds[k+1]):
                                         ce[row, k] = sum_{t in bucket k} w[row, t] * CE(row, t),
@@ -86,6 +87,17 @@ def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int
            "batch_losses": per_batch}
     out["bpb"] = ce / (math.log(2) * nbytes) if nbytes else float("nan")
     return out
+
+
+def olmo_core_ce(ce_sum: float, targets: float, instances: int) -> float:
+    """OLMo-core's in-loop held-out "CE loss" (`LMEvaluator` on `NumpyPaddedFSLDataset`) from ours.
+
+    It averages the per-position losses that each padded instance's label mask selects before the
+    shift: the instance's L tokens, of which L - 1 have a target and the last (its label is padding
+    or past the end) a loss of 0. So its number is ce_sum / (targets + instances), lower than the
+    true CE (ours, `loss`) by the fraction instances / (targets + instances): 0.2% for documents
+    of 500 tokens. Logged beside ours so a run compares with AI2's curves as they were logged."""
+    return ce_sum / (targets + instances)
 
 
 # ---- held-out loss by position (stage 3's long-context evidence) --------------------------------

@@ -380,6 +380,44 @@ def test_compare_with_olmo_tasks_beside_heldout(runs, monkeypatch):
     assert row["arc_easy_rc_5shot/bpb_v2_delta"] == 0.0
 
 
+def test_olmo_core_ce_equals_olmo_cores_lm_evaluator(tmp_path):
+    """train.py's eval/<domain>/olmo_core_ce on padded documents (--eval_padded) against OLMo-core's
+    own LMEvaluator fed per-position losses from a numpy oracle: 8 documents in batches of 3 rows
+    (the last holds a filler row, which OLMo-core never sees)."""
+    torch = pytest.importorskip("torch")
+    lm_evaluator = pytest.importorskip("olmo_core.eval.lm_evaluator")
+    from olmo3.step import eval_loss
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    rng = np.random.default_rng(2)
+    eos, pad, T, rows = 510, 511, 32, 3
+    docs = [list(rng.integers(0, 500, size=int(n))) + [eos] for n in rng.integers(1, 40, size=8)]
+    ds = data.PaddedFSLDataset([token_file(tmp_path / "p.npy", np.concatenate(docs))], T, vocab_size=512,
+                               eos_id=eos, pad_id=pad)
+    theirs = lm_evaluator.LMEvaluator(name="lm", batches=[], labels=["d"], device=torch.device("cpu"))
+    ce = n = 0.0
+    documents = 0
+    for b in range(-(-len(ds) // rows)):
+        batch = data.get_eval_batch(ds, rows, b)
+        s, c = eqx.filter_jit(eval_loss)(model, {k: jnp.asarray(batch[k]) for k in ("tokens", "instance_mask",
+                                                                                    "label_mask")}, chunk=64)
+        ce, n = ce + float(s), n + float(c)
+        documents += data.eval_batch_instances(len(ds), rows, b)
+        real = batch["label_mask"].any(axis=1)
+        tokens, mask = batch["tokens"][real], batch["label_mask"][real]
+        per_position = np.zeros(tokens.shape)   # OLMo-core: labels shifted after the mask, 0 where ignored
+        for i, row in enumerate(tokens):
+            lp = log_softmax64(forward(model, row, pad=T))
+            for t in range(T - 1):
+                if mask[i, t + 1]:
+                    per_position[i, t] = -lp[t, row[t + 1]]
+        theirs.update_metrics({"metadata": [{"label": "d"}] * len(tokens), "label_mask": torch.tensor(mask)},
+                              torch.tensor(per_position), None)
+    assert documents == len(ds) == 8 and n == sum(min(len(d), T) - 1 for d in docs)
+    want = float(theirs.compute_metrics()["d/CE loss"])
+    np.testing.assert_allclose(heldout.olmo_core_ce(ce, n, documents), want, rtol=1e-5)
+    assert abs(ce / n - want) > 1e-3 * want   # the true CE differs: one zero-loss position per document
+
+
 def test_context_length_defaults_to_the_trained_context():
     """eval.py scores at the run's own --seq_len (as train.py's in-loop evaluation does), an HF
     model at OLMo 3's 8192 (OLMo-core's in-loop length), never past the model's positions."""
