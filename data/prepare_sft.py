@@ -1,9 +1,11 @@
 """Chats (JSONL) -> OLMo-core SFT files: token ids and label masks, one conversation per document.
 
     python -m data.prepare_sft --input=chats.jsonl --out_dir=runs/sft_data [--template=olmo_thinker_no_think_7b]
+        [--max_seq_length=32768]
 
     for each line {"messages": [{"role", "content"}, ...]}:
         ids, mask = data.chat.encode_with_mask(messages)    # ends in exactly one EOS
+        ids, mask = ids[:max_seq_length], mask[:max_seq_length]   # only with --max_seq_length
         drop it if mask has no 1 (open-instruct sft_tulu_filter_v1)
     out_dir/token_ids_part_0000.npy    uint32, headerless memmap: the ids, conversation after conversation
     out_dir/labels_mask_part_0000.npy  bool (one byte per token), same length: the masks
@@ -18,6 +20,14 @@ generate_doc_lengths=True)`, and so does `train.py --stage=sft --packed --label_
 (data/packed.py pairs each token file with the mask file of the same suffix), so files written by
 AI2's converter train here unchanged. One difference: AI2's converter cuts parts at exactly
 2^28 tokens, through a conversation if need be; here a part ends at a conversation's end.
+
+`--max_seq_length` is the converter's option of the same name (open-instruct's SLURM script for
+the 7B Think data, scripts/slurm/sft/prepare_dolci_think_data.sh, passes 32768; its default is
+none): `sft_tulu_tokenize_and_truncate_v1` cuts the rendered conversation and its mask to that many
+tokens, then `sft_tulu_filter_v1` drops it if nothing trained is left. A cut conversation has lost
+its EOS, so packing (documents split at EOS) reads it and the conversation after it as one
+document, which the packer then truncates to the sequence length, as OLMo-core does with such
+files. Without the option, a long conversation keeps its EOS and only it is truncated.
 
 Why it is built this way: the whole output is written in a temporary sibling directory and
 renamed into place, so a crash leaves either nothing or a complete set (an extra stale part would
@@ -52,11 +62,14 @@ def read_chats(path: str, require_answer: bool = True) -> list[list[dict]]:
     return chat.read_jsonl(path, parse, 'one conversation per line, {"messages": [{"role", "content"}, ...]}')
 
 
-def encode_chats(chats: list[list[dict]], template: str) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """[(ids, mask)] of the conversations with at least one trained token, and how many were dropped."""
+def encode_chats(chats: list[list[dict]], template: str, max_seq_length: int | None = None
+                 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """[(ids, mask)] of the conversations with at least one trained token (each cut to
+    `max_seq_length` tokens first, when given), and how many were dropped."""
     kept, dropped = [], 0
     for messages in chats:
         ids, mask = chat.encode_with_mask(messages, template)
+        ids, mask = ids[:max_seq_length], mask[:max_seq_length]
         if mask.any():
             kept.append((ids, mask))
         else:
@@ -87,23 +100,26 @@ def write_parts(docs: list[tuple[np.ndarray, np.ndarray]], out_dir: str,
 
 
 def prepare_sft(input_path: str, out_dir: str, template: str = "olmo",
-                max_tokens_per_part: int = MAX_TOKENS_PER_PART) -> dict:
+                max_tokens_per_part: int = MAX_TOKENS_PER_PART, max_seq_length: int | None = None) -> dict:
     """Render, mask and write `input_path` into the new directory `out_dir`; returns the manifest."""
     if template not in chat.TEMPLATES:
         raise ValueError(f"--template={template!r}: choose one of {', '.join(chat.TEMPLATES)}")
+    if max_seq_length is not None and max_seq_length < 1:
+        raise ValueError(f"--max_seq_length={max_seq_length} must be positive (or left out: no truncation)")
     if not os.path.isfile(input_path):
         raise FileNotFoundError(f"--input={input_path!r} does not exist; pass a JSONL file of "
                                 '{"messages": [...]} lines')
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"--out_dir={out_dir!r} exists and is not empty; choose a new directory")
-    kept, dropped = encode_chats(read_chats(input_path), template)
+    kept, dropped = encode_chats(read_chats(input_path), template, max_seq_length)
     if not kept:
         raise ValueError(f"{input_path}: no conversation has an assistant token to train on")
     from olmo3.checkpoint import new_directory   # temp sibling, renamed into place or removed
     with new_directory(out_dir, "SFT data") as tmp:
         paths = write_parts(kept, tmp, max_tokens_per_part)
-        manifest = {"input": os.path.abspath(input_path), "template": template, "conversations": len(kept),
+        manifest = {"input": os.path.abspath(input_path), "template": template, "max_seq_length": max_seq_length,
+                    "conversations": len(kept),
                     "dropped_without_trained_tokens": dropped, "tokens": int(sum(len(d[0]) for d in kept)),
                     "trained_tokens": int(sum(int(d[1].sum()) for d in kept)),
                     "parts": [os.path.basename(p) for p in paths]}
@@ -131,7 +147,7 @@ def main(argv):
 
     del argv
     f = flags.FLAGS
-    m = prepare_sft(f.input, f.out_dir, f.template)
+    m = prepare_sft(f.input, f.out_dir, f.template, max_seq_length=f.max_seq_length)
     print(f"wrote {len(m['parts'])} part(s) to {os.path.abspath(f.out_dir)}: {m['conversations']:,} conversations "
           f"({m['dropped_without_trained_tokens']} dropped: nothing to train), {m['tokens']:,} tokens, "
           f"{m['trained_tokens']:,} trained")
@@ -145,4 +161,6 @@ if __name__ == "__main__":
     flags.DEFINE_string("out_dir", None, "new directory for token_ids_part_*.npy / labels_mask_part_*.npy",
                         required=True)
     flags.DEFINE_enum("template", "olmo", list(chat.TEMPLATES), "open-instruct chat template")
+    flags.DEFINE_integer("max_seq_length", None, "cut each rendered conversation to this many tokens, as "
+                         "open-instruct's converter does (default: no cut; see the module docstring)")
     sys.exit(cli.run(main))

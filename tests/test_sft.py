@@ -167,6 +167,29 @@ def test_sft_files_load_in_olmo_core(tmp_path, monkeypatch):
     assert sorted(docs) == sorted((tuple(i.tolist()), tuple(m.tolist())) for i, m in want)
 
 
+def test_prepare_sft_max_seq_length_cuts_then_drops(tmp_path):
+    """--max_seq_length as open-instruct's converter: the rendered conversation and its mask cut to
+    that many tokens (sft_tulu_tokenize_and_truncate_v1), then dropped when nothing trained is left
+    (sft_tulu_filter_v1). A cut conversation ends without EOS."""
+    T = "olmo_thinker_no_think_sft_tokenization"
+    rows = [{"messages": [{"role": "user", "content": "short"}, {"role": "assistant", "content": "fine"}]},
+            {"messages": [{"role": "user", "content": "w " * 60}, {"role": "assistant", "content": "lost"}]},
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a b c d " * 30}]}]
+    full = [chat.encode_with_mask(r["messages"], T) for r in rows]
+    limit = 40
+    assert len(full[0][0]) < limit < len(full[2][0]) and not full[1][1][:limit].any() and full[2][1][:limit].any()
+    m = prepare_sft.prepare_sft(str(write_chats(tmp_path / "c.jsonl", rows)), str(tmp_path / "sft"), T,
+                                max_seq_length=limit)
+    assert (m["conversations"], m["dropped_without_trained_tokens"], m["max_seq_length"]) == (2, 1, limit)
+    ids = np.fromfile(tmp_path / "sft" / "token_ids_part_0000.npy", np.uint32)
+    mask = np.fromfile(tmp_path / "sft" / "labels_mask_part_0000.npy", np.bool_)
+    np.testing.assert_array_equal(ids, np.concatenate([full[0][0], full[2][0][:limit]]))
+    np.testing.assert_array_equal(mask, np.concatenate([full[0][1], full[2][1][:limit]]))
+    assert ids[-1] != EOS and (ids == EOS).sum() == 1
+    with pytest.raises(ValueError, match="--max_seq_length=0 must be positive"):
+        prepare_sft.prepare_sft(str(tmp_path / "c.jsonl"), str(tmp_path / "sft0"), T, max_seq_length=0)
+
+
 def test_label_masked_loss_equals_transformers():
     """Mean CE over the label-masked targets (train step's loss, z-loss off) against transformers'
     Olmo3ForCausalLM(labels=...) with -100 wherever the target token is masked."""
