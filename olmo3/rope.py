@@ -4,7 +4,12 @@ OLMo 3 uses theta 5e5 and rotate-half (not interleaved) RoPE. Stage 3 extends th
 YaRN (Peng et al. 2023, arXiv:2309.00071) on the full-attention layers only; sliding layers keep
 plain RoPE (OLMo-core; transformers' per-layer-type `rope_parameters`). Frequencies are computed
 in float32 on the host, like transformers' `_compute_yarn_parameters`, including its
-floor/ceil-truncated correction range.
+floor/ceil-truncated correction range. theta ** (i / head_dim) is rounded once to float32
+(computed in float64): numpy's float32 power is off by an ulp in 13 of the 7B's 64 entries, which
+moved the angles by up to 5e-4 below position 8192 and sin by 5e-3 at 65,535; rounded once they
+equal transformers' and OLMo-core's (torch) bit for bit at head_dim 128, theta 5e5
+(tests/test_rope.py). torch's float32 power is not correctly rounded everywhere: at some other
+head dims and thetas an entry or two differ by an ulp.
 
 Positions run over the whole instance, packed documents included (stage 3, SFT): a document
 packed at offset 40,000 is rotated from 40,000, while attention stays inside it. That is what
@@ -31,8 +36,8 @@ from olmo3.config import YaRN
 
 def inv_frequencies(head_dim: int, theta: float, yarn: Optional[YaRN] = None) -> tuple[np.ndarray, float]:
     """Inverse frequencies [head_dim // 2] (float32) and the cos/sin scale (YaRN's mscale)."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
-    pos_freqs = np.float32(theta) ** exponents
+    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)   # as torch: float32
+    pos_freqs = (np.float64(np.float32(theta)) ** exponents.astype(np.float64)).astype(np.float32)
     inv_freq = (np.float32(1.0) / pos_freqs).astype(np.float32)
     if yarn is None:
         return inv_freq, 1.0

@@ -30,6 +30,38 @@ def test_cos_sin_match_numpy(head_dim, yarn):
         assert scale == pytest.approx(0.1 * np.log(8.0) + 1.0)
 
 
+def test_7b_frequencies_and_tables_equal_transformers_and_olmo_core():
+    """The 7B's frequencies (head_dim 128, theta 5e5; YaRN 8 over 8192 on full layers) bit for
+    bit against transformers' Olmo3 rotary embedding and OLMo-core's RotaryEmbedding (both torch),
+    and the cos/sin tables at positions up to 65,535 within float32 cos/sin rounding."""
+    torch = pytest.importorskip("torch")
+    from transformers import Olmo3Config
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
+    yarn = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0, "original_max_position_embeddings": 8192,
+            "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.1 * np.log(8.0) + 1.0}
+    cfg = Olmo3Config(hidden_size=4096, num_attention_heads=32, max_position_embeddings=65536,
+                      rope_parameters={"full_attention": yarn,
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}})
+    hf = Olmo3RotaryEmbedding(cfg)
+    positions = np.array([[0, 1, 7, 4095, 8191, 8192, 40_000, 65_534, 65_535]])
+    x = torch.zeros(1, positions.shape[1], 128)
+    for layer_type, ours in (("sliding_attention", None), ("full_attention", YaRN())):
+        inv_freq, _ = rope.inv_frequencies(128, 5e5, ours)
+        np.testing.assert_array_equal(inv_freq, getattr(hf, f"{layer_type}_inv_freq").numpy())
+        want_cos, want_sin = (t.numpy()[0] for t in hf(x, torch.from_numpy(positions), layer_type=layer_type))
+        cos, sin = rope.cos_sin(jnp.asarray(positions[0], jnp.int32), 128, 5e5, ours)
+        np.testing.assert_allclose(np.asarray(cos), want_cos, rtol=0, atol=3e-7)
+        np.testing.assert_allclose(np.asarray(sin), want_sin, rtol=0, atol=3e-7)
+    olmo_rope = pytest.importorskip("olmo_core.nn.rope")
+    for scaling, ours in ((None, None), (olmo_rope.YaRNRoPEScalingConfig(factor=8, beta_fast=32, beta_slow=1,
+                                                                         old_context_len=8192), YaRN())):
+        theirs = olmo_rope.RotaryEmbedding(head_size=128, theta=500000, scaling=scaling)
+        sin, cos = theirs._get_rotary_embedding(65_536, torch.device("cpu"))
+        ours_cos, ours_sin = rope.cos_sin(jnp.asarray(positions[0], jnp.int32), 128, 5e5, ours)
+        np.testing.assert_allclose(np.asarray(ours_cos), cos.numpy()[positions[0]], rtol=0, atol=3e-7)
+        np.testing.assert_allclose(np.asarray(ours_sin), sin.numpy()[positions[0]], rtol=0, atol=3e-7)
+
+
 def _fusion_outputs_with(hlo: str, ops: tuple[str, ...]) -> list[int]:
     """Element counts of the fusions (and unfused instructions) of an optimized HLO module that
     compute any of `ops`."""
