@@ -105,13 +105,20 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> Config:
 
 
 def config_to_hf(c: Config) -> dict:
-    """An HF Olmo3 `config.json` dict for our Config."""
+    """An HF Olmo3 `config.json` dict for our Config.
+
+    RoPE is written twice: transformers 5's per-layer-type `rope_parameters` (which it reads
+    first) and the flat `rope_theta` + `rope_scaling` of transformers 4.x (4.57 is the release AI2
+    published OLMo 3 with, and it reads only those: without them it loads theta 10,000 and no YaRN
+    without a word). 4.x applies `rope_scaling` to the full-attention layers only, as 5 does."""
     full = {"rope_type": "default", "rope_theta": c.rope_theta}
+    scaling = None
     if c.yarn is not None:
-        full = {"rope_type": "yarn", "rope_theta": c.rope_theta, "factor": c.yarn.factor,
-                "original_max_position_embeddings": c.yarn.original_max_position,
-                "beta_fast": c.yarn.beta_fast, "beta_slow": c.yarn.beta_slow,
-                "attention_factor": c.yarn.mscale}
+        scaling = {"rope_type": "yarn", "factor": c.yarn.factor,
+                   "original_max_position_embeddings": c.yarn.original_max_position,
+                   "beta_fast": c.yarn.beta_fast, "beta_slow": c.yarn.beta_slow,
+                   "attention_factor": c.yarn.mscale}
+        full = {"rope_type": "yarn", "rope_theta": c.rope_theta, **{k: v for k, v in scaling.items() if k != "rope_type"}}
     return {
         "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3",
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.mlp_hidden,
@@ -122,6 +129,7 @@ def config_to_hf(c: Config) -> dict:
         "layer_types": [f"{t}_attention" for t in c.layer_types()],
         "rope_parameters": {"full_attention": full,
                             "sliding_attention": {"rope_type": "default", "rope_theta": c.rope_theta}},
+        "rope_theta": c.rope_theta, "rope_scaling": scaling,
         "tie_word_embeddings": False, "bos_token_id": None, "dtype": c.param_dtype,
         # dolma2 ids; a research vocabulary too small to hold them gets none
         "eos_token_id": EOS_ID if EOS_ID < c.vocab_size else None,

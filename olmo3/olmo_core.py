@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import re
 from typing import Any, Callable, Optional
@@ -286,10 +287,25 @@ def read_config(step_dir: str, reader: DistCheckpointReader, **overrides) -> tup
     return Config(**kw), "tensor shapes (no config.json; OLMo 3 7B head_dim, window, RoPE and eps assumed)"
 
 
+def layer_windows(sliding_window: dict, n_layers: int) -> list[int]:
+    """Each layer's window (-1: full attention) by OLMo-core's rule
+    (`SlidingWindowAttentionConfig._get_window_size`): the first and last layers are forced full
+    when asked (both default to True), and a forced first layer shifts the pattern by one."""
+    pattern = [int(w) for w in sliding_window.get("pattern", [-1])]
+    first = sliding_window.get("force_full_attention_on_first_layer", True)
+    last = sliding_window.get("force_full_attention_on_last_layer", True)
+    out = []
+    for i in range(n_layers):
+        forced = (first and i == 0) or (last and i == n_layers - 1)
+        out.append(-1 if forced else pattern[(i - 1 if first else i) % len(pattern)])
+    return out
+
+
 def config_from_olmo_core(model: dict, **overrides) -> Config:
     """Our Config from OLMo-core's TransformerConfig dict (`as_config_dict()`): an OLMo 3
-    reordered-norm, QK-normed, SwiGLU transformer with its sliding-window pattern; YaRN where
-    its block overrides (on the full-attention layers, `with_rope_scaling`) carry it."""
+    reordered-norm, QK-normed, SwiGLU transformer with its sliding-window pattern (the shortest
+    period of OLMo-core's per-layer windows: layers are scanned in whole periods); YaRN where its
+    block overrides (on the full-attention layers, `with_rope_scaling`) carry it."""
     block = model["block"]
     att = block["sequence_mixer"]
     if block.get("name") != "reordered_norm" or not att.get("qk_norm") or att.get("use_head_qk_norm"):
@@ -298,11 +314,17 @@ def config_from_olmo_core(model: dict, **overrides) -> Config:
     n_heads = int(att["n_heads"])
     d_model = int(model["d_model"])
     head_dim = int(att.get("head_dim") or d_model // n_heads)
-    sw = att.get("sliding_window") or {}
-    pattern = [int(w) for w in sw.get("pattern", [-1])]
-    windows = {w for w in pattern if w != -1}
-    if len(windows) > 1 or sw.get("force_full_attention_on_first_layer"):
-        raise ValueError(f"sliding window {sw}: one window size, first layer not forced full, expected")
+    n_layers = int(model["n_layers"])
+    sw = att.get("sliding_window")
+    per_layer = layer_windows(sw, n_layers) if sw else [-1] * n_layers
+    windows = {w for w in per_layer if w != -1}
+    if len(windows) > 1:
+        raise ValueError(f"sliding window {sw}: windows {sorted(windows)}; one window size expected")
+    period = next(p for p in range(1, n_layers + 1)
+                  if n_layers % p == 0 and per_layer == per_layer[:p] * (n_layers // p))
+    if (att.get("rope") or {}).get("scaling"):
+        raise ValueError("RoPE scaling on every layer (with_rope_scaling(full_attn_layers_only=False)); OLMo 3 "
+                         "applies YaRN to its full-attention layers only (DESIGN §2)")
     yarn = None
     for over in (model.get("block_overrides") or {}).values():
         scaling = (over.get("sequence_mixer", {}).get("rope") or {}).get("scaling")
@@ -310,11 +332,11 @@ def config_from_olmo_core(model: dict, **overrides) -> Config:
             yarn = YaRN(factor=float(scaling["factor"]), original_max_position=int(scaling["old_context_len"]),
                         beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
                         attention_factor=scaling.get("attention_factor"))
-    kw = dict(vocab_size=int(model["vocab_size"]), d_model=d_model, n_layers=int(model["n_layers"]),
+    kw = dict(vocab_size=int(model["vocab_size"]), d_model=d_model, n_layers=n_layers,
               n_heads=n_heads, n_kv_heads=int(att.get("n_kv_heads") or n_heads), head_dim=head_dim,
               mlp_hidden=int(block["feed_forward"]["hidden_size"]),
               window=windows.pop() if windows else 4096,
-              layer_pattern=tuple("full" if w == -1 else "sliding" for w in pattern),
+              layer_pattern=tuple("full" if w == -1 else "sliding" for w in per_layer[:period]),
               rope_theta=float(att["rope"]["theta"]), yarn=yarn,
               norm_eps=float(block["layer_norm"]["eps"]))
     kw.update(overrides)
@@ -336,8 +358,11 @@ def config_to_olmo_core(c: Config) -> dict:
             rope["scaling"] = {"factor": yarn.factor, "beta_fast": yarn.beta_fast, "beta_slow": yarn.beta_slow,
                                "old_context_len": yarn.original_max_position,
                                "_CLASS_": cls + "rope.YaRNRoPEScalingConfig"}
-            if yarn.attention_factor is not None:
-                rope["scaling"]["attention_factor"] = yarn.attention_factor
+            # OLMo-core's YaRNRoPEScalingConfig has no attention factor: it always uses
+            # 0.1 ln(factor) + 1 (nn/rope.py), and its from_dict refuses an unknown key.
+            if abs(yarn.mscale - (0.1 * math.log(yarn.factor) + 1.0)) > 1e-9:
+                raise ValueError(f"YaRN attention factor {yarn.mscale} is not OLMo-core's 0.1 ln({yarn.factor}) + 1: "
+                                 "an OLMo-core config cannot express it")
         return {"name": "reordered_norm", "_CLASS_": cls + "transformer.config.TransformerBlockConfig",
                 "sequence_mixer": {"name": "default", "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
                                    "head_dim": c.head_dim, "bias": False, "rope": rope, "qk_norm": dict(norm),

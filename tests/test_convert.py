@@ -146,6 +146,27 @@ def test_unpadded_vocab_is_dolma2():
     assert convert.unpadded_vocab(100352) == 100278 and convert.unpadded_vocab(100278) == 100278
     assert convert.unpadded_vocab(512) == 512
 
+@pytest.mark.parametrize("preset", ["olmo3_7b", "olmo3_7b_long"])
+def test_exported_config_carries_the_transformers_4_rope_keys(tmp_path, preset):
+    """config.json holds rope_parameters (transformers 5) and the flat rope_theta + rope_scaling that
+    transformers 4.x reads (4.57.1, OLMo 3's release, reads only those). The flat keys alone give
+    transformers 5 the same per-layer rope, and us the same Config."""
+    from transformers import AutoConfig
+    c = getattr(olmo3.Config, preset)()
+    full = hf.config_to_hf(c)
+    assert full["rope_theta"] == 500_000.0
+    assert (full["rope_scaling"] is None) == (c.yarn is None)
+    flat = {k: v for k, v in full.items() if k != "rope_parameters"}
+    loaded = []
+    for name, d in (("full", full), ("flat", flat)):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "config.json", "w") as f:
+            json.dump(d, f)
+        loaded.append(AutoConfig.from_pretrained(str(tmp_path / name)).rope_parameters)
+    assert loaded[0] == loaded[1]
+    assert hf.config_from_hf(flat) == hf.config_from_hf(full)
+
+
 def test_cli_verify_fails_above_max_kl(tmp_path):
     random_hf_dir(tmp_path / "hf")
     cmd = [sys.executable, os.path.join(ROOT, "convert.py"), f"--from=hf:{tmp_path / 'hf'}",

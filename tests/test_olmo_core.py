@@ -2,6 +2,7 @@
 trains and checkpoints a small OLMo 3 with OLMo-core's own model, train module, SkipStepAdamW and
 Checkpointer): logits, parameters and Adam moments after conversion, one further training step,
 the way back into OLMo-core, and the command line."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -89,6 +90,58 @@ def test_config_read_from_olmo_core_config_json(ref):
         R.VOCAB, 64, 4, 4, 16, 192, R.WINDOW)
     assert c.layer_pattern == ("sliding", "sliding", "sliding", "full") and c.norm_eps == 1e-6
     assert c.rope_theta == 500_000 and c.yarn is None
+
+
+def test_stage3_config_from_hf_builds_in_olmo_core():
+    """The long-context 7B read from an HF config (which carries YaRN's attention factor) and
+    written as an OLMo-core config: OLMo-core's TransformerConfig.from_dict takes it, and its
+    rope (YaRN on the full-attention layers only) and size are those of olmo3_7B().with_rope_scaling
+    as the long-context script builds them."""
+    from olmo_core.nn.rope import YaRNRoPEScalingConfig
+    from olmo_core.nn.transformer import TransformerConfig
+
+    from olmo3 import hf
+    from olmo3.config import Config
+    c = hf.config_from_hf(hf.config_to_hf(Config.olmo3_7b_long().replace(vocab_size=100352)))
+    assert c.yarn.attention_factor is not None
+    model = olmo_core.config_to_olmo_core(c)
+    got = TransformerConfig.from_dict(json.loads(json.dumps(model)))
+    want = TransformerConfig.olmo3_7B(vocab_size=100352).with_rope_scaling(
+        YaRNRoPEScalingConfig(factor=8, beta_fast=32, beta_slow=1, old_context_len=8192), full_attn_layers_only=True)
+    assert got.num_params == want.num_params
+    rope = lambda block: block.sequence_mixer.rope.as_config_dict()   # noqa: E731
+    assert rope(got.block) == rope(want.block)
+    assert sorted(got.block_overrides) == sorted(want.block_overrides) == [3, 7, 11, 15, 19, 23, 27, 31]
+    for i in want.block_overrides:
+        assert rope(got.block_overrides[i]) == rope(want.block_overrides[i])
+    assert olmo_core.config_from_olmo_core(model) == c.replace(yarn=dataclasses.replace(c.yarn, attention_factor=None))
+
+
+@pytest.mark.parametrize("pattern,first,last,n_layers", [
+    ([4096, 4096, 4096, -1], False, True, 32),    # OLMo 3 7B
+    ([4096, 4096, 4096, -1], True, True, 8),      # OLMo-core's defaults: a forced first layer shifts the pattern
+    ([8, -1], False, True, 6),                    # the forced last layer is already full
+    ([8, 8, -1], False, True, 4),                 # ... or not: one period of 4 layers
+    ([8], True, False, 4),
+])
+def test_layer_windows_follow_olmo_core(pattern, first, last, n_layers):
+    """Per-layer windows read from an OLMo-core config equal its SlidingWindowAttentionConfig's,
+    and the Config's layer types follow them."""
+    from olmo_core.nn.attention import SlidingWindowAttentionConfig
+    sw = SlidingWindowAttentionConfig(pattern=pattern, force_full_attention_on_first_layer=first,
+                                      force_full_attention_on_last_layer=last)
+    want = [sw._get_window_size(i, n_layers) for i in range(n_layers)]
+    assert olmo_core.layer_windows(json.loads(json.dumps(sw.as_config_dict())), n_layers) == want
+    model = olmo_core.config_to_olmo_core(olmo3_config(n_layers))
+    model["block"]["sequence_mixer"]["sliding_window"] = sw.as_config_dict()
+    c = olmo_core.config_from_olmo_core(model)
+    assert [("full" if w == -1 else "sliding") for w in want] == list(c.layer_types())
+
+
+def olmo3_config(n_layers):
+    from olmo3.config import Config
+    return Config(vocab_size=512, d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=4, head_dim=16, mlp_hidden=128,
+                  window=8, layer_pattern=("full",))
 
 
 def test_logits_equal_olmo_core_fp32(ref):
