@@ -9,8 +9,15 @@ Follows OLMo-core `NumpyFSLDataLoader` (`data/data_loader.py`): the instance ind
 shuffled with `np.random.Generator(PCG64(seed + epoch))` (OLMo-core numbers epochs from 1, so our
 0-based epoch e uses e + 1), the tail is truncated to whole global batches, and rank r of R takes
 the strided slice `batch[r::R]`.
+
+Not modelled: OLMo-core's `max_target_sequence_length` (the official stage 1-2 scripts pass 8192).
+With `--seq_len` below it, OLMo-core counts instances per 8192-token block and shuffles whole
+blocks (`chunk_size = 8192 // seq_len` consecutive instances stay together); here every instance
+is shuffled alone. At the recipe's 8192 the two are the same order; only shorter research runs
+differ from what OLMo-core would read.
 """
 import functools
+import threading
 
 import numpy as np
 from jaxtyping import Int64
@@ -28,8 +35,18 @@ def steps_per_epoch(num_instances: int, global_batch: int) -> int:
     return n
 
 
-@functools.lru_cache(maxsize=4)
+_PERMUTATION_LOCK = threading.Lock()
+
+
 def _permutation(num_instances: int, seed: int, epoch: int) -> np.ndarray:
+    # One at a time: the loader's threads ask for it together on their first batch, and stage 1's
+    # (724M instances, 2.9 GB) would otherwise be built twice at once.
+    with _PERMUTATION_LOCK:
+        return _build_permutation(num_instances, seed, epoch)
+
+
+@functools.lru_cache(maxsize=4)
+def _build_permutation(num_instances: int, seed: int, epoch: int) -> np.ndarray:
     # OLMo-core `get_rng(seed + epoch)` with epoch counted from 1.
     rng = np.random.Generator(np.random.PCG64(seed + epoch + 1))
     dtype = np.uint32 if num_instances < 2**32 else np.uint64

@@ -694,10 +694,10 @@ def global_batch(local_batch: dict, mesh: Mesh, *, whole_rows: bool = False) -> 
     """One global jax.Array per numpy field of this process's rows (other fields, e.g. the
     loader's "step" int, are left out), rows split over ('data', 'fsdp').
 
-    Process p passes rows [p * L, (p + 1) * L) of the global batch (data rank =
-    jax.process_index(), num ranks = jax.process_count()); they land on its own devices. With
-    jax.make_mesh's device order (grouped by process) the global array is the global batch in
-    order; a topology-permuted mesh only permutes rows, which no loss sum can see.
+    Process p passes its L rows of the global batch (data rank = jax.process_index(), num
+    ranks = jax.process_count(); the loader gives it the strided rows p, p + P, ...: data/order.py);
+    they land on its own devices. The global array therefore holds the global batch's rows in
+    another order than the loader's, which no loss sum can see (every sum runs over all rows).
     With a context axis, rows are first put in context order (`_context_rows`: labels, positions)
     and their [rows, seq] fields split over 'context' too (a context group within one process),
     unless `whole_rows` (downstream scoring: every context rank scores whole rows)."""
