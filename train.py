@@ -33,7 +33,9 @@ flags.DEFINE_integer("max_steps", None, "Stop after this many optimizer steps (d
 flags.DEFINE_integer("save_interval", 1000, "Checkpoint every N steps (and at the end).")
 flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
 flags.DEFINE_integer("eval_interval", 1000, "Held-out loss every N steps (and at every checkpoint).")
-flags.DEFINE_integer("eval_batches", 4, "Held-out batches per domain per evaluation.")
+flags.DEFINE_integer("eval_batches", 4, "Held-out batches per domain per evaluation (at most a global batch of "
+                     "rows each); 0: every document (--eval_padded) or every whole batch, as OLMo-core's "
+                     "evaluators run a whole epoch of the validation set.")
 flags.DEFINE_bool("eval_at_start", False, "Held-out loss of the starting model, logged as step 0 (SFT: the base "
                   "model on the held-out chats, the 'before' of the evidence).")
 # OLMo's in-loop downstream evaluation (OLMo-3-1025-7B-pretrain-1.py: the "fast" set every 10,000 steps).
@@ -384,19 +386,9 @@ def main(argv):
     eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=use_segments,
                                     micro_rows=rows_per_micro)
 
-    def eval_plan(ds):
-        """(rows per batch, batches): rows a multiple of the device count, at most --eval_batches.
-        Padded instances: a last partial batch is filled with label-masked rows, so every domain
-        is evaluated; all its documents when they fit in --eval_batches global batches."""
-        if F.eval_padded:
-            rows = -(-len(ds) // max(F.eval_batches, 1))
-            rows = min(F.global_batch, -(-rows // n_devices) * n_devices)
-            return rows, min(F.eval_batches, -(-len(ds) // rows))
-        rows = min(F.global_batch, max(n_devices, len(ds) // max(F.eval_batches, 1)))
-        rows -= rows % n_devices
-        return rows, (min(F.eval_batches, len(ds) // rows) if rows else 0)
-
-    eval_plans = {domain: eval_plan(ds) for domain, ds in heldout.items()}
+    # (rows, batches) per domain: at most --eval_batches global batches; padded: every document that fits
+    eval_plans = {domain: data.eval_plan(len(ds), batches=F.eval_batches, global_batch=F.global_batch,
+                                         devices=n_devices, padded=F.eval_padded) for domain, ds in heldout.items()}
     for domain, (rows, batches) in eval_plans.items():
         if batches == 0:
             logging.warning("Held-out domain %r has %d instances of %d tokens, fewer than the %d devices: "
@@ -591,6 +583,8 @@ def check_flags():
     atomic.check_directory(F.run_dir, "--run_dir")   # checkpoints rename directories: not every mount can
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
+    if F.eval_batches < 0:
+        raise app.UsageError(f"--eval_batches={F.eval_batches} must be >= 0 (0: every held-out document)")
     for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps", "downstream_eval_interval"):
         if getattr(F, name) <= 0:
             raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")

@@ -66,6 +66,25 @@ def _rows(dataset, instances: list, repetition_filter: bool = False) -> dict:
     return out
 
 
+def eval_plan(num_instances: int, *, batches: int, global_batch: int, devices: int, padded: bool) -> tuple[int, int]:
+    """(rows per batch, batches) of a held-out domain's evaluation: rows a multiple of `devices`,
+    at most `global_batch`, at most `batches` batches (0: as many global batches as the domain
+    fills). Padded instances (get_eval_batch): every instance when they fit, a last partial batch
+    filled with label-masked rows, so no domain goes unevaluated. Fixed-length windows
+    (get_batch): whole batches only; a domain with fewer instances than devices gets none."""
+    if padded:
+        most = batches or max(1, -(-num_instances // global_batch))
+        rows = -(-num_instances // most)
+        rows = min(global_batch, -(-rows // devices) * devices)
+        return rows, min(most, -(-num_instances // rows))
+    if batches == 0:   # every whole batch
+        rows = min(global_batch, num_instances - num_instances % devices)
+        return rows, (num_instances // rows if rows else 0)
+    rows = min(global_batch, max(devices, num_instances // batches))
+    rows -= rows % devices
+    return rows, (min(batches, num_instances // rows) if rows else 0)
+
+
 def eval_batch_instances(num_instances: int, rows: int, batch: int) -> int:
     """How many of held-out batch `batch`'s `rows` rows are the dataset's instances, not filler
     (see get_eval_batch)."""
