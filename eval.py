@@ -396,6 +396,10 @@ def chat_report(model, max_length: int) -> None:
     else:
         from data import prepare_sft
         rows = prepare_sft.read_chats(F.chat_file, require_answer=False)
+        for n, messages in enumerate(rows, 1):
+            if len(messages) == 1 and messages[0]["role"] == "assistant":
+                raise ValueError(f"--chat_file={F.chat_file!r}: conversation {n} is only an assistant turn (the "
+                                 "reference); give the user turn before it")
         rows = rows[:F.limit] if F.limit else rows
     results = []
     for i, messages in enumerate(rows):
@@ -441,6 +445,14 @@ def main(argv):
         sys.exit(2 if r["flagged"] else 0)
     if not F.model:
         raise app.UsageError("give --model (and optionally --model_b), or --compare=A,B")
+    if F.temperature < 0 or not math.isfinite(F.temperature):
+        raise app.UsageError(f"--temperature={F.temperature} must be >= 0 (0: greedy)")
+    if F.max_new_tokens < 1:
+        raise app.UsageError(f"--max_new_tokens={F.max_new_tokens} must be >= 1")
+    if F.olmo_tasks:
+        oe_tasks.resolve(F.olmo_tasks)   # an unknown task stops here, before the model loads
+    if F.chat_file and not os.path.isfile(F.chat_file):
+        raise FileNotFoundError(f"--chat_file={F.chat_file!r} is not a file; pass a JSONL of {{\"messages\": [...]}} lines")
     if F.position_buckets:  # a bad flag stops before any work
         heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())

@@ -573,6 +573,14 @@ def check_flags():
     if F.stage == "dpo" and (F.packed or F.data in ("stdlib", "") or F.data.startswith("mix:")):
         raise app.UsageError(f"--stage=dpo trains on preference pairs: --data must be a directory written by "
                              f"python -m data.prepare_dpo (got --data={F.data}{' --packed' if F.packed else ''})")
+    if F.stage == "dpo" and not (F.dpo_beta > 0 and math.isfinite(F.dpo_beta)):   # 0 trains nothing, < 0 the reverse
+        raise app.UsageError(f"--dpo_beta={F.dpo_beta} must be finite and > 0 (the recipe's is 5)")
+    if F.stage == "dpo" and F.reference_cache:
+        where = os.path.abspath(F.reference_cache)
+        if os.path.isdir(where):
+            raise app.UsageError(f"--reference_cache={F.reference_cache!r} is a directory; give a file path "
+                                 "(e.g. <dir>/reference_logps.npz)")
+        atomic.check_directory(os.path.dirname(where), "--reference_cache", F.reference_cache)
     if F.stage == "sft" and not (F.packed and F.label_masks):
         raise app.UsageError("--stage=sft trains on packed conversations with label masks: add --packed --label_masks "
                              "(files from python -m data.prepare_sft or open-instruct's converter)")

@@ -44,6 +44,7 @@ Tool use (`functions`, `function_calls`) is not rendered; a message carrying the
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -105,6 +106,26 @@ def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
     if not out:
         raise ValueError(f"{path}: nothing in the file; {what}")
     return out
+
+
+def check_prepare_paths(input_path: str, out_dir: str, max_seq_length: int | None, what: str) -> None:
+    """The checks python -m data.prepare_sft / prepare_dpo make before reading anything: --input a
+    JSONL file, --out_dir new (or empty) and creatable, --max_seq_length positive. ValueError /
+    FileExistsError naming the flag and the fix (exit status 2)."""
+    if os.path.isdir(input_path):
+        raise ValueError(f"--input={input_path!r} is a directory; pass a JSONL file ({what})")
+    if not os.path.isfile(input_path):
+        raise FileNotFoundError(f"--input={input_path!r} does not exist; pass a JSONL file ({what})")
+    if max_seq_length is not None and max_seq_length < 1:
+        raise ValueError(f"--max_seq_length={max_seq_length} must be positive")
+    out = os.path.abspath(out_dir)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise FileExistsError(f"--out_dir={out_dir!r} exists and is not an empty directory; choose a new directory")
+    where = out
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise FileExistsError(f"--out_dir={out_dir!r}: {where} is a file, not a directory; choose a directory path")
 
 
 def pieces(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False,

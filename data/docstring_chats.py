@@ -108,6 +108,13 @@ def main(argv):
 
     del argv
     f = flags.FLAGS
+    if f.max_tokens < 1:
+        raise ValueError(f"--max_tokens={f.max_tokens} must be >= 1 (the model's sequence length)")
+    for name in ("max_train", "max_heldout"):
+        if getattr(f, name) is not None and getattr(f, name) < 0:
+            raise ValueError(f"--{name}={getattr(f, name)} must be >= 0 (or left out: every function)")
+    if os.path.exists(f.out) and not os.path.isdir(f.out):
+        raise FileExistsError(f"--out={f.out!r} is a file; give a directory")
     os.makedirs(f.out, exist_ok=True)
     sets = build(f.max_tokens, f.template, f.seed, f.max_train, f.max_heldout)
     for split, pairs in sets.items():

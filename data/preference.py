@@ -128,12 +128,13 @@ class PairDataset:
         return f"{self.kind}({self.directory!r}: {len(self)} pairs padded to {self.seq_len} tokens)"
 
 
-def write_pairs(out_dir: str | os.PathLike, pairs, *, max_seq_length: int, info: dict | None = None) -> dict:
+def write_pairs(out_dir: str | os.PathLike, pairs, *, max_seq_length: int, info: dict | None = None,
+                display: str | None = None) -> dict:
     """Write rendered pairs [((chosen_ids, chosen_mask), (rejected_ids, rejected_mask)), ...] into
     `out_dir` (the layout above). Each sequence is truncated to `max_seq_length`; a pair where either
     side keeps no trainable token is dropped (open-instruct `preference_tulu_filter_v1`). Files are
     written under temporary names and renamed, the manifest last: a crash leaves no half data set
-    that reads as whole. Returns the manifest."""
+    that reads as whole. `display`: the directory named in messages. Returns the manifest."""
     out_dir = os.fspath(out_dir)
     path = {name: os.path.join(out_dir, name) for name in (TOKENS, MASKS, MANIFEST)}
     lengths, dropped = [], 0
@@ -156,8 +157,8 @@ def write_pairs(out_dir: str | os.PathLike, pairs, *, max_seq_length: int, info:
                         sha[name].update(buf)
                     lengths.append(len(ids))
         if not lengths:
-            raise ValueError(f"no pair with a trainable token on both sides (of {dropped}); nothing written to "
-                             f"{out_dir}")
+            raise ValueError(f"no pair with a trainable token on both sides within --max_seq_length="
+                             f"{max_seq_length} tokens (of {dropped}); nothing written to {display or out_dir}")
         if os.path.exists(path[MANIFEST]):   # no old manifest over new files, even mid-crash
             os.remove(path[MANIFEST])
     manifest = {"format": FORMAT, "pairs": len(lengths) // 2, "dropped": dropped, "max_seq_length": max_seq_length,

@@ -40,11 +40,15 @@ def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
 
 
 def prepare_dpo(input_path: str, out_dir: str, template: str = "olmo", max_seq_length: int = MAX_SEQ_LENGTH) -> dict:
-    """Render, truncate, filter and write; returns the manifest (data/preference.py)."""
+    """Render, truncate, filter and write into the new directory `out_dir` (a temporary sibling
+    renamed into place: a failure leaves nothing); returns the manifest (data/preference.py)."""
+    chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"chosen": [...], "rejected": [...]} lines')
     rows = read_pairs(input_path)
     rendered = ((chat.encode_with_mask(c, template), chat.encode_with_mask(r, template)) for c, r in rows)
-    return write_pairs(out_dir, rendered, max_seq_length=max_seq_length,
-                       info={"template": template, "source": os.path.basename(input_path), "tokenizer": "dolma2"})
+    from olmo3.checkpoint import new_directory
+    with new_directory(out_dir, "DPO data") as tmp:
+        return write_pairs(tmp, rendered, max_seq_length=max_seq_length, display=out_dir,
+                           info={"template": template, "source": os.path.basename(input_path), "tokenizer": "dolma2"})
 
 
 def main(argv):

@@ -104,17 +104,12 @@ def prepare_sft(input_path: str, out_dir: str, template: str = "olmo",
     """Render, mask and write `input_path` into the new directory `out_dir`; returns the manifest."""
     if template not in chat.TEMPLATES:
         raise ValueError(f"--template={template!r}: choose one of {', '.join(chat.TEMPLATES)}")
-    if max_seq_length is not None and max_seq_length < 1:
-        raise ValueError(f"--max_seq_length={max_seq_length} must be positive (or left out: no truncation)")
-    if not os.path.isfile(input_path):
-        raise FileNotFoundError(f"--input={input_path!r} does not exist; pass a JSONL file of "
-                                '{"messages": [...]} lines')
+    chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"messages": [...]} lines')
     out_dir = os.path.abspath(out_dir)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"--out_dir={out_dir!r} exists and is not empty; choose a new directory")
     kept, dropped = encode_chats(read_chats(input_path), template, max_seq_length)
     if not kept:
-        raise ValueError(f"{input_path}: no conversation has an assistant token to train on")
+        raise ValueError(f"{input_path}: no conversation has an assistant token to train on"
+                         + (f" within --max_seq_length={max_seq_length} tokens" if max_seq_length else ""))
     from olmo3.checkpoint import new_directory   # temp sibling, renamed into place or removed
     with new_directory(out_dir, "SFT data") as tmp:
         paths = write_parts(kept, tmp, max_tokens_per_part)

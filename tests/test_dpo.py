@@ -271,6 +271,13 @@ def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path
         np.testing.assert_array_equal(ds[0]["tokens"][j, :len(ids)], ids)
         np.testing.assert_array_equal(ds[0]["label_mask"][j, :len(ids)], mask)
         assert ids[-1] == data.EOS_ID and mask[-1]        # the response ends in EOS, trained
+    with pytest.raises(FileExistsError, match="exists and is not an empty directory"):   # never over a prepared set
+        prepare_dpo(str(tmp_path / "ok.jsonl"), str(tmp_path / "out"), "olmo_thinker", max_seq_length=128)
+    for bad, why in ((0, "--max_seq_length=0 must be positive"), (3, "within --max_seq_length=3 tokens")):
+        with pytest.raises(ValueError, match=why):
+            prepare_dpo(str(tmp_path / "ok.jsonl"), str(tmp_path / f"cut{bad}"), "olmo_thinker", max_seq_length=bad)
+        assert not (tmp_path / f"cut{bad}").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok.jsonl", "out"]   # no temporary left behind
     (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + json.dumps({"chosen": rows[0]["chosen"]}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: .*rejected"):
         prepare_dpo(str(tmp_path / "bad.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=128)

