@@ -121,11 +121,8 @@ def check_prepare_paths(input_path: str, out_dir: str, max_seq_length: int | Non
     out = os.path.abspath(out_dir)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise FileExistsError(f"--out_dir={out_dir!r} exists and is not an empty directory; choose a new directory")
-    where = out
-    while not os.path.exists(where):
-        where = os.path.dirname(where)
-    if not os.path.isdir(where):
-        raise FileExistsError(f"--out_dir={out_dir!r}: {where} is a file, not a directory; choose a directory path")
+    from olmo3 import atomic   # a directory can be made and renamed there (the output is renamed into place)
+    atomic.check_directory(out, "--out_dir", out_dir)
 
 
 def pieces(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False,

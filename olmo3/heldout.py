@@ -52,6 +52,19 @@ def _eval_fn(chunk: int, use_segments: bool):
     return eqx.filter_jit(functools.partial(eval_loss, chunk=chunk, use_segments=use_segments))
 
 
+def _device_batch(rows: dict) -> dict:
+    """The fields of a loader batch the loss reads, as arrays (label_mask: packed / padded sets,
+    whose padding is no target)."""
+    return {k: jnp.asarray(rows[k]) for k in ("tokens", "instance_mask", "segment_ids", "label_mask") if k in rows}
+
+
+def _target_bytes(rows: dict, byte_lengths: Int[np.ndarray, " vocab"]) -> Int[np.ndarray, "rows targets"]:
+    """UTF-8 bytes of the target of each position t < T - 1 (tokens[t + 1]), 0 where the label
+    mask makes it no target."""
+    nb = byte_lengths[rows["tokens"][:, 1:]]
+    return np.where(rows["label_mask"][:, 1:], nb, 0) if "label_mask" in rows else nb
+
+
 def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int] = None,
             chunk: int = 1024, use_segments: bool = False,
             byte_lengths: Optional[Int[np.ndarray, " vocab"]] = None) -> dict:
@@ -73,16 +86,11 @@ def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int
     per_batch = []
     for b in range(n):
         rows = data.get_batch(dataset, batch_size, 0, b)
-        batch = {k: jnp.asarray(rows[k]) for k in ("tokens", "instance_mask", "segment_ids", "label_mask")
-                 if k in rows}   # label_mask: packed / padded sets (their padding is no target)
-        s, c = fn(model, batch)
+        s, c = fn(model, _device_batch(rows))
         ce, tokens = ce + float(s), tokens + float(c)
         per_batch.append(float(s) / max(float(c), 1.0))
-        if byte_lengths is not None:  # the targets are tokens[:, 1:], where the label mask allows
-            target_bytes = byte_lengths[rows["tokens"][:, 1:]]
-            if "label_mask" in rows:
-                target_bytes = target_bytes * rows["label_mask"][:, 1:]
-            nbytes += float(target_bytes.sum())
+        if byte_lengths is not None:
+            nbytes += float(_target_bytes(rows, byte_lengths).sum())
     out = {"ce_sum": ce, "tokens": tokens, "bytes": nbytes, "loss": ce / tokens, "batches": n,
            "batch_losses": per_batch}
     out["bpb"] = ce / (math.log(2) * nbytes) if nbytes else float("nan")
@@ -176,17 +184,12 @@ def by_position(model: OLMo3, dataset, bounds: tuple[int, ...], *, batch_size: i
     ce, tok, nbytes = [], [], []
     for b in range(n):
         rows = data.get_eval_batch(dataset, batch_size, b) if padded else data.get_batch(dataset, batch_size, 0, b)
-        batch = {k: jnp.asarray(rows[k]) for k in ("tokens", "instance_mask", "segment_ids", "label_mask")
-                 if k in rows}
-        s, c = fn(model, batch)
+        s, c = fn(model, _device_batch(rows))
         keep = np.asarray(c).sum(1) > 0  # a padded set's filler rows count nothing
         ce.append(np.asarray(s, np.float64)[keep])
         tok.append(np.asarray(c, np.float64)[keep])
-        if byte_lengths is not None:  # target of position t is tokens[t + 1], where it is counted
-            target_ok = np.ones(rows["tokens"].shape, bool)[:, 1:]
-            if "label_mask" in rows:
-                target_ok = rows["label_mask"][:, 1:]
-            nb = np.where(target_ok, byte_lengths[rows["tokens"][:, 1:]], 0)
+        if byte_lengths is not None:
+            nb = _target_bytes(rows, byte_lengths)
             nbytes.append(np.stack([nb[:, lo:min(hi, nb.shape[1])].sum(1)
                                     for lo, hi in zip(bounds[:-1], bounds[1:])], axis=1)[keep].astype(np.float64))
     ce, tok = np.concatenate(ce), np.concatenate(tok)
