@@ -301,13 +301,19 @@ def layer_windows(sliding_window: dict, n_layers: int) -> list[int]:
     return out
 
 
+def _mixer(block: dict) -> dict:
+    """A block's attention config: `sequence_mixer` since OLMo-core 3.0, `attention` in the
+    configs of the OLMo 3 runs themselves (OLMo-core 2.x; 3.0's `from_dict` still reads both)."""
+    return block.get("sequence_mixer") or block.get("attention") or {}
+
+
 def config_from_olmo_core(model: dict, **overrides) -> Config:
     """Our Config from OLMo-core's TransformerConfig dict (`as_config_dict()`): an OLMo 3
     reordered-norm, QK-normed, SwiGLU transformer with its sliding-window pattern (the shortest
     period of OLMo-core's per-layer windows: layers are scanned in whole periods); YaRN where its
     block overrides (on the full-attention layers, `with_rope_scaling`) carry it."""
     block = model["block"]
-    att = block["sequence_mixer"]
+    att = _mixer(block)
     if block.get("name") != "reordered_norm" or not att.get("qk_norm") or att.get("use_head_qk_norm"):
         raise ValueError(f"block {block.get('name')!r} with qk_norm={bool(att.get('qk_norm'))}, "
                          f"use_head_qk_norm={att.get('use_head_qk_norm')}: not an OLMo 3 model")
@@ -327,7 +333,7 @@ def config_from_olmo_core(model: dict, **overrides) -> Config:
                          "applies YaRN to its full-attention layers only (DESIGN §2)")
     yarn = None
     for over in (model.get("block_overrides") or {}).values():
-        scaling = (over.get("sequence_mixer", {}).get("rope") or {}).get("scaling")
+        scaling = (_mixer(over).get("rope") or {}).get("scaling")
         if scaling:  # OLMo-core YaRNRoPEScalingConfig
             yarn = YaRN(factor=float(scaling["factor"]), original_max_position=int(scaling["old_context_len"]),
                         beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),

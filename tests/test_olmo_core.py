@@ -115,6 +115,12 @@ def test_stage3_config_from_hf_builds_in_olmo_core():
     for i in want.block_overrides:
         assert rope(got.block_overrides[i]) == rope(want.block_overrides[i])
     assert olmo_core.config_from_olmo_core(model) == c.replace(yarn=dataclasses.replace(c.yarn, attention_factor=None))
+    # The OLMo 3 runs' own config.json (OLMo-core 2.x) call the mixer `attention`; 3.0 reads both.
+    legacy = json.loads(json.dumps(model))
+    for block in [legacy["block"], *legacy["block_overrides"].values()]:
+        block["attention"] = block.pop("sequence_mixer")
+    assert TransformerConfig.from_dict(json.loads(json.dumps(legacy))).num_params == want.num_params
+    assert olmo_core.config_from_olmo_core(legacy) == olmo_core.config_from_olmo_core(model)
 
 
 @pytest.mark.parametrize("pattern,first,last,n_layers", [
