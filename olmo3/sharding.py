@@ -812,7 +812,7 @@ def _main(argv: Optional[list] = None) -> None:
           "gathered full weights (embedding + lm_head + final norm + one layer)")
 
     # Stage 3 (OLMo-core OLMo-3-1025-7B-long-context.py): seq 65,536 (L37), one instance per
-    # rank (L69 rank_microbatch_size=sequence_length), cp llama3(degree=8, head_stride=4) (L89),
+    # rank (L71 rank_microbatch_size=sequence_length), cp llama3(degree=8, head_stride=4) (L89),
     # hsdp shard_degree=1 (L84): weights split over the 8 ranks of a context group, replicated
     # over the groups. The script leaves the device count to the launcher: 64 = 8 nodes x 8 shown.
     # vocab 100352: dolma2 padded to a multiple of 128 (L47, stage3.flags)

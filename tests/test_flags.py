@@ -19,7 +19,7 @@ out = {k: getattr(F, k) for k in ("stage", "model", "seq_len", "global_batch", "
        "total_steps", "final_lr_ratio", "b1", "b2", "eps", "weight_decay", "max_grad_norm", "z_loss",
        "schedule", "skip_steps", "repetition_filter", "vocab_size", "data", "downstream_tasks",
        "downstream_eval_interval", "packed", "doc_lengths", "source_group_size", "source_permutation_seed",
-       "eval_padded", "float8")}
+       "eval_padded", "float8", "micro_batch")}
 from data import mixes
 out["splits"] = {k: v for k, v in train.resolve_data().items()} if mixes.available_mixes() else None
 print(json.dumps(out))
@@ -72,6 +72,9 @@ def test_stage3_flags():
     assert F.eval_padded
     assert F.downstream_tasks == []  # OLMo-3-1025-7B-long-context.py has no downstream evaluator
     assert F.float8  # Float8Config(enabled=True, ao=AOFloat8LinearConfig.recommended())
+    # rank_microbatch_size=sequence_length: one instance per context group per microbatch, the
+    # footprint `python -m olmo3.sharding` prints (8 instances at once would need ~8x the activations)
+    assert F.micro_batch == 1
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
