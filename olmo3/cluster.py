@@ -32,7 +32,8 @@ never JAX's private classes, and let JAX do the bootstrapping:
 
 On SLURM and Open MPI, JAX on GPUs restricts each process to ONE GPU (number = its local rank),
 made for one task per GPU. With one task per node (launch/slurm.sbatch) that would silently
-train on one GPU of eight; `initialize` then hands JAX all the GPUs the task was given.
+train on one GPU of eight; `initialize` then hands JAX all the GPUs the task was given
+(`local_gpu_ids`). A Kubernetes pod whose JAX cannot read the API is refused, not run alone.
 """
 from __future__ import annotations
 
@@ -95,10 +96,18 @@ def _candidates(env: Mapping[str, str]) -> list[Launch]:
         n = _int(env[var])
         in_step = [v for v in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
                    if v not in env]
-        found.append(Launch("slurm", n, f"{var}={n}", var == "SLURM_NTASKS" and not in_step,
-                            f"this process was not started by srun ({', '.join(in_step) or 'SLURM_NTASKS'} "
-                            "unset). Fix: start every task with `srun python train.py ...`, as "
-                            "launch/slurm.sbatch does"))
+        fix = (f"this process was not started by srun ({', '.join(in_step) or 'SLURM_NTASKS'} unset). Fix: "
+               "start every task with `srun python train.py ...`, as launch/slurm.sbatch does")
+        step = _int(env.get("SLURM_STEP_NUM_TASKS"))
+        if step is not None and step != n and not in_step:
+            # `srun -E` (--preserve-env) passes the allocation's SLURM_NTASKS into the step; the
+            # step's own count is SLURM_STEP_NUM_TASKS. JAX's detection reads SLURM_NTASKS.
+            fix = (f"{var}={n} is the allocation's (srun -E / --preserve-env) and JAX's detection reads it, "
+                   f"but this step runs SLURM_STEP_NUM_TASKS={step} tasks. Fix: drop -E, or "
+                   + _flags_fix("SLURM_STEP_NUM_TASKS", "SLURM_PROCID"))
+            found.append(Launch("slurm", step, f"SLURM_STEP_NUM_TASKS={step}", False, fix))
+        else:
+            found.append(Launch("slurm", n, f"{var}={n}", var == "SLURM_NTASKS" and not in_step, fix))
     if "PMI_SIZE" in env and "PMI_RANK" in env:   # MPICH / Intel MPI (Hydra)
         n = _int(env["PMI_SIZE"])
         found.append(Launch("mpi", n, f"PMI_SIZE={n}", False, "JAX does not detect MPICH / Intel MPI "
@@ -149,26 +158,32 @@ def job_id(env: Mapping[str, str] = os.environ) -> Optional[str]:
 
 
 def local_gpu_ids(launch: Launch, env: Mapping[str, str] = os.environ) -> Optional[list[int]]:
-    """All GPUs of this task when SLURM / Open MPI run ONE task on this node (else None: JAX's
-    default, one GPU per task, is right for one task per GPU).
+    """The GPUs of this SLURM / Open MPI task for jax.distributed.initialize, where JAX's default
+    (one GPU per task, number = the task's local rank, right for one task per GPU) is wrong:
 
-    The GPUs are those CUDA enumerates for the task: CUDA_VISIBLE_DEVICES (set by SLURM's GPU
-    binding), else SLURM_GPUS_ON_NODE; jax_cuda_visible_devices counts after that masking."""
+    - ONE task on this node: all its GPUs, those CUDA enumerates for the task (CUDA_VISIBLE_DEVICES
+      as SLURM's GPU binding sets it, else SLURM_GPUS_ON_NODE), or [] (no restriction: every GPU
+      the process sees) where nothing names them (mpirun -npernode 1, SLURM without gres);
+    - several tasks, each bound to ONE GPU (a one-entry CUDA_VISIBLE_DEVICES, e.g. srun
+      --gpus-per-task=1): [0], its only device (local rank 5 would name a device that is masked).
+
+    jax_cuda_visible_devices counts after CUDA_VISIBLE_DEVICES masking. None: JAX's default."""
     if launch.engine not in ("slurm", "open-mpi") or env.get("JAX_LOCAL_DEVICE_IDS"):
         return None
-    if launch.engine == "slurm":
+    if launch.engine == "slurm":   # e.g. "1(x8)", "2,1": every node must run one task
         per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
-        first = re.match(r"\d+", per_node)
-        one_task = first is not None and int(first.group()) == 1
+        counts = re.findall(r"(\d+)(?:\(x\d+\))?", per_node)
+        one_task = bool(counts) and all(c == "1" for c in counts)
     else:
         one_task = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1"
+    visible = (env.get("CUDA_VISIBLE_DEVICES") or "").strip()
+    n_visible = len(visible.split(",")) if visible and visible != "NoDevFiles" else None
     if not one_task:
-        return None
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() and visible.strip() != "NoDevFiles":
-        return list(range(len(visible.split(","))))
+        return [0] if n_visible == 1 else None
+    if n_visible:
+        return list(range(n_visible))
     n = _int(env.get("SLURM_GPUS_ON_NODE"))
-    return list(range(n)) if n else None
+    return list(range(n)) if n else []
 
 
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
@@ -222,6 +237,11 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
                 raise ClusterError(f"{detected.source} says {detected.processes} processes, but "
                                    f"jax.distributed.initialize() could not join them ({e}): "
                                    f"{detected.fix}") from e
+            if detected.engine == "kubernetes":   # the count is in the API JAX could not read
+                raise ClusterError(f"{detected.source} says this pod is one process of an indexed Job / "
+                                   f"JobSet, but jax.distributed.initialize() could not join it ({e}): "
+                                   f"{detected.fix}; or pass {INDEPENDENT_FLAG} for a pod that runs "
+                                   "alone") from e
             logging.warning("%s: jax.distributed.initialize() found nothing to join (%s); one process",
                             detected.engine, e)
             return dataclasses.replace(detected, engine=f"{detected.engine} (not joined)", auto=False)

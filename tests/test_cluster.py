@@ -57,6 +57,29 @@ def test_detect(env, engine, processes, auto, words):
         assert launch.source.split("=")[0].split(" ")[0] in env
 
 
+def test_srun_preserve_env_counts_the_step():
+    """`srun -E -n1` inside a 16-task allocation keeps SLURM_NTASKS=16: one process, not a refused
+    replica; a step of 2 under -E cannot be joined by JAX (it would wait for 16) and says so."""
+    one = {**fake_srun.srun_env(job_id=5, rank=0, ntasks=1, nodes=1), "SLURM_NTASKS": "16"}
+    assert (cluster.detect(one).engine, cluster.detect(one).processes) == ("none", 1)
+    two = {**fake_srun.srun_env(job_id=5, rank=1, ntasks=2, nodes=2), "SLURM_NTASKS": "16"}
+    launch = cluster.detect(two)
+    assert (launch.engine, launch.processes, launch.auto) == ("slurm", 2, False)
+    assert "SLURM_STEP_NUM_TASKS=2" in launch.fix and "drop -E" in launch.fix
+
+
+def test_kubernetes_without_the_package_is_refused(monkeypatch):
+    """An indexed Job's pod whose JAX cannot read the Kubernetes API (no `kubernetes` package)
+    would train alone as process 0 of 1; it stops with the fix instead."""
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: (_ for _ in ()).throw(
+        ValueError("coordinator_address should be defined.")))
+    env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "JOB_COMPLETION_INDEX": "3"}
+    with pytest.raises(ClusterError, match=r"indexed Job.*jax\[k8s\].*--independent_runs"):
+        cluster.initialize(env=env)
+    assert "independent runs" in cluster.initialize(independent_runs=True, env=env).engine
+
+
 def test_detect_prefers_what_jax_can_join():
     """srun of an Open MPI 5 program: the SLURM step is joinable, the MPI variables are not."""
     env = {**SLURM_STEP, "OMPI_COMM_WORLD_SIZE": "64", "OMPI_COMM_WORLD_RANK": "3"}
@@ -78,11 +101,20 @@ def test_one_task_per_node_gets_all_its_gpus():
     assert cluster.local_gpu_ids(one_per_node, {**SLURM_STEP, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}) \
         == list(range(8))
     assert cluster.local_gpu_ids(one_per_node, {**SLURM_STEP, "SLURM_GPUS_ON_NODE": "4"}) == [0, 1, 2, 3]
-    assert cluster.local_gpu_ids(one_per_node, SLURM_STEP) is None             # CPU nodes: JAX's default
+    # Nothing names the GPUs (SLURM without gres, mpirun -npernode 1): every GPU the process sees;
+    # JAX's default would pin the task to GPU <local rank> = 0. On CPU nodes [] changes nothing.
+    assert cluster.local_gpu_ids(one_per_node, SLURM_STEP) == []
+    mpi_1pernode = {**fake_srun.mpirun_env(1, 2, 61500), "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+    assert cluster.local_gpu_ids(cluster.detect(mpi_1pernode), mpi_1pernode) == []
     assert cluster.local_gpu_ids(one_per_node, {**SLURM_STEP, "CUDA_VISIBLE_DEVICES": "0,1",
                                                 "JAX_LOCAL_DEVICE_IDS": "0"}) is None   # the user's choice
     per_gpu = fake_srun.srun_env(job_id=1, rank=3, ntasks=16, nodes=2)           # 8 tasks per node
     assert cluster.local_gpu_ids(cluster.detect(per_gpu), {**per_gpu, "CUDA_VISIBLE_DEVICES": "0,1"}) is None
+    # srun --gpus-per-task=1 binds each task to its GPU: the only one it sees is 0, not <local rank>
+    assert cluster.local_gpu_ids(cluster.detect(per_gpu), {**per_gpu, "CUDA_VISIBLE_DEVICES": "5"}) == [0]
+    # a node with 2 tasks among nodes with one: not one task per node
+    uneven = {**per_gpu, "SLURM_STEP_TASKS_PER_NODE": "1,2", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert cluster.local_gpu_ids(cluster.detect(uneven), uneven) is None
     mpi = {**fake_srun.mpirun_env(0, 1, 61500), "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert cluster.local_gpu_ids(cluster.detect(mpi), mpi) == [0, 1, 2, 3]
     tpu = {"TPU_WORKER_HOSTNAMES": "a,b", "CUDA_VISIBLE_DEVICES": "0"}
