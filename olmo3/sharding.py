@@ -141,8 +141,19 @@ def context_size(mesh: Mesh) -> int:
 
 
 def check_context(mesh: Mesh, seq_len: int) -> None:
-    """The sequence must cut into 2 x C equal chunks (each context rank holds two)."""
+    """The sequence must cut into 2 x C equal chunks (each context rank holds two), and every
+    context group must lie within one process: each process loads whole instances (global_batch),
+    so one whose devices hold only some of a group's chunks has no rows of its own."""
     C = context_size(mesh)
+    if C > 1:
+        groups = np.moveaxis(mesh.devices, mesh.axis_names.index(CONTEXT), -1).reshape(-1, C)
+        for group in groups:
+            procs = sorted({d.process_index for d in group})
+            if len(procs) > 1:
+                per_process = sum(d.process_index == procs[0] for d in mesh.devices.flat)
+                raise ValueError(f"--mesh context:{C}: a context group spans processes {procs}, each with "
+                                 f"{per_process} devices; every process loads whole instances, so a context "
+                                 f"group must lie within one: choose a context size that divides {per_process}")
     if CONTEXT in mesh.axis_names and seq_len % (2 * C):
         raise ValueError(f"--seq_len={seq_len} is not divisible by 2 x context = {2 * C}: "
                          f"context parallelism cuts every instance into {2 * C} equal chunks; "

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh
 
 import olmo3
 from olmo3 import attention as attn
@@ -165,6 +166,15 @@ def test_bad_context_mesh():
         sh.check_context(mesh, 36)
     with pytest.raises(ValueError, match="--seq_len=36 is not divisible by 2 x context = 8"):
         sh.global_batch(rows(36), mesh)
+    # 2 processes x 4 devices (4-chip hosts): context:8 would split each group over both processes
+    class Device:
+        def __init__(self, i):
+            self.id, self.process_index = i, i // 4
+    two_hosts = Mesh(np.array([Device(i) for i in range(8)]).reshape(1, 1, 8), ("data", "fsdp", "context"))
+    with pytest.raises(ValueError, match=r"context:8: a context group spans processes \[0, 1\], each with 4 "
+                                         r"devices.*divides 4"):
+        sh.check_context(two_hosts, 64)
+    sh.check_context(Mesh(two_hosts.devices.reshape(1, 2, 4), ("data", "fsdp", "context")), 64)
     # rows are split over data x fsdp only: 2 row groups here
     assert sh.microbatches(4, 1, mesh) == 2
     with pytest.raises(ValueError, match=r"not divisible by the 2 row groups \(8 global devices / context 4\)"):
