@@ -222,6 +222,7 @@ def main(argv):
                              "whole rows); drop the context axis")
     rank, num_ranks = jax.process_index(), jax.process_count()
     n_devices = jax.device_count()  # global, across hosts
+    row_groups = n_devices // sharding.context_size(mesh)   # devices that hold whole rows (a context group: one)
     microbatches = sharding.microbatches(F.global_batch, F.micro_batch, mesh)
     is_main = rank == 0
 
@@ -241,7 +242,7 @@ def main(argv):
                              f"{config.max_position_embeddings}")
     # Out of device memory before the first step is these numbers' fault: exit 2 with this advice
     # (after it, exit 1 and a rerun: olmo3/cli.py).
-    rows_per_micro = F.global_batch // (n_devices // sharding.context_size(mesh)) // microbatches
+    rows_per_micro = F.global_batch // row_groups // microbatches
     cli.advise(out_of_memory=(
         f"the run does not fit at {rows_per_micro} instance(s) of {F.seq_len} tokens per device per microbatch; "
         + ("lower --micro_batch, " if rows_per_micro > 1 else "")
@@ -388,11 +389,11 @@ def main(argv):
 
     # (rows, batches) per domain: at most --eval_batches global batches; padded: every document that fits
     eval_plans = {domain: data.eval_plan(len(ds), batches=F.eval_batches, global_batch=F.global_batch,
-                                         devices=n_devices, padded=F.eval_padded) for domain, ds in heldout.items()}
+                                         devices=row_groups, padded=F.eval_padded) for domain, ds in heldout.items()}
     for domain, (rows, batches) in eval_plans.items():
         if batches == 0:
-            logging.warning("Held-out domain %r has %d instances of %d tokens, fewer than the %d devices: "
-                            "not evaluated", domain, len(heldout[domain]), F.seq_len, n_devices)
+            logging.warning("Held-out domain %r has %d instances of %d tokens, fewer than the %d row groups "
+                            "(devices / context): not evaluated", domain, len(heldout[domain]), F.seq_len, row_groups)
 
     def evaluate(model):
         """Mean held-out loss per domain on fixed batches (the same batches at every evaluation)."""

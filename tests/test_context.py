@@ -181,37 +181,53 @@ def test_bad_context_mesh():
         sh.microbatches(3, 1, mesh)
 
 
-@pytest.mark.slow
-def test_train_py_context_mesh_matches_fsdp(tmp_path):
-    """train.py, stage-3 style (--doc_lengths: segment ids), 4 steps: --mesh=fsdp:2,context:4
-    logs the losses of --mesh=fsdp:8 (float32 reduction order: rtol 2e-6; measured 2e-7)."""
+def train_py(tmp_path, mesh, *flags):
+    """train.py on 8 CPU devices, a tiny model on four of our own source files (--doc_lengths:
+    segment ids); returns its metrics rows and stderr."""
     import json
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     docs = tmp_path / "docs"
-    docs.mkdir()
-    for name in ("model.py", "rope.py", "loss.py", "attention.py"):
-        (docs / f"{name}.txt").write_text(open(os.path.join(root, "olmo3", name)).read())
+    if not docs.exists():
+        docs.mkdir()
+        for name in ("model.py", "rope.py", "loss.py", "attention.py"):
+            (docs / f"{name}.txt").write_text(open(os.path.join(root, "olmo3", name)).read())
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
+    run_dir = tmp_path / mesh.replace(":", "").replace(",", "_")
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, "train.py"), "--model=tiny", "--d_model=32",
+         "--n_layers=4", "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64",
+         "--window=16", "--warmup_steps=1", "--loader_workers=0", "--notune_cpu", "--doc_lengths",
+         f"--data={docs}", f"--data_dir={tmp_path / 'data'}", f"--run_dir={run_dir}", f"--mesh={mesh}", *flags],
+        capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")], p.stderr
+
+
+@pytest.mark.slow
+def test_train_py_context_mesh_matches_fsdp(tmp_path):
+    """train.py, stage-3 style (--doc_lengths: segment ids), 4 steps: --mesh=fsdp:2,context:4
+    logs the losses of --mesh=fsdp:8 (float32 reduction order: rtol 2e-6; measured 2e-7)."""
     losses = {}
     for mesh in ("fsdp:8", "fsdp:2,context:4"):
-        run_dir = tmp_path / mesh.replace(":", "").replace(",", "_")
-        p = subprocess.run(
-            [sys.executable, os.path.join(root, "train.py"), "--model=tiny", "--d_model=32",
-             "--n_layers=4", "--n_heads=2", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64",
-             "--window=16", "--seq_len=32", "--global_batch=8", "--total_steps=4",
-             "--warmup_steps=1", "--save_interval=4", "--eval_interval=2", "--loader_workers=0",
-             "--notune_cpu", "--doc_lengths", f"--data={docs}", f"--data_dir={tmp_path / 'data'}",
-             f"--run_dir={run_dir}", f"--mesh={mesh}"],
-            capture_output=True, text=True, env=env, timeout=900)
-        assert p.returncode == 0, p.stderr[-3000:]
-        rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        rows, _ = train_py(tmp_path, mesh, "--seq_len=32", "--global_batch=8", "--total_steps=4",
+                           "--save_interval=4", "--eval_interval=2")
         losses[mesh] = [r[k] for r in rows for k in sorted(r) if k.endswith("loss") and k != "train/z_loss"]
     assert len(losses["fsdp:8"]) == 6            # 4 train losses + 2 held-out evaluations
     np.testing.assert_allclose(losses["fsdp:2,context:4"], losses["fsdp:8"], rtol=2e-6)
+
+
+def test_train_py_context_evaluates_by_row_groups(tmp_path):
+    """Held-out batches split over row groups (devices / context), not devices: with fsdp:2,
+    context:4 and a global batch of 2, the domain is evaluated (it was skipped as 'fewer than the 8
+    devices')."""
+    rows, stderr = train_py(tmp_path, "fsdp:2,context:4", "--seq_len=256", "--global_batch=2",
+                            "--total_steps=1", "--save_interval=1")
+    assert "not evaluated" not in stderr
+    assert np.isfinite(rows[-1]["eval/docs/loss"])
 
 
 def test_memory_report_stage3_context():
