@@ -27,9 +27,13 @@ Flax's fp8 examples rely on; not yet seen on a GPU here (benchmarks/gpu_check.sh
 model runs one sequence at a time under `jax.vmap`, so the activation and gradient maxima are per
 sequence. That is torchao's exactly when a device's microbatch is one instance, which is how the
 stage-3 recipe runs (`rank_microbatch_size=sequence_length`, "for CP we want only 1 instance per
-rank"; under context parallelism, as there, a rank's maximum is over its own chunks); with more
+rank"); with more
 instances per microbatch the scales are finer-grained than torchao's. Weights are whole inside the
 layer (the FSDP gather), so their maximum is the full tensor's, as torchao's precomputed one is.
+Under context parallelism a rank's activation maximum is over its own tokens, as in OLMo-core;
+but its ranks hold one contiguous slice each and ours the chunks r and 2C-1-r, so the scales, and
+with them the losses, differ slightly from OLMo-core's and from a run without the context axis
+(without --float8 they are equal, tests/test_context.py).
 """
 from __future__ import annotations
 

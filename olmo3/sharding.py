@@ -50,7 +50,8 @@ against ~23 GiB of saved activations per rank, `python -m olmo3.sharding`), and 
 kernel runs unchanged on a query chunk at an offset; GQA variants gather proportionally less.
 OLMo-core's own llama3 load balancer hands each rank one contiguous slice (ring-flash-attn's
 varlen kernel, head_stride K/V heads gathered at a time); our two-chunk layout is the paper's,
-and the loss and gradients do not depend on which rank holds which token.
+and the loss and gradients do not depend on which rank holds which token (with --float8
+they do: each rank scales its activations by its own tokens' maximum, olmo3/float8.py).
 
 Topology independence (DESIGN §4, bug 4): the global batch is a recipe constant; the per-device
 batch and the number of microbatches are derived from it and the GLOBAL device count
