@@ -234,8 +234,14 @@ class DistCheckpointReader:
             try:
                 part = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001
-                raise UserError(f"{self._join(info.relative_path)}: the chunk of {name!r} at byte {info.offset} does "
-                                f"not decode ({' '.join(str(e).split())[:120]}); download the checkpoint again") from None
+                where = self._join(info.relative_path)
+                if info.offset == 0 and raw[8:9] == b"{":  # a safetensors header: u64 length, then JSON
+                    raise UserError(f"{where} is a safetensors-format distributed checkpoint (torch's "
+                                    "FileSystemWriter(serialization_format=SAFETENSORS)); only the default "
+                                    "torch.save format, which OLMo-core writes, is read: save it again with "
+                                    "the default") from None
+                raise UserError(f"{where}: the chunk of {name!r} at byte {info.offset} does not decode "
+                                f"({' '.join(str(e).split())[:120]}); download the checkpoint again") from None
             del raw
             if tuple(part.shape) != tuple(chunk.sizes):
                 raise UserError(f"{self.path}: chunk of {name!r} has shape {tuple(part.shape)}, metadata says "

@@ -416,3 +416,20 @@ def test_metadata_pickle_cannot_run_code(tmp_path):
     (d / ".metadata").write_bytes(pickle.dumps(os.system))  # pickles a reference to os.system
     with pytest.raises(olmo_core.UserError, match="does not read as torch distributed-checkpoint metadata"):
         olmo_core.DistCheckpointReader(str(d))
+
+
+def test_safetensors_format_dcp_is_named_not_called_damaged(tmp_path):
+    """torch can write a distributed checkpoint in safetensors format (whose chunk offsets torch's
+    own FileSystemReader cannot read either); the refusal names the format and the fix instead of
+    sending the user to download a checkpoint that is not damaged. The default format reads."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    state = {"model.embeddings.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    for fmt in ("torch_save", "safetensors"):
+        writer = dcp.FileSystemWriter(str(tmp_path / fmt), serialization_format=SerializationFormat(fmt))
+        dcp.save(state, storage_writer=writer, no_dist=True)
+    reader = olmo_core.DistCheckpointReader(str(tmp_path / "torch_save"))
+    np.testing.assert_array_equal(reader.numpy("model.embeddings.weight", np.float32), np.arange(12).reshape(3, 4))
+    reader = olmo_core.DistCheckpointReader(str(tmp_path / "safetensors"))
+    with pytest.raises(olmo_core.UserError, match="safetensors-format.*save it again with the default"):
+        reader.read("model.embeddings.weight")
