@@ -27,6 +27,7 @@ CONFIGS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("f32", 128)]
 def dump(folder):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
+    import jax.export  # `import jax` does not load it in JAX 0.6
     import jax.numpy as jnp
     from jax._src.pallas.triton import lowering
     from olmo3 import splash_gpu

@@ -4,6 +4,7 @@ linear's output and gradients, and a whole transformers `Olmo3ForCausalLM` conve
 OLMo-core converts it (every linear but the LM head)."""
 import equinox as eqx
 import jax
+import jax.export  # `import jax` does not load it in JAX 0.6
 import jax.numpy as jnp
 import numpy as np
 import pytest

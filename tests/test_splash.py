@@ -7,6 +7,7 @@ through jax.export on this CPU-only machine.
 """
 import equinox as eqx
 import jax
+import jax.export  # `import jax` does not load it in JAX 0.6
 import jax.numpy as jnp
 import numpy as np
 import pytest
