@@ -91,6 +91,15 @@ flags.DEFINE_integer("max_new_tokens", 256, "Chat: longest answer.")
 flags.DEFINE_float("temperature", 0.0, "Chat: 0 = greedy, else sample from softmax(logits / temperature).")
 flags.DEFINE_integer("sample_seed", 0, "Chat: seed of the sampler.")
 flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
+cli.require([
+    ("eval_seq_len", lambda v: v >= 2, ">= 2 (an input token and its target)"),
+    ("eval_batch_size", lambda v: v >= 1, ">= 1"),
+    ("max_eval_batches", lambda v: v >= 1, ">= 1"),
+    ("kl_instances", lambda v: v >= 1, ">= 1"),
+    ("olmo_batch_rows", lambda v: v >= 1, ">= 1"),
+    ("train_loss_window", lambda v: v >= 1, ">= 1"),
+    ("z", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
+    ("tol", lambda v: cli.finite(v) and v >= 0, "finite and >= 0")])
 
 
 def context_length(info: dict, requested: Optional[int]) -> int:

@@ -155,23 +155,26 @@ flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: the XLA flags Max
 
 # Recipe numbers are checked as the flags are parsed, before any device work: NaN, inf or an
 # impossible value ends the command with one line (exit 2) instead of a poisoned run.
-def _finite(v):
-    return v is not None and math.isfinite(v)
-
-
-for _name, _ok, _want in [
-        ("lr", lambda v: _finite(v) and v > 0, "finite and > 0"),
-        ("b1", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
-        ("b2", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
-        ("eps", lambda v: _finite(v) and v > 0, "finite and > 0"),
-        ("weight_decay", lambda v: _finite(v) and v >= 0, "finite and >= 0"),
-        ("max_grad_norm", lambda v: _finite(v) and v > 0, "finite and > 0"),
-        ("z_loss", lambda v: _finite(v) and v >= 0, "finite and >= 0 (0 turns it off)"),
-        ("final_lr_ratio", lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
-        ("warmup_steps", lambda v: v >= 0, ">= 0"),
-        ("total_steps", lambda v: v > 0, "> 0"),
-        ("peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "finite and > 0")]:
-    flags.register_validator(_name, _ok, message=f"--{_name} must be {_want}")
+_finite = cli.finite
+cli.require([
+    ("lr", lambda v: _finite(v) and v > 0, "finite and > 0"),
+    ("b1", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
+    ("b2", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
+    ("eps", lambda v: _finite(v) and v > 0, "finite and > 0"),
+    ("weight_decay", lambda v: _finite(v) and v >= 0, "finite and >= 0"),
+    ("max_grad_norm", lambda v: _finite(v) and v > 0, "finite and > 0"),
+    ("z_loss", lambda v: _finite(v) and v >= 0, "finite and >= 0 (0 turns it off)"),
+    ("final_lr_ratio", lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
+    ("warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("total_steps", lambda v: v > 0, "> 0"),
+    ("seq_len", lambda v: v >= 2, ">= 2 (an input token and its target; 1 trained on nothing)"),
+    ("keep_checkpoints", lambda v: v >= 1, ">= 1 (0 deleted every checkpoint as it was written)"),
+    ("loss_chunk", lambda v: v > 0, "> 0 (tokens per lm_head + cross-entropy chunk)"),
+    ("loader_workers", lambda v: v >= 0, ">= 0 (0: batches are read in the training thread)"),
+    ("max_restarts", lambda v: v >= 0, ">= 0"),
+    ("downstream_limit", lambda v: v is None or v > 0, "> 0 (leave it out for every document)"),
+    ("downstream_batch", lambda v: v is None or v > 0, "> 0"),
+    ("peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "finite and > 0")])
 
 
 def main(argv):
@@ -427,7 +430,7 @@ def main(argv):
     downstream = None
     if F.downstream_tasks:
         from olmo3 import oe_tasks
-        labels = oe_tasks.resolve(F.downstream_tasks)
+        labels = oe_tasks.resolve(F.downstream_tasks, "--downstream_tasks")
         score_fn = sharding.make_score_fn(mesh, specs)
         tok = data.dolma2()
         encode = lambda s: tok.encode(s, disallowed_special=())  # noqa: E731
@@ -592,9 +595,12 @@ def check_flags():
     atomic.check_directory(F.run_dir, "--run_dir")   # checkpoints rename directories: not every mount can
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
+    if F.downstream_tasks:   # an unknown task stops here, not after the model is built
+        from olmo3 import oe_tasks
+        oe_tasks.resolve(F.downstream_tasks, "--downstream_tasks")
     if F.eval_batches < 0:
         raise app.UsageError(f"--eval_batches={F.eval_batches} must be >= 0 (0: every held-out document)")
-    for name in ("save_interval", "eval_interval", "global_batch", "seq_len", "total_steps", "downstream_eval_interval"):
+    for name in ("save_interval", "eval_interval", "global_batch", "total_steps", "downstream_eval_interval"):
         if getattr(F, name) <= 0:
             raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")
     if F.warmup_steps > F.total_steps and F.epochs is None and F.warmup_fraction is None:

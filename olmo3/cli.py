@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import sys
 import traceback
-from typing import Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 from absl import app, flags, logging
 
@@ -64,6 +65,18 @@ _oom_final = False              # an out-of-memory error came from a program's f
 _OUT_OF_MEMORY = ("out of memory", "ran out of memory", "attempting to allocate", "failed to allocate")
 # A full disk or quota as the OS says it; TensorStore (Orbax's writer) wraps it in a ValueError.
 _DISK_FULL = ("no space left on device", "disk quota exceeded")
+
+
+def finite(v) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def require(rules: list[tuple[str, Callable[[Any], bool], str]]) -> None:
+    """Each (flag, test, what it must be) is checked as the flags are parsed, before any device
+    work: a NaN, inf or impossible value ends the command with '--flag must be ...' (exit 2)
+    instead of a poisoned run or a crash that the resubmission loop would retry."""
+    for name, ok, want in rules:
+        flags.register_validator(name, ok, message=f"--{name} must be {want}")
 
 
 def mark_running() -> None:

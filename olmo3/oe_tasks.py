@@ -149,8 +149,9 @@ GROUPS = {"fast": list(OLMO3_FAST),
           "code": ["codex_humaneval_gold_bpb_3shot", "codex_mbpp_gold_bpb_3shot", "basic_skills_coding_rc_5shot"]}
 
 
-def resolve(labels: Sequence[str]) -> list[str]:
-    """Task labels with groups expanded (in order, without repeats); unknown labels are an error."""
+def resolve(labels: Sequence[str], flag: str = "--olmo_tasks") -> list[str]:
+    """Task labels with groups expanded (in order, without repeats); an unknown label is an error
+    that names `flag`, the option that gave it."""
     out: list[str] = []
     for name in labels:
         name = name.strip()
@@ -159,7 +160,7 @@ def resolve(labels: Sequence[str]) -> list[str]:
         elif name in TASKS:
             out.append(name)
         elif name:
-            raise ValueError(f"--olmo_tasks: unknown task {name!r}; use OLMo-core's labels, e.g. arc_easy_rc_5shot, "
+            raise ValueError(f"{flag}: unknown task {name!r}; use OLMo-core's labels, e.g. arc_easy_rc_5shot, "
                              f"codex_humaneval_gold_bpb_3shot, or a group: {', '.join(GROUPS)}")
     return list(dict.fromkeys(out))
 
