@@ -75,6 +75,11 @@ flags.DEFINE_integer("hf_vocab_size", None,
                      "Orbax -> HF: rows to keep (default: a vocabulary padded past dolma2's 100,278 tokens "
                      "is cut back to them, as AI2's HF checkpoints hold; otherwise all rows).")
 flags.DEFINE_float("shard_gb", 5.0, "HF output: start a new safetensors shard past this size (GB).")
+cli.require([
+    ("max_kl", lambda v: cli.finite(v) and v >= 0, "finite and >= 0"),
+    ("verify_seq", lambda v: v >= 1, ">= 1"),
+    ("verify_batch", lambda v: v >= 1, ">= 1"),
+    ("shard_gb", lambda v: cli.finite(v) and v > 0, "finite and > 0")])
 
 WINDOW = 128  # skip-step window (olmo3/optim.py WINDOW, OLMo-core rolling_interval_length)
 

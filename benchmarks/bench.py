@@ -27,6 +27,8 @@ import time
 
 from absl import app, flags
 
+from olmo3 import cli   # absl only: the tuning below still comes before JAX is imported
+
 F = flags.FLAGS
 flags.DEFINE_enum("model", "tiny", ["olmo3_7b", "olmo3_7b_16x256", "olmo3_7b_long", "tiny"], "Config preset.")
 for _name, _help in [("vocab_size", ""), ("d_model", ""), ("n_layers", ""), ("n_heads", ""),
@@ -65,6 +67,14 @@ flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only, ke
                   "the process (olmo3/runtime.py; torch in this process shares the allocator).")
 flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: MaxText's / JAX-Toolbox's XLA flags "
                   "(olmo3/runtime.py); your own XLA_FLAGS entries win one by one.")
+cli.require([
+    ("batch", lambda v: v >= 1, ">= 1"),
+    ("seq_len", lambda v: v >= 2, ">= 2 (an input token and its target)"),
+    ("micro_batch", lambda v: v is None or v >= 1, ">= 1"),
+    ("loss_chunk", lambda v: v >= 1, ">= 1"),
+    ("matmul_n", lambda v: v >= 1, ">= 1"),
+    ("steps", lambda v: v >= 1, ">= 1"),
+    ("warmup", lambda v: v >= 0, ">= 0")])
 
 
 def cores() -> int:
@@ -194,8 +204,6 @@ def main(argv):
                              f"{config.max_position_embeddings} of --model={F.model}")
     if F.doc_len is not None and F.doc_len < 1:
         raise app.UsageError(f"--doc_len={F.doc_len} must be >= 1")
-    if F.steps < 1 or F.warmup < 0:
-        raise app.UsageError(f"--steps={F.steps} must be >= 1 and --warmup={F.warmup} >= 0")
     tokens_np = np.random.default_rng(0).integers(0, config.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
     tokens_per_step = F.batch * F.seq_len
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
@@ -288,4 +296,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag or config: one line, exit 2

@@ -139,6 +139,8 @@ def _cases(w):
         ("eval_metrics_not_json", "eval.py", [f"--compare={w / 'run'},{w / 'badmetrics'}", f"--out={w / 'report'}",
                                               f"--heldout={w / 'docs'}"], 2, "metrics.jsonl:"),
         ("convert_bad_spec", "convert.py", ["--from=foo", f"--to=hf:{w / 'out'}"], 2, "--from='foo'"),
+        ("convert_verify_seq_zero", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}", "--verify",
+                                                   "--verify_seq=0"], 2, "--verify_seq must be >= 1"),
         ("convert_to_url", "convert.py", [f"--from=orbax:{w / 'run'}", "--to=hf:gs://bucket/hf"], 2,
          "--to='hf:gs://bucket/hf': hf: takes a local or mounted directory, not a URL"),
         ("convert_wrong_model_type", "convert.py", [f"--from=hf:{w / 'hf_llama'}", f"--to=orbax:{w / 'out'}"], 2,
