@@ -116,8 +116,9 @@ def first_run(name: str, out_of_memory: str) -> Iterator[None]:
 def is_out_of_memory(e: BaseException) -> bool:
     """XLA ran out of device memory (host memory on a CPU backend), at compile or at run time."""
     text = _first_line(e).lower()
-    return (isinstance(e, RuntimeError) and "resource_exhausted" in text
-            and any(words in text for words in _OUT_OF_MEMORY))
+    # jaxlib 0.8's CPU client says it as INTERNAL: "... Out of memory allocating N bytes"
+    return isinstance(e, RuntimeError) and (("resource_exhausted" in text and any(w in text for w in _OUT_OF_MEMORY))
+                                            or "out of memory allocating" in text)
 
 
 def is_disk_full(e: BaseException) -> bool:
