@@ -63,6 +63,7 @@ import os
 import sys
 import threading
 import time
+from typing import Iterable
 
 # glibc mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
@@ -251,8 +252,9 @@ def tune_cpu(held_limit: int | None = None, reserve: int | None = None) -> list[
 # GPU: the XLA flags MaxText and NVIDIA's JAX-Toolbox train LLMs with. Sources:
 #   [MT] MaxText MaxText/configs/a3/llama_2_7b/1vm.sh (Llama-2-7B, 8 x H100, FSDP 8, scanned layers)
 #   [JT] NVIDIA JAX-Toolbox rosetta/docs/GPU_performance.md ("Tips for high-performance LLMs")
-# Each name was checked against jaxlib 0.10.2 (an unknown XLA flag aborts the process; the test
-# parses them all on the CPU backend). Left out on purpose: --xla_gpu_graph_level and
+# Each name was checked against jaxlib 0.10.2 and 0.8.1 (an unknown XLA flag aborts the process;
+# the test parses them all on the CPU backend); add_xla_flags leaves out any that a later jaxlib
+# drops. Left out on purpose: --xla_gpu_graph_level and
 # --xla_gpu_enable_triton_softmax_fusion ([MT], gone from this XLA), and
 # --xla_disable_hlo_passes=rematerialization ([MT]: turns XLA's fallback when memory is short
 # into an out-of-memory error; our --remat flag is the memory knob).
@@ -296,15 +298,43 @@ def flag_name(flag: str) -> str:
     return flag.lstrip("-").split("=", 1)[0]
 
 
+def _xla_library() -> str | None:
+    """The installed jaxlib's shared library that holds XLA's flag table (None: not found)."""
+    spec = importlib.util.find_spec("jaxlib")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for name in ("libjax_common.so", "xla_extension.so"):   # jaxlib >= 0.8, older
+            if os.path.isfile(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+    return None
+
+
+def unknown_xla_flags(names: Iterable[str]) -> set[str]:
+    """Those of `names` that the installed jaxlib does not define. XLA aborts the process on an
+    unknown name in XLA_FLAGS ('Unknown flag in XLA_FLAGS'), and experimental flags come and go
+    between releases, so a default is added only when its name is in the library's flag table
+    (a NUL-terminated string there; ~20 ms per name). Nothing is unknown when the library is not
+    found (a layout this does not know)."""
+    import mmap
+    path = _xla_library()
+    if path is None:
+        return set()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as table:
+        return {n for n in names if table.find(n.encode() + b"\0") < 0}
+
+
 def add_xla_flags(defaults: tuple[str, ...] | list[str]) -> list[str]:
-    """Append to XLA_FLAGS each default whose flag the user has not set; returns those added.
-    Flag by flag: a user's own value for any one flag wins, the other defaults still apply."""
+    """Append to XLA_FLAGS each default whose flag the user has not set and the installed jaxlib
+    knows; returns those added (and a note naming any left out). Flag by flag: a user's own value for any one flag wins, the other
+    defaults still apply."""
     current = os.environ.get("XLA_FLAGS", "")
     user = {flag_name(t) for t in current.split() if t.startswith("-")}
     added = [f for f in defaults if flag_name(f) not in user]
+    unknown = unknown_xla_flags({flag_name(f) for f in added})
+    skipped = [f for f in added if flag_name(f) in unknown]
+    added = [f for f in added if flag_name(f) not in unknown]
     if added:
         os.environ["XLA_FLAGS"] = " ".join([current.strip()] + added).strip()
-    return added
+    return added + ([f"left out (unknown to this jaxlib): {' '.join(skipped)}"] if skipped else [])
 
 
 def gpu_backend_expected() -> bool:

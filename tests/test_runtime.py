@@ -196,11 +196,11 @@ GPU_PROBE = textwrap.dedent("""
 """)
 
 
-def gpu_probe(**env):
+def gpu_probe(prelude="", **env):
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("XLA_FLAGS", "JAX_PLATFORMS") + tuple(k for k, _ in runtime.GPU_ENV)}
     full_env.update(env, JAX_PLATFORMS="cuda")
-    out = subprocess.run([sys.executable, "-c", GPU_PROBE], env=full_env, capture_output=True,
+    out = subprocess.run([sys.executable, "-c", prelude + GPU_PROBE], env=full_env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -212,6 +212,19 @@ def test_gpu_flags_set_for_a_gpu_and_known_to_this_xla():
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in out["applied"]
     assert out["env"] == dict(runtime.GPU_ENV)
     assert out["sum"] == 6.0          # the process survived XLA's parse of every flag
+
+
+def test_a_flag_this_jaxlib_lacks_is_left_out_not_fatal():
+    """MaxText's --xla_gpu_graph_level, which this XLA dropped, as if it were one of our defaults:
+    it is left out and named, where XLA would abort the process at its first backend ('Unknown
+    flag in XLA_FLAGS'). Every default of ours is in this jaxlib's flag table."""
+    gone = "--xla_gpu_graph_level=0"
+    out = gpu_probe(prelude=f"from olmo3 import runtime\nruntime.GPU_XLA_FLAGS += ({gone!r},)\n")
+    assert out["xla_flags"].split() == list(runtime.GPU_XLA_FLAGS)
+    assert out["applied"][-3] == f"left out (unknown to this jaxlib): {gone}", out["applied"]
+    assert out["sum"] == 6.0
+    ours = {runtime.flag_name(f) for f in (*runtime.GPU_XLA_FLAGS, runtime.YNN_DOTS_ONLY, *runtime.DOT_LIBRARY_FLAGS)}
+    assert runtime.unknown_xla_flags(ours | {"xla_gpu_graph_level"}) == {"xla_gpu_graph_level"}
 
 
 def test_gpu_user_flags_win_one_by_one():
