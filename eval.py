@@ -99,7 +99,10 @@ cli.require([
     ("olmo_batch_rows", lambda v: v >= 1, ">= 1"),
     ("train_loss_window", lambda v: v >= 1, ">= 1"),
     ("z", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
-    ("tol", lambda v: cli.finite(v) and v >= 0, "finite and >= 0")])
+    ("tol", lambda v: cli.finite(v) and v >= 0, "finite and >= 0"),
+    ("num_fewshot", lambda v: v >= 0, ">= 0"),
+    ("yarn_factor", lambda v: v is None or (cli.finite(v) and v >= 1), ">= 1 (the context extension factor)"),
+    ("yarn_original_max_position", lambda v: v is None or v >= 1, ">= 1")])
 
 
 def context_length(info: dict, requested: Optional[int]) -> int:
@@ -463,7 +466,10 @@ def main(argv):
     if F.chat_file and not os.path.isfile(F.chat_file):
         raise FileNotFoundError(f"--chat_file={F.chat_file!r} is not a file; pass a JSONL of {{\"messages\": [...]}} lines")
     if F.position_buckets:  # a bad flag stops before any work
-        heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)
+        try:
+            heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)
+        except ValueError as e:
+            raise app.UsageError(f"--position_buckets: {e}") from None
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())
     max_length = context_length(info, F.max_length)
     if F.chat or F.chat_file:

@@ -112,7 +112,10 @@ def olmo_core_ce(ce_sum: float, targets: float, instances: int) -> float:
 def bucket_bounds(fractions, seq_len: int) -> tuple[int, ...]:
     """Bucket edges in token positions from the buckets' upper ends as fractions of `seq_len`:
     (0.25, 0.5, 1) at 1024 -> (0, 256, 512, 1024). Every edge must be a whole position."""
-    fr = [float(f) for f in fractions]
+    try:
+        fr = [float(f) for f in fractions]
+    except ValueError:
+        raise ValueError(f"position buckets {list(fractions)}: give fractions of the sequence, e.g. 0.25,0.5,1") from None
     edges = [f * seq_len for f in fr]
     if not fr or any(b <= a for a, b in zip([0.0, *edges], edges)) or fr[-1] != 1.0:
         raise ValueError(f"position buckets {fr}: give increasing fractions of the sequence in (0, 1], the last 1")
