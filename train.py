@@ -155,16 +155,15 @@ flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: the XLA flags Max
 
 # Recipe numbers are checked as the flags are parsed, before any device work: NaN, inf or an
 # impossible value ends the command with one line (exit 2) instead of a poisoned run.
-_finite = cli.finite
 cli.require([
-    ("lr", lambda v: _finite(v) and v > 0, "finite and > 0"),
-    ("b1", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
-    ("b2", lambda v: _finite(v) and 0 <= v < 1, "in [0, 1)"),
-    ("eps", lambda v: _finite(v) and v > 0, "finite and > 0"),
-    ("weight_decay", lambda v: _finite(v) and v >= 0, "finite and >= 0"),
-    ("max_grad_norm", lambda v: _finite(v) and v > 0, "finite and > 0"),
-    ("z_loss", lambda v: _finite(v) and v >= 0, "finite and >= 0 (0 turns it off)"),
-    ("final_lr_ratio", lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]"),
+    ("lr", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
+    ("b1", lambda v: cli.finite(v) and 0 <= v < 1, "in [0, 1)"),
+    ("b2", lambda v: cli.finite(v) and 0 <= v < 1, "in [0, 1)"),
+    ("eps", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
+    ("weight_decay", lambda v: cli.finite(v) and v >= 0, "finite and >= 0"),
+    ("max_grad_norm", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
+    ("z_loss", lambda v: cli.finite(v) and v >= 0, "finite and >= 0 (0 turns it off)"),
+    ("final_lr_ratio", lambda v: cli.finite(v) and 0 <= v <= 1, "in [0, 1]"),
     ("warmup_steps", lambda v: v >= 0, ">= 0"),
     ("total_steps", lambda v: v > 0, "> 0"),
     ("seq_len", lambda v: v >= 2, ">= 2 (an input token and its target; 1 trained on nothing)"),
@@ -174,7 +173,7 @@ cli.require([
     ("max_restarts", lambda v: v >= 0, ">= 0"),
     ("downstream_limit", lambda v: v is None or v > 0, "> 0 (leave it out for every document)"),
     ("downstream_batch", lambda v: v is None or v > 0, "> 0"),
-    ("peak_tflops", lambda v: v is None or (_finite(v) and v > 0), "finite and > 0")])
+    ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0")])
 
 
 def main(argv):

@@ -67,7 +67,8 @@ _OUT_OF_MEMORY = ("out of memory", "ran out of memory", "attempting to allocate"
 _DISK_FULL = ("no space left on device", "disk quota exceeded")
 
 
-def finite(v) -> bool:
+def finite(v: float | None) -> bool:
+    """A flag's number is given and neither NaN nor infinite."""
     return v is not None and math.isfinite(v)
 
 

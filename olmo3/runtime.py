@@ -324,8 +324,8 @@ def unknown_xla_flags(names: Iterable[str]) -> set[str]:
 
 def add_xla_flags(defaults: tuple[str, ...] | list[str]) -> list[str]:
     """Append to XLA_FLAGS each default whose flag the user has not set and the installed jaxlib
-    knows; returns those added (and a note naming any left out). Flag by flag: a user's own value for any one flag wins, the other
-    defaults still apply."""
+    knows; returns those added (and a note naming any left out). Flag by flag: a user's own
+    value for any one flag wins, the other defaults still apply."""
     current = os.environ.get("XLA_FLAGS", "")
     user = {flag_name(t) for t in current.split() if t.startswith("-")}
     added = [f for f in defaults if flag_name(f) not in user]
