@@ -76,7 +76,7 @@ flags.DEFINE_integer("hf_vocab_size", None,
                      "is cut back to them, as AI2's HF checkpoints hold; otherwise all rows).")
 flags.DEFINE_float("shard_gb", 5.0, "HF output: start a new safetensors shard past this size (GB).")
 cli.require([
-    ("max_kl", lambda v: cli.finite(v) and v >= 0, "finite and >= 0"),
+    ("max_kl", lambda v: v is not None and not math.isnan(v), "a number, not NaN (a negative one fails every check)"),
     ("verify_seq", lambda v: v >= 1, ">= 1"),
     ("verify_batch", lambda v: v >= 1, ">= 1"),
     ("shard_gb", lambda v: cli.finite(v) and v > 0, "finite and > 0")])
