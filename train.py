@@ -166,6 +166,10 @@ cli.require([
     ("final_lr_ratio", lambda v: cli.finite(v) and 0 <= v <= 1, "in [0, 1]"),
     ("warmup_steps", lambda v: v >= 0, ">= 0"),
     ("total_steps", lambda v: v > 0, "> 0"),
+    ("global_batch", lambda v: v > 0, "> 0"),
+    ("save_interval", lambda v: v > 0, "> 0"),
+    ("eval_interval", lambda v: v > 0, "> 0"),
+    ("downstream_eval_interval", lambda v: v > 0, "> 0"),
     ("seq_len", lambda v: v >= 2, ">= 2 (an input token and its target; 1 trained on nothing)"),
     ("keep_checkpoints", lambda v: v >= 1, ">= 1 (0 deleted every checkpoint as it was written)"),
     ("loss_chunk", lambda v: v > 0, "> 0 (tokens per lm_head + cross-entropy chunk)"),
@@ -599,9 +603,6 @@ def check_flags():
         oe_tasks.resolve(F.downstream_tasks, "--downstream_tasks")
     if F.eval_batches < 0:
         raise app.UsageError(f"--eval_batches={F.eval_batches} must be >= 0 (0: every held-out document)")
-    for name in ("save_interval", "eval_interval", "global_batch", "total_steps", "downstream_eval_interval"):
-        if getattr(F, name) <= 0:
-            raise app.UsageError(f"--{name}={getattr(F, name)} must be positive")
     if F.warmup_steps > F.total_steps and F.epochs is None and F.warmup_fraction is None:
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps and F.epochs is None:
