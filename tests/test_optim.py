@@ -172,6 +172,20 @@ def test_fp32_moments_with_bf16_params():
         np.testing.assert_allclose(np.asarray(getattr(state.nu, k)), 0.05 * g64 ** 2, rtol=1e-6)
 
 
+def test_global_norm_matches_float64_over_large_leaves():
+    """The clip factor and the skip-step test read this norm. Leaves shaped like a 100k vocabulary's
+    lm_head and stacked layers, of one sign after squaring, so a long fp32 running sum drifts (on
+    jaxlib 0.8-0.9 a flat jnp.vdot per leaf came out 7% low here); odd sizes and a scalar too."""
+    rng = np.random.default_rng(0)
+    shapes = [(512, 100278), (8, 512, 1536), (8, 1536, 512), (8, 512), (7, 3), ()]
+    leaves = [(rng.standard_normal(s) * (1e-3 + rng.random(s))).astype(np.float32) for s in shapes]
+    tree = {"w": [jnp.asarray(x) for x in leaves], "bf16": jnp.asarray(leaves[3], jnp.bfloat16),
+            "ints": jnp.arange(5)}
+    want = np.sqrt(sum((x.astype(np.float64) ** 2).sum() for x in leaves)
+                   + (np.asarray(tree["bf16"], np.float64) ** 2).sum())
+    assert float(jax.jit(global_norm)(tree)) == pytest.approx(want, rel=1e-6)
+
+
 @pytest.mark.parametrize("norm,clipped", [(10.0, True), (0.5, False)])
 def test_clip(norm, clipped):
     model = tiny()
