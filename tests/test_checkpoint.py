@@ -166,6 +166,11 @@ CHILD = textwrap.dedent("""
     mgr.wait()
     big = jax.device_put(jnp.ones((8, 8 * 1024 * 1024), jnp.float32), sh)   # 256 MiB
     mgr.save(2, {"w": big}, {"step": 2})
+    # The save runs in the background: the kill must land once its tmp dir exists (a kill right
+    # after save() returned found only step 1 under a loaded CI box), and before it is renamed.
+    ckpts, deadline = os.path.join(sys.argv[1], "checkpoints"), time.time() + 60
+    while not any(".orbax-checkpoint-tmp" in n for n in os.listdir(ckpts)) and time.time() < deadline:
+        time.sleep(0.001)
     print("SAVING", flush=True)
     time.sleep(120)
 """)
