@@ -82,11 +82,11 @@ def global_norm(tree: PyTree) -> Float[Array, ""]:
     of its axes, in place. Under FSDP each device sums its own shard and one scalar per leaf is
     all-reduced. Anything that flattens a leaf first (jnp.vdot ravels) all-gathers every leaf
     sharded on an axis other than its first: at 7B on fsdp:8, 27.5 of the 29.2 GB of fp32
-    gradient, every step, a stacked MLP weight (5.8 GB) at a time. Summed this way it
-    is also exact to ~1e-7 on every jaxlib from 0.8.1 on, where jnp.vdot on jaxlib 0.8.1-0.10.1
-    came out 2-7% low for a [512, 100278] leaf on the CPU (one long fp32 running sum per lane),
-    enough to change the clipping factor and the skip-step test. CPU benchmark step (2-core
-    AMD EPYC, runs alternating with the vdot version): equal within the machine's noise."""
+    gradient, every step, a stacked MLP weight (5.8 GB) at a time. Summed this way it is also
+    exact to ~1e-7 on every jaxlib from 0.8.1 on; jnp.vdot on jaxlib 0.8.1-0.10.1 runs long fp32
+    running sums on the CPU and came out 1.7-7% low on trees with a [512, 100278] leaf, enough
+    to change the clipping factor and the skip-step test. CPU benchmark step (2-core AMD EPYC,
+    runs alternating with the vdot version): equal within the machine's noise."""
     leaves = [x for x in jax.tree.leaves(tree) if eqx.is_inexact_array(x)]
     if not leaves:
         return jnp.zeros((), jnp.float32)
