@@ -175,7 +175,7 @@ def test_fp32_moments_with_bf16_params():
 def test_global_norm_matches_float64_over_large_leaves():
     """The clip factor and the skip-step test read this norm. Leaves shaped like a 100k vocabulary's
     lm_head and stacked layers, of one sign after squaring, so a long fp32 running sum drifts (on
-    jaxlib 0.8-0.9 a flat jnp.vdot per leaf came out 7% low here); odd sizes and a scalar too."""
+    jaxlib 0.8.1-0.10.1 a flat jnp.vdot per leaf came out 7% low here); odd sizes and a scalar too."""
     rng = np.random.default_rng(0)
     shapes = [(512, 100278), (8, 512, 1536), (8, 1536, 512), (8, 512), (7, 3), ()]
     leaves = [(rng.standard_normal(s) * (1e-3 + rng.random(s))).astype(np.float32) for s in shapes]
