@@ -177,6 +177,10 @@ cli.require([
     ("max_restarts", lambda v: v >= 0, ">= 0"),
     ("downstream_limit", lambda v: v is None or v > 0, "> 0 (leave it out for every document)"),
     ("downstream_batch", lambda v: v is None or v > 0, "> 0"),
+    ("eval_batches", lambda v: v >= 0, ">= 0 (0: every held-out document)"),
+    ("source_group_size", lambda v: v >= 1, ">= 1"),
+    ("yarn_factor", lambda v: cli.finite(v) and v >= 1, ">= 1 (the context extension factor)"),
+    ("yarn_original_max_position", lambda v: v >= 1, ">= 1"),
     ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0")])
 
 
@@ -601,8 +605,6 @@ def check_flags():
     if F.downstream_tasks:   # an unknown task stops here, not after the model is built
         from olmo3 import oe_tasks
         oe_tasks.resolve(F.downstream_tasks, "--downstream_tasks")
-    if F.eval_batches < 0:
-        raise app.UsageError(f"--eval_batches={F.eval_batches} must be >= 0 (0: every held-out document)")
     if F.warmup_steps > F.total_steps and F.epochs is None and F.warmup_fraction is None:
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps and F.epochs is None:
@@ -613,14 +615,9 @@ def check_flags():
         raise app.UsageError(f"--joined_at={F.joined_at}: the joined schedule's second cosine runs to --total_steps "
                              f"(AI2's: {schedules.STAGE1_JOINED_TOTAL}, 7T tokens) and the run stops at --max_steps "
                              f"(AI2's: {schedules.STAGE1_TOTAL}, one epoch); give --max_steps too")
-    if F.source_group_size < 1:
-        raise app.UsageError(f"--source_group_size={F.source_group_size} must be >= 1")
     if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
         raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply "
                              "with --packed")
-    if F.yarn_factor < 1 or F.yarn_original_max_position <= 0:
-        raise app.UsageError(f"--yarn_factor={F.yarn_factor} must be >= 1 and --yarn_original_max_position="
-                             f"{F.yarn_original_max_position} positive")
     if F.stage == "3" and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
 
