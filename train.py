@@ -329,26 +329,34 @@ def main(argv):
         model, opt_state = state["model"], state["opt"]
         loader_state = extra["loader"]
         logging.info("Resumed %s at step %d", F.run_dir, start)
-    elif F.init_from:  # stage 2/3 warm start: params + mu/nu kept, step and schedule reset
+    elif F.init_from:  # warm start: the weights, and Adam's moments where the recipe carries them over
         run, step = checkpoint.locate(F.init_from)
         source = checkpoint.CheckpointManager(run, read_only=True)
-        if F.init_weights_only or F.stage in ("sft", "dpo"):  # SFT: fresh Adam (OLMo-core load_trainer_state=False)
+        # Stages 2/3 need the moments. SFT takes them when the checkpoint holds them: OLMo-core's
+        # Olmo-3-7B-SFT.py calls load_checkpoint(load_trainer_state=False), and with
+        # load_optim_state=None its train module loads the optimizer state whenever the checkpoint
+        # has one (TransformerTrainModule.state_dict_to_load); a weights-only checkpoint (convert.py's)
+        # starts Adam fresh. DPO never: open-instruct loads Hugging Face weights.
+        state = None
+        if not F.init_weights_only and F.stage != "dpo":
+            try:
+                state, _ = source.restore(step, as_dict(abstract))
+            except checkpoint.MissingTensorsError as e:
+                if not all(name.startswith("opt.") for name in e.missing):
+                    raise
+                if F.stage != "sft":
+                    raise app.UsageError(
+                        f"--init_from={F.init_from} holds no optimizer state; the stage-{F.stage} warm "
+                        "start needs Adam's moments (a train.py checkpoint), or pass --init_weights_only") from e
+        if state is None:
             state, _ = source.restore(step, {"model": abstract[0]})
             model = state["model"]
             opt_state = jax.jit(optimizer.init, out_shardings=sharding.state_shardings(abstract, mesh)[1])(model)
         else:
-            try:
-                state, _ = source.restore(step, as_dict(abstract))
-            except checkpoint.MissingTensorsError as e:
-                if any(name.startswith("opt.") for name in e.missing):
-                    raise app.UsageError(
-                        f"--init_from={F.init_from} holds no optimizer state; the stage-{F.stage} warm "
-                        "start needs Adam's moments (a train.py checkpoint), or pass --init_weights_only") from e
-                raise
             model, opt_state = state["model"], optimizer.warm_start(state["opt"])
         start = 0
-        logging.info("Warm start (params%s) from %s", "" if F.init_weights_only or F.stage in ("sft", "dpo")
-                     else " + Adam moments", F.init_from)
+        logging.info("Warm start (params%s) from %s", " + Adam moments" if "opt" in state else ", fresh Adam",
+                     F.init_from)
     else:
         if F.stage != "1":
             logging.warning("Stage %s without --init_from: a cold start, not the recipe", F.stage)

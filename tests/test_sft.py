@@ -2,8 +2,8 @@
 
 References: token sequences written out by hand from the template's pieces (and literal cl100k
 ids); OLMo-core's own `NumpyPackedFSLDataset` reading our files; transformers' `Olmo3ForCausalLM`
-causal-LM loss with -100 labels; an uninterrupted run for resume; Adam's step count for the fresh
-optimizer of an SFT warm start.
+causal-LM loss with -100 labels; an uninterrupted run for resume; Adam's step count for the
+optimizer an SFT warm start carries over (OLMo-core loads it when the checkpoint has it).
 """
 import json
 import os
@@ -246,10 +246,11 @@ def run_train(args, tmp_path, check=True):
 
 
 @pytest.mark.slow  # four train.py runs: ~3 min on 2 cores
-def test_sft_fresh_adam_and_exact_resume(tmp_path):
-    """A stage-1 base, then SFT from it: Adam starts fresh (count 1 at step 1, where stage 2's
-    warm start counts on), the held-out chats are scored before the first step, and a run
-    interrupted at step 2 and resumed equals the uninterrupted one bit for bit."""
+def test_sft_warm_adam_and_exact_resume(tmp_path):
+    """A stage-1 base, then SFT from it: Adam's moments and count carry over as OLMo-core's
+    load_checkpoint(load_trainer_state=False) loads them (count 4 at step 1 after the base's 3
+    steps; --init_weights_only: fresh, count 1), the held-out chats are scored before the first
+    step, and a run interrupted at step 2 and resumed equals the uninterrupted one bit for bit."""
     (tmp_path / "docs").mkdir()
     for i in range(20):
         (tmp_path / "docs" / f"{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 50}" for j in range(200)))
@@ -264,8 +265,10 @@ def test_sft_fresh_adam_and_exact_resume(tmp_path):
     run_train(sft + [f"--run_dir={tmp_path / 'a'}"], tmp_path)
     run_train(sft + [f"--run_dir={tmp_path / 'b'}", "--max_steps=2"], tmp_path)
     run_train(sft + [f"--run_dir={tmp_path / 'b'}", "--resume"], tmp_path)
+    run_train(sft + [f"--run_dir={tmp_path / 'c'}", "--init_weights_only", "--max_steps=1"], tmp_path)
     a, b = metrics_by_step(tmp_path / "a"), metrics_by_step(tmp_path / "b")
-    assert sorted(a) == [0, 1, 2, 3, 4] and a[1]["optim/adam_count"] == 1.0   # fresh Adam
+    assert sorted(a) == [0, 1, 2, 3, 4] and a[1]["optim/adam_count"] == 4.0   # the base's Adam, 3 steps on
+    assert metrics_by_step(tmp_path / "c")[1]["optim/adam_count"] == 1.0       # fresh Adam
     assert "eval/heldout/loss" in a[0] and "train/loss" not in a[0]             # the base model, before SFT
     assert [a[s]["train/loss"] for s in range(1, 5)] == [b[s]["train/loss"] for s in range(1, 5)]
     assert a[4]["eval/heldout/loss"] == b[4]["eval/heldout/loss"]
