@@ -84,8 +84,8 @@ flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun
 flags.DEFINE_string("chat", None, "Chat: the model's answer to this user message (OLMo 3 chat template, data/chat.py).")
 flags.DEFINE_string("chat_file", None, "Chat: answer each conversation of this JSONL ({\"messages\": [...]}; a final "
                     "assistant turn is the reference, printed beside the answer). --limit: at most this many.")
-flags.DEFINE_enum("chat_template", "olmo", list(chat.TEMPLATES), "Chat template (data/chat.py; olmo_thinker opens "
-                  "the answer with <think>).")
+flags.DEFINE_enum("chat_template", chat.INSTRUCT, list(chat.TEMPLATES), "Chat template (data/chat.py; "
+                  "olmo3_instruct: Olmo-3-7B-Instruct's own; olmo_thinker opens the answer with <think>).")
 flags.DEFINE_bool("chat_think", None, "Chat: open the answer with <think> (default: as the template does, olmo_thinker).")
 flags.DEFINE_integer("max_new_tokens", 256, "Chat: longest answer.")
 flags.DEFINE_float("temperature", 0.0, "Chat: 0 = greedy, else sample from softmax(logits / temperature).")
@@ -391,7 +391,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
 # §4b Chat: the OLMo 3 template's generation prompt, decoded with the KV cache until the model
 # ends its turn (EOS after a final answer, <|im_end|> after an intermediate one).
 # ---------------------------------------------------------------------------------------------
-def chat_answer(model, messages: list, template: str = "olmo", max_new_tokens: int = 256,
+def chat_answer(model, messages: list, template: str = chat.INSTRUCT, max_new_tokens: int = 256,
                 temperature: float = 0.0, seed: int = 0, max_length: int = 2048, think=None) -> str:
     """The model's next assistant turn for `messages`, as text (the stop token removed)."""
     stops = (data.EOS_ID, data.tokenizer.IM_END_ID)
@@ -407,7 +407,7 @@ def chat_report(model, max_length: int) -> None:
         rows = [[{"role": "user", "content": F.chat}]]
     else:
         from data import prepare_sft
-        rows = prepare_sft.read_chats(F.chat_file, require_answer=False)
+        rows = prepare_sft.read_chats(F.chat_file, require_answer=False, template=F.chat_template)
         for n, messages in enumerate(rows, 1):
             if len(messages) == 1 and messages[0]["role"] == "assistant":
                 raise ValueError(f"--chat_file={F.chat_file!r}: conversation {n} is only an assistant turn (the "
@@ -420,7 +420,7 @@ def chat_report(model, max_length: int) -> None:
         answer = chat_answer(model, prompt, F.chat_template, F.max_new_tokens, F.temperature, F.sample_seed + i,
                              max_length, F.chat_think)
         results.append({"prompt": prompt, "answer": answer, "reference": reference})
-        print(f"--- {i}: {prompt[-1]['content'][:400]}\n>>> answer:    {answer}"
+        print(f"--- {i}: {(prompt[-1]['content'] or '')[:400]}\n>>> answer:    {answer}"
               + (f"\n>>> reference: {reference}" if reference is not None else ""))
     if F.out:
         write_json(F.out, "chat.json", results, indent=1)

@@ -2,17 +2,29 @@
 
     render(messages):  [default system turn, if none is given]
                        for m in messages:
-                           system:      <|im_start|> "system\\n" content SYSTEM_SUFFIX <|im_end|> "\\n"
+                           system:      <|im_start|> "system\\n" content SUFFIX <|im_end|> "\\n"
                            user / environment: <|im_start|> role "\\n" content <|im_end|> "\\n"
-                           assistant:   <|im_start|> "assistant\\n" content
+                           assistant:   <|im_start|> "assistant\\n" content [CALLS]
                                         + (<|endoftext|> if last else <|im_end|> "\\n")
                        [+ <|im_start|> "assistant\\n" (+ "<think>" for olmo_thinker) if generating]
-    templates (open-instruct CHAT_TEMPLATES, 3af17aacf) differ in the default system turn and in
-    whether the generation prompt ends with "<think>":
-        olmo                                     Instruct                 OLMo identity   no <think>
-        olmo_thinker                             Think DPO                generic         <think>
-        olmo_thinker_no_think_7b                 the 7B's Think SFT data  OLMo identity   no <think>
-        olmo_thinker_no_think_sft_tokenization   the 32B's Think SFT data generic         no <think>
+    templates differ in the default system turn, the system SUFFIX and the generation prompt:
+        olmo3_instruct                           the 7B's Instruct SFT + DPO data  generic, tools  no <think>
+        olmo                                     open-instruct's Instruct template OLMo identity   no <think>
+        olmo_thinker                             Think DPO                         generic         <think>
+        olmo_thinker_no_think_7b                 the 7B's Think SFT data           OLMo identity   no <think>
+        olmo_thinker_no_think_sft_tokenization   the 32B's Think SFT data          generic         no <think>
+    olmo3_instruct is the chat template of the OLMo 3 chat tokenizer (allenai/olmo-3-tokenizer-instruct-dev,
+    Olmo-3-7B-Instruct's own): AI2 tokenized the 7B Instruct SFT and DPO data with it (open-instruct
+    docs/olmo3.md; its scripts pass the unregistered --chat_template_name olmo123, which falls back to
+    the tokenizer's template). Its default system turn is "You are a helpful function-calling AI
+    assistant. You do not currently have access to any functions. <functions></functions>" (the
+    model card's default system message), a given system message is rendered as it is (SUFFIX
+    empty; with `functions`: " <functions>" f "</functions>"), and an assistant turn's
+    `function_calls` follow its content as CALLS = <function_calls> f </function_calls>; <functions>,
+    </functions>, <function_calls>, </function_calls> are that tokenizer's added tokens 100266-100269.
+    A user turn's `functions` are not rendered there, a `tool` turn is rendered as `environment`.
+    The other four are open-instruct's CHAT_TEMPLATES (3af17aacf): SUFFIX = " You do not currently
+    have access to any functions. <functions></functions>", as text; tool use is refused there.
     mask[t] = 0 on every token of a non-assistant turn, from where the conversation up to it ends
               to where it ends with that turn (+ the template's generation prompt when an
               assistant turn follows); 1 elsewhere: assistant content and its <|im_end|> / EOS.
@@ -39,7 +51,8 @@ open-instruct docs/olmo3.md); Think DPO trained that way. The Think SFT data was
 `_no_think` template (the 7B with `olmo_thinker_no_think_7b`, docs/olmo3.md), so a leading
 "<think>" is trained there; `generation_prompt(..., think=True)` adds it for inference, as the
 released Think chat template does.
-Tool use (`functions`, `function_calls`) is not rendered; a message carrying them is refused.
+Tool use (`functions`, `function_calls`) is rendered by olmo3_instruct only; OpenAI-style
+`tool_calls` lists are refused (write them as the `function_calls` text the data carries).
 """
 from __future__ import annotations
 
@@ -50,11 +63,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jaxtyping import Bool, UInt32
 
-from data.tokenizer import EOS_ID, IM_END_ID, IM_START_ID, dolma2
+from data.tokenizer import (EOS_ID, FUNCTION_CALLS_END_ID, FUNCTION_CALLS_ID, FUNCTIONS_END_ID, FUNCTIONS_ID,
+                            IM_END_ID, IM_START_ID, dolma2)
 
 ROLES = ("system", "user", "assistant", "environment")
-# The default system turn when a conversation has none (open-instruct CHAT_TEMPLATES, 3af17aacf).
+INSTRUCT = "olmo3_instruct"
+NO_FUNCTIONS = "You do not currently have access to any functions. "
+# The default system turn when a conversation has none: the OLMo 3 chat tokenizer's template (the
+# Olmo-3-7B-Instruct model card's default system message) and open-instruct CHAT_TEMPLATES, 3af17aacf.
 DEFAULT_SYSTEM = {
+    INSTRUCT: "You are a helpful function-calling AI assistant. " + NO_FUNCTIONS,  # + <functions></functions> ids
     "olmo": ("You are OLMo, a helpful function-calling AI assistant built by Ai2. Your date cutoff is "
              "November 2024, and your model weights are available at https://huggingface.co/allenai. "
              "You do not currently have access to any functions. <functions></functions>"),
@@ -66,27 +84,40 @@ DEFAULT_SYSTEM = {
 }
 TEMPLATES = tuple(DEFAULT_SYSTEM)
 THINK_PROMPT = ("olmo_thinker",)   # the templates whose generation prompt ends with "<think>"
-# Appended to a given system message when it has no `functions` (both templates).
-SYSTEM_SUFFIX = " You do not currently have access to any functions. <functions></functions>"
+# Appended to a given system message by open-instruct's templates (olmo3_instruct appends nothing).
+SYSTEM_SUFFIX = " " + NO_FUNCTIONS + "<functions></functions>"
 THINK = "<think>"  # olmo_thinker's generation prompt ends with it (plain text in dolma2)
 
 Piece = int | str  # a special token id placed by the template, or text to encode
 
 
-def check_messages(messages) -> None:
+def check_messages(messages, template: str = INSTRUCT) -> None:
     """Raise ValueError naming the problem unless `messages` is a non-empty list of
-    {"role": one of ROLES, "content": str} dicts."""
+    {"role": one of ROLES, "content": str} dicts that `template` renders: olmo3_instruct also takes
+    a `tool` role, `functions` (str) on system and user turns and `function_calls` (str) on
+    assistant turns, whose content may then be null."""
     if not isinstance(messages, list) or not messages:
         raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+    tools = template == INSTRUCT
+    roles = ROLES + ("tool",) if tools else ROLES
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f'message {i} must be an object with "role" and "content"')
-        if m["role"] not in ROLES:
-            raise ValueError(f"message {i} has role {m['role']!r}; the OLMo 3 template knows {', '.join(ROLES)}")
-        if not isinstance(m["content"], str):
+        if m["role"] not in roles:
+            raise ValueError(f"message {i} has role {m['role']!r}; the {template} template knows {', '.join(roles)}")
+        if m.get("tool_calls") is not None:
+            raise ValueError(f"message {i} carries tool_calls; write the calls as a function_calls string")
+        calls = m.get("function_calls")
+        if (m.get("functions") is not None or calls is not None) and not tools:
+            raise ValueError(f"message {i} carries functions / function_calls; only --template={INSTRUCT} "
+                             f"renders tool use (the {template} template's tool markers are not modelled here)")
+        for key in ("functions", "function_calls"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ValueError(f"message {i} {key} must be a string, got {type(m[key]).__name__}")
+        if calls is not None and m["role"] != "assistant":
+            raise ValueError(f"message {i} has function_calls on a {m['role']} turn; only assistant turns call functions")
+        if not isinstance(m["content"], str) and not (m["content"] is None and calls is not None):
             raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
-        if m.get("functions") is not None or m.get("function_calls") is not None:
-            raise ValueError(f"message {i} carries functions / function_calls; tool use is not rendered here")
 
 
 def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
@@ -125,25 +156,35 @@ def check_prepare_paths(input_path: str, out_dir: str, max_seq_length: int | Non
     atomic.check_directory(out, "--out_dir", out_dir)
 
 
-def pieces(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False,
+def pieces(messages: Sequence[dict], template: str = INSTRUCT, add_generation_prompt: bool = False,
            think: bool | None = None) -> list[Piece]:
     """The rendered conversation as special ids and text pieces (see the module docstring);
     the generation prompt ends with "<think>" when `think`, by default when the template's does."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown chat template {template!r}; choose one of {', '.join(TEMPLATES)}")
     think = template in THINK_PROMPT if think is None else think
+    tools = template == INSTRUCT
     out: list[Piece] = []
     if not any(m["role"] == "system" for m in messages):
-        out += [IM_START_ID, "system\n" + DEFAULT_SYSTEM[template], IM_END_ID, "\n"]
+        out += [IM_START_ID, "system\n" + DEFAULT_SYSTEM[template]]
+        out += [FUNCTIONS_ID, FUNCTIONS_END_ID] if tools else []
+        out += [IM_END_ID, "\n"]
     for i, m in enumerate(messages):
         role, content = m["role"], m["content"]
         if role == "system":
-            out += [IM_START_ID, "system\n" + content + SYSTEM_SUFFIX, IM_END_ID, "\n"]
+            out += [IM_START_ID, "system\n" + content]
+            if not tools:
+                out += [SYSTEM_SUFFIX]
+            elif m.get("functions") is not None:
+                out += [" ", FUNCTIONS_ID, m["functions"], FUNCTIONS_END_ID]
+            out += [IM_END_ID, "\n"]
         elif role == "assistant":
-            out += [IM_START_ID, "assistant\n" + content]
+            out += [IM_START_ID, "assistant\n" + (content or "")]
+            if m.get("function_calls") is not None:
+                out += [FUNCTION_CALLS_ID, m["function_calls"], FUNCTION_CALLS_END_ID]
             out += [EOS_ID] if i == len(messages) - 1 else [IM_END_ID, "\n"]
-        else:  # user, environment
-            out += [IM_START_ID, f"{role}\n{content}", IM_END_ID, "\n"]
+        else:  # user, environment (olmo3_instruct: tool as environment)
+            out += [IM_START_ID, f"{'environment' if role == 'tool' else role}\n{content}", IM_END_ID, "\n"]
     if add_generation_prompt:
         out += [IM_START_ID, "assistant\n" + (THINK if think else "")]
     return out
@@ -165,15 +206,15 @@ def encode_pieces(ps: Sequence[Piece]) -> list[int]:
     return ids
 
 
-def encode(messages: Sequence[dict], template: str = "olmo", add_generation_prompt: bool = False) -> list[int]:
+def encode(messages: Sequence[dict], template: str = INSTRUCT, add_generation_prompt: bool = False) -> list[int]:
     """Token ids of the rendered conversation, as the template renders it."""
     return encode_pieces(pieces(messages, template, add_generation_prompt))
 
 
-def encode_with_mask(messages: Sequence[dict], template: str = "olmo"
+def encode_with_mask(messages: Sequence[dict], template: str = INSTRUCT
                      ) -> tuple[UInt32[np.ndarray, " n"], Bool[np.ndarray, " n"]]:
     """(token ids uint32, label mask bool): open-instruct's SFT masking (module docstring)."""
-    check_messages(messages)
+    check_messages(messages, template)
     ids = encode(messages, template)
     mask = np.ones(len(ids), np.bool_)
     for i, m in enumerate(messages):
@@ -186,10 +227,10 @@ def encode_with_mask(messages: Sequence[dict], template: str = "olmo"
     return np.asarray(ids, np.uint32), mask
 
 
-def generation_prompt(messages: Sequence[dict], template: str = "olmo", think: bool | None = None) -> list[int]:
+def generation_prompt(messages: Sequence[dict], template: str = INSTRUCT, think: bool | None = None) -> list[int]:
     """Token ids that ask the model for the next assistant turn; "<think>" opens it when `think`,
     by default as the template does (olmo_thinker)."""
-    check_messages(messages)
+    check_messages(messages, template)
     return encode_pieces(pieces(messages, template, add_generation_prompt=True, think=think))
 
 

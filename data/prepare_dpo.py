@@ -25,13 +25,14 @@ from data.preference import write_pairs
 MAX_SEQ_LENGTH = 16_384  # open-instruct scripts/train/olmo3/7b_{think,instruct}_dpo.sh
 
 
-def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
-    """(chosen, rejected) message lists of a JSONL file; ValueError naming `path:line` on a bad line."""
+def read_pairs(path: str, template: str = chat.INSTRUCT) -> list[tuple[list[dict], list[dict]]]:
+    """(chosen, rejected) message lists of a JSONL file, each one `template` renders; ValueError
+    naming `path:line` on a bad line."""
     def parse(row):
         if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
             raise ValueError('expected an object with "chosen" and "rejected" message lists')
         for side in ("chosen", "rejected"):
-            chat.check_messages(row[side])
+            chat.check_messages(row[side], template)
             if row[side][-1]["role"] != "assistant":
                 raise ValueError(f"the last {side} message must be the assistant's response")
         return row["chosen"], row["rejected"]
@@ -39,11 +40,11 @@ def read_pairs(path: str) -> list[tuple[list[dict], list[dict]]]:
                                         '{"chosen": [{"role", "content"}, ...], "rejected": [...]}')
 
 
-def prepare_dpo(input_path: str, out_dir: str, template: str = "olmo", max_seq_length: int = MAX_SEQ_LENGTH) -> dict:
+def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, max_seq_length: int = MAX_SEQ_LENGTH) -> dict:
     """Render, truncate, filter and write into the new directory `out_dir` (a temporary sibling
     renamed into place: a failure leaves nothing); returns the manifest (data/preference.py)."""
     chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"chosen": [...], "rejected": [...]} lines')
-    rows = read_pairs(input_path)
+    rows = read_pairs(input_path, template)
     rendered = ((chat.encode_with_mask(c, template), chat.encode_with_mask(r, template)) for c, r in rows)
     from olmo3.checkpoint import new_directory
     with new_directory(out_dir, "DPO data") as tmp:
@@ -67,6 +68,6 @@ if __name__ == "__main__":
     from olmo3 import cli
     flags.DEFINE_string("input", None, 'JSONL: one {"chosen": [...], "rejected": [...]} per line', required=True)
     flags.DEFINE_string("out_dir", None, "directory for token_ids.npy, labels_mask.npy, pairs.json", required=True)
-    flags.DEFINE_enum("template", "olmo", list(chat.TEMPLATES), "open-instruct chat template")
+    flags.DEFINE_enum("template", chat.INSTRUCT, list(chat.TEMPLATES), "OLMo 3 chat template (data/chat.py)")
     flags.DEFINE_integer("max_seq_length", MAX_SEQ_LENGTH, "truncate each side to this many tokens")
     sys.exit(cli.run(main))

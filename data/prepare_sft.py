@@ -49,12 +49,12 @@ MAX_TOKENS_PER_PART = (1 << 30) // 4  # open-instruct write_memmap_chunked(max_s
 MANIFEST = "sft_manifest.json"
 
 
-def read_chats(path: str, require_answer: bool = True) -> list[list[dict]]:
-    """The "messages" lists of a JSONL file; ValueError naming `path:line` on a bad line.
-    `require_answer`: each must end with an assistant turn (training data)."""
+def read_chats(path: str, require_answer: bool = True, template: str = chat.INSTRUCT) -> list[list[dict]]:
+    """The "messages" lists of a JSONL file, each one `template` renders; ValueError naming
+    `path:line` on a bad line. `require_answer`: each must end with an assistant turn (training data)."""
     def parse(row):
         messages = row.get("messages") if isinstance(row, dict) else None
-        chat.check_messages(messages)
+        chat.check_messages(messages, template)
         if require_answer and messages[-1]["role"] != "assistant":
             raise ValueError("the last message must be the assistant's (a conversation is one "
                              "document ending in EOS)")
@@ -99,14 +99,14 @@ def write_parts(docs: list[tuple[np.ndarray, np.ndarray]], out_dir: str,
     return paths
 
 
-def prepare_sft(input_path: str, out_dir: str, template: str = "olmo",
+def prepare_sft(input_path: str, out_dir: str, template: str = chat.INSTRUCT,
                 max_tokens_per_part: int = MAX_TOKENS_PER_PART, max_seq_length: int | None = None) -> dict:
     """Render, mask and write `input_path` into the new directory `out_dir`; returns the manifest."""
     if template not in chat.TEMPLATES:
         raise ValueError(f"--template={template!r}: choose one of {', '.join(chat.TEMPLATES)}")
     chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"messages": [...]} lines')
     out_dir = os.path.abspath(out_dir)
-    kept, dropped = encode_chats(read_chats(input_path), template, max_seq_length)
+    kept, dropped = encode_chats(read_chats(input_path, template=template), template, max_seq_length)
     if not kept:
         raise ValueError(f"{input_path}: no conversation has an assistant token to train on"
                          + (f" within --max_seq_length={max_seq_length} tokens" if max_seq_length else ""))
@@ -155,7 +155,7 @@ if __name__ == "__main__":
     flags.DEFINE_string("input", None, 'JSONL: one {"messages": [{"role", "content"}, ...]} per line', required=True)
     flags.DEFINE_string("out_dir", None, "new directory for token_ids_part_*.npy / labels_mask_part_*.npy",
                         required=True)
-    flags.DEFINE_enum("template", "olmo", list(chat.TEMPLATES), "open-instruct chat template")
+    flags.DEFINE_enum("template", chat.INSTRUCT, list(chat.TEMPLATES), "OLMo 3 chat template (data/chat.py)")
     flags.DEFINE_integer("max_seq_length", None, "cut each rendered conversation to this many tokens, as "
                          "open-instruct's converter does (default: no cut; see the module docstring)")
     sys.exit(cli.run(main))

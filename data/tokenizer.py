@@ -33,9 +33,14 @@ CL100K_PAT_STR = (
 # OpenAI's cl100k_im). Plain text never becomes one: only data/chat.py places them.
 IM_START_ID = 100264
 IM_END_ID = 100265
+# The tool-use markers of the OLMo 3 chat tokenizer (allenai/olmo-3-tokenizer-instruct-dev, the
+# Olmo-3-7B-Instruct tokenizer): added tokens right after <|im_end|>, as a public OLMo-core-based
+# SFT exporter pins them against it. Only data/chat.py's olmo3_instruct template places them.
+FUNCTIONS_ID, FUNCTIONS_END_ID = 100266, 100267            # <functions>, </functions>
+FUNCTION_CALLS_ID, FUNCTION_CALLS_END_ID = 100268, 100269  # <function_calls>, </function_calls>
 
 # cl100k's own specials (tiktoken_ext/openai_public.py) plus dolma2's pad token
-# (allenai/dolma2-tokenizer tokenizer.json, added_tokens) and the instruct tokenizers' chat markers.
+# (allenai/dolma2-tokenizer tokenizer.json, added_tokens) and the instruct tokenizers' chat and tool markers.
 SPECIAL_TOKENS = {
     "<|endoftext|>": EOS_ID,
     "<|fim_prefix|>": 100258,
@@ -43,6 +48,10 @@ SPECIAL_TOKENS = {
     "<|fim_suffix|>": 100260,
     "<|im_start|>": IM_START_ID,
     "<|im_end|>": IM_END_ID,
+    "<functions>": FUNCTIONS_ID,
+    "</functions>": FUNCTIONS_END_ID,
+    "<function_calls>": FUNCTION_CALLS_ID,
+    "</function_calls>": FUNCTION_CALLS_END_ID,
     "<|endofprompt|>": 100276,
     "<|pad|>": PAD_ID,
 }

@@ -94,6 +94,55 @@ def test_template_system_and_generation_prompt():
     assert olmo_default[:3] == [IM_START] + text("system\nYou are OLMo")[:2]
 
 
+FUNCS, FUNCS_END, CALLS, CALLS_END = 100266, 100267, 100268, 100269
+
+
+def test_instruct_template_default_system_and_tool_use():
+    """olmo3_instruct, the OLMo 3 chat tokenizer's own template (AI2's 7B Instruct SFT / DPO data):
+    the model card's default system message with <functions></functions> as the tokenizer's added
+    tokens, a given system message as it is (no suffix), functions and function_calls between
+    their marker tokens, a tool turn as environment; hand-built ids and open-instruct's mask."""
+    tok = data.dolma2()
+    assert tok.encode("<functions></functions><function_calls></function_calls>", allowed_special="all") == \
+        [FUNCS, FUNCS_END, CALLS, CALLS_END]
+    assert tok.decode([FUNCS, CALLS_END]) == "<functions></function_calls>" and text("<functions>") != [FUNCS]
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    default = ([IM_START] + text("system\nYou are a helpful function-calling AI assistant. You do not currently "
+                                 "have access to any functions. ") + [FUNCS, FUNCS_END, IM_END, NL])
+    user = [IM_START] + text("user\nHi") + [IM_END, NL]
+    ids, m = chat.encode_with_mask(msgs)   # the default template
+    prompt = default + user + [IM_START, ASSISTANT, NL]
+    assert ids.tolist() == prompt + text("Hello!") + [EOS]
+    assert m.astype(int).tolist() == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+
+    given = [{"role": "system", "content": "Be brief."}] + msgs
+    assert chat.encode(given, "olmo3_instruct")[:len(text("system\nBe brief.")) + 3] == \
+        [IM_START] + text("system\nBe brief.") + [IM_END, NL]
+
+    tools = [{"role": "system", "content": "Be brief.", "functions": '[{"name": "f"}]'},
+             {"role": "user", "content": "Call f."},
+             {"role": "assistant", "content": None, "function_calls": "f()"},
+             {"role": "tool", "content": "42"},
+             {"role": "assistant", "content": "It is 42."}]
+    parts = [([IM_START] + text("system\nBe brief. ") + [FUNCS] + text('[{"name": "f"}]') + [FUNCS_END, IM_END, NL]
+              + [IM_START] + text("user\nCall f.") + [IM_END, NL] + [IM_START, ASSISTANT, NL], 0),
+             ([CALLS] + text("f()") + [CALLS_END, IM_END], 1), ([NL], 0),
+             ([IM_START] + text("environment\n42") + [IM_END, NL] + [IM_START, ASSISTANT, NL], 0),
+             (text("It is 42.") + [EOS], 1)]
+    ids, m = chat.encode_with_mask(tools, "olmo3_instruct")
+    assert ids.tolist() == [t for p, _ in parts for t in p]
+    assert m.astype(int).tolist() == [v for p, v in parts for _ in p]
+
+    with pytest.raises(ValueError, match="only --template=olmo3_instruct"):
+        chat.encode_with_mask(tools, "olmo")
+    with pytest.raises(ValueError, match="tool_calls"):
+        chat.encode_with_mask([{"role": "user", "content": "x"},
+                               {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]}])
+    with pytest.raises(ValueError, match="only assistant turns"):
+        chat.encode_with_mask([{"role": "user", "content": "x", "function_calls": "f()"},
+                               {"role": "assistant", "content": "y"}])
+
+
 @pytest.mark.parametrize("line,why", [
     ('{"messages": [}', "not a JSON object"),
     ('{"messages": []}', "non-empty list"),
