@@ -239,14 +239,7 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     # §2 Model. Stage 3 switches the full-attention layers to YaRN (factor 8 over 8192).
     # -----------------------------------------------------------------------------------------
-    overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
-                                            "head_dim", "mlp_hidden", "window", "attention", "remat",
-                                            "scan_layers", "float8", "param_dtype", "compute_dtype",
-                                            "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
-    use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")  # SFT/DPO keep stage 3's YaRN
-    if use_yarn:
-        overrides["yarn"] = olmo3.YaRN(factor=F.yarn_factor, original_max_position=F.yarn_original_max_position)
-    config = olmo3.Config.preset(F.model, **overrides)
+    config = model_config()
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds the model's max_position_embeddings="
                              f"{config.max_position_embeddings}")
@@ -579,6 +572,23 @@ def main(argv):
                             preemption.EXIT_STATUS)
         sys.exit(preemption.EXIT_STATUS)
 
+
+
+def model_config():
+    """The model: the --model preset with every model flag given as an override. Stage 3, SFT and
+    DPO switch the full-attention layers to YaRN; --yarn / --noyarn decide it explicitly, also
+    over a preset that has it (olmo3_7b_long)."""
+    import olmo3
+    overrides = {k: getattr(F, k) for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                            "head_dim", "mlp_hidden", "window", "attention", "remat",
+                                            "scan_layers", "float8", "param_dtype", "compute_dtype",
+                                            "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
+    use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")  # SFT/DPO keep stage 3's YaRN
+    if use_yarn:
+        overrides["yarn"] = olmo3.YaRN(factor=F.yarn_factor, original_max_position=F.yarn_original_max_position)
+    elif F.yarn is False:
+        overrides["yarn"] = None
+    return olmo3.Config.preset(F.model, **overrides)
 
 def report_saves(log, ckpt, paused: dict) -> None:
     """One line per checkpoint whose async save has finished: its time, and how long training waited."""

@@ -88,6 +88,28 @@ def test_tiny_chain_flags_follow_the_recipe():
         assert step in text
 
 
+def test_yarn_flags_decide_the_model_over_the_preset():
+    """stage3.flags' preset (olmo3_7b_long) has YaRN; --noyarn removes it, --yarn_factor changes it,
+    and stage 1 with the plain preset has none (train.model_config, the model train.py builds)."""
+    code = """
+import json, sys
+import train
+out = []
+for args in json.loads(sys.argv[1]):
+    train.F.unparse_flags()
+    train.F(["train.py", *args])
+    yarn = train.model_config().yarn
+    out.append(None if yarn is None else [yarn.factor, yarn.original_max_position])
+print(json.dumps(out))
+"""
+    cases = [["--flagfile=stage3.flags"], ["--flagfile=stage3.flags", "--noyarn"],
+             ["--flagfile=stage3.flags", "--yarn_factor=4"], ["--flagfile=stage1.flags"]]
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [[8.0, 8192], None, [4.0, 8192], None]
+
+
 def test_bucket_bounds():
     assert heldout.bucket_bounds(["0.25", "0.5", "1"], 1024) == (0, 256, 512, 1024)
     assert heldout.bucket_bounds([1], 64) == (0, 64)
