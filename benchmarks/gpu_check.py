@@ -18,16 +18,22 @@
 
 Why it is built this way: GPU time is scarce (a device check gets minutes), so everything is
 prepared to run unattended once. Each row runs under its own guard: an exception, a timeout or
-an out-of-memory in one row becomes that row's text and the other rows still run and print.
-The throughput rows run bench.py itself in a subprocess (its own process: a crash or OOM there
-cannot take the table down, and what is measured is exactly what bench.py measures). The exit
-status is 1 when a row failed or a kernel error is over its tolerance, else 0; rows that cannot
-run on this backend (cuDNN on a CPU) say so and do not fail.
+an out-of-memory in one row (one kernel case) becomes that row's text and the other rows still
+run and print. Every part runs in its own child process, one after the other, the kernel rows
+first: the throughput rows run bench.py itself (what is measured is exactly what bench.py
+measures), the kernel and cuDNN rows a child of this script that prints each row as it finishes,
+so a crash, an out-of-memory or a timeout costs only what had not finished, and no process holds
+GPU memory while the next one preallocates. When gpu_check.sh's timeout stops the run, the table
+of the rows that finished is still printed. The exit status is 1 when a row failed or a kernel
+error is over its tolerance (a NaN is over), else 0; rows that cannot run on this backend (cuDNN
+on a CPU) say so and do not fail.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -38,8 +44,11 @@ F = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: the kernel rows in Pallas interpret mode, "
                   "the bench rows with --attention=xla), ~1 minute.")
 flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, bench, stage3 (default: all).")
-flags.DEFINE_integer("row_timeout", 130, "Seconds each bench.py subprocess may run: 3 x 130 s + ~80 s of kernel and "
-                     "cuDNN rows stay inside gpu_check.sh's 475 s.")
+flags.DEFINE_integer("row_timeout", 130, "Seconds each part's subprocess may run (kernel, cudnn, each bench.py run); "
+                     "whatever finished when gpu_check.sh's 475 s run out is still printed as the table.")
+flags.DEFINE_bool("emit_rows", False, "Internal: this process is a part's child; print each row as a line for the parent.")
+ROW = "gpu_check-row "   # a child's row: this prefix, then the row as JSON
+ROWS_NOT_OK = 3           # a child's exit status when it finished but a row failed (1: it crashed)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Relative error tolerances of the kernel rows: bf16 inputs round q, k, v, p to 8 bits of
@@ -61,16 +70,15 @@ def guarded(rows: list, name: str, fn) -> None:
     for row in out:
         rows.append(row)
         print(f"[{time.perf_counter() - t:6.1f} s] {row[0]}: {row[1]} {row[2]}", file=sys.stderr, flush=True)
+        if F.emit_rows:   # at once: a row survives its process crashing or timing out later
+            print(ROW + json.dumps(row), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # kernel: the GPU kernel against the dense fp32 oracle, forward and gradients.
 # ---------------------------------------------------------------------------------------------
 def kernel_rows(smoke: bool) -> list:
-    import jax
     import jax.numpy as jnp
-
-    from olmo3.attention import attention, reference_attention
 
     H, KV, T, D, W = (4, 2, 256, 64, 64) if smoke else (32, 8, 4096, 128, 1024)
     blocks = {"block_q": 128, "block_kv": 128} if smoke else {}   # smoke: several blocks per row
@@ -82,33 +90,43 @@ def kernel_rows(smoke: bool) -> list:
     if smoke:
         cases = cases[2:]
     rows = []
-    for name, dtype, window, seg in cases:
-        kq, kk, kv_, kc = jax.random.split(jax.random.key(len(rows)), 4)
-        q = jax.random.normal(kq, (H, T, D), dtype)
-        k = jax.random.normal(kk, (KV, T, D), dtype)
-        v = jax.random.normal(kv_, (KV, T, D), dtype)
-        ct = jax.random.normal(kc, (H, T, D), jnp.float32)
-
-        def loss(q, k, v, fn):
-            out = fn(q, k, v)
-            return jnp.sum(out.astype(jnp.float32) * ct), out
-
-        kernel = lambda q, k, v: attention(q, k, v, window=window, segment_ids=seg,  # noqa: E731
-                                           impl="splash", **blocks)
-        oracle = lambda q, k, v: reference_attention(q, k, v, window=window, segment_ids=seg)  # noqa: E731
-        grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(*a, fn), argnums=(0, 1, 2), has_aux=True))  # noqa: E731
-        (dq, dk, dv), out = grad(kernel)(q, k, v)
-        with jax.default_matmul_precision("highest"):
-            f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-            (rq, rk, rv), ref = grad(oracle)(*f32)
-        errs = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
-                for n, a, b in (("out", out, ref), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv))}
-        ok = max(errs.values()) <= TOL[dtype]
-        gqa = f"{H}/{KV} heads" if H != KV else f"{H} heads"
-        rows.append((f"kernel {name}", "ok" if ok else f"OVER {TOL[dtype]:g}",
-                     " ".join(f"{n} {e:.1e}" for n, e in errs.items()) +
-                     f"; {dtype} {gqa} seq {T} hd {D}" + (f" window {window}" if window else ""), ok))
+    for i, (name, dtype, window, seg) in enumerate(cases):   # each case guarded: one failure ends only itself
+        guarded(rows, f"kernel {name}", lambda i=i, name=name, dtype=dtype, window=window, seg=seg: [
+            kernel_case(i, name, dtype, window, seg, (H, KV, T, D), blocks)])
     return rows
+
+
+def kernel_case(i: int, name: str, dtype: str, window, seg, shape: tuple, blocks: dict) -> tuple:
+    import jax
+    import jax.numpy as jnp
+
+    from olmo3.attention import attention, reference_attention
+    H, KV, T, D = shape
+    kq, kk, kv_, kc = jax.random.split(jax.random.key(i), 4)
+    q = jax.random.normal(kq, (H, T, D), dtype)
+    k = jax.random.normal(kk, (KV, T, D), dtype)
+    v = jax.random.normal(kv_, (KV, T, D), dtype)
+    ct = jax.random.normal(kc, (H, T, D), jnp.float32)
+
+    def loss(q, k, v, fn):
+        out = fn(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    kernel = lambda q, k, v: attention(q, k, v, window=window, segment_ids=seg,  # noqa: E731
+                                       impl="splash", **blocks)
+    oracle = lambda q, k, v: reference_attention(q, k, v, window=window, segment_ids=seg)  # noqa: E731
+    grad = lambda fn: jax.jit(jax.grad(lambda *a: loss(*a, fn), argnums=(0, 1, 2), has_aux=True))  # noqa: E731
+    (dq, dk, dv), out = grad(kernel)(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        (rq, rk, rv), ref = grad(oracle)(*f32)
+    errs = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+            for n, a, b in (("out", out, ref), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv))}
+    ok = all(e <= TOL[dtype] for e in errs.values())   # a NaN error fails (max() would skip it)
+    gqa = f"{H}/{KV} heads" if H != KV else f"{H} heads"
+    return (f"kernel {name}", "ok" if ok else f"OVER {TOL[dtype]:g}",
+            " ".join(f"{n} {e:.1e}" for n, e in errs.items()) +
+            f"; {dtype} {gqa} seq {T} hd {D}" + (f" window {window}" if window else ""), ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,37 +138,48 @@ def cudnn_rows(smoke: bool) -> list:
 
     import olmo3
 
+    rows = []
     if jax.default_backend() != "gpu":
-        return [("cudnn", "skipped", f"cuDNN needs an NVIDIA GPU (backend: {jax.default_backend()})", True)]
+        guarded(rows, "cudnn", lambda: [("cudnn", "skipped",
+                                         f"cuDNN needs an NVIDIA GPU (backend: {jax.default_backend()})", True)])
+        return rows
     T = 256 if smoke else 4096
     cfg = olmo3.Config.preset("tiny", d_model=512, n_layers=4, n_heads=8, n_kv_heads=8, head_dim=64,
                               mlp_hidden=1536, window=T // 4, max_position_embeddings=T,
                               param_dtype="float32", compute_dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(1), (T,), 0, cfg.vocab_size)
     docs = (jnp.arange(T) // (T // 3 + 7)).astype(jnp.int32)
-    rows = []
-    for name, seg in (("causal+window", None), ("window+docs", docs)):
+
+    def case(name, seg):
         logits = {}
         for impl in ("xla", "cudnn"):
             model = olmo3.OLMo3(cfg.replace(attention=impl), jax.random.key(0))   # same weights
             logits[impl] = jax.jit(lambda m, t: m(t, segment_ids=seg))(model, tokens)
         err = float(jnp.max(jnp.abs(logits["cudnn"] - logits["xla"])) / jnp.max(jnp.abs(logits["xla"])))
-        ok = err <= TOL["bfloat16"]
-        rows.append((f"cudnn {name}", "ok" if ok else f"OVER {TOL['bfloat16']:g}",
-                     f"logits {err:.1e} of max; bf16, 4 layers, seq {T}", ok))
+        ok = err <= TOL["bfloat16"]   # a NaN error fails
+        return [(f"cudnn {name}", "ok" if ok else f"OVER {TOL['bfloat16']:g}",
+                 f"logits {err:.1e} of max; bf16, 4 layers, seq {T}", ok)]
+
+    for name, seg in (("causal+window", None), ("window+docs", docs)):
+        guarded(rows, f"cudnn {name}", lambda name=name, seg=seg: case(name, seg))
     return rows
 
 
 # ---------------------------------------------------------------------------------------------
 # bench / stage3: bench.py in a subprocess, its printed figures parsed.
 # ---------------------------------------------------------------------------------------------
+def child_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+
+
 def run_bench(args: list[str], timeout: float) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     try:
         out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), *args], cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise TimeoutError(f"bench.py ran past {timeout:.0f} s") from None
+                             env=child_env(), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:   # its last line says how far it got
+        text = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        tail = [line for line in text.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+        raise TimeoutError(f"bench.py ran past {timeout:.0f} s; last line: {tail[0][:160]}") from None
     text = out.stdout + out.stderr
     if out.returncode != 0:
         tail = [line for line in text.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
@@ -205,6 +234,34 @@ def in_process(rows_fn, smoke: bool) -> list:
     return rows_fn(smoke)
 
 
+def child_rows(part: str, rows: list) -> None:
+    """Append the rows of one in-process part (kernel, cudnn), computed by a child process: the GPU
+    memory it took is freed when it exits, before bench.py's subprocesses preallocate theirs, and
+    each row it printed survives a later crash or timeout of that child, or a SIGTERM to us both
+    (its progress goes to our stderr)."""
+    cmd = [sys.executable, os.path.abspath(__file__), f"--only={part}", "--emit_rows", f"--row_timeout={F.row_timeout}"]
+    proc = subprocess.Popen(cmd + (["--smoke"] if F.smoke else []), cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, text=True)
+    failure = stopped = None
+    try:
+        text, _ = proc.communicate(timeout=F.row_timeout)
+        failure = None if proc.returncode in (0, ROWS_NOT_OK) else f"exit {proc.returncode}"
+    except (subprocess.TimeoutExpired, Terminated) as e:
+        proc.kill()
+        text, _ = proc.communicate()
+        failure, stopped = f"ran past {F.row_timeout} s", isinstance(e, Terminated) and e
+    new = [tuple(json.loads(line[len(ROW):])) for line in text.splitlines() if line.startswith(ROW)]
+    rows += new
+    if stopped:
+        raise stopped
+    if failure or not new:
+        rows.append((part, "FAILED", f"{failure or 'no rows'}; the rows before it finished (its log is above)", False))
+
+
+class Terminated(Exception):
+    """gpu_check.sh's timeout sent SIGTERM (to the whole process group: bench.py's child too)."""
+
+
 def main(argv):
     del argv
     from olmo3 import runtime
@@ -214,21 +271,38 @@ def main(argv):
     from olmo3 import metrics as metrics_lib
     t0 = time.perf_counter()
     rows: list = []
-    # bench.py's subprocesses first, while this process holds no GPU memory (each preallocates
-    # 90% of it, olmo3/runtime.py GPU_ENV); then this process's own small rows, allocating as
-    # they go.
-    parts = {"bench": [("bench splash", lambda: bench_rows(F.smoke, "splash")),
-                       ("bench cudnn", lambda: bench_rows(F.smoke, "cudnn"))],
+    # The kernel rows first: they are the check's point. Every part runs in a child process, one
+    # at a time, so this process never holds GPU memory while bench.py preallocates 90% of it
+    # (olmo3/runtime.py GPU_ENV); in a child (--emit_rows) the in-process parts run here.
+    here = {"kernel": lambda: in_process(kernel_rows, F.smoke), "cudnn": lambda: in_process(cudnn_rows, F.smoke)}
+    parts = {"kernel": [("kernel", None)], "cudnn": [("cudnn", None)],   # in a child: child_rows
              "stage3": [("stage3", lambda: stage3_rows(F.smoke))],
-             "kernel": [("kernel", lambda: in_process(kernel_rows, F.smoke))],
-             "cudnn": [("cudnn", lambda: in_process(cudnn_rows, F.smoke))]}
+             "bench": [("bench splash", lambda: bench_rows(F.smoke, "splash")),
+                       ("bench cudnn", lambda: bench_rows(F.smoke, "cudnn"))]}
     unknown = set(F.only or ()) - set(parts)
     if unknown:
         raise app.UsageError(f"--only={','.join(F.only)}: unknown part(s) {sorted(unknown)}; choose from {list(parts)}")
-    for part, runs in parts.items():
-        if F.only is None or part in F.only:
-            for name, fn in runs:
-                guarded(rows, name, fn)
+    if F.emit_rows:   # each row is guarded and printed for the parent as it finishes
+        for part in F.only or ():
+            if part in here:
+                rows += here[part]()
+        sys.exit(0 if all(ok for *_, ok in rows) else ROWS_NOT_OK)
+
+    def terminated(signum, frame):
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        for part, runs in parts.items():
+            if F.only is None or part in F.only:
+                for name, fn in runs:
+                    if part in here:   # its own rows are guarded in the child
+                        child_rows(part, rows)
+                    else:
+                        guarded(rows, name, fn)
+    except Terminated:
+        rows.append(("gpu_check", "STOPPED", f"SIGTERM after {time.perf_counter() - t0:.0f} s (gpu_check.sh's "
+                     "timeout): the parts after the rows above did not run", False))
     print(f"\ngpu_check on {metrics_lib.device_description()}, jax {jax.__version__}"
           f"{' (--smoke)' if F.smoke else ''}, {time.perf_counter() - t0:.0f} s\n")
     print("| check | result | figures |\n|---|---|---|")
