@@ -260,14 +260,26 @@ class Row:
 
 
 def rows(label: str, requests: list[dict], encode: Callable[[str], list[int]], max_length: int) -> list[Row]:
-    """Token rows of a task's requests (fast MC: one row per document, all its choices)."""
-    out = []
+    """Token rows of a task's requests (fast MC: one row per document, all its choices).
+
+    A document with a continuation longer than `max_length` tokens cannot be scored (the query
+    would start inside the continuation; AI2's OEEvalTask fails on it too): it is left out whole,
+    with a warning, and `downstream/<label>/n` counts only the documents scored."""
+    out, too_long = [], {}
     for r in requests:
         ctx, cont = encode(r["context"]), encode(r["continuation"])
         if not ctx or not cont:
             raise ValueError(f"{label}: document {r['doc_id']} has an empty context or continuation")
+        if len(cont) > max_length:
+            too_long[r["doc_id"]] = max(len(cont), too_long.get(r["doc_id"], 0))
         query = (ctx + cont[:-1])[-max_length:]
         out.append(Row(query, len(query) - len(cont) + 1, cont, None, [r]))
+    if too_long:
+        from absl import logging
+        logging.warning("%s: %d of %d documents have a continuation longer than the %d-token context (up to %d "
+                        "tokens); they are not scored", label, len(too_long), len({r["doc_id"] for r in requests}),
+                        max_length, max(too_long.values()))
+        out = [row for row in out if row.requests[0]["doc_id"] not in too_long]
     if not TASKS[label].fast_mc:
         return out
     by_doc: dict[int, list[Row]] = {}

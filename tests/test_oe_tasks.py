@@ -117,6 +117,24 @@ def test_metrics_equal_iclmetric(metric_type, fast_mc):
         assert ours[k] == pytest.approx(want[k], rel=2e-6, abs=1e-6), k
 
 
+def test_rows_leave_out_documents_whose_continuation_exceeds_the_context():
+    """A continuation longer than the context cannot be scored (it would start before the query):
+    its whole document is left out, not scored from a wrapped-around index; the others keep every
+    continuation token in the query at positions ctx_len - 1 + j."""
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731  one token per character
+    reqs = [{"doc_id": 0, "cont_id": 0, "label": 0, "context": "abcdef", "continuation": "xyz"},
+            {"doc_id": 1, "cont_id": 0, "label": 0, "context": "ab", "continuation": "0123456789"},
+            {"doc_id": 1, "cont_id": 1, "label": 0, "context": "ab", "continuation": "01"},
+            {"doc_id": 2, "cont_id": 0, "label": 0, "context": "q", "continuation": "12345678"}]
+    got = oe_tasks.rows("codex_humaneval_gold_bpb_0shot", reqs, encode, max_length=8)
+    assert [(r.requests[0]["doc_id"], r.requests[0]["cont_id"]) for r in got] == [(0, 0), (2, 0)]
+    for r in got:
+        assert r.ctx_len >= 1 and len(r.query) <= 8
+        assert r.query[r.ctx_len:] == r.continuation[:-1]   # the query ends with the continuation's inputs
+    b = oe_tasks._batch(got, 2, pad_id=0)
+    assert b["weights"].sum() == 3 + 8 and b["targets"][1, :8].tolist() == encode("12345678")
+
+
 # ---- end to end: a random Olmo3ForCausalLM through AI2's pipeline and through eval.py ------------
 @needs_wheel
 def test_end_to_end_against_torch_and_iclmetric(tmp_path):
