@@ -53,6 +53,9 @@ flags.DEFINE_string("eval_data_dir", None, "Where held-out token files are built
 flags.DEFINE_integer("eval_seq_len", 256, "Tokens per held-out instance.")
 flags.DEFINE_integer("eval_batch_size", 8, "Held-out instances per batch.")
 flags.DEFINE_integer("max_eval_batches", 4, "Held-out batches per domain (the same fixed batches every time).")
+flags.DEFINE_bool("doc_lengths", None, "Held-out loss with attention within the documents of each instance "
+                  "(eos-delimited), as a train.py run with --doc_lengths scores its own held-out batches; default: "
+                  "as the checkpoint's run did (stage 3 and SFT: on), off for a Hugging Face model.")
 flags.DEFINE_integer("kl_instances", 8, "Held-out instances per domain for token-level KL.")
 flags.DEFINE_list("position_buckets", [], "Held-out loss by position: the buckets' upper ends as fractions of "
                   "--eval_seq_len, e.g. 0.25,0.5,1 (stage 3's long-context evidence). Held-out documents are then "
@@ -157,13 +160,16 @@ def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) ->
     return paths
 
 
-def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int, batch_losses=None) -> dict:
+def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int, batch_losses=None,
+                   use_segments: bool = False) -> dict:
     """eval/<domain>/loss and /bpb per domain, plus token-weighted eval/all/loss and /bpb.
-    `batch_losses` (a list) receives every batch's mean loss, domain by domain (--compare's noise)."""
+    `batch_losses` (a list) receives every batch's mean loss, domain by domain (--compare's noise);
+    `use_segments`: attention within the documents of each instance (a --doc_lengths run's loss)."""
     lengths = heldout.token_byte_lengths(model.config.vocab_size)
     out, ce, tok, nbytes = {}, 0.0, 0.0, 0.0
     for domain, ds in sets.items():
-        r = heldout.heldout(model, ds, batch_size=batch_size, max_batches=max_batches, byte_lengths=lengths)
+        r = heldout.heldout(model, ds, batch_size=batch_size, max_batches=max_batches, byte_lengths=lengths,
+                            use_segments=use_segments)
         if batch_losses is not None:
             batch_losses += r["batch_losses"]
         out[f"eval/{domain}/loss"], out[f"eval/{domain}/bpb"] = r["loss"], r["bpb"]
@@ -317,7 +323,7 @@ def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
 def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train_loss_window=20, tol=0.0,
                  z=comparison.Z, kl_instances=8, batch_size=8, max_batches=4, num_fewshot=0, limit=None,
                  tokenizer=None, out_dir=None, compute_dtype="float32", olmo_tasks=(),
-                 max_length: Optional[int] = None) -> dict:
+                 max_length: Optional[int] = None, doc_lengths: Optional[bool] = None) -> dict:
     """Rows per common step, the overall verdict, and the report paths. `sets_fn(config)` gives
     the held-out sets (built once, identical for both runs).
 
@@ -333,12 +339,15 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
         check_same_architecture(run_a, run_b, step, step)
         ma, info = load.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype)
         context = context_length(info, max_length)
+        segments = doc_lengths if doc_lengths is not None else bool(info["doc_lengths"])   # as run A scored
         mb, _ = load.load_model(os.path.join(run_b, "checkpoints", str(step)), compute_dtype=compute_dtype)
         ta, tb = (comparison.train_loss_at(m, step, train_loss_window) for m in metrics)
         train_se = math.hypot(*(comparison.train_loss_se(m, step, train_loss_window) for m in metrics))
         la, lb = [], []
-        ha = heldout_report(ma, sets, batch_size=batch_size, max_batches=max_batches, batch_losses=la)
-        hb = heldout_report(mb, sets, batch_size=batch_size, max_batches=max_batches, batch_losses=lb)
+        ha = heldout_report(ma, sets, batch_size=batch_size, max_batches=max_batches, batch_losses=la,
+                            use_segments=segments)
+        hb = heldout_report(mb, sets, batch_size=batch_size, max_batches=max_batches, batch_losses=lb,
+                            use_segments=segments)
         heldout_se = comparison.paired_se(la, lb)
         band_t, band_g = comparison.bands(train_se, heldout_se, z, tol)
         row = {"step": step, "train_A": ta, "train_B": tb, "train_delta": tb - ta,
@@ -448,7 +457,7 @@ def main(argv):
             raise app.UsageError(f"--compare={','.join(F.compare)}: give exactly two run directories A,B")
         r = compare_runs(*F.compare, sets_fn=sets_fn, tasks=F.tasks, steps=F.steps,
                          train_loss_window=F.train_loss_window, tol=F.tol, z=F.z, kl_instances=F.kl_instances,
-                         olmo_tasks=F.olmo_tasks, max_length=F.max_length,
+                         olmo_tasks=F.olmo_tasks, max_length=F.max_length, doc_lengths=F.doc_lengths,
                          batch_size=F.eval_batch_size, max_batches=F.max_eval_batches, num_fewshot=F.num_fewshot,
                          limit=F.limit, out_dir=F.out or "eval_report", compute_dtype=F.compute_dtype)
         with open(r["paths"]["md"]) as f:
@@ -472,6 +481,7 @@ def main(argv):
             raise app.UsageError(f"--position_buckets: {e}") from None
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())
     max_length = context_length(info, F.max_length)
+    use_segments = F.doc_lengths if F.doc_lengths is not None else bool(info["doc_lengths"])
     if F.chat or F.chat_file:
         return chat_report(model, max_length)
     results = {"model": F.model, "step": info["step"]}
@@ -483,7 +493,8 @@ def main(argv):
                                        max_batches=F.max_eval_batches, rows=rows_a))
     else:
         sets = sets_fn(info["config"])
-        results.update(heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches))
+        results.update(heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches,
+                                      use_segments=use_segments))
     if F.tasks:
         results.update(downstream_report(model, F.tasks, num_fewshot=F.num_fewshot, limit=F.limit,
                                          max_length=max_length))
@@ -505,7 +516,8 @@ def main(argv):
                             max_batches=F.max_eval_batches, rows=rows_b)
             results.update(position_deltas(rows_a, rows_b))
         else:
-            hb = heldout_report(model_b, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches)
+            hb = heldout_report(model_b, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches,
+                                use_segments=use_segments)
             results.update({f"{k}_delta": hb[k] - results[k] for k in hb})
         if not F.position_buckets:  # KL reads fixed-length rows; padded documents carry padding
             results.update(kl_report(model, model_b, sets, F.kl_instances))

@@ -459,6 +459,7 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     def save(step, owed=()):
         extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
+                 "doc_lengths": bool(use_segments),
                  "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
         if F.stage == "dpo":   # the reference the cached log-probs belong to (checked on resume)
             extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}

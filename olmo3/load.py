@@ -22,11 +22,14 @@ from olmo3.model import OLMo3
 def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo3, dict]:
     """An OLMo3 from an HF directory (config.json + safetensors) or an Orbax checkpoint (a run
     directory, its checkpoints/ directory, or checkpoints/<N>). Returns (model, info), info holding
-    "kind", "step", "config" and "seq_len" (the run's training sequence length, when known). `overrides` change non-architecture fields (compute_dtype...)."""
+    "kind", "step", "config", "seq_len" (the run's training sequence length, when known) and
+    "doc_lengths" (whether the run attended within documents; None when unknown). `overrides`
+    change non-architecture fields (compute_dtype...)."""
     if hf.is_hf_dir(path):
         config = hf.read_hf_config(path, **overrides)
         model = hf.from_hf(hf.SafetensorsReader(path), config)
-        return model, {"kind": "hf", "path": path, "step": None, "config": config, "seq_len": None}
+        return model, {"kind": "hf", "path": path, "step": None, "config": config, "seq_len": None,
+                       "doc_lengths": None}
     run, located = checkpoint.locate(path)
     step = located if step is None else step
     mgr = checkpoint.CheckpointManager(run, read_only=True)
@@ -40,4 +43,13 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
     state, _ = mgr.restore(step, {"model": abstract})
     mgr.close()
     return state["model"], {"kind": "orbax", "path": run, "step": step, "config": config,
-                            "seq_len": (extra.get("loader") or {}).get("seq_len")}
+                            "seq_len": (extra.get("loader") or {}).get("seq_len"), "doc_lengths": doc_lengths(extra)}
+
+
+def doc_lengths(extra: dict) -> Optional[bool]:
+    """Whether the train.py run of this checkpoint's extra JSON attended within documents (its
+    --doc_lengths; before it was saved: on for stage 3 and SFT, train.py's default); None for a
+    checkpoint not written by train.py."""
+    if "doc_lengths" in extra:
+        return bool(extra["doc_lengths"])
+    return str(extra["stage"]) in ("3", "sft") if "stage" in extra else None

@@ -98,6 +98,27 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
     np.testing.assert_allclose(report["eval/all/loss"], ce / n, rtol=1e-5)
 
 
+def test_heldout_with_doc_lengths_equals_such_a_runs_training_loss(tmp_path):
+    """A run with --doc_lengths (stage 3, SFT) attends within eos-delimited documents; eval.py scores
+    its held-out windows the same way (load.doc_lengths reads it from the checkpoint's extra, the
+    stages that default to it when an older checkpoint did not save it), and that loss differs
+    from the unmasked one."""
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    rows = np.random.default_rng(2).integers(0, 500, size=(8, 33))
+    rows[:, [7, 20]] = data.EOS_ID % 512   # three documents per row
+    ds = data.FSLDataset(token_file(tmp_path / "h.npy", rows), 33, vocab_size=512, eos_id=data.EOS_ID % 512)
+    opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))
+    batch = {k: jnp.asarray(v) for k, v in data.get_batch(ds, 8, 0, 0).items() if k != "step"}
+    m0 = olmo3.OLMo3(CFG, jax.random.key(0))   # the step donates its model
+    _, _, metrics = make_train_step(opt, chunk=64, use_segments=True)(m0, opt.init(m0), batch)
+    masked = eval_script.heldout_report(model, {"a": ds}, batch_size=8, max_batches=1, use_segments=True)
+    plain = eval_script.heldout_report(model, {"a": ds}, batch_size=8, max_batches=1)
+    np.testing.assert_allclose(masked["eval/a/loss"], float(metrics["train/loss"]), rtol=1e-6)
+    assert abs(masked["eval/a/loss"] - plain["eval/a/loss"]) > 1e-4
+    assert [load.doc_lengths(e) for e in ({"stage": "3"}, {"stage": 1}, {"stage": "sft"}, {"stage": "3", "doc_lengths": False},
+                                          {"stage": "1", "doc_lengths": True}, {})] == [True, False, True, False, True, None]
+
+
 def test_heldout_on_padded_documents_scores_the_documents_only(tmp_path):
     """One whole document per row, padded (OLMo-core's NumpyPaddedFSLDataset): CE and bytes count
     each document's own next-token targets, never the padding (numpy oracle: each document alone)."""
