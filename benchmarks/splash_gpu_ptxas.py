@@ -57,8 +57,9 @@ def dump(folder):
         seg = jax.ShapeDtypeStruct((4096,), jnp.int32)
         fwd = lambda q, k, v, s: splash_gpu.splash_attention(q, k, v, window=1024, segment_ids=s)
         grad = jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
-        jax.export.export(jax.jit(grad), platforms=["cuda"], disabled_checks=[
-            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv, seg)
+        with splash_gpu.target_gpu("NVIDIA H100"):   # sm_90 (JAX >= 0.11 needs it named on a CPU host)
+            jax.export.export(jax.jit(grad), platforms=["cuda"], disabled_checks=[
+                jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv, seg)
         print(f"{state['tag']}: {state['n']} kernels written to {folder}")
 
 

@@ -85,6 +85,11 @@ inputs and head_dim 256 need it); the Triton lowering does not check SMEM at exp
 CUDA compile on the GPU would fail instead, so the estimate is tested here. fp32 inputs (CPU
 tests, not GPU training) compile too, with small dk/dv spills at head_dim 128.
 Interpret mode (`interpret=True`) runs the same kernels as plain JAX on any backend (CPU tests).
+
+Lowering for a GPU on a host without one (`jax.export(..., platforms=["cuda"])` on a CPU, the
+tests' check of the real target): from JAX 0.11 the Triton lowering asks the device for its
+compute capability and refuses without a GPU ("please specify an abstract GPU device");
+`with target_gpu():` names one (an H100 by default) through JAX's abstract mesh, on every JAX.
 """
 from __future__ import annotations
 
@@ -558,6 +563,15 @@ def kernels(heads: int, kv_heads: int, seq: int, head_dim: int, dtype, *,
         return unpad_q(dq), unpad_kv(dk), unpad_kv(dv)
 
     return forward, backward
+
+
+def target_gpu(device_kind: str = "NVIDIA H100"):
+    """Context manager: lower the kernels for this GPU where no GPU is attached (an export or AOT
+    compile for CUDA from a CPU host), via jax.sharding.use_abstract_mesh on a one-device abstract
+    mesh whose abstract device is `device_kind` (a name JAX's Pallas gpu_info knows: "NVIDIA H100",
+    "NVIDIA H200", "NVIDIA A100", ...)."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device))
 
 
 def splash_attention(
