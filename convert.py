@@ -442,6 +442,10 @@ def olmo_core_to_orbax(src: str, dst: str, *, step: int | None = None, param_dty
         got = reader.shape(f"model.{name}") if f"model.{name}" in reader.tensors else "missing"
         if got != want:
             raise ValueError(f"{dcp_dir}: tensor model.{name} is {got}, the model config ({config_from}) implies {want}")
+    extra_tensors = sorted(set(n for n in reader.tensors if n.startswith("model.")) - {f"model.{n[2]}" for n in names})
+    if extra_tensors:   # biases, attention sinks, gates: an architecture this model does not have
+        raise ValueError(f"{dcp_dir}: tensor(s) {extra_tensors[:4]}{' ...' if len(extra_tensors) > 4 else ''} are not "
+                         "part of an OLMo 3 model (no biases, sinks or gates); converting would drop them")
 
     def tree(key, dtype):  # our model's structure, each leaf read from the checkpoint when Orbax writes it
         def lazy(field, stacked, name, t):
@@ -498,7 +502,10 @@ def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
     """Our checkpoint as an OLMo-core one: <dst>/model_and_optim/ (DCP) + config.json +
     .metadata.json, loadable by OLMo-core's Checkpointer.load with load_trainer_state=False (its
     stage-2/3 scripts' setting; no train/ state is written). Adam moments and count go along when
-    the checkpoint holds them; parameters and moments are fp32 (OLMo-core's master weights)."""
+    the checkpoint holds them; parameters and moments are fp32 (OLMo-core's master weights).
+    A Trainer's load_path must name <dst>/model_and_optim: OLMo-core counts a directory as a
+    checkpoint when it holds `.metadata` itself or trainer state (Checkpointer.dir_is_checkpoint),
+    and <dst> holds neither, so a Trainer pointed at <dst> would train from scratch."""
     _import()
     run, step = checkpoint.locate(src)
     mgr = checkpoint.CheckpointManager(run, read_only=True)
@@ -507,6 +514,7 @@ def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
     if "model_config" not in extra:
         raise ValueError(f"{src}: checkpoint extra has no model_config (not written by train.py or convert.py)")
     config = config_from_dict(extra["model_config"])
+    model_config = olmo_core.config_to_olmo_core(config)   # what OLMo-core cannot build stops here, before writing
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     stored = mgr.stored_tensors(step)
     with_opt = "opt.count" in stored
@@ -549,7 +557,7 @@ def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
         with checkpoint.new_directory(dst, "OLMo-core checkpoint") as tmp:
             olmo_core.write_dist_checkpoint(os.path.join(tmp, olmo_core.MODEL_AND_OPTIM), specs, produce, groups)
             with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump({"model": olmo_core.config_to_olmo_core(config)}, f, indent=1)
+                json.dump({"model": model_config}, f, indent=1)
             with open(os.path.join(tmp, ".metadata.json"), "w") as f:
                 json.dump({"ephemeral": False}, f)
     finally:
@@ -639,6 +647,13 @@ def main(argv):
         raise app.UsageError("--from and --to must be one orbax: and one hf: or olmo-core:")
     atomic.check_directory(dst, "--to", F.to)   # every format is written to a temporary directory, then renamed
     cli.advise(disk_full=f"free space under {dst} (--to), then convert again")
+    if F.verify and "hf" in (src_kind, dst_kind):   # before converting, not after
+        try:
+            import torch  # noqa: F401
+            import transformers  # noqa: F401
+        except ImportError as e:
+            raise app.UsageError(f"--verify needs torch and transformers ({e}); pip install torch transformers, "
+                                 "or convert without --verify") from None
     t0 = time.time()
     if "olmo-core" in (src_kind, dst_kind):  # §4
         for name in ("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"):
@@ -652,6 +667,9 @@ def main(argv):
             config = orbax_to_olmo_core(src, dst)
         print(f"converted {src_kind}:{src} -> {dst_kind}:{dst}: {config.num_params():,} parameters in "
               f"{time.time() - t0:.1f} s, peak RSS {_peak_rss_gb():.2f} GB")
+        if dst_kind == "olmo-core":
+            print(f"OLMo-core: load_path={os.path.join(dst, olmo_core.MODEL_AND_OPTIM)}, load_trainer_state=False "
+                  f"(the model and optimizer state; {dst} itself holds no trainer state)")
         return
     if src_kind == "hf":
         if F.hf_vocab_size is not None:

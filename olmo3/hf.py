@@ -190,6 +190,15 @@ class SafetensorsReader(Mapping):
         files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path!r}; expected an HF model directory")
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):   # a sharded checkpoint: every shard its index names must be here
+            with open(index) as f:
+                shards = set(json.load(f).get("weight_map", {}).values())
+            missing = sorted(shards - set(files))
+            if missing:
+                raise FileNotFoundError(f"{index} names {len(shards)} shards, {len(missing)} missing from {path!r}: "
+                                        f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; "
+                                        "download them again")
         self._where: dict[str, tuple[str, np.dtype, tuple, int, int]] = {}
         for f in files:
             full = os.path.join(path, f)
@@ -277,8 +286,8 @@ class SafetensorsWriter:
 
 
 def _take(sd: Mapping, name: str, shape: tuple, transpose: bool) -> np.ndarray:
-    if name not in sd:
-        raise KeyError(f"HF checkpoint has no tensor {name!r}")
+    if name not in sd:   # ValueError: a user's input error (one line, exit 2)
+        raise ValueError(f"HF checkpoint has no tensor {name!r}; is the download complete?")
     a = _to_numpy(sd[name])
     want = shape[::-1] if transpose else shape
     if tuple(a.shape) != tuple(want):

@@ -230,6 +230,14 @@ def test_bad_inputs(tmp_path):
         convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o4"))
     with pytest.raises(FileExistsError):
         convert.orbax_to_hf(str(tmp_path / "o4"), str(tmp_path / "hf"))
+    # a sharded checkpoint missing a shard its index names: the shard is named, not a tensor
+    convert.orbax_to_hf(str(tmp_path / "o4"), str(tmp_path / "sharded"), shard_gb=1e-4)
+    shards = sorted(f for f in os.listdir(tmp_path / "sharded") if f.endswith(".safetensors"))
+    os.remove(tmp_path / "sharded" / shards[1])
+    with pytest.raises(FileNotFoundError, match=rf"{shards[1]}; download them again"):
+        hf.SafetensorsReader(str(tmp_path / "sharded"))
+    with pytest.raises(FileNotFoundError, match="1 missing"):
+        convert.hf_to_orbax(str(tmp_path / "sharded"), str(tmp_path / "o5"))
 
 
 # ---- slow -----------------------------------------------------------------------------------------

@@ -241,7 +241,11 @@ def test_back_to_olmo_core_loads_in_olmo_core_bit_exact(ref, tmp_path):
     cfg.block.sequence_mixer.backend = AttentionBackendName.torch  # the CPU backend; flash is OLMo-core's default
     assert cfg.num_params == R.olmo_core_config().num_params
     tm = R.train_module(cfg.build(init_device="cpu"), torch)
-    Checkpointer(work_dir=str(tmp_path / "work")).load(str(tmp_path / "back"), tm, load_trainer_state=False)
+    # The load_path README and convert.py name: a checkpoint to OLMo-core's Trainer (which
+    # skips a directory dir_is_checkpoint refuses: "No checkpoint found", training from scratch).
+    load_path = str(tmp_path / "back" / "model_and_optim")
+    assert Checkpointer.dir_is_checkpoint(load_path) and not Checkpointer.dir_is_checkpoint(str(tmp_path / "back"))
+    Checkpointer(work_dir=str(tmp_path / "work")).load(load_path, tm, load_trainer_state=False)
     got = R.numpy_state(tm)
     assert set(got) == set(ref["state"])
     for k, v in ref["state"].items():
@@ -405,6 +409,26 @@ def test_fsdp_sharded_checkpoint_reassembled(tmp_path):
         for name, a in ours_by_olmo_core_name(tree, L).items():
             np.testing.assert_array_equal(a, want[key.format(name)], err_msg=key.format(name))
     assert int(opt.count) == R.STEPS
+
+
+def test_tensors_outside_olmo3_are_refused_not_dropped(tmp_path):
+    """An OLMo-core checkpoint of a variant with parameters this model lacks (an lm_head bias):
+    the conversion names them and writes nothing, instead of converting without them."""
+    import olmo3
+    c = olmo3.Config.tiny(d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64,
+                          window=16, vocab_size=128)
+    shapes = {"embed": (128, 32), "lm_head": (128, 32), "q_proj": (32, 32), "k_proj": (32, 32), "v_proj": (32, 32),
+              "o_proj": (32, 32), "gate_proj": (64, 32), "up_proj": (64, 32), "down_proj": (32, 64)}
+    specs = {f"model.{name}": (shapes.get(field, (32,)), np.float32)
+             for field, _, name, _ in olmo_core.param_names(c.n_layers)}
+    specs["model.lm_head.w_out.bias"] = ((128,), np.float32)
+    src = tmp_path / "oc" / "step3"
+    olmo_core.write_dist_checkpoint(str(src / "model_and_optim"), specs,
+                                    lambda name: np.ones(specs[name][0], np.float32), {})
+    (src / "config.json").write_text(json.dumps({"model": olmo_core.config_to_olmo_core(c)}))
+    with pytest.raises(ValueError, match=r"model.lm_head.w_out.bias.*not part of an OLMo 3 model"):
+        convert.olmo_core_to_orbax(str(src), str(tmp_path / "orbax"), with_optimizer_state=False)
+    assert not os.path.exists(tmp_path / "orbax" / "checkpoints")
 
 
 def test_metadata_pickle_cannot_run_code(tmp_path):
