@@ -574,7 +574,6 @@ def main(argv):
         sys.exit(preemption.EXIT_STATUS)
 
 
-
 def model_config():
     """The model: the --model preset with every model flag given as an override. Stage 3, SFT and
     DPO switch the full-attention layers to YaRN; --yarn / --noyarn decide it explicitly, also
@@ -590,6 +589,7 @@ def model_config():
     elif F.yarn is False:
         overrides["yarn"] = None
     return olmo3.Config.preset(F.model, **overrides)
+
 
 def report_saves(log, ckpt, paused: dict) -> None:
     """One line per checkpoint whose async save has finished: its time, and how long training waited."""
