@@ -12,7 +12,10 @@ import pytest
 from olmo3 import runtime
 
 # Calls a jitted op with a 128 MB temporary (exp(x), the dot's operand) a few times, then counts
-# the minor page faults of one more call: glibc's default mmaps and unmaps such a block per call.
+# the minor page faults of five more calls and keeps the fewest: glibc's default mmaps and unmaps
+# such a block on every call; the tuned heap reuses it once it has settled (a call may still grow
+# it when the freed block was partly reused meanwhile: jaxlib 0.11's YNNPACK allocates exp(x)
+# itself, and 1 in 3 single calls faulted it all in again there, as 0.8.1's did on a busy CPU).
 PROBE = textwrap.dedent("""
     import json, os, resource, sys
     from olmo3 import runtime
@@ -24,9 +27,12 @@ PROBE = textwrap.dedent("""
     x, w = jnp.ones((16384, 2048), jnp.float32), jnp.ones((2048, 8), jnp.float32)
     for _ in range(3):
         f(x, w).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    f(x, w).block_until_ready()
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    per_call = []
+    for _ in range(5):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        f(x, w).block_until_ready()
+        per_call.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    faults = min(per_call)
     try:
         runtime.tune_cpu()
         late = "no error"
