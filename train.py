@@ -557,9 +557,10 @@ def main(argv):
             if stopped:
                 break
     finally:
+        with hang.phase("checkpoint save"):   # the last save's commit, bounded like every save
+            ckpt.wait()
         hang.close()
         notice.close()
-        ckpt.wait()
         report_saves(log, ckpt, paused)
         loader.close()
         log.close()

@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jaxtyping import PyTree
 
-from olmo3.cli import NonFiniteError, UserError
+from olmo3.cli import NonFiniteError, UserError, storage_error_kind
 
 CHECKPOINTS = "checkpoints"
 DELETED = ".deleted"   # under checkpoints/: old steps on their way out (keep-N)
@@ -55,9 +55,6 @@ class DamagedCheckpointError(UserError):
         self.step, self.file = step, file
 
 
-# Status codes of TensorStore / Orbax errors that a retry can cure (a flaky object store); any
-# other failure to read a complete checkpoint means its bytes are damaged.
-_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED", "CANCELLED")
 _JSON_FILES = ("_CHECKPOINT_METADATA", "extra/metadata", "state/_METADATA", "state/_sharding")
 
 
@@ -340,14 +337,17 @@ class CheckpointManager:
 
     @contextlib.contextmanager
     def _reading(self, step: int):
-        """Orbax reads of checkpoint `step`: a failure that is not transient becomes
-        DamagedCheckpointError naming the damaged file."""
+        """Orbax reads of checkpoint `step`: a failure that a retry may cure (a transient status
+        code anywhere in the exception's chain, a dropped connection, a stale network-filesystem
+        handle, an INTERNAL / UNKNOWN status: cli.storage_error_kind) propagates as it is (exit 1,
+        retried); any other becomes DamagedCheckpointError naming the damaged file, and resuming
+        moves that checkpoint aside. A flaky mount must never cost the checkpoints."""
         try:
             yield
         except (MissingTensorsError, UserError):
             raise
         except Exception as e:  # noqa: BLE001 -- classified here
-            if str(e).split(":", 1)[0].strip() in _TRANSIENT or isinstance(e, (ConnectionError, TimeoutError)):
+            if storage_error_kind(e):
                 raise
             where = os.path.join(self.directory, str(step))
             file = damaged_file(where, e)

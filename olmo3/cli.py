@@ -25,7 +25,9 @@ it they ran before, so fragmentation or a leak is more likely and a fresh proces
 Except in a program's first run after the first step (`first_run`: the first held-out or
 downstream evaluation): its shapes never fitted, and each rerun would train up to it and fail
 there again, so it is final too, with that program's advice. A full disk is final whenever it
-happens: someone has to free space first.
+happens: someone has to free space first. A storage error that a retry can cure (a status code
+like UNAVAILABLE or DEADLINE_EXCEEDED anywhere in the exception's chain, a stale NFS handle, a
+dropped connection: `storage_error_kind`) is retried whenever it happens, also while resuming.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import contextlib
 import errno
 import math
 import os
+import re
 import sys
 import traceback
 from typing import Any, Callable, Iterator, NoReturn
@@ -65,6 +68,39 @@ _oom_final = False              # an out-of-memory error came from a program's f
 _OUT_OF_MEMORY = ("out of memory", "ran out of memory", "attempting to allocate", "failed to allocate")
 # A full disk or quota as the OS says it; TensorStore (Orbax's writer) wraps it in a ValueError.
 _DISK_FULL = ("no space left on device", "disk quota exceeded")
+
+
+# Status codes (TensorStore, Orbax, gRPC, object stores) of a storage failure that a retry can
+# cure; Orbax re-raises an array read's failure as a plain Exception, its status in the cause.
+_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED", "RESOURCE_EXHAUSTED")
+_AMBIGUOUS = ("INTERNAL", "UNKNOWN")   # a bug or a hiccup: never evidence of damaged bytes
+_CODE = re.compile(r"\b(" + "|".join(_TRANSIENT + _AMBIGUOUS) + r")\b:")
+# A network filesystem or connection lost under us (NFS, Lustre, gcsfuse).
+_NETWORK_ERRNOS = {errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+                   errno.EHOSTUNREACH, errno.ENETUNREACH}
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def storage_error_kind(e: BaseException) -> str | None:
+    """"transient" when the exception or one in its chain is a storage failure a retry can cure
+    (a transient status code, a dropped connection, a stale network-filesystem handle),
+    "ambiguous" for an INTERNAL / UNKNOWN status (a bug or a hiccup, not damaged bytes), else None."""
+    kinds = set()
+    for link in _chain(e):
+        if isinstance(link, (ConnectionError, TimeoutError)) or (
+                isinstance(link, OSError) and link.errno in _NETWORK_ERRNOS):
+            return "transient"
+        kinds.update(m.group(1) for m in _CODE.finditer(str(link)))
+    if kinds & set(_TRANSIENT):
+        return "transient"
+    return "ambiguous" if kinds else None
 
 
 def finite(v: float | None) -> bool:
@@ -138,7 +174,8 @@ def exit_status(e: BaseException) -> int:
         return 1 if _running and not _oom_final else USER_ERROR
     if is_disk_full(e):
         return USER_ERROR
-    if _running and isinstance(e, OSError):
+    kind = storage_error_kind(e)
+    if kind == "transient" or (_running and (kind or isinstance(e, OSError))):
         return 1
     return USER_ERROR if isinstance(e, USER_ERRORS) else 1
 

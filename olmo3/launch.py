@@ -60,6 +60,9 @@ def newest_checkpoint(directory: str) -> Optional[int]:
         steps = [int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n))]
     except FileNotFoundError:
         return None
+    except OSError as e:   # a stale handle or I/O error on the shared filesystem: "unknown", not the end
+        print(f"[launch] cannot list {directory} ({e}); counting no checkpoint", file=sys.stderr, flush=True)
+        return None
     return max(steps, default=None)
 
 

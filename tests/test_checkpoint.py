@@ -105,6 +105,40 @@ def test_keep_last_n_and_async_save_is_safe_to_donate(tmp_path):
     assert mgr.read_extra(4) == {"step": 4}
 
 
+def test_transient_read_errors_keep_every_checkpoint(tmp_path, monkeypatch):
+    """A storage hiccup while resuming is not damage: Orbax re-raises an array read's failure as a
+    plain Exception with the TensorStore status in its cause; a transient one (UNAVAILABLE) ends
+    the resume as it is, retried (exit 1, also before the first step), and no checkpoint is moved
+    aside (it used to move every one aside and start again from step 0). A truncated file's
+    OUT_OF_RANGE still is damage: moved aside, the bytes kept."""
+    from olmo3 import cli
+    monkeypatch.setattr(cli, "_running", False)
+    mgr = CheckpointManager(str(tmp_path), keep=None, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"x": jnp.full((8,), float(step))}, {"step": step})
+    abstract = {"x": jax.ShapeDtypeStruct((8,), jnp.float32)}
+
+    def fail_with(status):
+        def restore(*args, **kwargs):
+            try:
+                raise ValueError(f"{status}: Error reading local file \"{tmp_path}/checkpoints/2/state/d/abc\"")
+            except ValueError as cause:
+                raise Exception("Encountered error while reading array index (0,).") from cause
+        monkeypatch.setattr(mgr._mgr, "restore", restore)
+
+    for status in ("UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL"):
+        fail_with(status)
+        with pytest.raises(Exception, match="Encountered error while reading") as e:
+            mgr.restore_intact(abstract)
+        assert mgr.all_steps() == [1, 2] and not os.path.exists(tmp_path / "damaged")
+        assert cli.exit_status(e.value) == 1
+    stale = OSError(116, "Stale file handle")
+    assert cli.storage_error_kind(stale) == "transient" and cli.exit_status(stale) == 1
+    fail_with("OUT_OF_RANGE")
+    assert mgr.restore_intact(abstract) == (None, None, {})
+    assert sorted(os.listdir(tmp_path / "damaged")) == ["1", "2"]
+
+
 @pytest.mark.parametrize("async_save", [True, False])
 def test_finished_saves_reports_each_save_once(tmp_path, async_save):
     """train.py prints "checkpoint N saved in S s" from this: every save, once, in order."""

@@ -88,6 +88,21 @@ def test_newest_checkpoint_lists_finished_saves_only(tmp_path):
     assert newest_checkpoint(str(tmp_path)) == 12
 
 
+
+def test_newest_checkpoint_survives_a_stale_handle(tmp_path, monkeypatch, capsys):
+    """An I/O error listing the shared run directory (ESTALE on NFS) counts as no checkpoint, so
+    the attempt counts as no progress and the loop goes on; it used to end the launcher (exit 1,
+    and srun --kill-on-bad-exit then ends the job)."""
+    import errno
+    import os
+
+    def stale(path):
+        raise OSError(errno.ESTALE, "Stale file handle", path)
+    monkeypatch.setattr(os, "listdir", stale)
+    assert newest_checkpoint(str(tmp_path)) is None
+    assert "Stale file handle" in capsys.readouterr().err
+
+
 def test_backoff_is_exponential_jittered_and_capped():
     rng = random.Random(1)
     for failures in range(1, 12):
