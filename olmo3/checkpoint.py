@@ -46,6 +46,11 @@ CHECKPOINTS = "checkpoints"
 DELETED = ".deleted"   # under checkpoints/: old steps on their way out (keep-N)
 
 
+class DamagedElsewhereError(RuntimeError):
+    """One process of several could not read its part of a checkpoint: it marked the step and
+    ends the attempt (exit 1, retried); every process of the rerun falls back past it."""
+
+
 class DamagedCheckpointError(UserError):
     """A complete checkpoint that does not read back: `.step`, `.file` (the damaged file, or the
     step directory when no single file can be named)."""
@@ -420,15 +425,39 @@ class CheckpointManager:
         does not read, and moved aside to `<run_dir>/damaged/<N>[-<time>]`, never deleted, so the
         next save of label N is possible and the bytes stay for inspection. `check_extra(extra)`
         runs before any array is read (train.py's config / stage / recipe-constant check): its
-        errors are the user's and end the resume."""
+        errors are the user's and end the resume.
+
+        Several processes: each reads the shard files it wrote, so damage may show on one process
+        only, while the others are past Orbax's restore barrier; a process cannot fall back alone.
+        It marks the step (`<run_dir>/damaged/pending-<N>`, on the shared run directory) and ends
+        (DamagedElsewhereError, exit 1: the others stop too, through JAX's heartbeat); the rerun
+        reads the marks first, on every process alike, and all skip and move aside those steps."""
+        steps = self.all_steps()
+        marked = {s for s in steps if os.path.exists(self._pending(s))}
+        if jax.process_count() > 1:   # every process has listed the same steps and marks before any acts
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("olmo3: restore_intact listed")
         damaged = []
         result = (None, None, {})
-        for step in reversed(self.all_steps()):
+        for step in reversed(steps):
+            if step in marked:
+                logging.warning("checkpoint %s/%d did not read back on another process at the last attempt; "
+                                "falling back to the previous checkpoint", self.directory, step)
+                damaged.append(step)
+                continue
             try:
                 if check_extra is not None:
                     check_extra(self.read_extra(step))
                 state, extra = self.restore(step, abstract_state)
             except DamagedCheckpointError as e:
+                if jax.process_count() > 1:
+                    from olmo3 import atomic
+                    os.makedirs(os.path.dirname(self._pending(step)), exist_ok=True)
+                    with atomic.replacing(self._pending(step)) as tmp, open(tmp, "w") as f:
+                        json.dump({"process": jax.process_index(), "error": str(e)}, f)
+                    raise DamagedElsewhereError(
+                        f"{e}; process {jax.process_index()} of {jax.process_count()} cannot fall back alone: the "
+                        f"step is marked ({self._pending(step)}) and every process of the rerun falls back") from e
                 logging.warning("%s; falling back to the previous checkpoint", e)
                 damaged.append(step)
                 continue
@@ -437,6 +466,9 @@ class CheckpointManager:
         for step in damaged:
             self._move_aside(step)
         return result
+
+    def _pending(self, step: int) -> str:
+        return os.path.join(os.path.dirname(self.directory), "damaged", f"pending-{step}")
 
     def _move_aside(self, step: int) -> None:
         """Rename a damaged step directory to <run_dir>/damaged/ (process 0; the others wait)."""
@@ -449,6 +481,8 @@ class CheckpointManager:
             if os.path.exists(dst):
                 dst = f"{dst}-{int(time.time())}"
             os.rename(src, dst)
+            if os.path.exists(self._pending(step)):
+                os.replace(self._pending(step), os.path.join(dst, "damaged_on_another_process.json"))
             logging.warning("moved damaged checkpoint %s aside to %s", src, dst)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"olmo3: damaged checkpoint {step} moved aside")

@@ -255,3 +255,80 @@ def test_sigkill_during_async_save_keeps_previous_checkpoint(tmp_path):
     assert not any(".orbax-checkpoint-tmp" in n for n in os.listdir(ckpts))
     assert mgr.all_steps() == [1, 2]
     assert json.dumps(mgr.read_extra(2)) == '{"step": 2}'
+
+
+TWO_PROCESSES = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    port, pid, run, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    from olmo3 import sharding
+    sharding.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    import jax, jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from olmo3.checkpoint import CheckpointManager
+    shd = NamedSharding(Mesh(np.array(jax.devices()), ("fsdp",)), P("fsdp"))
+    ckpt = CheckpointManager(run, keep=5, async_save=False)
+    if mode == "save":
+        for step in (1, 2):
+            w = np.random.default_rng(step).standard_normal(1 << 18).astype(np.float32) + step   # 1 MB: real shard files
+            ckpt.save(step, {"w": jax.make_array_from_callback(w.shape, shd, lambda i: w[i])}, {"step": step})
+        ckpt.wait()
+        print(json.dumps({"pid": pid}))
+    else:
+        step, state, _ = ckpt.restore_intact({"w": jax.ShapeDtypeStruct((1 << 18,), jnp.float32, sharding=shd)})
+        total = float(jnp.sum(state["w"]))   # a collective: both processes must have restored the same step
+        print(json.dumps({"pid": pid, "step": step, "total": total}))
+""")
+
+
+def test_damage_seen_by_one_process_is_every_processs_verdict(tmp_path):
+    """Two processes (2 devices each): a shard file written by process 1 is truncated, so only
+    process 1 cannot read checkpoint 2, while process 0 is past Orbax's restore barrier. Process 1
+    marks the step and exits 1 (before, it fell back alone and both hung in the next collective,
+    every rerun alike); process 0 is then ended (by JAX's heartbeat on a cluster, here by the
+    test). The rerun falls back to checkpoint 1 on both, and the damaged one is moved aside once."""
+    run = str(tmp_path / "run")
+
+    def start(mode):
+        port = str(_free_port())
+        return [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, port, str(pid), run, mode], text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(2)) for pid in (0, 1)]
+
+    def both(mode):
+        outs = []
+        for p in start(mode):
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+        return outs
+
+    both("save")
+    shard_dir = tmp_path / "run" / "checkpoints" / "2" / "state" / "ocdbt.process_1" / "d"
+    files = sorted(shard_dir.iterdir(), key=lambda f: f.stat().st_size)
+    with open(files[-1], "r+b") as f:   # the data file process 1 wrote
+        f.truncate(f.seek(0, 2) // 2)
+    import time
+    procs = start("restore")
+    pending = tmp_path / "run" / "damaged" / "pending-2"
+    deadline = time.time() + 240
+    while not pending.exists() and time.time() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    time.sleep(2)   # its error line; then its exit would wait minutes on JAX's shutdown barrier
+    for p in procs:   # a cluster's heartbeat (or the launcher) ends them; here the test does
+        p.kill()
+    err = procs[1].communicate()[1]
+    procs[0].communicate()
+    assert pending.exists() and "cannot fall back alone" in err, err[-3000:]
+    got = both("restore")
+    want = float((np.random.default_rng(1).standard_normal(1 << 18).astype(np.float32) + 1).sum())
+    assert [r["step"] for r in got] == [1, 1]
+    np.testing.assert_allclose([r["total"] for r in got], [want, want], rtol=1e-5)
+    assert sorted(os.listdir(tmp_path / "run" / "damaged")) == ["2"]
+    assert os.path.exists(tmp_path / "run" / "damaged" / "2" / "damaged_on_another_process.json")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
