@@ -179,5 +179,5 @@ def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="has shape .* config expects"):
         hf.from_hf(sd, wrong)
     sd.pop("model.layers.1.mlp.up_proj.weight")
-    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight.*download complete"):
         hf.from_hf(sd, hf.config_from_hf(cfg.to_dict()))
