@@ -160,6 +160,12 @@ def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) ->
     return paths
 
 
+def segments_for(info: dict, doc_lengths: Optional[bool]) -> bool:
+    """Whether held-out windows attend within documents: `doc_lengths` (--doc_lengths) when given,
+    else as the checkpoint's run scored its own (olmo3.load's info; off for an HF model)."""
+    return doc_lengths if doc_lengths is not None else bool(info["doc_lengths"])
+
+
 def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int, batch_losses=None,
                    use_segments: bool = False) -> dict:
     """eval/<domain>/loss and /bpb per domain, plus token-weighted eval/all/loss and /bpb.
@@ -339,7 +345,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
         check_same_architecture(run_a, run_b, step, step)
         ma, info = load.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype)
         context = context_length(info, max_length)
-        segments = doc_lengths if doc_lengths is not None else bool(info["doc_lengths"])   # as run A scored
+        segments = segments_for(info, doc_lengths)   # as run A scored
         mb, _ = load.load_model(os.path.join(run_b, "checkpoints", str(step)), compute_dtype=compute_dtype)
         ta, tb = (comparison.train_loss_at(m, step, train_loss_window) for m in metrics)
         train_se = math.hypot(*(comparison.train_loss_se(m, step, train_loss_window) for m in metrics))
@@ -481,7 +487,7 @@ def main(argv):
             raise app.UsageError(f"--position_buckets: {e}") from None
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())
     max_length = context_length(info, F.max_length)
-    use_segments = F.doc_lengths if F.doc_lengths is not None else bool(info["doc_lengths"])
+    use_segments = segments_for(info, F.doc_lengths)
     if F.chat or F.chat_file:
         return chat_report(model, max_length)
     results = {"model": F.model, "step": info["step"]}
