@@ -261,7 +261,13 @@ def main(argv):
     splits = resolve_data()
     if F.stage == "dpo":  # preference pairs, each side padded: row 2i chosen, 2i + 1 rejected (data/preference.py)
         train_set = data.PairDataset(F.data, F.seq_len)
-        dpo_heldout = {os.path.basename(os.path.normpath(d)): data.PairDataset(d, F.seq_len) for d in F.dpo_heldout}
+        dpo_heldout = {}   # logged as eval/<folder name>/...: two sets may not share a name
+        for d in F.dpo_heldout:
+            name = os.path.basename(os.path.normpath(d))
+            if name in dpo_heldout:
+                raise app.UsageError(f"--dpo_heldout: {dpo_heldout[name].directory} and {d} are both named {name!r} "
+                                     "(their metrics would be logged as one); give each set its own folder name")
+            dpo_heldout[name] = data.PairDataset(d, F.seq_len)
     elif F.packed:  # every process packs the same instances; process 0 first, filling the cache
         pack = lambda: data.PackedFSLDataset(  # noqa: E731
             splits["train"], F.seq_len, source_group_size=F.source_group_size,
@@ -366,11 +372,11 @@ def main(argv):
         logps_fn = dpo.make_logps_fn(mesh, sharding.param_specs(model, mesh), chunk=F.loss_chunk)
         pair_rows = 2 * -(-min(F.global_batch, 16) // n_devices) * n_devices   # held-out / reference batches
         ref_identity = extra["dpo"]["reference"] if loader_state is not None else reference.weights_identity(model)
-        ref_sums = {name: reference_logps(ds, path, ref_identity, model if loader_state is None else None,
-                                          lambda ds=ds: dpo.score_pairs(logps_fn, model, ds, pair_rows))
-                    for name, ds, path in [("train", train_set, F.reference_cache or reference.default_path(F.data))]
-                    + [(n, ds, reference.default_path(ds.directory)) for n, ds in dpo_heldout.items()]}
-        train_set.attach_reference(ref_sums["train"])
+        def ref_logps(ds, path):
+            return reference_logps(ds, path, ref_identity, model if loader_state is None else None,
+                                   lambda: dpo.score_pairs(logps_fn, model, ds, pair_rows))
+        train_set.attach_reference(ref_logps(train_set, F.reference_cache or reference.default_path(F.data)))
+        ref_sums = {name: ref_logps(ds, reference.default_path(ds.directory)) for name, ds in dpo_heldout.items()}
 
     if loader_state is not None:
         loader = data.Loader.from_state(train_set, loader_state, rank=rank, num_ranks=num_ranks,

@@ -86,6 +86,26 @@ def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
     assert p.returncode == 2 and "is missing" in p.stderr.strip().splitlines()[-1]
 
 
+def test_dpo_heldout_names(pairs, tmp_path):
+    """A held-out set in a folder named `train` is scored against its own reference log-probs and
+    leaves the training pairs' alone (step 1: policy == reference, loss log 2); two held-out sets
+    with one folder name would log as one: refused, one line, exit 2."""
+    from data.prepare_dpo import prepare_dpo
+    other = tmp_path / "other"
+    other.mkdir()
+    pair_jsonl(other / "pairs.jsonl", 8, seed=7)
+    prepare_dpo(str(other / "pairs.jsonl"), str(other / "train"), "olmo_thinker", max_seq_length=64)
+    a = tmp_path / "a"
+    run(["--max_steps=1", f"--dpo_heldout={other / 'train'}", "--eval_at_start"], a, pairs)
+    m = metrics(a)
+    assert m[1]["train/loss"] == pytest.approx(0.6931472, abs=1e-6) and m[1]["train/rewards/margin"] == 0.0
+    assert m[0]["eval/train/loss"] == pytest.approx(0.6931472, abs=1e-6)   # the held-out pairs, their own reference
+    p = run(["--max_steps=1", f"--dpo_heldout={other / 'train'},{pairs / 'train'}"], tmp_path / "b", pairs,
+            check=False)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "both named 'train'" in last and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
 _PARSE = """
 import json, sys
 import train
