@@ -136,8 +136,11 @@ def _read_int(path: str) -> int | None:
 
 
 def cgroup_memory() -> tuple[int, int] | None:
-    """(limit, usage) in bytes of this process's memory cgroup, v2 or v1, when it has a limit.
-    usage leaves out the inactive page cache, which the kernel reclaims before it kills."""
+    """(limit, usage) in bytes of this process's memory cgroup, v2 or v1, when it or a group
+    above it has a limit: the group with the least headroom, for the kernel enforces every
+    ancestor's limit (Slurm's cgroup v2 plugin limits job_N and step_N and runs the task in a
+    leaf, .../step_N/user/task_M, whose own memory.max is "max"). usage leaves out the inactive
+    page cache, which the kernel reclaims before it kills."""
     try:
         with open(PROC_CGROUP) as f:
             entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -145,28 +148,38 @@ def cgroup_memory() -> tuple[int, int] | None:
         return None
     for _, controllers, path in entries:
         if controllers == "":   # v2: one unified hierarchy
-            dirs, names = [CGROUP_ROOT + path, CGROUP_ROOT], ("memory.max", "memory.current", "inactive_file")
+            base, names = CGROUP_ROOT, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            base = os.path.join(CGROUP_ROOT, "memory")
-            dirs, names = [base + path, base], ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                 "total_inactive_file")
+            base, names = os.path.join(CGROUP_ROOT, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                                 "total_inactive_file")
         else:
             continue
-        for d in dirs:   # a cgroup namespace shows the process's own group at the mount's root
-            limit, usage = _read_int(os.path.join(d, names[0])), _read_int(os.path.join(d, names[1]))
-            if usage is None:
-                continue
-            if limit is None or limit >= _NO_LIMIT:
+        # The group and each group above it up to the mount's root (where a cgroup namespace
+        # shows the process's own group).
+        d, groups = os.path.normpath(base + "/" + path), []
+        while True:
+            groups.append(_group_memory(d, names))
+            if d == os.path.normpath(base) or not d.startswith(base):
                 break
-            inactive = 0
-            try:
-                with open(os.path.join(d, "memory.stat")) as f:
-                    stat = dict(line.split() for line in f if len(line.split()) == 2)
-                inactive = int(stat.get(names[2], 0))
-            except (OSError, ValueError):
-                pass
-            return limit, max(usage - inactive, 0)
+            d = os.path.dirname(d)
+        limited = [g for g in groups if g is not None]
+        return min(limited, key=lambda g: g[0] - g[1]) if limited else None
     return None
+
+
+def _group_memory(d: str, names: tuple[str, str, str]) -> tuple[int, int] | None:
+    """(limit, usage less inactive page cache) of cgroup directory `d`; None without a limit."""
+    limit, usage = _read_int(os.path.join(d, names[0])), _read_int(os.path.join(d, names[1]))
+    if usage is None or limit is None or limit >= _NO_LIMIT:
+        return None
+    inactive = 0
+    try:
+        with open(os.path.join(d, "memory.stat")) as f:
+            stat = dict(line.split() for line in f if len(line.split()) == 2)
+        inactive = int(stat.get(names[2], 0))
+    except (OSError, ValueError):
+        pass
+    return limit, max(usage - inactive, 0)
 
 
 def memory_budget() -> int:

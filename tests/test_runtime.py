@@ -156,6 +156,20 @@ def test_cgroup_v2_limit_and_usage(tmp_path, monkeypatch):
     assert runtime.available_bytes() <= 6 << 30
 
 
+def test_cgroup_v2_limit_of_an_ancestor(tmp_path, monkeypatch):
+    """Slurm's cgroup v2 layout: the job's limit sits on job_N, the task runs in a leaf whose
+    memory.max is "max"; the kernel enforces the job's, so the budget is the job's and the
+    headroom the group with the least (here the step: 6 of its 7 GiB used)."""
+    job = "system.slice/slurmstepd.scope/job_7"
+    _fake_cgroup(tmp_path, monkeypatch, f"0::/{job}/step_0/user/task_0", {
+        f"{job}/memory.max": str(8 << 30), f"{job}/memory.current": str(6 << 30),
+        f"{job}/step_0/memory.max": str(7 << 30), f"{job}/step_0/memory.current": str(6 << 30),
+        f"{job}/step_0/user/memory.max": "max\n", f"{job}/step_0/user/memory.current": str(6 << 30),
+        f"{job}/step_0/user/task_0/memory.max": "max\n", f"{job}/step_0/user/task_0/memory.current": str(5 << 30)})
+    assert runtime.cgroup_memory() == (7 << 30, 6 << 30)
+    assert runtime.memory_budget() <= 7 << 30 and runtime.available_bytes() <= 1 << 30
+
+
 def test_cgroup_v1_namespaced_and_unlimited(tmp_path, monkeypatch):
     # cgroup v1 inside a cgroup namespace: the group's own files sit at the mount's root.
     _fake_cgroup(tmp_path, monkeypatch, "4:memory:/docker/abc", {
