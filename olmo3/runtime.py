@@ -244,7 +244,7 @@ def tune_cpu(held_limit: int | None = None, reserve: int | None = None) -> list[
     if _backends_started():
         raise RuntimeError("olmo3.runtime.tune_cpu() must run before JAX starts a backend "
                            "(before the first jax.devices() or array op)")
-    user = {flag_name(t) for t in os.environ.get("XLA_FLAGS", "").split()}
+    user = {flag_name(t) for t in user_xla_flags()}
     # The dot library is one choice: a user who picks any of these libraries picks it whole.
     applied = [] if user & set(DOT_LIBRARY_FLAGS) else add_xla_flags([YNN_DOTS_ONLY])
     libc = _glibc() if sys.platform.startswith("linux") else None
@@ -335,11 +335,30 @@ def unknown_xla_flags(names: Iterable[str]) -> set[str]:
         return {n for n in names if table.find(n.encode() + b"\0") < 0}
 
 
+def user_xla_flags() -> list[str]:
+    """The user's XLA flags as XLA reads XLA_FLAGS: its value's tokens, or, when the value does
+    not start with '-', the tokens of the file it names (XLA's parse_flags_from_env.cc). A file
+    that cannot be read: [] (XLA itself then names it)."""
+    value = os.environ.get("XLA_FLAGS", "").strip()
+    if not value or value.startswith("-"):
+        return value.split()
+    try:
+        with open(value) as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
 def add_xla_flags(defaults: tuple[str, ...] | list[str]) -> list[str]:
     """Append to XLA_FLAGS each default whose flag the user has not set and the installed jaxlib
     knows; returns those added (and a note naming any left out). Flag by flag: a user's own
-    value for any one flag wins, the other defaults still apply."""
-    current = os.environ.get("XLA_FLAGS", "")
+    value for any one flag wins, the other defaults still apply. An XLA_FLAGS that names a file
+    of flags becomes that file's flags plus ours (appended to a file name, XLA would read the
+    whole value as one file name and stop the process); an unreadable one is left to XLA."""
+    value = os.environ.get("XLA_FLAGS", "").strip()
+    if value and not value.startswith("-") and not os.path.isfile(value):
+        return []
+    current = " ".join(user_xla_flags())
     user = {flag_name(t) for t in current.split() if t.startswith("-")}
     added = [f for f in defaults if flag_name(f) not in user]
     unknown = unknown_xla_flags({flag_name(f) for f in added})

@@ -39,7 +39,7 @@ PROBE = textwrap.dedent("""
     except RuntimeError as e:
         late = str(e)
     print(json.dumps({"applied": applied, "faults": faults, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                      "late": late}))
+                      "late": late, "devices": jax.device_count()}))
 """)
 
 
@@ -189,6 +189,21 @@ def test_user_xla_flags_win():
     user = "--xla_cpu_experimental_ynn_fusion_type= --xla_force_host_platform_device_count=2"
     out = probe("tune", XLA_FLAGS=user)
     assert out["xla_flags"] == user and runtime.YNN_DOTS_ONLY not in out["applied"]
+
+
+def test_xla_flags_naming_a_file(tmp_path):
+    """XLA_FLAGS that names a file of flags (XLA reads a value not starting with '-' as a file
+    name): the file's flags count as the user's, ours go beside them inline; appended to the
+    name, XLA would have stopped the process ('Could not open file'). A file XLA cannot open
+    is left for XLA to name."""
+    flagfile = tmp_path / "xla.flags"
+    flagfile.write_text("--xla_force_host_platform_device_count=2\n")
+    out = probe("tune", XLA_FLAGS=str(flagfile))
+    assert out["xla_flags"].split() == ["--xla_force_host_platform_device_count=2", runtime.YNN_DOTS_ONLY]
+    assert out["devices"] == 2
+    flagfile.write_text("--xla_cpu_experimental_ynn_fusion_type=\n")
+    out = probe("tune", XLA_FLAGS=str(flagfile))
+    assert out["xla_flags"] == str(flagfile) and out["applied"][0].startswith("malloc")   # the user's choice wins
 
 
 def test_user_dot_library_choice_wins_whole():
