@@ -60,17 +60,39 @@ def nominal_peak_tflops() -> Optional[float]:
     return found[0] if found else None
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo; DESIGN §7: name the CPU beside every CPU figure)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+# The instruction sets that decide a CPU's matmul speed (XLA's and torch's kernels pick by them).
+_CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_tile",      # x86 (Linux's names)
+                 "asimd", "sve", "sve2", "bf16", "i8mm", "sme")     # arm64
+
+
+def cpu_model(cpuinfo: Optional[str] = None) -> str:
+    """The CPU, named well enough to tell families apart (DESIGN §7: name the CPU beside every
+    CPU figure): /proc/cpuinfo's model name, which virtual machines often shorten to a brand
+    ('AMD EPYC', 'Intel(R) Xeon(R) Processor'), then its vendor's family and model numbers
+    (x86) or implementer and part (arm64), and the matmul-relevant instruction sets present,
+    e.g. 'AMD EPYC (family 25 model 17; avx2 avx512f avx512_bf16)'. `cpuinfo`: the file's
+    text (tests); elsewhere than Linux, the platform's processor name."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            import platform
+            return platform.processor() or platform.machine() or "unknown CPU"
+    first: dict[str, str] = {}
+    for line in cpuinfo.splitlines():   # the first processor's fields (all processors agree)
+        key, sep, value = line.partition(":")
+        if sep and key.strip() and key.strip() not in first:
+            first[key.strip()] = value.strip()
+    ids = (f"family {first['cpu family']} model {first['model']}" if "cpu family" in first and "model" in first
+           else f"implementer {first['CPU implementer']} part {first.get('CPU part', '?')}"
+           if "CPU implementer" in first else "")
+    flags = set((first.get("flags") or first.get("Features") or "").split())
+    features = " ".join(f for f in _CPU_FEATURES if f in flags)
     import platform
-    return platform.processor() or platform.machine() or "unknown CPU"
+    name = first.get("model name") or first.get("Model") or platform.machine() or "unknown CPU"
+    detail = "; ".join(p for p in (ids, features) if p)
+    return f"{name} ({detail})" if detail else name
 
 
 def device_description() -> str:

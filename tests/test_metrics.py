@@ -245,3 +245,22 @@ def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
         i += 12 + n + 4
     scalars = {(e.step, v.tag): v.simple_value for e in events for v in e.summary.value}
     assert scalars == {(7, "train/loss"): 2.5, (7, "perf/tokens_per_s"): 100.0}
+
+
+def test_cpu_model_tells_families_apart():
+    """Virtual machines shorten /proc/cpuinfo's model name to a brand; the family / model numbers
+    and the matmul instruction sets tell the CPUs that bench.py rows come from apart."""
+    from olmo3 import metrics
+    x86 = "processor\t: {p}\nvendor_id\t: {v}\ncpu family\t: {f}\nmodel\t\t: {m}\nmodel name\t: {n}\nflags\t\t: {fl}\n"
+    spr = x86.format(p=0, v="GenuineIntel", f=6, m=143, n="Intel(R) Xeon(R) Processor", fl="fpu avx2 avx512f amx_tile")
+    skx = x86.format(p=0, v="GenuineIntel", f=6, m=85, n="Intel(R) Xeon(R) Processor", fl="fpu avx2 avx512f")
+    zen3 = x86.format(p=0, v="AuthenticAMD", f=25, m=1, n="AMD EPYC", fl="fpu avx2")
+    zen5 = x86.format(p=0, v="AuthenticAMD", f=26, m=2, n="AMD EPYC", fl="fpu avx2 avx512f avx512_bf16")
+    assert metrics.cpu_model(spr + "\n" + spr.replace(": 0", ": 1", 1)) == \
+        "Intel(R) Xeon(R) Processor (family 6 model 143; avx2 avx512f amx_tile)"
+    assert metrics.cpu_model(skx) == "Intel(R) Xeon(R) Processor (family 6 model 85; avx2 avx512f)"
+    assert metrics.cpu_model(zen3) == "AMD EPYC (family 25 model 1; avx2)"
+    assert metrics.cpu_model(zen5) == "AMD EPYC (family 26 model 2; avx2 avx512f avx512_bf16)"
+    graviton3 = ("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n"
+                 "CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd40\nCPU revision\t: 1\n")
+    assert metrics.cpu_model(graviton3).endswith("(implementer 0x41 part 0xd40; asimd sve bf16 i8mm)")
