@@ -44,6 +44,7 @@ import tensorstore as ts
 from jaxtyping import UInt32
 
 from olmo3 import atomic
+from olmo3.cli import UserError
 
 DTYPE = np.uint32  # OLMo-core writes dolma2 token ids as headerless uint32
 ITEMSIZE = 4
@@ -58,7 +59,12 @@ class UnreachableError(RemoteFileError):
     """The data root does not answer (refused, unresolvable, timed out)."""
 
 
-class TruncatedFileError(RemoteFileError):
+class FinalRemoteError(RemoteFileError, UserError):
+    """A remote file that no retry will read (access denied, truncated, Range ignored): the
+    message names the URL and the fix; scripts end with exit status 2, never resubmitted."""
+
+
+class TruncatedFileError(FinalRemoteError):
     """The server holds fewer bytes than the recorded size: the file changed or was truncated."""
 
 
@@ -191,9 +197,9 @@ def _read_once(url: str, start: int, stop: int, timeout: float) -> bytes:
                 f"size manifest ({default_manifest_path()} unless you passed another) and restart.") from e
         code = str(e).split(":", 1)[0]
         if code in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
-            raise RemoteFileError(f"{url}: access denied ({e}); check credentials for this bucket") from e
+            raise FinalRemoteError(f"{url}: access denied ({e}); check credentials for this bucket") from e
         if code == "FAILED_PRECONDITION" and "ignored" in str(e):
-            raise RemoteFileError(f"{url}: the server ignores HTTP Range requests ({e}); token files "
+            raise FinalRemoteError(f"{url}: the server ignores HTTP Range requests ({e}); token files "
                                   "are read by byte range, so use a root (mirror) that supports them") from e
         raise
     if res.state == "missing":
@@ -221,12 +227,23 @@ def _head_size(url: str, timeout: float) -> int | None:
             n = r.headers.get("Content-Length")
             return int(n) if n is not None and r.headers.get("Content-Encoding", "identity") == "identity" else None
     except urllib.error.HTTPError as e:
-        if e.code in (404, 410):
-            raise FileNotFoundError(f"no token file at {url} (HTTP {e.code}). Check the mix name, "
-                                    "--data_root and --tokenizer.") from e
         if e.code in (405, 501):  # HEAD not allowed: fall back to range probing
             return None
-        raise
+        _http_error(url, e)
+
+
+def _http_error(url: str, e: urllib.error.HTTPError):
+    """Raise what an HTTP error status means for token file `url`: transient ones as they are
+    (retried), the rest naming the URL and the fix."""
+    if e.code in (404, 410):
+        raise FileNotFoundError(f"no token file at {url} (HTTP {e.code}). Check the mix name, "
+                                "--data_root and --tokenizer.") from e
+    if e.code in (401, 403):   # a private mirror or a missing credential: no retry helps
+        raise FinalRemoteError(f"{url}: access denied (HTTP {e.code} {e.reason}); check --data_root "
+                               "and the credentials the server wants") from e
+    if _is_transient(e):
+        raise e
+    raise RemoteFileError(f"{url}: HTTP {e.code} {e.reason}; check --data_root") from e
 
 
 _CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
@@ -241,15 +258,12 @@ def _range_total(url: str, start: int, timeout: float) -> int:
             status, content_range = r.status, r.headers.get("Content-Range", "")
             body = r.read(2) if status == 206 else b""
     except urllib.error.HTTPError as e:
-        if e.code in (404, 410):
-            raise FileNotFoundError(f"no token file at {url} (HTTP {e.code}). Check the mix name, "
-                                    "--data_root and --tokenizer.") from e
         if e.code != 416:
-            raise
+            _http_error(url, e)
         status, content_range, body = 416, e.headers.get("Content-Range", ""), b""
     m = _CONTENT_RANGE.fullmatch(content_range.strip())
     if status == 200:
-        raise RemoteFileError(f"{url}: the server ignores HTTP Range requests; token files are read by "
+        raise FinalRemoteError(f"{url}: the server ignores HTTP Range requests; token files are read by "
                               "byte range, so use a root (mirror) that supports them")
     if m is None or (status == 416 and start != 0):
         raise RemoteFileError(f"{url}: HTTP {status} with Content-Range {content_range!r} for bytes "

@@ -175,7 +175,11 @@ def exit_status(e: BaseException) -> int:
     if is_disk_full(e):
         return USER_ERROR
     kind = storage_error_kind(e)
-    if kind == "transient" or (_running and (kind or isinstance(e, OSError))):
+    if kind == "transient" or (_running and kind):
+        return 1
+    if isinstance(e, UserError):   # also an OSError that no retry can cure (data.storage.FinalRemoteError)
+        return USER_ERROR
+    if _running and isinstance(e, OSError):
         return 1
     return USER_ERROR if isinstance(e, USER_ERRORS) else 1
 

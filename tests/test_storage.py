@@ -32,8 +32,8 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
         kind = self.server.next_fault(self.command)
         if kind is None:
             return False
-        if kind == "503":
-            self.send_response(503)
+        if kind in ("503", "403"):
+            self.send_response(int(kind))
             self.send_header("Content-Length", "0")
             self.end_headers()
         elif kind == "drop":  # connection closed before any response
@@ -257,6 +257,28 @@ def test_file_truncated_on_server(tmp_path):
         # refresh=True takes the new size (3 instances now, 8 tokens left over).
         f = storage.open_token_files(urls[1:], refresh=True)[0]
         assert f.nbytes == 4 * (3 * SEQ + 2)
+
+
+def test_errors_no_retry_cures_end_with_status_2(tmp_path, monkeypatch):
+    """A truncated file and a root that refuses access (HTTP 403: a private mirror, a missing
+    credential) end a script with one line naming the URL and exit 2, also mid-run, where other
+    OSErrors are retried (exit 1): a resubmission would only meet them again."""
+    from olmo3 import cli
+    rel = _corpus(tmp_path, [6 * SEQ, 6 * SEQ], seed=5)
+    with RangeServer(tmp_path) as srv:
+        url, other = f"{srv.url}/{rel[0]}", f"{srv.url}/{rel[1]}"
+        ds = data.FSLDataset([url], SEQ)
+        with open(tmp_path / rel[0], "r+b") as fh:
+            fh.truncate(4 * SEQ)
+        with pytest.raises(storage.TruncatedFileError) as truncated:
+            ds[3]
+        srv.next_fault = lambda method: "403"
+        with pytest.raises(storage.FinalRemoteError, match=re.escape(other) + ".*HTTP 403.*--data_root") as denied:
+            data.FSLDataset([other], SEQ)   # its size never recorded: asked of the server
+    for running in (False, True):
+        monkeypatch.setattr(cli, "_running", running)
+        assert cli.exit_status(truncated.value) == cli.exit_status(denied.value) == 2
+        assert cli.exit_status(storage.RemoteFileError(f"reading {url} failed 10 times")) == 1
 
 
 def test_unreachable_root_fails_fast(tmp_path):
