@@ -43,6 +43,7 @@ TOKENIZER_DIRS = {
         "OLMo-longmino-mix-0625": "allenai/dolma3-tokenizer",
         "OLMo-longmino-mix-0925": "allenai/dolma3-tokenizer",
         "v3-small-ppl-validation": "dolma2-tokenizer",
+        "c4-ppl-validation": "dolma2-tokenizer",
         "code-fresh-ppl-validation": "dolma2-tokenizer",
         None: "allenai/dolma2-tokenizer",
     },

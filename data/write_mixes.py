@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 
-from absl import app, flags
+from absl import flags
 
 from data import mixes
 from olmo3 import atomic
@@ -90,4 +90,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from olmo3 import cli
+    cli.run(main)

@@ -120,10 +120,22 @@ def test_write_mixes_from_a_checkout(tmp_path):
     assert [u for _, u in mixes.resolve_mix("toy", "/r", mixes_dir=str(out))][-1] == \
         "/r/preprocessed/toy/allenai/dolma2-tokenizer/code/000000.npy"
     r = _write_mixes(f"--olmo_core={tmp_path / 'OLMo-core'}", "--mixes=broken", f"--out_dir={out}")
-    assert r.returncode != 0 and "broken.txt line 1" in r.stderr
+    assert r.returncode == 2 and "broken.txt line 1" in r.stderr and "Traceback" not in r.stderr
     assert not (out / "broken.txt").exists()
     r = _write_mixes(f"--olmo_core={tmp_path}", "--mixes=toy", f"--out_dir={out}")
-    assert r.returncode != 0 and "OLMo-core checkout" in r.stderr
+    assert r.returncode == 2 and "OLMo-core checkout" in r.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in r.stderr
+
+
+def test_every_installed_olmo_core_mix_resolves_as_olmo_core_builds_it():
+    """Each DataMix of the installed ai2-olmo-core (its own lists) against DataMix.build: the
+    same URLs and labels in the same order, tokenizer directory included."""
+    olmo_core_mixes = pytest.importorskip("olmo_core.data.mixes")
+    from olmo_core.data.tokenizer import TokenizerName
+    root = "https://olmo-data.org"
+    for mix in olmo_core_mixes.DataMix:
+        paths, labels = mix.build(root, TokenizerName.dolma2)
+        assert mixes.resolve_mix(mix.value, root, "dolma2") == list(zip(labels, paths)), mix.value
 
 
 # Sizes stated by OLMo-core's OLMo 3 README and the official scripts' mixes (see data/mixes.py).
