@@ -50,8 +50,6 @@ class FSLDataset:
         self.vocab_size, self.eos_id, self.pad_id = int(vocab_size), int(eos_id), int(pad_id)
         self._files = storage.open_token_files(paths)  # local memmaps and URLs: data/storage.py
         for k, f in enumerate(self._files):
-            if f.nbytes == 0:
-                raise ValueError(f"token file {f.path!r} is empty; rebuild it with `python -m data.prepare`")
             if f.nbytes % ITEMSIZE:
                 raise ValueError(
                     f"token file {f.path!r} has {f.nbytes} bytes, not a multiple of 4: it is truncated "
