@@ -91,13 +91,14 @@ THINK = "<think>"  # olmo_thinker's generation prompt ends with it (plain text i
 Piece = int | str  # a special token id placed by the template, or text to encode
 
 
-def check_messages(messages, template: str = INSTRUCT) -> None:
-    """Raise ValueError naming the problem unless `messages` is a non-empty list of
-    {"role": one of ROLES, "content": str} dicts that `template` renders: olmo3_instruct also takes
-    a `tool` role, `functions` (str) on system and user turns and `function_calls` (str) on
-    assistant turns, whose content may then be null."""
+def check_messages(messages, template: str = INSTRUCT, field: str = "messages") -> None:
+    """Raise ValueError naming the problem unless `messages` (the line's `field`) is a non-empty
+    list of {"role": one of ROLES, "content": str} dicts that `template` renders: olmo3_instruct
+    also takes a `tool` role, `functions` (str) on system and user turns and `function_calls`
+    (str) on assistant turns, whose content may then be null."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError('"messages" must be a non-empty list of {"role", "content"} objects')
+        raise ValueError(f'"{field}" must be a non-empty list of {{"role", "content"}} objects, '
+                         f'got {json.dumps(messages)[:40]}')
     tools = template == INSTRUCT
     roles = ROLES + ("tool",) if tools else ROLES
     for i, m in enumerate(messages):
@@ -124,8 +125,13 @@ def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
     """parse(row) of every non-empty line of a JSONL file. A bad line (not JSON, or `parse` raises
     ValueError) becomes one ValueError naming `path:line`, the problem and `what` a line must hold."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
+                                 f"{what}") from None
             if not line.strip():
                 continue
             try:

@@ -46,10 +46,16 @@ class PairDataset:
             raise FileNotFoundError(f"{manifest_path} does not exist: {self.directory!r} holds no prepared "
                                     "preference pairs; write them with `python -m data.prepare_dpo "
                                     f"--input=<pairs.jsonl> --out_dir={self.directory}`")
-        with open(manifest_path) as f:
-            self.manifest = json.load(f)
-        if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{manifest_path} is not a '{FORMAT}' manifest; rebuild with `python -m data.prepare_dpo`")
+        rebuild = f"rebuild {self.directory} with `python -m data.prepare_dpo`"
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                self.manifest = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{manifest_path} is damaged (not JSON: {e}); {rebuild}") from None
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT:
+            raise ValueError(f"{manifest_path} is not a '{FORMAT}' manifest; {rebuild}")
+        if not isinstance(self.manifest.get("lengths"), list):
+            raise ValueError(f"{manifest_path} has no list of pair lengths ('lengths'); {rebuild}")
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {seq_len}")
         self.seq_len, self.vocab_size = int(seq_len), int(vocab_size)

@@ -32,7 +32,7 @@ def read_pairs(path: str, template: str = chat.INSTRUCT) -> list[tuple[list[dict
         if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
             raise ValueError('expected an object with "chosen" and "rejected" message lists')
         for side in ("chosen", "rejected"):
-            chat.check_messages(row[side], template)
+            chat.check_messages(row[side], template, side)
             if row[side][-1]["role"] != "assistant":
                 raise ValueError(f"the last {side} message must be the assistant's response")
         return row["chosen"], row["rejected"]

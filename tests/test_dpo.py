@@ -1,6 +1,8 @@
 """DPO: the dpo_norm loss against a numpy transcription of open-instruct's formula, per-sequence
 log-probs and gradients against transformers' Olmo3ForCausalLM, the pair data set under the
 loader's exactly-once order, and the reference cache's fingerprint."""
+import re
+
 import numpy as np
 import pytest
 
@@ -282,3 +284,18 @@ def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path
     with pytest.raises(ValueError, match=r"bad.jsonl:2: .*rejected"):
         prepare_dpo(str(tmp_path / "bad.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=128)
     assert not (tmp_path / "out2").exists()
+    for line, why in ((json.dumps({**rows[0], "rejected": []}), r'bad.jsonl:2: "rejected" must be a non-empty list'),
+                      (json.dumps({**rows[0], "chosen": "7"}), r'bad.jsonl:2: "chosen" must be a non-empty list')):
+        (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + line + "\n")
+        with pytest.raises(ValueError, match=why):
+            prepare_dpo(str(tmp_path / "bad.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=128)
+    (tmp_path / "bad.jsonl").write_bytes((json.dumps(rows[0]) + "\n").encode() * 2 + b'{"chosen": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: not UTF-8 text"):
+        prepare_dpo(str(tmp_path / "bad.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=128)
+    # A damaged manifest of a prepared set: named, with the command that rebuilds it.
+    manifest = tmp_path / "out" / "pairs.json"
+    text = manifest.read_text()
+    for damaged in (text[:len(text) // 2], json.dumps({k: v for k, v in json.loads(text).items() if k != "lengths"})):
+        manifest.write_text(damaged)
+        with pytest.raises(ValueError, match=re.escape(str(manifest)) + ".*python -m data.prepare_dpo"):
+            PairDataset(tmp_path / "out", seq_len=128)
