@@ -34,8 +34,8 @@ flags.DEFINE_integer("save_interval", 1000, "Checkpoint every N steps (and at th
 flags.DEFINE_integer("keep_checkpoints", 3, "Keep the newest N checkpoints.")
 flags.DEFINE_integer("eval_interval", 1000, "Held-out loss every N steps (and at every checkpoint).")
 flags.DEFINE_integer("eval_batches", 4, "Held-out batches per domain per evaluation (at most a global batch of "
-                     "rows each); 0: every document (--eval_padded) or every whole batch, as OLMo-core's "
-                     "evaluators run a whole epoch of the validation set.")
+                     "rows each: the same instances on any number of devices); 0: every instance, as "
+                     "OLMo-core's evaluators run a whole epoch of the validation set.")
 flags.DEFINE_bool("eval_at_start", False, "Held-out loss of the starting model, logged as step 0 (SFT: the base "
                   "model on the held-out chats, the 'before' of the evidence).")
 # OLMo's in-loop downstream evaluation (OLMo-3-1025-7B-pretrain-1.py: the "fast" set every 10,000 steps).
@@ -404,13 +404,10 @@ def main(argv):
     eval_fn = sharding.make_eval_fn(mesh, specs, chunk=F.loss_chunk, use_segments=use_segments,
                                     micro_rows=rows_per_micro)
 
-    # (rows, batches) per domain: at most --eval_batches global batches; padded: every document that fits
+    # (rows, batches) per domain: at most --eval_batches global batches, every instance that fits;
+    # the instances evaluated never depend on the device count (data.eval_plan).
     eval_plans = {domain: data.eval_plan(len(ds), batches=F.eval_batches, global_batch=F.global_batch,
-                                         devices=row_groups, padded=F.eval_padded) for domain, ds in heldout.items()}
-    for domain, (rows, batches) in eval_plans.items():
-        if batches == 0:
-            logging.warning("Held-out domain %r has %d instances of %d tokens, fewer than the %d row groups "
-                            "(devices / context): not evaluated", domain, len(heldout[domain]), F.seq_len, row_groups)
+                                         devices=row_groups) for domain, ds in heldout.items()}
 
     def evaluate(model):
         """Mean held-out loss per domain on fixed batches (the same batches at every evaluation)."""
@@ -419,12 +416,9 @@ def main(argv):
             rows, batches = eval_plans[domain]
             ce = n = 0.0
             documents = 0
-            for b in range(batches):
-                if F.eval_padded:  # documents in file order
-                    batch = data.get_eval_batch(ds, rows, b, rank, num_ranks)
-                    documents += data.eval_batch_instances(len(ds), rows, b)
-                else:
-                    batch = data.get_batch(ds, rows, 0, b, rank, num_ranks)  # seed 0: a fixed order
+            for b in range(batches):   # padded: documents in file order; windows: seed-0 order
+                batch = data.get_eval_batch(ds, rows, b, rank, num_ranks)
+                documents += data.eval_batch_instances(len(ds), rows, b)
                 s, c = eval_fn(model, sharding.global_batch(batch, mesh))
                 ce, n = ce + float(s), n + float(c)
             if n:

@@ -17,7 +17,7 @@ from jaxtyping import Int32, Integer
 
 from data.dataset import FSLDataset
 from data.filters import repetition_mask
-from data.order import batch_indices, steps_per_epoch
+from data.order import _build_permutation, batch_indices, steps_per_epoch
 from data.packed import PackedFSLDataset, batch_fields
 from data.preference import PairDataset
 
@@ -66,23 +66,18 @@ def _rows(dataset, instances: list, repetition_filter: bool = False) -> dict:
     return out
 
 
-def eval_plan(num_instances: int, *, batches: int, global_batch: int, devices: int, padded: bool) -> tuple[int, int]:
+def eval_plan(num_instances: int, *, batches: int, global_batch: int, devices: int) -> tuple[int, int]:
     """(rows per batch, batches) of a held-out domain's evaluation: rows a multiple of `devices`,
     at most `global_batch`, at most `batches` batches (0: as many global batches as the domain
-    fills). Padded instances (get_eval_batch): every instance when they fit, a last partial batch
-    filled with label-masked rows, so no domain goes unevaluated. Fixed-length windows
-    (get_batch): whole batches only; a domain with fewer instances than devices gets none."""
-    if padded:
-        most = batches or max(1, -(-num_instances // global_batch))
-        rows = -(-num_instances // most)
-        rows = min(global_batch, -(-rows // devices) * devices)
-        return rows, min(most, -(-num_instances // rows))
-    if batches == 0:   # every whole batch
-        rows = min(global_batch, num_instances - num_instances % devices)
-        return rows, (num_instances // rows if rows else 0)
-    rows = min(global_batch, max(devices, num_instances // batches))
-    rows -= rows % devices
-    return rows, (min(batches, num_instances // rows) if rows else 0)
+    fills). Every instance when they fit (0: always), else the first `batches` x `global_batch`
+    of get_eval_batch's order; a last partial batch is filled with rows that count nothing. The
+    instances evaluated never depend on `devices`, so a domain's loss is the same number on any
+    number of devices (up to the order of float sums)."""
+    if num_instances < 1:
+        return 0, 0
+    most = batches or -(-num_instances // global_batch)
+    rows = min(global_batch, -(-(-(-num_instances // most)) // devices) * devices)
+    return rows, min(most, -(-num_instances // rows))
 
 
 def eval_batch_instances(num_instances: int, rows: int, batch: int) -> int:
@@ -91,17 +86,35 @@ def eval_batch_instances(num_instances: int, rows: int, batch: int) -> int:
     return max(0, min(rows, num_instances - batch * rows))
 
 
-def get_eval_batch(dataset: PackedFSLDataset, rows: int, batch: int, rank: int = 0, num_ranks: int = 1) -> dict:
+def get_eval_batch(dataset: FSLDataset | PackedFSLDataset, rows: int, batch: int, rank: int = 0,
+                   num_ranks: int = 1) -> dict:
     """Rank `rank`'s share of held-out batch `batch`: instances [batch * rows, (batch + 1) * rows)
-    in dataset order, rank r taking rows r, r + R, ... Rows past the end of the dataset are
-    filler whose label mask is all False, so a domain of any size fills whole device batches and
-    its loss counts exactly its own tokens."""
+    of the evaluation order, rank r taking rows r, r + R, ... The order: a padded (or packed)
+    set's documents in file order; fixed-length windows in the seed-0 order of the data loader's
+    first epoch, so a capped evaluation samples the whole domain. Rows past the end are filler
+    whose label mask is all False (a window's is all True), so a domain of any size fills whole
+    device batches and its loss counts exactly its own tokens."""
     if num_ranks < 1 or rows % num_ranks:
         raise ValueError(f"num_ranks={num_ranks} must divide rows={rows}")
+    n = len(dataset)
     idx = np.arange(batch * rows, (batch + 1) * rows)[rank::num_ranks]
-    filler = {"tokens": np.full(dataset.seq_len, dataset.pad_id, np.uint32),
-              "label_mask": np.zeros(dataset.seq_len, bool), "doc_lens": np.array([dataset.seq_len], np.int32)}
-    return _rows(dataset, [dataset[i] if i < len(dataset) else filler for i in idx])
+    if isinstance(dataset, PackedFSLDataset):
+        filler = {"tokens": np.full(dataset.seq_len, dataset.pad_id, np.uint32),
+                  "label_mask": np.zeros(dataset.seq_len, bool), "doc_lens": np.array([dataset.seq_len], np.int32)}
+        return _rows(dataset, [dataset[i] if i < n else filler for i in idx])
+    order = eval_order(n)
+    out = _rows(dataset, [dataset[int(order[i])] if i < n else np.full(dataset.seq_len, dataset.pad_id, np.uint32)
+                          for i in idx])
+    # A filler row's labels are masked (a masked instance would still count its tokens, as
+    # OLMo-core's repetition filter does); every real window's are all kept.
+    out["label_mask"] = np.repeat((idx < n)[:, None], dataset.seq_len, axis=1)
+    return out
+
+
+def eval_order(num_instances: int) -> np.ndarray:
+    """The held-out order of fixed-length windows: batch_indices' permutation for seed 0, epoch 0,
+    built apart from its cache (which holds the training set's)."""
+    return _build_permutation.__wrapped__(num_instances, 0, 0)
 
 
 class Loader:

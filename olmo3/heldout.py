@@ -71,21 +71,19 @@ def heldout(model: OLMo3, dataset, *, batch_size: int, max_batches: Optional[int
     """Held-out CE of fixed batches: {"ce_sum", "tokens", "bytes", "loss", "bpb", "batches",
     "batch_losses"} (the last: each batch's mean loss, for the noise of a two-run comparison).
 
-    The batches are `data.get_batch(dataset, batch_size, seed=0, step=b)`, the same fixed order
-    train.py's in-run evaluation reads, and the loss is olmo3.step.eval_loss, the training loss
-    function itself: eval.py's number on a checkpoint equals the run's own eval/<domain>/loss."""
+    The batches are `data.get_eval_batch(dataset, batch_size, b)`, the order train.py's in-run
+    evaluation reads (every instance, a last batch filled with rows that count nothing), and the
+    loss is olmo3.step.eval_loss, the training loss function itself: eval.py's number on a
+    checkpoint equals the run's own eval/<domain>/loss for the same instances."""
     import data
-    n = len(dataset) // batch_size
-    if n == 0:
-        raise ValueError(f"held-out set {dataset!r} has {len(dataset)} instances, fewer than one batch of "
-                         f"{batch_size}; lower --eval_batch_size")
+    n = -(-len(dataset) // batch_size)
     if max_batches is not None:
         n = min(n, max_batches)
     fn = _eval_fn(chunk, use_segments)
     ce = tokens = nbytes = 0.0
     per_batch = []
     for b in range(n):
-        rows = data.get_batch(dataset, batch_size, 0, b)
+        rows = data.get_eval_batch(dataset, batch_size, b)
         s, c = fn(model, _device_batch(rows))
         ce, tokens = ce + float(s), tokens + float(c)
         per_batch.append(float(s) / max(float(c), 1.0))
@@ -170,25 +168,21 @@ def by_position(model: OLMo3, dataset, bounds: tuple[int, ...], *, batch_size: i
     """Held-out CE per position bucket: {"bounds", "ce" [rows, K], "tokens" [rows, K], "bytes"
     [rows, K], "loss" [K], "se" [K], "bpb" [K]}. The rows are a padded dataset's documents in file
     order (each scored from its first token, so position = tokens of the same document before
-    it; data/padded.py), or a fixed-length dataset's fixed batches (seed 0, as `heldout`).
+    it; data/padded.py), or a fixed-length dataset's windows (seed-0 order, as `heldout`).
     `se` is each bucket's standard error over rows (`ratio_se`)."""
     import data
     if bounds[-1] != dataset.seq_len:
         raise ValueError(f"position buckets end at {bounds[-1]} but the held-out instances are "
                          f"{dataset.seq_len} tokens; the last bucket must end at the sequence length")
-    padded = isinstance(dataset, data.PackedFSLDataset)
-    n = -(-len(dataset) // batch_size) if padded else len(dataset) // batch_size
-    if n == 0:
-        raise ValueError(f"held-out set {dataset!r} has {len(dataset)} instances, fewer than one batch of "
-                         f"{batch_size}; lower --eval_batch_size")
+    n = -(-len(dataset) // batch_size)
     if max_batches is not None:
         n = min(n, max_batches)
     fn = _position_fn(tuple(bounds), chunk, use_segments)
     ce, tok, nbytes = [], [], []
     for b in range(n):
-        rows = data.get_eval_batch(dataset, batch_size, b) if padded else data.get_batch(dataset, batch_size, 0, b)
+        rows = data.get_eval_batch(dataset, batch_size, b)
         s, c = fn(model, _device_batch(rows))
-        keep = np.asarray(c).sum(1) > 0  # a padded set's filler rows count nothing
+        keep = np.asarray(c).sum(1) > 0  # filler rows count nothing
         ce.append(np.asarray(s, np.float64)[keep])
         tok.append(np.asarray(c, np.float64)[keep])
         if byte_lengths is not None:

@@ -228,25 +228,23 @@ def test_eval_batch_covers_a_small_domain(tmp_path, num_ranks):
 
 @pytest.mark.parametrize("n", [1, 3, 8, 31, 64, 65, 200])
 @pytest.mark.parametrize("eval_batches", [0, 1, 4])
-def test_eval_plan_reads_each_document_once(n, eval_batches):
-    """Padded held-out plans: rows a multiple of the devices, at most a global batch, at most
-    --eval_batches batches (0: as many as the domain fills, so every document); the batches of
-    get_eval_batch's rule then hold documents 0..k-1 once each, k = all that fit, and
-    eval_batch_instances counts them."""
-    devices, global_batch = 4, 16
-    rows, batches = data.eval_plan(n, batches=eval_batches, global_batch=global_batch, devices=devices, padded=True)
-    assert rows % devices == 0 and 0 < rows <= global_batch and (eval_batches == 0 or batches <= eval_batches)
-    seen = [i for b in range(batches) for r in range(devices)
-            for i in np.arange(b * rows, (b + 1) * rows)[r::devices] if i < n]   # get_eval_batch's rows
-    assert sorted(seen) == list(range(min(n, rows * batches)))
-    assert sum(data.eval_batch_instances(n, rows, b) for b in range(batches)) == len(seen)
-    if eval_batches == 0 or n <= eval_batches * global_batch:
-        assert len(seen) == n
-    fixed_rows, fixed_batches = data.eval_plan(n, batches=eval_batches, global_batch=global_batch, devices=devices,
-                                               padded=False)
-    assert fixed_rows % devices == 0 and fixed_rows <= global_batch and fixed_rows * fixed_batches <= n
-    if eval_batches == 0 and n >= devices:   # every whole batch
-        assert n - fixed_rows * fixed_batches < fixed_rows
+def test_eval_plan_reads_each_instance_once_on_any_device_count(n, eval_batches):
+    """Held-out plans: rows a multiple of the devices, at most a global batch, at most
+    --eval_batches batches (0: as many as the domain fills, so every instance); the batches of
+    get_eval_batch's rule then hold positions 0..k-1 of its order once each, k = all that fit,
+    eval_batch_instances counts them, and k is the same on 1, 2, 4 or 16 devices."""
+    global_batch, counts = 16, set()
+    for devices in (1, 2, 4, 16):
+        rows, batches = data.eval_plan(n, batches=eval_batches, global_batch=global_batch, devices=devices)
+        assert rows % devices == 0 and 0 < rows <= global_batch and (eval_batches == 0 or batches <= eval_batches)
+        seen = [i for b in range(batches) for r in range(devices)
+                for i in np.arange(b * rows, (b + 1) * rows)[r::devices] if i < n]   # get_eval_batch's rows
+        assert sorted(seen) == list(range(len(seen)))
+        assert sum(data.eval_batch_instances(n, rows, b) for b in range(batches)) == len(seen)
+        if eval_batches == 0 or n <= eval_batches * global_batch:
+            assert len(seen) == n
+        counts.add(len(seen))
+    assert len(counts) == 1
 
 
 def test_cache_shared_between_file_orders(tmp_path):

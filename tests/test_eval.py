@@ -404,6 +404,29 @@ def test_compare_with_olmo_tasks_beside_heldout(runs, monkeypatch):
     assert row["arc_easy_rc_5shot/bpb_v2_delta"] == 0.0
 
 
+def test_heldout_windows_same_instances_on_any_device_count(tmp_path):
+    """train.py's held-out loss of fixed-length windows (data.eval_plan + get_eval_batch under the
+    sharded eval_fn) counts the same instances on 1, 2 and 8 devices (it dropped a device-count-
+    dependent remainder), and equals eval.py's heldout() with another batch size: every one of
+    the 13 windows, filler rows counting nothing."""
+    from olmo3 import sharding
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    rng = np.random.default_rng(4)
+    ds = data.FSLDataset([token_file(tmp_path / "w.npy", rng.integers(0, 500, size=13 * 32 + 5))], 32,
+                         vocab_size=512, eos_id=510, pad_id=511)
+    got = []
+    for devices in (1, 2, 8):
+        mesh = sharding.make_mesh(f"fsdp:{devices}", jax.devices()[:devices])
+        eval_fn = sharding.make_eval_fn(mesh, sharding.param_specs(model, mesh), chunk=64)
+        rows, batches = data.eval_plan(len(ds), batches=0, global_batch=8, devices=devices)
+        sums = [eval_fn(model, sharding.global_batch(data.get_eval_batch(ds, rows, b), mesh)) for b in range(batches)]
+        got.append((sum(float(s) for s, _ in sums), sum(float(c) for _, c in sums)))
+    assert [c for _, c in got] == [13 * 31] * 3
+    for ce, _ in got[1:]:
+        assert ce == pytest.approx(got[0][0], rel=1e-5)
+    assert heldout.heldout(model, ds, batch_size=5)["loss"] == pytest.approx(got[0][0] / got[0][1], rel=1e-5)
+
+
 def test_olmo_core_ce_equals_olmo_cores_lm_evaluator(tmp_path):
     """train.py's eval/<domain>/olmo_core_ce on padded documents (--eval_padded) against OLMo-core's
     own LMEvaluator fed per-position losses from a numpy oracle: 8 documents in batches of 3 rows
