@@ -11,7 +11,10 @@ device (`olmo3.sharding.make_train_step`), donated state. FLOPs are counted two 
 full causal attention in every layer) and the sliding-window-aware count. MFU is reported
 against (a) the best square-matmul rate measured in this same run, same device and dtype --
 the honest ceiling on a CPU -- and (b) the vendor's nominal dense peak where one is known
-(olmo3/metrics.py). On a shared machine the two frameworks' steps are interleaved one by one,
+(olmo3/metrics.py). Per device on a GPU / TPU; on a CPU per host, since its host devices share
+the cores the one-device matmul already uses. The torch reference gets the same parameter and
+compute dtypes (autocast), document masks (--doc_len) and untimed steps, on the device ours uses.
+On a shared machine the two frameworks' steps are interleaved one by one,
 so background load hits both alike; compare the ratio, not the absolute numbers.
 
 The LAST line printed is machine-readable:
@@ -53,11 +56,13 @@ flags.DEFINE_integer("doc_len", None, "Documents of this many tokens per instanc
                      "(segment ids, stage 3's intra-document masking); default: one document per instance.")
 flags.DEFINE_integer("loss_chunk", 1024, "Tokens per chunk of the lm_head + cross entropy.")
 flags.DEFINE_string("mesh", None, "Device mesh, e.g. 'fsdp:8' (default: every device on fsdp).")
-flags.DEFINE_integer("warmup", 2, "Untimed steps (the first compiles).")
+flags.DEFINE_integer("warmup", 2, "Untimed steps per framework (the first compiles).")
 flags.DEFINE_integer("steps", 5, "Timed steps (per framework).")
 flags.DEFINE_integer("matmul_n", 2048, "Side of the square matmul whose rate is the measured peak.")
-flags.DEFINE_float("peak_tflops", None, "Nominal per-device peak TFLOP/s (default: olmo3/metrics.py table).")
-flags.DEFINE_bool("compare_torch", False, "Also time transformers' Olmo3ForCausalLM + torch AdamW.")
+flags.DEFINE_float("peak_tflops", None, "Nominal per-device peak TFLOP/s, on a CPU the host's "
+                   "(default: olmo3/metrics.py table).")
+flags.DEFINE_bool("compare_torch", False, "Also time transformers' Olmo3ForCausalLM + torch AdamW: same "
+                  "shapes, dtypes, document masks and device as ours (cuda when JAX computes on a GPU).")
 flags.DEFINE_enum("torch_attention", "auto", ["auto", "eager", "sdpa"],
                   "transformers attention; auto times one step of each and keeps the faster.")
 flags.DEFINE_integer("torch_threads", None, "torch.set_num_threads (default: the cores we may use).")
@@ -74,7 +79,7 @@ cli.require([
     ("loss_chunk", lambda v: v >= 1, ">= 1"),
     ("matmul_n", lambda v: v >= 1, ">= 1"),
     ("steps", lambda v: v >= 1, ">= 1"),
-    ("warmup", lambda v: v >= 0, ">= 0")])
+    ("warmup", lambda v: v >= 1, ">= 1 (the first step compiles: a timed one would time the compile)")])
 
 
 def cores() -> int:
@@ -91,6 +96,14 @@ def config_from_flags():
     if F.layer_pattern:
         overrides["layer_pattern"] = tuple(F.layer_pattern)
     return olmo3.Config.preset(F.model, **overrides)
+
+
+def segment_ids(batch: int, seq_len: int, doc_len):
+    """[batch, seq_len] document ids 0, 1, 2, ... of doc_len tokens (the last one shorter if need
+    be); all zeros without --doc_len. Both frameworks mask attention across them."""
+    import numpy as np
+    docs = np.arange(seq_len, dtype=np.int32) // (doc_len or seq_len)
+    return np.ascontiguousarray(np.broadcast_to(docs, (batch, seq_len)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,11 +128,8 @@ def build_ours(config, tokens_np):
     specs = sharding.param_specs(state[0], mesh)
     step_fn = sharding.make_train_step(optimizer, mesh, specs, microbatches=microbatches,
                                        chunk=F.loss_chunk, use_segments=F.doc_len is not None)
-    segment_ids = np.zeros_like(tokens_np)
-    if F.doc_len:   # documents 0, 1, 2, ... of doc_len tokens; the last one shorter if need be
-        segment_ids += (np.arange(F.seq_len, dtype=np.int32) // F.doc_len)[None]
     batch = sharding.global_batch({"tokens": tokens_np, "instance_mask": np.ones(F.batch, bool),
-                                   "segment_ids": segment_ids}, mesh)
+                                   "segment_ids": segment_ids(*tokens_np.shape, F.doc_len)}, mesh)
     holder = {"state": state}
 
     def run_step():
@@ -135,12 +145,42 @@ def build_ours(config, tokens_np):
 
 
 # ---------------------------------------------------------------------------------------------
-# The reference: transformers' Olmo3ForCausalLM + torch.optim.AdamW, same shapes and hyperparameters.
+# The reference: transformers' Olmo3ForCausalLM + torch.optim.AdamW, same shapes and hyperparameters,
+# same parameter and compute dtypes, same document masks, on the device ours computes on.
 # ---------------------------------------------------------------------------------------------
-def build_torch(config, tokens_np, attn_impl: str):
+def torch_device() -> str:
+    """Where the reference computes: "cuda" when JAX computes on a GPU and torch can reach it
+    (NVIDIA or ROCm), else "cpu". The matmul peak both MFUs divide by is measured on JAX's device."""
+    import jax
+    import torch
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def torch_document_masks(config, segment_ids_np, attn_impl: str, device: str, dtype) -> dict:
+    """Our attention masks as transformers' Olmo3Model takes them ready-made (a dict of 4-D masks
+    [batch, 1, q, kv] by layer type, used as given): causal, transformers' sliding window
+    (`kv > q - sliding_window`) and same document. sdpa takes them boolean (True: attend), eager
+    added to the scores (0 or the dtype's min)."""
+    import torch
+    seg = torch.from_numpy(segment_ids_np).to(device)
+    q = torch.arange(seg.shape[1], device=device)[:, None]           # (T, 1)
+    kv = q.T                                                         # (1, T)
+    full = (kv <= q) & (seg[:, None, :, None] == seg[:, None, None, :])   # (B, 1, T, T)
+    masks = {"full_attention": full, "sliding_attention": full & (kv > q - config.window)}
+    if attn_impl == "eager":
+        masks = {k: torch.zeros(m.shape, dtype=dtype, device=device).masked_fill(~m, torch.finfo(dtype).min)
+                 for k, m in masks.items()}
+    return masks
+
+
+def build_torch(config, tokens_np, attn_impl: str, device: str | None = None):
+    import contextlib
+
     import torch
     import transformers
 
+    device = device or torch_device()
+    param_dtype, compute_dtype = getattr(torch, config.param_dtype), getattr(torch, config.compute_dtype)
     torch.manual_seed(0)
     hf_cfg = transformers.Olmo3Config(
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.mlp_hidden,
@@ -151,24 +191,36 @@ def build_torch(config, tokens_np, attn_impl: str):
         layer_types=[t + "_attention" for t in config.layer_types()],
         pad_token_id=None, eos_token_id=None, tie_word_embeddings=False,
         attn_implementation=attn_impl)
-    model = transformers.Olmo3ForCausalLM(hf_cfg).float().train()
+    model = transformers.Olmo3ForCausalLM(hf_cfg).to(device=device, dtype=param_dtype).train()
     if config.float8:   # as OLMo-core's stage 3 converts it: torchao on every linear but the LM head
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        emulate = device != "cuda"   # float8 GEMMs need a GPU; emulated (upcast) elsewhere
         convert_to_float8_training(
-            model, config=Float8LinearConfig(round_scales_to_power_of_2=True, emulate=not torch.cuda.is_available()),
+            model, config=Float8LinearConfig(round_scales_to_power_of_2=True, emulate=emulate),
             module_filter_fn=lambda m, fqn: fqn != "lm_head" and all(d % 16 == 0 for d in m.weight.shape))
         n = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-        print(f"torch: torchao Float8Linear on {n} linears{'' if torch.cuda.is_available() else ' (emulated)'}")
+        print(f"torch: torchao Float8Linear on {n} linears{' (emulated)' if emulate else ''}")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    tokens = torch.from_numpy(tokens_np).long()
+    tokens = torch.from_numpy(tokens_np).long().to(device)
+    inputs = {"input_ids": tokens, "labels": tokens}
+    if F.doc_len:
+        inputs["attention_mask"] = torch_document_masks(
+            config, segment_ids(*tokens_np.shape, F.doc_len), attn_impl, device, compute_dtype)
+    # Parameters in the parameter dtype; the forward in the compute dtype where it is lower (the
+    # backward follows the forward's dtypes), as ours casts the weights per layer.
+
+    def autocast():
+        return (torch.autocast(device_type=device, dtype=compute_dtype) if compute_dtype != param_dtype
+                else contextlib.nullcontext())
 
     def run_step():
-        loss = model(input_ids=tokens, labels=tokens).loss   # shifted CE, mean over tokens
+        with autocast():
+            loss = model(**inputs).loss   # shifted CE, mean over tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.item()
+        return loss.item()   # waits for the step (on cuda too)
 
     return run_step
 
@@ -186,6 +238,8 @@ def timed(fn) -> tuple[float, float]:
 
 def main(argv):
     del argv
+    if F.compare_torch:   # torch may share the GPU: JAX takes memory as it needs it, not 90% up front
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
     tuned = ((runtime.tune_cpu() if F.tune_cpu else [])
@@ -204,11 +258,17 @@ def main(argv):
                              f"{config.max_position_embeddings} of --model={F.model}")
     if F.doc_len is not None and F.doc_len < 1:
         raise app.UsageError(f"--doc_len={F.doc_len} must be >= 1")
+    if F.compare_torch and (config.param_dtype, config.compute_dtype) == ("bfloat16", "float32"):
+        raise app.UsageError("--compare_torch with --param_dtype=bfloat16 --compute_dtype=float32: torch's "
+                             "autocast only lowers precision, so its reference cannot compute wider than its "
+                             "parameters; give --compute_dtype=bfloat16 or --param_dtype=float32")
     tokens_np = np.random.default_rng(0).integers(0, config.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
     tokens_per_step = F.batch * F.seq_len
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
     device = jax.devices()[0]
-    cpu = f" ({metrics_lib.cpu_model()})" if device.platform == "cpu" else ""   # CPUs differ: name it
+    cpu_host = device.platform == "cpu"
+    unit = "TFLOP/s (the host's cores)" if cpu_host else "TFLOP/s/device"   # what one peak stands for
+    cpu = f" ({metrics_lib.cpu_model()})" if cpu_host else ""   # CPUs differ: name it
     print(f"device: {device.platform} {device.device_kind}{cpu} x{jax.device_count()} | cores {cores()} | "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r} | tuning: {', '.join(tuned) or 'none'}")
     print(f"config: {F.model} d_model={config.d_model} layers={config.n_layers} heads={config.n_heads}/"
@@ -225,7 +285,7 @@ def main(argv):
     peak_measured = metrics_lib.measure_matmul_peak(F.matmul_n, config.dtype)
     nominal = F.peak_tflops or metrics_lib.nominal_peak_tflops()
     print(f"peak: measured {F.matmul_n}^2 {config.compute_dtype} matmul {peak_measured / 1e12:.3f} "
-          f"TFLOP/s/device; nominal dense bf16 {nominal if nominal else 'unknown'} TFLOP/s/device")
+          f"{unit}; nominal dense bf16 {f'{nominal} {unit}' if nominal else 'unknown'}")
 
     t0 = time.perf_counter()
     ours, n_devices = build_ours(config, tokens_np)
@@ -239,11 +299,18 @@ def main(argv):
     if F.compare_torch:
         import torch
         torch.set_num_threads(F.torch_threads or cores())
+        torch_on = torch_device()
+        print(f"torch: on {torch_on}, {config.param_dtype} params, {config.compute_dtype} compute"
+              + (" (autocast)" if config.compute_dtype != config.param_dtype else "")
+              + (f", documents of {F.doc_len} tokens masked" if F.doc_len else ""))
+        if torch_on == "cpu" and device.platform != "cpu":
+            print(f"torch: this torch cannot reach the {device.platform} ours computes on: the ratio "
+                  "compares devices, not frameworks")
         impls = ["eager", "sdpa"] if F.torch_attention == "auto" else [F.torch_attention]
         best = None
         for impl in impls:
-            fn = build_torch(config, tokens_np, impl)
-            for _ in range(max(F.warmup, 1)):
+            fn = build_torch(config, tokens_np, impl, torch_on)
+            for _ in range(F.warmup):   # as many untimed steps as ours
                 fn()
             dt = timed(fn)[0] if len(impls) > 1 else 0.0
             print(f"torch: attn_implementation={impl}" + (f" one step {dt:.2f} s" if dt else "") +
@@ -261,7 +328,7 @@ def main(argv):
             theirs_t.append(timed(theirs))
         peaks.append(metrics_lib.measure_matmul_peak(F.matmul_n, config.dtype, repeats=2))
     peak_measured = statistics.median(peaks)
-    print(f"peak: median of {len(peaks)} interleaved measurements {peak_measured / 1e12:.4g} TFLOP/s/device "
+    print(f"peak: median of {len(peaks)} interleaved measurements {peak_measured / 1e12:.4g} {unit} "
           f"(min {min(peaks) / 1e12:.4g}, max {max(peaks) / 1e12:.4g})")
 
     def report(name, ts):
@@ -277,19 +344,22 @@ def main(argv):
     if trims is not None:   # each trim faults the next steps' temporaries back in
         print(f"malloc: the heap's free memory was returned to the kernel {trims} time(s) since start")
     ttps, ttpc, tmed = report("torch", theirs_t) if theirs_t else (float("nan"),) * 3
-    per_device = lambda f: f / med / n_devices  # noqa: E731
+    # FLOP/s per what one peak stands for. A GPU / TPU has a peak per device: divide by the devices.
+    # A CPU's host devices (--xla_force_host_platform_device_count) share its cores, and the
+    # matmul on one of them already uses every core: that peak is the host's, as torch's FLOP/s is.
+    per_peak = lambda f: f / med / (1 if cpu_host else n_devices)  # noqa: E731
     for c in ("writeup", "sliding"):
-        line = (f"ours  {c:>7s} FLOPs: {per_device(flops[c]) / 1e12:.4g} TFLOP/s/device, "
-                f"MFU {per_device(flops[c]) / peak_measured:.1%} of measured")
+        line = (f"ours  {c:>7s} FLOPs: {per_peak(flops[c]) / 1e12:.4g} {unit}, "
+                f"MFU {per_peak(flops[c]) / peak_measured:.1%} of measured")
         if nominal:
-            line += f", {per_device(flops[c]) / (nominal * 1e12):.1%} of nominal"
+            line += f", {per_peak(flops[c]) / (nominal * 1e12):.1%} of nominal"
         print(line)
     if theirs_t:
         print(f"torch writeup FLOPs: {flops['writeup'] / tmed / 1e12:.4g} TFLOP/s, MFU "
               f"{flops['writeup'] / tmed / peak_measured:.1%} of measured | ours/torch: {tps / ttps:.2f}x "
               f"tokens/s, {tpc / ttpc:.2f}x tokens/CPU-second")
-    mfu_measured = per_device(flops["writeup"]) / peak_measured
-    mfu_nominal = per_device(flops["writeup"]) / (nominal * 1e12) if nominal else float("nan")
+    mfu_measured = per_peak(flops["writeup"]) / peak_measured
+    mfu_nominal = per_peak(flops["writeup"]) / (nominal * 1e12) if nominal else float("nan")
     print(f"tokens_per_s={tps:.2f} torch_tokens_per_s={ttps:.2f} ratio={tps / ttps:.4f} "
           f"mfu_measured={mfu_measured:.4f} mfu_nominal={mfu_nominal:.4f}")
     sys.stdout.flush()

@@ -2,12 +2,16 @@
 
 Not a timing test: it checks that the real step and the reference both run, that the FLOP count
 behind the reported TFLOP/s is the write-up convention computed here by hand, and the exact
-format of the machine-readable last line.
+format of the machine-readable last line. And that the torch reference is like for like: its
+parameter and compute dtypes, its device (and so its float8 emulation), its untimed steps and
+its document masks (its logits against ours, weights copied over).
 """
+import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -20,14 +24,19 @@ LAST = re.compile(r"^tokens_per_s=(\S+) torch_tokens_per_s=(\S+) ratio=(\S+) "
 D, L, H, HD, MLP, V, B, T = 64, 4, 2, 32, 128, 512, 2, 64
 
 
-def run_bench(*extra):
+TOY = [f"--d_model={D}", f"--n_layers={L}", f"--n_heads={H}", f"--n_kv_heads={H}", f"--head_dim={HD}",
+       f"--mlp_hidden={MLP}", "--window=16", f"--vocab_size={V}", f"--batch={B}", f"--seq_len={T}"]
+
+
+def bench(*extra):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--model=tiny", f"--d_model={D}",
-           f"--n_layers={L}", f"--n_heads={H}", f"--n_kv_heads={H}", f"--head_dim={HD}",
-           f"--mlp_hidden={MLP}", "--window=16", f"--vocab_size={V}", f"--batch={B}",
-           f"--seq_len={T}", "--loss_chunk=48", "--remat=none", "--steps=1", "--warmup=1",
-           "--matmul_n=128", *extra]
-    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--model=tiny", *TOY,
+           "--loss_chunk=48", "--remat=none", "--steps=1", "--warmup=1", "--matmul_n=128", *extra]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def run_bench(*extra):
+    out = bench(*extra)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip().splitlines()
 
@@ -50,7 +59,26 @@ def test_bench_smoke_with_torch():
     flops_per_token = 6 * (L * per_layer + D + D * V) + 6 * T * H * HD * L
     achieved = next(l for l in lines if l.startswith("ours  writeup FLOPs:"))
     tflops = float(re.search(r"FLOPs: (\S+) TFLOP/s", achieved).group(1))
-    assert tflops * 1e12 == pytest.approx(tps * flops_per_token / 2, rel=2e-3)  # per device, 2 devices
+    # The host's FLOP/s, not per host device: the 2 host devices share the cores, and the matmul
+    # peak (one host device) already uses all of them; torch's FLOP/s is the host's too.
+    assert tflops * 1e12 == pytest.approx(tps * flops_per_token, rel=2e-3)
+    theirs = next(l for l in lines if l.startswith("torch writeup FLOPs:"))
+    assert tflops / float(re.search(r"FLOPs: (\S+) TFLOP/s", theirs).group(1)) == pytest.approx(ratio, rel=2e-3)
+    peak = float(re.search(r"^peak: median of \d+ interleaved measurements (\S+) TFLOP/s",
+                           "\n".join(lines), re.M).group(1))
+    assert mfu == pytest.approx(tflops / peak, rel=2e-3, abs=1e-4)
+
+
+@pytest.mark.parametrize("flags,says", [
+    # It would time our compile (torch always had an untimed step).
+    (["--warmup=0"], "--warmup must be >= 1"),
+    # torch's autocast cannot compute wider than its parameters: no like-for-like reference.
+    (["--param_dtype=bfloat16", "--compute_dtype=float32"], "--compare_torch with --param_dtype=bfloat16 "
+                                                            "--compute_dtype=float32")])
+def test_bench_refuses_unfair_comparisons(flags, says):
+    out = bench("--compare_torch", *flags)
+    assert out.returncode == 2, out.stdout[-2000:]
+    assert says in out.stderr.strip().splitlines()[-1] and "Traceback" not in out.stderr, out.stderr
 
 
 def test_bench_rejects_bad_seq_len():
@@ -76,3 +104,87 @@ def test_profile_step_names_the_phases(tmp_path):
     assert all(float(ms) > 0 for ms in rows.values())   # each phase ran matmuls
     assert len(re.findall(r"^\s+\S+\s+\S+", out.stdout.split("ops (ms, summed over calls):")[1], re.M)) == 3
     assert list(tmp_path.rglob("*.trace.json.gz"))
+
+
+# The torch reference as bench.py builds it, for one set of flags: one training step through a spy
+# on Olmo3ForCausalLM.forward, then what that step ran (dtypes, device, float8 emulation) and, with
+# --doc_len, its logits against ours (olmo3.hf.from_hf of its weights, our document masks).
+PROBE = textwrap.dedent(r'''
+    import json, sys
+    root, mode, impls, argv = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4:]
+    sys.path[:0] = [root, root + "/benchmarks"]
+    import jax, numpy as np, torch, transformers
+    if mode == "fake_cuda":   # a host where torch has CUDA but JAX computes on the CPU
+        torch.cuda.is_available = lambda: True
+    import bench
+    bench.F(["bench", *argv])
+    cfg, F = bench.config_from_flags(), bench.F
+    seen, report = {}, {}
+    forward = transformers.Olmo3ForCausalLM.forward
+
+    def spy(self, **kw):
+        dev = kw["input_ids"].device.type
+        seen.update(model=self, inputs=kw, params=sorted({str(p.dtype) for p in self.parameters()}),
+                    devices=sorted({p.device.type for p in self.parameters()}, ) + [dev],
+                    autocast=str(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else None,
+                    emulate=sorted({m.config.emulate for m in self.modules() if type(m).__name__ == "Float8Linear"}))
+        out = forward(self, **kw)
+        seen["logits"] = str(out.logits.dtype)
+        return out
+
+    transformers.Olmo3ForCausalLM.forward = spy
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
+    for impl in impls:
+        bench.build_torch(cfg, tokens, impl)()
+        r = report[impl] = {k: seen[k] for k in ("params", "devices", "autocast", "emulate", "logits")}
+        if F.doc_len:
+            model, kw = seen["model"], {k: v for k, v in seen["inputs"].items() if k != "labels"}
+            with torch.no_grad():
+                theirs = model(**kw).logits.float().numpy()
+                plain = model(input_ids=kw["input_ids"]).logits.float().numpy()   # no document masks
+            from olmo3 import hf
+            ours_model = hf.from_hf(dict(model.state_dict()), cfg)
+            seg = np.broadcast_to(np.arange(F.seq_len, dtype=np.int32) // F.doc_len, tokens.shape)
+            ours = np.asarray(jax.vmap(lambda t, s: ours_model(t, segment_ids=s))(tokens, seg))
+            r.update(err=float(np.abs(theirs - ours).max()), err_unmasked=float(np.abs(plain - ours).max()))
+    if mode == "fake_cuda":   # and where JAX computes on the GPU too
+        jax.default_backend = lambda: "gpu"
+        report["device_if_jax_on_gpu"] = bench.torch_device()
+    print(json.dumps(report))
+''')
+
+
+def probe_torch(impls, *flags, mode="cpu"):
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", PROBE, ROOT, mode, impls, "--model=tiny", *TOY,
+                          "--torch_threads=1", *flags], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("param_dtype,compute_dtype", [("float32", "bfloat16"), ("bfloat16", "bfloat16")])
+def test_torch_reference_runs_our_dtypes(param_dtype, compute_dtype):
+    """Its parameters in our parameter dtype, its forward in our compute dtype (autocast where
+    they differ): the matmul peak both MFUs divide by is measured in that compute dtype."""
+    r = probe_torch("eager", f"--param_dtype={param_dtype}", f"--compute_dtype={compute_dtype}")["eager"]
+    assert r["params"] == [f"torch.{param_dtype}"]
+    assert r["autocast"] == (f"torch.{compute_dtype}" if param_dtype != compute_dtype else None)
+    assert r["logits"] == f"torch.{compute_dtype}"
+
+
+def test_torch_reference_on_our_device():
+    """On a host whose torch has CUDA while JAX computes on the CPU, the reference runs on the CPU
+    with float8 emulated; with JAX on the GPU it would run on cuda."""
+    r = probe_torch("eager", "--float8", mode="fake_cuda")
+    assert r["eager"]["devices"] == ["cpu", "cpu"] and r["eager"]["emulate"] == [True]
+    assert r["device_if_jax_on_gpu"] == "cuda"
+
+
+def test_torch_reference_masks_documents():
+    """--doc_len: the reference's logits equal ours, window and document masks alike (documents of
+    24 tokens, a 16-token window), in both of transformers' attention implementations."""
+    r = probe_torch("eager,sdpa", "--doc_len=24")
+    for impl in ("eager", "sdpa"):
+        assert r[impl]["err"] < 1e-4, r
+        assert r[impl]["err_unmasked"] > 1e-2, r   # the documents change the logits here
