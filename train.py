@@ -476,7 +476,7 @@ def main(argv):
     log = metrics_lib.MetricsWriter(F.run_dir, enabled=is_main)
     # MFU's peak: --peak_tflops, the device's nominal peak, or measured (and kept honest) by process 0.
     peak = metrics_lib.PeakFlops(F.peak_tflops, dtype=config.dtype) if is_main else None
-    clock = metrics_lib.StepClock(tokens_per_step, flops, n_devices, peak)
+    clock = metrics_lib.StepClock(tokens_per_step, flops, metrics_lib.peak_units(n_devices), peak)
     if is_main:
         log.info(f"OLMo 3 stage {F.stage}: {config.num_params():,} params on {metrics_lib.device_description()}"
                  f" | MFU = write-up FLOPs ({flops['writeup'] / tokens_per_step / 1e6:,.1f} MFLOP/token: 6 x "

@@ -133,6 +133,13 @@ def peak_flops(flag_tflops: Optional[float]) -> float:
     return nominal * 1e12 if nominal else measure_matmul_peak()
 
 
+def peak_units(n_devices: int) -> int:
+    """How many peaks a run's FLOP/s is shared among: its devices on an accelerator; on a CPU
+    its processes (hosts), whose host devices (--xla_force_host_platform_device_count) share
+    the cores that the measured one-device matmul already uses."""
+    return jax.process_count() if jax.devices()[0].platform == "cpu" else n_devices
+
+
 class PeakFlops:
     """The per-device peak FLOP/s that MFU divides by, and where it came from.
 
@@ -151,7 +158,7 @@ class PeakFlops:
                  clock: Callable[[], float] = time.perf_counter, early_steps: int = 5,
                  refresh_s: float = 600.0):
         self.clock, self.early_steps, self.refresh_s = clock, early_steps, refresh_s
-        kind = device_kind if device_kind is not None else jax.devices()[0].device_kind
+        self.kind = kind = device_kind if device_kind is not None else jax.devices()[0].device_kind
         nominal = nominal_peak(kind)
         self.measured = not flag_tflops and nominal is None
         self.measurements = self._updates = 0
@@ -171,7 +178,8 @@ class PeakFlops:
         self._last = self.clock()
 
     def describe(self) -> str:
-        return f"peak {_tflops(self.value)} TFLOP/s/device ({self.source})"
+        unit = "TFLOP/s per host" if self.kind.lower() == "cpu" else "TFLOP/s/device"   # see peak_units
+        return f"peak {_tflops(self.value)} {unit} ({self.source})"
 
     def _remeasure(self, repeats: int) -> float:
         self.measurements += 1
@@ -187,14 +195,14 @@ class PeakFlops:
             if self.measured:
                 old = self.value
                 self._remeasure(repeats=5)
-                logging.info("MFU would exceed 100%%: step %d ran at %s TFLOP/s/device, above the measured "
+                logging.info("MFU would exceed 100%%: step %d ran at %s TFLOP/s, above the measured "
                              "peak of %s; re-measured: %s", step, _tflops(achieved), _tflops(old),
                              _tflops(self.value))
             if achieved > self.value:
                 # A measured peak: the matmul is not this device's best kernel (normal, say so).
                 # A nominal or --peak_tflops one: the figure or the FLOP count is wrong (warn).
                 (logging.info if self.measured else logging.warning)(
-                    "step %d ran at %s TFLOP/s/device, above the peak of %s (%s); the peak is now "
+                    "step %d ran at %s TFLOP/s, above the peak of %s (%s); the peak is now "
                     "that rate", step, _tflops(achieved), _tflops(self.value), self.source)
                 self.value = achieved
                 if not self.measured:

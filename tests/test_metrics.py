@@ -264,3 +264,14 @@ def test_cpu_model_tells_families_apart():
     graviton3 = ("processor\t: 0\nBogoMIPS\t: 2100.00\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n"
                  "CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd40\nCPU revision\t: 1\n")
     assert metrics.cpu_model(graviton3).endswith("(implementer 0x41 part 0xd40; asimd sve bf16 i8mm)")
+
+
+def test_cpu_mfu_is_the_hosts():
+    """On a CPU the host devices share the cores the measured one-device matmul already uses:
+    one peak per process, not per host device (8 here, conftest), and the line says so."""
+    import jax
+
+    from olmo3 import metrics
+    assert jax.device_count() == 8 and metrics.peak_units(jax.device_count()) == 1
+    peak = metrics.PeakFlops(2.0, device_kind="cpu")
+    assert peak.describe() == "peak 2 TFLOP/s per host (--peak_tflops)"
