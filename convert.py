@@ -668,8 +668,8 @@ def main(argv):
         print(f"converted {src_kind}:{src} -> {dst_kind}:{dst}: {config.num_params():,} parameters in "
               f"{time.time() - t0:.1f} s, peak RSS {_peak_rss_gb():.2f} GB")
         if dst_kind == "olmo-core":
-            print(f"OLMo-core: load_path={os.path.join(dst, olmo_core.MODEL_AND_OPTIM)}, load_trainer_state=False "
-                  f"(the model and optimizer state; {dst} itself holds no trainer state)")
+            print(f"OLMo-core: load_path={os.path.join(dst, olmo_core.MODEL_AND_OPTIM)}, load_trainer_state=False, "
+                  f"load_optim_state=True (the model and optimizer state; {dst} itself holds no trainer state)")
         return
     if src_kind == "hf":
         if F.hf_vocab_size is not None:

@@ -16,8 +16,10 @@
     # chat with an SFT model (OLMo 3 template; greedy, or --temperature=0.7)
     python eval.py --model=runs/tiny_sft --chat="Write the docstring of this Python function. ..."
 
-Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed batches, so a
-number here equals the run's own eval/<domain>/loss at that step. Bits per byte divide by the
+Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed instances,
+windows or padded documents as the run scored its own (--eval_padded, --doc_lengths), so with the
+run's --seq_len as --eval_seq_len and as many instances as it evaluated a number here equals the
+run's own eval/<domain>/loss at that step. Bits per byte divide by the
 UTF-8 bytes of the predicted tokens (dolma2 decoding), which makes tokenizers comparable.
 """
 from __future__ import annotations
@@ -56,6 +58,9 @@ flags.DEFINE_integer("max_eval_batches", 4, "Held-out batches per domain (the sa
 flags.DEFINE_bool("doc_lengths", None, "Held-out loss with attention within the documents of each instance "
                   "(eos-delimited), as a train.py run with --doc_lengths scores its own held-out batches; default: "
                   "as the checkpoint's run did (stage 3 and SFT: on), off for a Hugging Face model.")
+flags.DEFINE_bool("eval_padded", None, "Held-out loss on padded documents, one whole document per instance (OLMo-core's "
+                  "NumpyPaddedFSLDataset), as a train.py run with --eval_padded scores its own; default: as the "
+                  "checkpoint's run did, fixed-length windows for a Hugging Face model and for --compare.")
 flags.DEFINE_integer("kl_instances", 8, "Held-out instances per domain for token-level KL.")
 flags.DEFINE_list("position_buckets", [], "Held-out loss by position: the buckets' upper ends as fractions of "
                   "--eval_seq_len, e.g. 0.25,0.5,1 (stage 3's long-context evidence). Held-out documents are then "
@@ -130,11 +135,13 @@ def write_json(out_dir: str, name: str, obj, *, indent: int) -> None:
 # data-order noise as every domain off by the same small amount.
 # ---------------------------------------------------------------------------------------------
 
-def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, data_dir=None, data_mix=None,
+def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, padded: bool = False, data_dir=None, data_mix=None,
                  data_root=None) -> dict:
-    """{domain: FSLDataset}."""
+    """{domain: FSLDataset}, fixed-length windows; `padded`: {domain: PaddedFSLDataset}, every
+    held-out document as one instance from its first token."""
     paths = heldout_paths(spec, data_dir=data_dir, data_mix=data_mix, data_root=data_root)
-    return {d: data.FSLDataset(p, seq_len, vocab_size=vocab_size) for d, p in sorted(paths.items())}
+    kind = data.PaddedFSLDataset if padded else data.FSLDataset
+    return {d: kind(p, seq_len, vocab_size=vocab_size) for d, p in sorted(paths.items())}
 
 
 def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) -> dict:
@@ -183,12 +190,6 @@ def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int, batc
     out["eval/all/loss"] = ce / tok
     out["eval/all/bpb"] = ce / (math.log(2) * nbytes) if nbytes else float("nan")
     return out
-
-
-def padded_sets(spec: str, seq_len: int, *, data_dir=None, data_mix=None, data_root=None) -> dict:
-    """{domain: PaddedFSLDataset}: every held-out document as one instance from its first token."""
-    paths = heldout_paths(spec, data_dir=data_dir, data_mix=data_mix, data_root=data_root)
-    return {d: data.PaddedFSLDataset(p, seq_len) for d, p in sorted(paths.items())}
 
 
 def position_report(model, sets: dict, fractions, *, batch_size: int, max_batches: int, rows=None) -> dict:
@@ -456,8 +457,9 @@ def main(argv):
                              f"tokens), --olmo_batch_rows (now {F.olmo_batch_rows}) or --max_length (now "
                              f"{F.max_length or 'the trained context'}), or evaluate in --compute_dtype=bfloat16",
                disk_full="free space where --out, --eval_data_dir or the prepared held-out data are written")
-    sets_fn = lambda config: heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size,  # noqa: E731
-                                          data_dir=F.eval_data_dir, data_mix=F.data_mix, data_root=F.data_root)
+    def sets_fn(config, padded=bool(F.eval_padded)):
+        return heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size, padded=padded, data_dir=F.eval_data_dir,
+                            data_mix=F.data_mix, data_root=F.data_root)
     if F.compare:
         if len(F.compare) != 2:
             raise app.UsageError(f"--compare={','.join(F.compare)}: give exactly two run directories A,B")
@@ -492,13 +494,12 @@ def main(argv):
         return chat_report(model, max_length)
     results = {"model": F.model, "step": info["step"]}
     if F.position_buckets:  # padded held-out documents, loss per position bucket (long-context evidence)
-        sets = padded_sets(F.heldout, F.eval_seq_len, data_dir=F.eval_data_dir, data_mix=F.data_mix,
-                           data_root=F.data_root)
+        sets = sets_fn(info["config"], padded=True)
         rows_a = {}
         results.update(position_report(model, sets, F.position_buckets, batch_size=F.eval_batch_size,
                                        max_batches=F.max_eval_batches, rows=rows_a))
-    else:
-        sets = sets_fn(info["config"])
+    else:   # windows or padded documents, as the run scored its own (or as --eval_padded says)
+        sets = sets_fn(info["config"], padded=F.eval_padded if F.eval_padded is not None else bool(info["eval_padded"]))
         results.update(heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches,
                                       use_segments=use_segments))
     if F.tasks:

@@ -105,7 +105,8 @@ flags.DEFINE_integer("source_permutation_seed", None, "With --packed: shuffle th
 flags.DEFINE_bool("label_masks", False, "With --packed: train only on the tokens marked in the labels_mask_*.npy "
                   "file beside each token_ids_*.npy (OLMo-core SFT data, open-instruct's file names).")
 flags.DEFINE_string("packing_cache", None, "With --packed: directory for the packing indices (default "
-                    "<data dir>/packing; a restart reads them instead of rescanning every token).")
+                    "<--data_dir>/packing, else <--run_dir>/../data/packing; a restart reads them instead of "
+                    "rescanning every token).")
 flags.DEFINE_bool("doc_lengths", None, "Attention within documents (OLMo-core generate_doc_lengths); default on for "
                   "stage 3. Documents: the packed document lengths, or eos-delimited runs of a fixed-length instance.")
 flags.DEFINE_bool("eval_padded", False, "Held-out loss on padded instances, one whole document each (OLMo-core "
@@ -459,7 +460,7 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     def save(step, owed=()):
         extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
-                 "doc_lengths": bool(use_segments),
+                 "doc_lengths": bool(use_segments), "eval_padded": bool(F.eval_padded),
                  "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
         if F.stage == "dpo":   # the reference the cached log-probs belong to (checked on resume)
             extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}
@@ -701,8 +702,9 @@ def resolve_data() -> dict:
 
 
 def packing_cache() -> str | None:
-    """Where the packing indices are kept: --packing_cache, else beside the prepared corpus (or
-    the run directory's parent for a remote mix); None (pack in memory) when that is remote."""
+    """Where the packing indices are kept: --packing_cache, else <--data_dir>/packing, else
+    <run_dir>/../data/packing (where the prepared corpus goes too); None (pack in memory) when
+    that is remote."""
     from data import storage
     if F.packing_cache or F.data_dir:
         where = F.packing_cache or os.path.join(F.data_dir, "packing")
