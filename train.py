@@ -182,7 +182,11 @@ cli.require([
     ("source_group_size", lambda v: v >= 1, ">= 1"),
     ("yarn_factor", lambda v: cli.finite(v) and v >= 1, ">= 1 (the context extension factor)"),
     ("yarn_original_max_position", lambda v: v >= 1, ">= 1"),
-    ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0")])
+    ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0"),
+    ("max_steps", lambda v: v is None or v >= 1, ">= 1 (leave it out for the schedule's horizon)"),
+    # NaN turned the watchdog off; a few ms ended every attempt (exit 1) at its first step.
+    ("hang_timeout_s", lambda v: cli.finite(v) and (v == 0 or v >= 1), ">= 1 second, or 0 (never)"),
+    ("run_dir", lambda v: bool(v), "a directory (it is empty)")])
 
 
 def main(argv):
@@ -241,6 +245,9 @@ def main(argv):
     # §2 Model. Stage 3 switches the full-attention layers to YaRN (factor 8 over 8192).
     # -----------------------------------------------------------------------------------------
     config = model_config()
+    if config.attention == "cudnn" and jax.devices()[0].platform != "gpu":
+        raise app.UsageError(f"--attention=cudnn is cuDNN's fused attention, for NVIDIA GPUs; this run's devices are "
+                             f"{jax.devices()[0].platform}: use --attention=xla (or splash)")
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds the model's max_position_embeddings="
                              f"{config.max_position_embeddings}")
@@ -621,6 +628,15 @@ def check_flags():
                              "give a path every host sees: a shared filesystem, or the bucket mounted with Cloud "
                              "Storage FUSE (e.g. --run_dir=/gcs/BUCKET/run; launch/tpu_jobset.yaml mounts it)")
     atomic.check_directory(F.run_dir, "--run_dir")   # checkpoints rename directories: not every mount can
+    if not F.resume:   # a fresh run would train up to its first save and fail there (exit 1, rerun forever)
+        from olmo3.launch import newest_checkpoint
+        done = newest_checkpoint(os.path.join(F.run_dir, "checkpoints"))
+        if done is not None:
+            raise app.UsageError(f"--run_dir={F.run_dir} already holds a run (checkpoints up to step {done}); add "
+                                 "--resume to continue it, or give a new --run_dir")
+    for name in ("data_dir", "packing_cache"):
+        if F[name].value and os.path.isfile(F[name].value):
+            raise app.UsageError(f"--{name}={F[name].value} is a file; give a directory")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     if F.downstream_tasks:   # an unknown task stops here, not after the model is built
@@ -679,8 +695,12 @@ def resolve_data() -> dict:
     if F.stage == "sft":  # already tokenized chats (python -m data.prepare_sft or open-instruct's converter)
         from data import prepare_sft
         splits = {"train": prepare_sft.token_files(F.data, "--data")}
-        for d in F.sft_heldout:
-            splits[f"heldout/{os.path.basename(os.path.normpath(d))}"] = prepare_sft.token_files(d, "--sft_heldout")
+        for d in F.sft_heldout:   # logged as eval/<folder name>/...: two sets may not share a name
+            name = f"heldout/{os.path.basename(os.path.normpath(d))}"
+            if name in splits:
+                raise app.UsageError(f"--sft_heldout: two sets are named {name[8:]!r} (their metrics would be logged "
+                                     "as one); give each set its own folder name")
+            splits[name] = prepare_sft.token_files(d, "--sft_heldout")
         return splits
     if F.data.startswith("mix:"):  # AI2's published token files, read remotely (data/storage.py)
         from data import mixes

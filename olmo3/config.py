@@ -74,7 +74,11 @@ class Config:
     splash_block_kv: int = 2048
 
     def __post_init__(self):
-        errors = []
+        sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
+                 "max_position_embeddings")
+        errors = [f"{name}={getattr(self, name)} must be >= 1" for name in sizes if getattr(self, name) < 1]
+        if errors:   # the checks below divide by them
+            raise ValueError("Invalid olmo3.Config: " + "; ".join(errors))
         if self.n_layers % len(self.layer_pattern) != 0:
             errors.append(
                 f"n_layers={self.n_layers} is not a multiple of the layer pattern length "

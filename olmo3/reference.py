@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from typing import Callable
 
 import equinox as eqx
@@ -82,7 +83,7 @@ def load(path: str, expected: str) -> np.ndarray | None:
     try:
         with np.load(path) as z:
             found, sums = str(z["fingerprint"]), np.asarray(z["sums"], np.float32)
-    except (OSError, KeyError, ValueError) as e:
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:   # empty: EOFError; cut: BadZipFile
         raise UserError(f"reference log-probs cache {path} is unreadable ({e}); delete it to recompute it") from e
     if found != expected:
         raise UserError(

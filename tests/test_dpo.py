@@ -216,6 +216,12 @@ def test_reference_cache_rejects_changed_reference_data_or_seq_len(tmp_path):
                      reference.fingerprint(ident, PairDataset(tmp_path / "a", seq_len=24).fingerprint, 24)):
         with pytest.raises(UserError, match=str(path)):
             reference.load(path, other_fp)
+    # An empty or cut-short cache (a full disk, a copy interrupted): named, with the fix, exit 2.
+    whole = open(path, "rb").read()
+    for damaged in (b"", whole[:len(whole) // 2]):
+        open(path, "wb").write(damaged)
+        with pytest.raises(UserError, match=re.escape(str(path)) + ".*unreadable.*delete it to recompute"):
+            reference.load(path, fp)
 
 
 # --------------------------------------------------------------------------------------------
