@@ -363,8 +363,7 @@ class CheckpointManager:
     def stored_tensors(self, step: Optional[int] = None) -> dict[str, tuple]:
         """{dotted name: shape} of every tensor checkpoint `step` holds (no array is read)."""
         step = self._resolve(step)
-        with self._reading(step):
-            meta = self._mgr.item_metadata(step)["state"]
+        meta = self._state_metadata(step)
         return {k: tuple(v.shape) for k, v in dict(meta.tree if hasattr(meta, "tree") else meta).items()}
 
     def restore(self, step: Optional[int], abstract_state: PyTree) -> tuple[PyTree, dict]:
@@ -375,8 +374,7 @@ class CheckpointManager:
         from a {"model", "opt"} checkpoint); every tensor asked for must exist with its shape."""
         step = self._resolve(step)
         want = {k: _abstract(v) for k, v in tensor_names(abstract_state).items()}
-        with self._reading(step):
-            meta = self._mgr.item_metadata(step)["state"]
+        meta = self._state_metadata(step)
         stored = dict(meta.tree if hasattr(meta, "tree") else meta)
         where = f"{self.directory}/{step}"
         missing = sorted(set(want) - set(stored))
@@ -413,9 +411,19 @@ class CheckpointManager:
                 if os.path.exists(path):
                     with open(path) as f:
                         json.load(f)
-            self._mgr.item_metadata(step)
             self._mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
+        self._state_metadata(step)
         return step
+
+    def _state_metadata(self, step: int):
+        """Orbax's metadata of checkpoint `step`'s tensors; a step whose state/_METADATA is gone
+        (Orbax then answers None) is damaged like any other unreadable file."""
+        with self._reading(step):
+            meta = self._mgr.item_metadata(step)["state"]
+            if meta is None:
+                raise FileNotFoundError(f"[Errno 2] No such file: "
+                                        f"'{os.path.join(self.directory, str(step), 'state', '_METADATA')}'")
+        return meta
 
     def restore_intact(self, abstract_state: PyTree, check_extra=None) -> tuple[Optional[int], PyTree, dict]:
         """Resume: restore the newest checkpoint that reads back whole. (step, state, extra), or

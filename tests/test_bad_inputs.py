@@ -59,6 +59,8 @@ def world(tmp_path_factory):
     assert p.returncode == 0, p.stderr[-3000:]
     shutil.copytree(w / "run", w / "damaged")
     truncate(w / "damaged" / "checkpoints" / "4" / "state" / "_sharding")
+    shutil.copytree(w / "run", w / "nometa")
+    os.remove(w / "nometa" / "checkpoints" / "4" / "state" / "_METADATA")
     shutil.copytree(w / "run", w / "badmetrics")
     with open(w / "badmetrics" / "metrics.jsonl", "a") as f:
         f.write("{not json\n")
@@ -149,6 +151,8 @@ def _cases(w):
          "gs://bucket/run: a URL; checkpoints are read through the local filesystem"),
         ("eval_damaged_checkpoint", "eval.py", [f"--model={w / 'damaged'}", f"--heldout={w / 'docs'}"], 2,
          f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
+        ("eval_checkpoint_without_metadata", "eval.py", [f"--model={w / 'nometa'}", f"--heldout={w / 'docs'}"], 2,
+         f"No such file: '{w / 'nometa' / 'checkpoints' / '4' / 'state' / '_METADATA'}'"),
         ("eval_hf_config_not_json", "eval.py", [f"--model={w / 'hf_badjson'}"], 2,
          f"{w / 'hf_badjson' / 'config.json'}' is not valid JSON"),
         ("eval_metrics_not_json", "eval.py", [f"--compare={w / 'run'},{w / 'badmetrics'}", f"--out={w / 'report'}",
