@@ -110,7 +110,9 @@ cli.require([
     ("tol", lambda v: cli.finite(v) and v >= 0, "finite and >= 0"),
     ("num_fewshot", lambda v: v >= 0, ">= 0"),
     ("yarn_factor", lambda v: v is None or (cli.finite(v) and v >= 1), ">= 1 (the context extension factor)"),
-    ("yarn_original_max_position", lambda v: v is None or v >= 1, ">= 1")])
+    ("yarn_original_max_position", lambda v: v is None or v >= 1, ">= 1"),
+    ("limit", lambda v: v is None or v >= 1, ">= 1 (leave it out for every document)"),
+    ("steps", lambda v: v is None or all(s.strip().isdigit() for s in v), "checkpoint step numbers, e.g. 1000,2000")])
 
 
 def context_length(info: dict, requested: Optional[int]) -> int:
@@ -457,6 +459,12 @@ def main(argv):
                              f"tokens), --olmo_batch_rows (now {F.olmo_batch_rows}) or --max_length (now "
                              f"{F.max_length or 'the trained context'}), or evaluate in --compute_dtype=bfloat16",
                disk_full="free space where --out, --eval_data_dir or the prepared held-out data are written")
+    if F.out:   # a bad --out stops before the work whose results it would hold
+        atomic.check_directory(F.out, "--out")
+    for path in F.tasks:
+        if not os.path.isfile(path):
+            raise app.UsageError(f"--tasks: {path!r} is not a file; give JSONL files of {{context, choices, gold}} "
+                                 "lines")
     def sets_fn(config, padded=bool(F.eval_padded)):
         return heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size, padded=padded, data_dir=F.eval_data_dir,
                             data_mix=F.data_mix, data_root=F.data_root)

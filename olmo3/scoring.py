@@ -230,6 +230,9 @@ def load_task(path: str) -> tuple[list[dict], list[dict]]:
     "choices" (list of str) and "gold" (int). Few-shot examples come from `<name>.fewshot.jsonl`
     next to it when present, else from the other documents of the task."""
     docs = read_jsonl(path)
+    if not docs:
+        raise ValueError(f"{path}: no documents; a task file holds one JSON object per line with 'context', "
+                         "'choices' and 'gold'")
     for i, d in enumerate(docs):
         if not (isinstance(d.get("context"), str) and isinstance(d.get("choices"), list) and d["choices"]
                 and isinstance(d.get("gold"), int) and 0 <= d["gold"] < len(d["choices"])):

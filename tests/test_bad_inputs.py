@@ -74,6 +74,7 @@ def world(tmp_path_factory):
     os.makedirs(w / "nonempty")
     (w / "nonempty" / "keep.txt").write_text("mine")
     (w / "bad.flags").write_text("--lr=nan\n")
+    (w / "empty.jsonl").write_text("")
     return w
 
 
@@ -151,6 +152,15 @@ def _cases(w):
          "gs://bucket/run: a URL; checkpoints are read through the local filesystem"),
         ("eval_damaged_checkpoint", "eval.py", [f"--model={w / 'damaged'}", f"--heldout={w / 'docs'}"], 2,
          f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
+        ("eval_out_a_file", "eval.py", [f"--model={w / 'run'}", f"--out={w / 'bad.flags'}"], 2,
+         f"--out='{w / 'bad.flags'}': {w / 'bad.flags'} is a file, not a directory"),
+        ("eval_tasks_missing", "eval.py", [f"--model={w / 'run'}", f"--tasks={w / 'none.jsonl'}"], 2,
+         f"--tasks: '{w / 'none.jsonl'}' is not a file"),
+        ("eval_tasks_empty", "eval.py", [f"--model={w / 'run'}", f"--heldout={w / 'docs'}", f"--tasks={w / 'empty.jsonl'}"],
+         2, f"{w / 'empty.jsonl'}: no documents"),
+        ("eval_limit_zero", "eval.py", [f"--model={w / 'run'}", "--limit=0"], 2, "--limit must be >= 1"),
+        ("eval_steps_not_numbers", "eval.py", [f"--compare={w / 'run'},{w / 'run'}", "--steps=abc"], 2,
+         "--steps must be checkpoint step numbers"),
         ("eval_checkpoint_without_metadata", "eval.py", [f"--model={w / 'nometa'}", f"--heldout={w / 'docs'}"], 2,
          f"No such file: '{w / 'nometa' / 'checkpoints' / '4' / 'state' / '_METADATA'}'"),
         ("eval_hf_config_not_json", "eval.py", [f"--model={w / 'hf_badjson'}"], 2,
