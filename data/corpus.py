@@ -78,7 +78,8 @@ def directory_documents(root: str, domain: str | None = None) -> Iterator[Docume
     """A user corpus: every .txt file (one document) and every line of .jsonl / .jsonl.gz files
     (one document per line, from its "text" field), walked in sorted order."""
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"corpus directory {root!r} does not exist; pass a directory of .txt/.jsonl/.jsonl.gz files or 'stdlib'")
+        raise FileNotFoundError(f"corpus directory {root!r} {'is a file' if os.path.exists(root) else 'does not exist'}; "
+                                "pass a directory of .txt/.jsonl/.jsonl.gz files or 'stdlib'")
     domain = domain or os.path.basename(os.path.normpath(root)) or "user"
     found = False
     for dirpath, dirnames, filenames in os.walk(root):
@@ -132,7 +133,8 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
         if not weight > 0:
             raise ValueError(f"mixture {spec!r}: weight of {source!r} must be > 0, got {w}")
         if source not in ("stdlib", "stdlib-code", "stdlib-docs") and not os.path.isdir(source):
-            raise FileNotFoundError(f"corpus directory {source!r} does not exist; pass a directory of "
+            raise FileNotFoundError(f"corpus directory {source!r} "
+                                    f"{'is a file' if os.path.exists(source) else 'does not exist'}; pass a directory of "
                                     ".txt/.jsonl/.jsonl.gz files or 'stdlib'")
         out.append((source, weight))
     if not out:

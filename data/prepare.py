@@ -308,6 +308,9 @@ def prepare(
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     workers = (os.cpu_count() or 1) if workers is None else workers
     sources = corpus_lib.parse_mixture(source)
+    if os.path.isfile(out_dir):
+        raise ValueError(f"out_dir {out_dir!r} is a file; give a directory for the token files")
+    made = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     manifest_path = os.path.join(out_dir, MANIFEST)
     if os.path.exists(manifest_path):
@@ -338,6 +341,8 @@ def prepare(
                 entry["source"] = src
     except BaseException:
         _remove_temporaries(created)
+        if made and not os.listdir(out_dir):   # nothing of it stays behind (an empty source, ...)
+            os.rmdir(out_dir)
         raise
     manifest = {
         "format": FORMAT,
@@ -482,10 +487,16 @@ def _define_flags():
                        "(default: 0.1, and 0.25 for the small stdlib docs domain)")
     flags.DEFINE_integer("mixture_tokens", None, "train tokens of a mixture (default: the most without repeating a source)")
     flags.DEFINE_bool("verify", False, "only check an existing build against its manifest")
+    from olmo3 import cli
+    cli.require([
+        ("workers", lambda v: v >= 1, ">= 1"),
+        ("max_tokens_per_file", lambda v: v >= 1, ">= 1"),
+        ("heldout_fraction", lambda v: v is None or (cli.finite(v) and 0 <= v < 1), "in [0, 1)"),
+        ("mixture_tokens", lambda v: v is None or v >= 1, ">= 1")])
 
 
 if __name__ == "__main__":
-    from absl import app
+    from olmo3 import cli
 
     _define_flags()
-    app.run(main)
+    cli.run(main)

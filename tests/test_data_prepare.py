@@ -161,6 +161,9 @@ def test_bad_corpus_leaves_nothing_half_written(tmp_path):
     os.makedirs(tmp_path / "emptydir")
     with pytest.raises(ValueError, match="no .txt"):
         prep.prepare(str(tmp_path / "emptydir"), out, workers=1, progress=False)
+    with pytest.raises(ValueError, match="no .txt"):   # into a new directory: it is not left behind
+        prep.prepare(str(tmp_path / "emptydir"), str(tmp_path / "new"), workers=1, progress=False)
+    assert not os.path.exists(tmp_path / "new")
 
 
 def test_cli_matches_library(tmp_path):
@@ -172,6 +175,23 @@ def test_cli_matches_library(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stdout
     assert data.load_manifest(out) == lib
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--max_tokens_per_file=0"], "--max_tokens_per_file must be >= 1"),
+    (["--heldout_fraction=nan"], "--heldout_fraction must be in [0, 1)"),
+    (["--workers=0"], "--workers must be >= 1"),
+    (["--source=SRC_FILE"], "is a file; pass a directory"),
+    (["--out_dir=SRC_FILE"], "is a file; give a directory")])
+def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, says):
+    (tmp_path / "f.txt").write_text("a file")
+    args = [a.replace("SRC_FILE", str(tmp_path / "f.txt")) for a in args]
+    if not any(a.startswith("--out_dir") for a in args):
+        args.append(f"--out_dir={tmp_path / 'out'}")
+    r = subprocess.run([sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert says in r.stderr.strip().splitlines()[-1] and not os.path.exists(tmp_path / "out")
 
 
 def test_embedded_docs_corpus(tmp_path):
