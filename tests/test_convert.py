@@ -172,8 +172,13 @@ def test_cli_verify_fails_above_max_kl(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "convert.py"), f"--from=hf:{tmp_path / 'hf'}",
            f"--to=orbax:{tmp_path / 'o'}", "--verify", "--verify_seq=16", "--verify_batch=1"]
     bad = subprocess.run(cmd + ["--max_kl=-1"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 1, bad.stderr[-2000:]
-    assert "top-1 agreement 100.00%" in bad.stdout and "FAIL: mean KL" in bad.stderr
+    assert bad.returncode == 2, bad.stderr[-2000:]   # a rerun converts to the same numbers: never retried
+    last = bad.stderr.strip().splitlines()[-1]
+    assert "top-1 agreement 100.00%" in bad.stdout and "--verify failed: mean KL" in last and str(tmp_path / "o") in last
+    positions = subprocess.run([*cmd[:3], f"--to=orbax:{tmp_path / 'o2'}", "--verify", "--verify_seq=100000"],
+                               capture_output=True, text=True, cwd=ROOT)
+    assert positions.returncode == 2 and "--verify_seq=100000 is past the model's" in positions.stderr
+    assert not os.path.exists(tmp_path / "o2")   # refused before converting
 
 
 def test_train_py_checkpoint_to_hf(tmp_path):
