@@ -79,6 +79,7 @@ cli.require([
     ("loss_chunk", lambda v: v >= 1, ">= 1"),
     ("matmul_n", lambda v: v >= 1, ">= 1"),
     ("steps", lambda v: v >= 1, ">= 1"),
+    ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0"),
     ("warmup", lambda v: v >= 1, ">= 1 (the first step compiles: a timed one would time the compile)")])
 
 

@@ -73,6 +73,7 @@ def test_bench_smoke_with_torch():
     # It would time our compile (torch always had an untimed step).
     (["--warmup=0"], "--warmup must be >= 1"),
     # torch's autocast cannot compute wider than its parameters: no like-for-like reference.
+    (["--peak_tflops=nan"], "--peak_tflops must be finite and > 0"),
     (["--param_dtype=bfloat16", "--compute_dtype=float32"], "--compare_torch with --param_dtype=bfloat16 "
                                                             "--compute_dtype=float32")])
 def test_bench_refuses_unfair_comparisons(flags, says):
