@@ -72,7 +72,8 @@ def open_label_masks(paths: Sequence[str], files) -> list[np.ndarray]:
         if os.path.getsize(p) != f.nbytes // storage.ITEMSIZE:
             raise ValueError(f"label-mask file {p!r} has {os.path.getsize(p)} entries but {f.path!r} has "
                              f"{f.nbytes // storage.ITEMSIZE} tokens; they must be written together")
-        masks.append(np.memmap(p, dtype=np.bool_, mode="r"))
+        # An empty file holds no token (numpy cannot memmap it).
+        masks.append(np.memmap(p, dtype=np.bool_, mode="r") if os.path.getsize(p) else np.zeros(0, np.bool_))
     return masks
 
 

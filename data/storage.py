@@ -380,7 +380,8 @@ class LocalTokenFile:
 
     def read(self, start: int, stop: int) -> UInt32[np.ndarray, " n"]:
         if self._mm is None:  # opened lazily: cheap to construct, safe to share between threads
-            self._mm = np.memmap(self.path, dtype=DTYPE, mode="r")
+            # An empty file holds no token (numpy cannot memmap it).
+            self._mm = np.memmap(self.path, dtype=DTYPE, mode="r") if self.nbytes else np.zeros(0, DTYPE)
         return np.array(self._mm[start:stop])
 
     def __repr__(self) -> str:

@@ -256,3 +256,21 @@ def test_cache_shared_between_file_orders(tmp_path):
     assert len(cached) == len(fresh)
     for i in range(len(fresh)):
         np.testing.assert_array_equal(cached[i]["tokens"], fresh[i]["tokens"])
+
+
+def test_an_empty_part_holds_no_document(tmp_path):
+    """An empty token file and its empty label mask (a converter's last, empty part) pack to the
+    same instances as the other files alone (numpy cannot memmap an empty file: it crashed)."""
+    toks = np.array([5, 6, EOS, 7, EOS, 8, 9, 10, EOS], np.uint32)
+    toks.tofile(tmp_path / "token_ids_part_0000.npy")
+    (toks % 2 == 0).tofile(tmp_path / "labels_mask_part_0000.npy")
+    (tmp_path / "token_ids_part_0001.npy").write_bytes(b"")
+    (tmp_path / "labels_mask_part_0001.npy").write_bytes(b"")
+    paths = [str(tmp_path / f"token_ids_part_000{i}.npy") for i in (0, 1)]
+    masks = [data.packed.label_mask_path(p) for p in paths]
+    both = PackedFSLDataset(paths, 8, label_mask_paths=masks)
+    alone = PackedFSLDataset(paths[:1], 8, label_mask_paths=masks[:1])
+    assert len(both) == len(alone)
+    for i in range(len(alone)):
+        for k in ("tokens", "label_mask", "doc_lens"):
+            np.testing.assert_array_equal(both[i][k], alone[i][k])
