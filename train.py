@@ -380,6 +380,7 @@ def main(argv):
         logps_fn = dpo.make_logps_fn(mesh, sharding.param_specs(model, mesh), chunk=F.loss_chunk)
         pair_rows = 2 * -(-min(F.global_batch, 16) // n_devices) * n_devices   # held-out / reference batches
         ref_identity = extra["dpo"]["reference"] if loader_state is not None else reference.weights_identity(model)
+
         def ref_logps(ds, path):
             return reference_logps(ds, path, ref_identity, model if loader_state is None else None,
                                    lambda: dpo.score_pairs(logps_fn, model, ds, pair_rows))

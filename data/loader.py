@@ -76,7 +76,8 @@ def eval_plan(num_instances: int, *, batches: int, global_batch: int, devices: i
     if num_instances < 1:
         return 0, 0
     most = batches or -(-num_instances // global_batch)
-    rows = min(global_batch, -(-(-(-num_instances // most)) // devices) * devices)
+    per_batch = -(-num_instances // most)                              # ceil: every instance fits
+    rows = min(global_batch, -(-per_batch // devices) * devices)       # whole rows on every device
     return rows, min(most, -(-num_instances // rows))
 
 
