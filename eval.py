@@ -465,6 +465,7 @@ def main(argv):
         if not os.path.isfile(path):
             raise app.UsageError(f"--tasks: {path!r} is not a file; give JSONL files of {{context, choices, gold}} "
                                  "lines")
+
     def sets_fn(config, padded=bool(F.eval_padded)):
         return heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size, padded=padded, data_dir=F.eval_data_dir,
                             data_mix=F.data_mix, data_root=F.data_root)
