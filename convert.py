@@ -310,9 +310,10 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     out_dtype = np.dtype(getattr(jax.numpy, hf_dtype or config.param_dtype))
     hf_vocab = hf_vocab_size or extra.get("hf_vocab_size") or unpadded_vocab(config.vocab_size)
-    if not unpadded_vocab(config.vocab_size) <= hf_vocab <= config.vocab_size:   # never a real token's row
-        raise ValueError(f"--hf_vocab_size={hf_vocab}: keep between the tokenizer's "
-                         f"{unpadded_vocab(config.vocab_size)} rows and the checkpoint's {config.vocab_size}")
+    floor = extra.get("hf_vocab_size") or unpadded_vocab(config.vocab_size)   # the real tokens' rows
+    if not floor <= hf_vocab <= config.vocab_size:   # only padding rows may be dropped
+        raise ValueError(f"--hf_vocab_size={hf_vocab}: keep between the {floor} rows of real tokens and the "
+                         f"checkpoint's {config.vocab_size}")
     if hf_vocab < config.vocab_size:
         logging.info("dropping vocabulary rows %d..%d (OLMo-core's padding) from the HF output",
                      hf_vocab, config.vocab_size - 1)

@@ -459,8 +459,8 @@ def main(argv):
                              f"tokens), --olmo_batch_rows (now {F.olmo_batch_rows}) or --max_length (now "
                              f"{F.max_length or 'the trained context'}), or evaluate in --compute_dtype=bfloat16",
                disk_full="free space where --out, --eval_data_dir or the prepared held-out data are written")
-    if F.out:   # a bad --out stops before the work whose results it would hold
-        atomic.check_directory(F.out, "--out")
+    if F.out and os.path.exists(F.out) and not os.path.isdir(F.out):   # before the work it would hold
+        raise app.UsageError(f"--out={F.out!r} is a file; give a directory for the results")
     for path in F.tasks:
         if not os.path.isfile(path):
             raise app.UsageError(f"--tasks: {path!r} is not a file; give JSONL files of {{context, choices, gold}} "
@@ -536,7 +536,9 @@ def main(argv):
                                 use_segments=use_segments)
             results.update({f"{k}_delta": hb[k] - results[k] for k in hb})
         if not F.position_buckets:  # KL reads fixed-length rows; padded documents carry padding
-            results.update(kl_report(model, model_b, sets, F.kl_instances))
+            windows = sets if not any(isinstance(ds, data.PackedFSLDataset) for ds in sets.values()) \
+                else sets_fn(info["config"], padded=False)
+            results.update(kl_report(model, model_b, windows, F.kl_instances))
     for k, v in results.items():
         line = f"{k:40s} {v:.5g}" if isinstance(v, float) else f"{k:40s} {v}"
         if k.startswith("downstream/") and not k.endswith("/n"):  # OLMo-core's name for AI2's curves

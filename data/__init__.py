@@ -9,7 +9,7 @@ import importlib
 from data import tokenizer
 from data.dataset import FSLDataset
 from data.filters import repetition_mask
-from data.loader import Loader, eval_batch_instances, eval_plan, get_batch, get_eval_batch, segment_ids
+from data.loader import Loader, eval_batch_instances, eval_order, eval_plan, get_batch, get_eval_batch, segment_ids
 from data.order import batch_indices, steps_per_epoch
 from data.packed import PackedFSLDataset
 from data.padded import PaddedFSLDataset
@@ -29,6 +29,6 @@ def __getattr__(name):
 
 __all__ = [
     "EOS_ID", "PAD_ID", "VOCAB_SIZE", "FSLDataset", "Loader", "PackedFSLDataset", "PaddedFSLDataset", "PairDataset",
-    "batch_indices", "dolma2", "eval_batch_instances", "eval_plan", "get_batch", "get_eval_batch",
+    "batch_indices", "dolma2", "eval_batch_instances", "eval_order", "eval_plan", "get_batch", "get_eval_batch",
     "repetition_mask", "segment_ids", "steps_per_epoch", "tokenizer", *_FROM_PREPARE,
 ]

@@ -10,6 +10,7 @@ Restoring state N gives batch N next, exactly the batch an uninterrupted run wou
 """
 import collections
 import concurrent.futures
+import functools
 import logging
 
 import numpy as np
@@ -19,6 +20,7 @@ from data.dataset import FSLDataset
 from data.filters import repetition_mask
 from data.order import _build_permutation, batch_indices, steps_per_epoch
 from data.packed import PackedFSLDataset, batch_fields
+from data.padded import PaddedFSLDataset
 from data.preference import PairDataset
 
 
@@ -90,20 +92,21 @@ def eval_batch_instances(num_instances: int, rows: int, batch: int) -> int:
 def get_eval_batch(dataset: FSLDataset | PackedFSLDataset, rows: int, batch: int, rank: int = 0,
                    num_ranks: int = 1) -> dict:
     """Rank `rank`'s share of held-out batch `batch`: instances [batch * rows, (batch + 1) * rows)
-    of the evaluation order, rank r taking rows r, r + R, ... The order: a padded (or packed)
-    set's documents in file order; fixed-length windows in the seed-0 order of the data loader's
-    first epoch, so a capped evaluation samples the whole domain. Rows past the end are filler
+    of the evaluation order, rank r taking rows r, r + R, ... The order: a padded set's documents
+    in file order (OLMo-core's evaluators); packed instances (SFT's held-out chats, longest
+    first) and fixed-length windows in the seed-0 order of the data loader's first epoch, so a
+    capped evaluation samples the whole domain. Rows past the end are filler
     whose label mask is all False (a window's is all True), so a domain of any size fills whole
     device batches and its loss counts exactly its own tokens."""
     if num_ranks < 1 or rows % num_ranks:
         raise ValueError(f"num_ranks={num_ranks} must divide rows={rows}")
     n = len(dataset)
     idx = np.arange(batch * rows, (batch + 1) * rows)[rank::num_ranks]
+    order = np.arange(n) if isinstance(dataset, PaddedFSLDataset) else eval_order(n)
     if isinstance(dataset, PackedFSLDataset):
         filler = {"tokens": np.full(dataset.seq_len, dataset.pad_id, np.uint32),
                   "label_mask": np.zeros(dataset.seq_len, bool), "doc_lens": np.array([dataset.seq_len], np.int32)}
-        return _rows(dataset, [dataset[i] if i < n else filler for i in idx])
-    order = eval_order(n)
+        return _rows(dataset, [dataset[int(order[i])] if i < n else filler for i in idx])
     out = _rows(dataset, [dataset[int(order[i])] if i < n else np.full(dataset.seq_len, dataset.pad_id, np.uint32)
                           for i in idx])
     # A filler row's labels are masked (a masked instance would still count its tokens, as
@@ -112,9 +115,10 @@ def get_eval_batch(dataset: FSLDataset | PackedFSLDataset, rows: int, batch: int
     return out
 
 
+@functools.lru_cache(maxsize=32)
 def eval_order(num_instances: int) -> np.ndarray:
-    """The held-out order of fixed-length windows: batch_indices' permutation for seed 0, epoch 0,
-    built apart from its cache (which holds the training set's)."""
+    """The held-out order of fixed-length windows and packed instances: batch_indices'
+    permutation for seed 0, epoch 0, cached apart from its cache (which holds the training set's)."""
     return _build_permutation.__wrapped__(num_instances, 0, 0)
 
 

@@ -137,10 +137,11 @@ def _read_int(path: str) -> int | None:
 
 def cgroup_memory() -> tuple[int, int] | None:
     """(limit, usage) in bytes of this process's memory cgroup, v2 or v1, when it or a group
-    above it has a limit: the group with the least headroom, for the kernel enforces every
-    ancestor's limit (Slurm's cgroup v2 plugin limits job_N and step_N and runs the task in a
-    leaf, .../step_N/user/task_M, whose own memory.max is "max"). usage leaves out the inactive
-    page cache, which the kernel reclaims before it kills."""
+    above it has a limit; the kernel enforces every ancestor's limit (Slurm's cgroup v2 plugin
+    limits job_N and step_N and runs the task in a leaf, .../step_N/user/task_M, whose own
+    memory.max is "max"). limit: the smallest of the groups'; usage: such that limit - usage is
+    the least headroom of any group. Usage leaves out the inactive page cache, which the kernel
+    reclaims before it kills."""
     try:
         with open(PROC_CGROUP) as f:
             entries = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -156,14 +157,20 @@ def cgroup_memory() -> tuple[int, int] | None:
             continue
         # The group and each group above it up to the mount's root (where a cgroup namespace
         # shows the process's own group).
+        base = os.path.normpath(base)
         d, groups = os.path.normpath(base + "/" + path), []
+        if not d.startswith(base + os.sep):   # '/..': outside the namespace's root, seen at the mount's root
+            d = base
         while True:
             groups.append(_group_memory(d, names))
-            if d == os.path.normpath(base) or not d.startswith(base):
+            if d == base:
                 break
             d = os.path.dirname(d)
         limited = [g for g in groups if g is not None]
-        return min(limited, key=lambda g: g[0] - g[1]) if limited else None
+        if not limited:
+            return None
+        limit = min(g[0] for g in limited)
+        return limit, limit - min(g[0] - g[1] for g in limited)
     return None
 
 

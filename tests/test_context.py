@@ -224,9 +224,8 @@ def test_train_py_context_evaluates_by_row_groups(tmp_path):
     """Held-out batches split over row groups (devices / context), not devices: with fsdp:2,
     context:4 and a global batch of 2, the domain is evaluated (it was skipped as 'fewer than the 8
     devices')."""
-    rows, stderr = train_py(tmp_path, "fsdp:2,context:4", "--seq_len=256", "--global_batch=2",
+    rows, _ = train_py(tmp_path, "fsdp:2,context:4", "--seq_len=256", "--global_batch=2",
                             "--total_steps=1", "--save_interval=1")
-    assert "not evaluated" not in stderr
     assert np.isfinite(rows[-1]["eval/docs/loss"])
 
 

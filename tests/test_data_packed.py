@@ -274,3 +274,19 @@ def test_an_empty_part_holds_no_document(tmp_path):
     for i in range(len(alone)):
         for k in ("tokens", "label_mask", "doc_lens"):
             np.testing.assert_array_equal(both[i][k], alone[i][k])
+
+
+def test_eval_order_packed_sampled_padded_in_file_order(tmp_path):
+    """Held-out batches (data.get_eval_batch): padded documents in file order, as OLMo-core's
+    evaluators read them; packed instances (SFT's held-out chats, packed longest first) in the
+    seed-0 order, so a capped evaluation is not the longest conversations only."""
+    paths, _ = write_files(tmp_path, 6)
+    packed, padded = PackedFSLDataset(paths, 64), PaddedFSLDataset(paths, 64)
+    order = data.eval_order(len(packed))
+    assert sorted(order.tolist()) == list(range(len(packed))) and order.tolist() != list(range(len(packed)))
+    rows = data.get_eval_batch(packed, len(packed), 0)
+    for r, i in enumerate(order):
+        np.testing.assert_array_equal(rows["tokens"][r], packed[int(i)]["tokens"])
+    rows = data.get_eval_batch(padded, len(padded), 0)
+    for i in range(len(padded)):
+        np.testing.assert_array_equal(rows["tokens"][i], padded[i]["tokens"])

@@ -168,6 +168,15 @@ def test_cgroup_v2_limit_of_an_ancestor(tmp_path, monkeypatch):
         f"{job}/step_0/user/task_0/memory.max": "max\n", f"{job}/step_0/user/task_0/memory.current": str(5 << 30)})
     assert runtime.cgroup_memory() == (7 << 30, 6 << 30)
     assert runtime.memory_budget() <= 7 << 30 and runtime.available_bytes() <= 1 << 30
+    # The smallest limit and the least headroom may be different groups': a container of 8 GiB
+    # (1 used) under a node-wide group of 100 GiB (95 used by others): budget 8, headroom 5.
+    _fake_cgroup(tmp_path, monkeypatch, "0::/node/container", {
+        "node/memory.max": str(100 << 30), "node/memory.current": str(95 << 30),
+        "node/container/memory.max": str(8 << 30), "node/container/memory.current": str(1 << 30)})
+    assert runtime.cgroup_memory() == (8 << 30, 3 << 30)
+    # Outside the cgroup namespace's root ('/..'): the group's files are at the mount's root.
+    _fake_cgroup(tmp_path, monkeypatch, "0::/../sibling", {"memory.max": str(4 << 30), "memory.current": str(1 << 30)})
+    assert runtime.cgroup_memory() == (4 << 30, 1 << 30)
 
 
 def test_cgroup_v1_namespaced_and_unlimited(tmp_path, monkeypatch):

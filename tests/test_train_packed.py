@@ -103,13 +103,15 @@ def test_small_heldout_domain_is_evaluated(tmp_path):
             files = sorted(str(q) for q in (tmp_path / "data" / "heldout" / "docs").glob("*.npy"))
             out = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), f"--model={run_dir}",
                                   "--heldout=" + ",".join(f"docs={f}" for f in files), "--eval_seq_len=64",
+                                  f"--model_b={run_dir}",   # KL reads windows of the same documents
                                   f"--out={tmp_path / 'eval'}"], capture_output=True, text=True, timeout=600,
                                  env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
             assert out.returncode == 0, out.stderr[-3000:]
             got = json.loads((tmp_path / "eval" / "eval.json").read_text())
             np.testing.assert_allclose(got["eval/docs/loss"], m["eval/docs/loss"], rtol=1e-5)
+            assert got["kl/mean"] < 1e-9 and got["eval/docs/loss_delta"] == 0.0
         else:
-            assert np.isfinite(m["eval/docs/loss"]) and "not evaluated" not in p.stderr
+            assert np.isfinite(m["eval/docs/loss"])
     manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     assert manifest["splits"]["heldout/docs"]["documents"] < 4
 
@@ -131,8 +133,7 @@ def test_packed_two_processes_match_one(tmp_path):
                     "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
         cmd = [sys.executable, os.path.join(ROOT, "train.py"), *PACKED, f"--data={docs}",
                f"--data_dir={tmp_path / 'data'}", f"--run_dir={run_dir}", "--max_steps=3", "--save_interval=3",
-               "--mesh=fsdp:4", "--eval_padded", *extra]   # padded: fixed-length windows of the short held-out
-                                                          # documents are fewer than the 4 devices (not evaluated)
+               "--mesh=fsdp:4", "--eval_padded", *extra]
         return sp.Popen(cmd, env=env, stdout=sp.PIPE, stderr=sp.STDOUT, text=True)
 
     def wait(procs):
