@@ -102,9 +102,15 @@ RSS_PROBE = textwrap.dedent("""
 def test_tuned_allocator_memory_stays_bounded_across_shapes():
     def peak(*args):
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-        out = subprocess.run([sys.executable, "-c", RSS_PROBE, *args], env=dict(env, JAX_PLATFORMS="cpu"),
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-3000:]
+        for attempt in range(2):
+            out = subprocess.run([sys.executable, "-c", RSS_PROBE, *args], env=dict(env, JAX_PLATFORMS="cpu"),
+                                 capture_output=True, text=True, timeout=300)
+            # Once in a clean-clone CI run (2 workers), the untuned probe died of SIGSEGV inside
+            # XLA's CPU runtime with nothing on stderr; 11 reruns here, 8 of them concurrent,
+            # never repeated it. A death by signal is run once more; a second one fails.
+            if out.returncode >= 0:
+                break
+        assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     plain = peak("plain")["peak_gb"]
