@@ -269,13 +269,8 @@ def main(argv):
     splits = resolve_data()
     if F.stage == "dpo":  # preference pairs, each side padded: row 2i chosen, 2i + 1 rejected (data/preference.py)
         train_set = data.PairDataset(F.data, F.seq_len)
-        dpo_heldout = {}   # logged as eval/<folder name>/...: two sets may not share a name
-        for d in F.dpo_heldout:
-            name = os.path.basename(os.path.normpath(d))
-            if name in dpo_heldout:
-                raise app.UsageError(f"--dpo_heldout: {dpo_heldout[name].directory} and {d} are both named {name!r} "
-                                     "(their metrics would be logged as one); give each set its own folder name")
-            dpo_heldout[name] = data.PairDataset(d, F.seq_len)
+        dpo_heldout = {name: data.PairDataset(d, F.seq_len)
+                       for name, d in named_sets(F.dpo_heldout, "--dpo_heldout").items()}
     elif F.packed:  # every process packs the same instances; process 0 first, filling the cache
         pack = lambda: data.PackedFSLDataset(  # noqa: E731
             splits["train"], F.seq_len, source_group_size=F.source_group_size,
@@ -696,12 +691,8 @@ def resolve_data() -> dict:
     if F.stage == "sft":  # already tokenized chats (python -m data.prepare_sft or open-instruct's converter)
         from data import prepare_sft
         splits = {"train": prepare_sft.token_files(F.data, "--data")}
-        for d in F.sft_heldout:   # logged as eval/<folder name>/...: two sets may not share a name
-            name = f"heldout/{os.path.basename(os.path.normpath(d))}"
-            if name in splits:
-                raise app.UsageError(f"--sft_heldout: two sets are named {name[8:]!r} (their metrics would be logged "
-                                     "as one); give each set its own folder name")
-            splits[name] = prepare_sft.token_files(d, "--sft_heldout")
+        for name, d in named_sets(F.sft_heldout, "--sft_heldout").items():
+            splits[f"heldout/{name}"] = prepare_sft.token_files(d, "--sft_heldout")
         return splits
     if F.data.startswith("mix:"):  # AI2's published token files, read remotely (data/storage.py)
         from data import mixes
@@ -720,6 +711,19 @@ def resolve_data() -> dict:
             data.ensure_corpus(out, F.data)
         multihost_utils.sync_global_devices("olmo3: corpus prepared")
     return data.ensure_corpus(out, F.data)
+
+
+def named_sets(dirs: list[str], flag: str) -> dict[str, str]:
+    """{folder name: directory} of held-out sets (--dpo_heldout, --sft_heldout), logged as
+    eval/<folder name>/...: two sets may not share a name."""
+    out: dict[str, str] = {}
+    for d in dirs:
+        name = os.path.basename(os.path.normpath(d))
+        if name in out:
+            raise app.UsageError(f"{flag}: {out[name]} and {d} are both named {name!r} (their metrics would be "
+                                 "logged as one); give each set its own folder name")
+        out[name] = d
+    return out
 
 
 def packing_cache() -> str | None:

@@ -103,15 +103,15 @@ def get_eval_batch(dataset: FSLDataset | PackedFSLDataset, rows: int, batch: int
     n = len(dataset)
     idx = np.arange(batch * rows, (batch + 1) * rows)[rank::num_ranks]
     order = np.arange(n) if isinstance(dataset, PaddedFSLDataset) else eval_order(n)
-    if isinstance(dataset, PackedFSLDataset):
-        filler = {"tokens": np.full(dataset.seq_len, dataset.pad_id, np.uint32),
-                  "label_mask": np.zeros(dataset.seq_len, bool), "doc_lens": np.array([dataset.seq_len], np.int32)}
-        return _rows(dataset, [dataset[int(order[i])] if i < n else filler for i in idx])
-    out = _rows(dataset, [dataset[int(order[i])] if i < n else np.full(dataset.seq_len, dataset.pad_id, np.uint32)
-                          for i in idx])
-    # A filler row's labels are masked (a masked instance would still count its tokens, as
-    # OLMo-core's repetition filter does); every real window's are all kept.
-    out["label_mask"] = np.repeat((idx < n)[:, None], dataset.seq_len, axis=1)
+    packed = isinstance(dataset, PackedFSLDataset)
+    filler = np.full(dataset.seq_len, dataset.pad_id, np.uint32)
+    if packed:
+        filler = {"tokens": filler, "label_mask": np.zeros(dataset.seq_len, bool),
+                  "doc_lens": np.array([dataset.seq_len], np.int32)}
+    out = _rows(dataset, [dataset[int(order[i])] if i < n else filler for i in idx])
+    if not packed:   # a filler window's labels are masked (a masked instance would still count its
+        # tokens, as OLMo-core's repetition filter does); every real window's are all kept
+        out["label_mask"] = np.repeat((idx < n)[:, None], dataset.seq_len, axis=1)
     return out
 
 
