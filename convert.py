@@ -286,9 +286,12 @@ def zero_optimizer_state(abstract_model, LazyTensor):
 
 
 def write_orbax(dst: str, step: int, state, extra: dict) -> None:
+    if os.path.isdir(dst) and os.listdir(dst):  # a run directory of its own, as the --to help says
+        held = (checkpoint.CheckpointManager(dst, read_only=True).all_steps()
+                if os.path.isdir(os.path.join(dst, checkpoint.CHECKPOINTS)) else [])
+        raise FileExistsError(f"--to=orbax:{dst} " + (f"already holds checkpoints {held}" if held else
+                                                      "exists and is not empty") + "; choose a new directory")
     mgr = checkpoint.CheckpointManager(dst, keep=None, async_save=False)
-    if mgr.all_steps():
-        raise FileExistsError(f"--to=orbax:{dst} already holds checkpoints {mgr.all_steps()}; choose a new directory")
     mgr.save(step, state, extra)  # orbax writes <step>.orbax-checkpoint-tmp and renames it when done
     mgr.wait()
     mgr.close()

@@ -183,6 +183,8 @@ def _cases(w):
          f"{w / 'hf_badjson' / 'config.json'}' is not valid JSON"),
         ("convert_onto_nonempty", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'nonempty'}"], 2,
          "exists and is not empty"),
+        ("convert_orbax_onto_nonempty", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'nonempty'}"], 2,
+         "exists and is not empty"),
         ("convert_orbax_onto_existing", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'run'}"], 2,
          "already holds checkpoints"),
         ("convert_damaged_checkpoint", "convert.py", [f"--from=orbax:{w / 'damaged'}", f"--to=hf:{w / 'out'}"], 2,
