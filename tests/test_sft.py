@@ -276,6 +276,14 @@ def test_stage_flag_values(tmp_path):
     assert p.returncode == 2 and "--packed --label_masks" in p.stderr
     p = subprocess.run(base + ["--stage=4"], capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 2 and "stage" in p.stderr
+    # two --sft_heldout sets with one folder name would log as one eval/heldout/...: refused
+    for d in ("a", "b"):
+        prepare_sft.prepare_sft(str(write_chats(tmp_path / f"{d}.jsonl", chats(4, 0))), str(tmp_path / d / "heldout"),
+                                "olmo_thinker_no_think_sft_tokenization")
+    p = subprocess.run(base + ["--flagfile=" + os.path.join(ROOT, "tiny_sft.flags"), f"--data={tmp_path / 'a' / 'heldout'}",
+                              f"--run_dir={tmp_path / 'r'}", f"--sft_heldout={tmp_path / 'a' / 'heldout'},{tmp_path / 'b' / 'heldout'}"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "both named 'heldout'" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
 
 
 # ---- train.py --stage=sft end to end (slow: several train.py runs) -------------------------
