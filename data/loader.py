@@ -18,7 +18,7 @@ from jaxtyping import Int32, Integer
 
 from data.dataset import FSLDataset
 from data.filters import repetition_mask
-from data.order import _build_permutation, batch_indices, steps_per_epoch
+from data.order import batch_indices, shuffled, steps_per_epoch
 from data.packed import PackedFSLDataset, batch_fields
 from data.padded import PaddedFSLDataset
 from data.preference import PairDataset
@@ -119,7 +119,7 @@ def get_eval_batch(dataset: FSLDataset | PackedFSLDataset, rows: int, batch: int
 def eval_order(num_instances: int) -> np.ndarray:
     """The held-out order of fixed-length windows and packed instances: batch_indices'
     permutation for seed 0, epoch 0, cached apart from its cache (which holds the training set's)."""
-    return _build_permutation.__wrapped__(num_instances, 0, 0)
+    return shuffled(num_instances, 0, 0)
 
 
 class Loader:

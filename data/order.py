@@ -20,7 +20,7 @@ import functools
 import threading
 
 import numpy as np
-from jaxtyping import Int64
+from jaxtyping import Int64, UInt
 
 
 def steps_per_epoch(num_instances: int, global_batch: int) -> int:
@@ -45,8 +45,8 @@ def _permutation(num_instances: int, seed: int, epoch: int) -> np.ndarray:
         return _build_permutation(num_instances, seed, epoch)
 
 
-@functools.lru_cache(maxsize=4)
-def _build_permutation(num_instances: int, seed: int, epoch: int) -> np.ndarray:
+def shuffled(num_instances: int, seed: int, epoch: int) -> UInt[np.ndarray, " n"]:
+    """The epoch's permutation of instance indices, read-only, built anew on each call."""
     # OLMo-core `get_rng(seed + epoch)` with epoch counted from 1.
     rng = np.random.Generator(np.random.PCG64(seed + epoch + 1))
     dtype = np.uint32 if num_instances < 2**32 else np.uint64
@@ -54,6 +54,9 @@ def _build_permutation(num_instances: int, seed: int, epoch: int) -> np.ndarray:
     rng.shuffle(perm)
     perm.setflags(write=False)
     return perm
+
+
+_build_permutation = functools.lru_cache(maxsize=4)(shuffled)   # the training set's, kept
 
 
 def batch_indices(
