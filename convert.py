@@ -39,7 +39,6 @@ import json
 import math
 import os
 import resource
-import sys
 import time
 
 import numpy as np

@@ -28,6 +28,8 @@ from jax import lax
 from beartype import beartype
 from jaxtyping import Array, Float, Int, jaxtyped
 
+from olmo3.config import matmul_precision
+
 
 def dense_mask(seq: int, window: Optional[int], segment_ids=None) -> jax.Array:
     """Boolean [seq, seq] mask, True where query i may attend to key j."""
@@ -59,11 +61,13 @@ def _masked(q, k, v, mask):
     heads, tq, head_dim = q.shape
     kv_heads = k.shape[0]
     qg = q.reshape(kv_heads, heads // kv_heads, tq, head_dim)             # (KV, G, Tq, hd)
-    scores = jnp.einsum("kgqd,ksd->kgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("kgqd,ksd->kgqs", qg, k, preferred_element_type=jnp.float32,
+                        precision=matmul_precision(q.dtype))
     scores = scores * (head_dim ** -0.5)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("kgqs,ksd->kgqd", probs, v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("kgqs,ksd->kgqd", probs, v, preferred_element_type=jnp.float32,
+                     precision=matmul_precision(v.dtype))
     return out.reshape(heads, tq, head_dim).astype(q.dtype)
 
 
@@ -127,7 +131,8 @@ def local_attention(
     qb = blocks(q).reshape(kv_heads, G, nb, B, head_dim).transpose(0, 2, 1, 3, 4)
     qb = qb.reshape(kv_heads * nb, G * B, head_dim)                        # (KV*N, G*B, hd)
     kb, vb = with_previous(blocks(k)), with_previous(blocks(v))
-    scores = jnp.einsum("bqd,bsd->bqs", qb, kb, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bqd,bsd->bqs", qb, kb, preferred_element_type=jnp.float32,
+                        precision=matmul_precision(q.dtype))
     scores = scores.reshape(kv_heads, nb, G, B, 2 * B) * (head_dim ** -0.5)
     i = jnp.arange(nb)[:, None, None] * B + jnp.arange(B)[None, :, None]             # (N, B, 1)
     j = jnp.arange(nb)[:, None, None] * B - B + jnp.arange(2 * B)[None, None, :]     # (N, 1, 2B)
@@ -138,7 +143,8 @@ def local_attention(
         mask &= sq[:, :, None] == sk[:, None, :]
     scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)          # (KV, N, G, B, 2B)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(kv_heads * nb, G * B, 2 * B)
-    out = jnp.einsum("bqs,bsd->bqd", probs, vb, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bqs,bsd->bqd", probs, vb, preferred_element_type=jnp.float32,
+                     precision=matmul_precision(v.dtype))
     out = out.reshape(kv_heads, nb, G, B, head_dim).transpose(0, 2, 1, 3, 4)
     return out.reshape(heads, nb * B, head_dim)[:, :seq].astype(q.dtype)
 

@@ -19,6 +19,15 @@ AttentionImpl = Literal["xla", "splash", "cudnn"]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+def matmul_precision(dtype) -> Optional[str]:
+    """The `precision=` of every model matmul on `dtype` inputs. float32 compute is the exact
+    mode (HF and OLMo-core verification), so its matmuls run in float32: by default XLA takes one
+    bfloat16 pass on TPU and TF32 on NVIDIA tensor cores for float32 inputs (docs.jax.dev
+    "Matmul precision"), torch does not (`torch.backends.cuda.matmul.allow_tf32` is False by
+    default). Other dtypes keep the platform's default (no effect on the CPU either way)."""
+    return "highest" if jnp.dtype(dtype) == jnp.float32 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class YaRN:
     """YaRN context extension (Peng et al. 2023) as configured for OLMo 3 stage 3."""

@@ -37,6 +37,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, PyTree, jaxtyped
 
+from olmo3.config import matmul_precision
 from olmo3.loss import IGNORE, labels_and_weights
 from olmo3.model import OLMo3
 
@@ -63,7 +64,8 @@ def token_logps(h: Float[Array, "n d_model"], lm_head: Float[Array, "d_model voc
     @jax.checkpoint
     def one_chunk(_, x):
         hx, lx = x
-        logits = jnp.dot(hx, w, preferred_element_type=jnp.float32)          # (chunk, V) fp32
+        logits = jnp.dot(hx, w, preferred_element_type=jnp.float32,
+                         precision=matmul_precision(hx.dtype))                 # (chunk, V) fp32
         target = jnp.take_along_axis(logits, jnp.maximum(lx, 0)[:, None], axis=-1)[:, 0]
         return None, jnp.where(lx == IGNORE, 0.0, target - jax.nn.logsumexp(logits, axis=-1))
 

@@ -42,6 +42,8 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Bool, Float, Int, jaxtyped
 
+from olmo3.config import matmul_precision
+
 IGNORE = -100
 # exp(x) overflows float32 above 88.7 = ln(FLT_MAX); a row of `vocab` terms sums to at most
 # vocab * e^B. Below this, with a margin of e^8 for the bound's own rounding, no max is needed.
@@ -94,14 +96,15 @@ def column_norm_max(w: Float[Array, "d_model vocab"]) -> Float[Array, ""]:
 def _row_sum(e):
     """e.sum(-1); on the CPU as e @ ones (see the module docstring)."""
     return jax.lax.platform_dependent(
-        e, cpu=lambda e: jnp.dot(e, jnp.ones(e.shape[-1:], e.dtype), preferred_element_type=jnp.float32),
+        e, cpu=lambda e: jnp.dot(e, jnp.ones(e.shape[-1:], e.dtype), preferred_element_type=jnp.float32,
+                                 precision=jax.lax.Precision.HIGHEST),   # a sum: in float32
         default=lambda e: jnp.sum(e, axis=-1))
 
 
 def _exp_lse_target(hc, w, lc, w_norm):
     """(e, s, lse, target) of one chunk: e = exp(logits - m) with m = 0 or the row max (module
     docstring), s = e.sum(-1), lse = m + log s, target = the label's logit."""
-    logits = jnp.dot(hc, w, preferred_element_type=jnp.float32)             # (chunk, V) fp32
+    logits = jnp.dot(hc, w, preferred_element_type=jnp.float32, precision=matmul_precision(hc.dtype))  # (chunk, V)
     h_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(hc.astype(jnp.float32)), axis=-1)))
     safe = h_norm * w_norm + math.log(logits.shape[-1]) < EXP_SAFE
     m = jax.lax.stop_gradient(jax.lax.cond(
@@ -147,8 +150,9 @@ def _fused_ce_fwd(h, lm_head, labels, weights, chunk, z_loss):
         onehot = jax.lax.broadcasted_iota(jnp.int32, e.shape, 1) == lc[:, None]
         dlogits = ((wc * (1.0 + 2.0 * z_loss * lse) / s)[:, None] * e
                    - jnp.where(onehot, wc[:, None], 0.0)).astype(h.dtype)
-        dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32)          # (chunk, d)
-        dw = dw + jnp.dot(hc.T, dlogits, preferred_element_type=jnp.float32)    # (d, V)
+        exact = matmul_precision(h.dtype)
+        dh = jnp.dot(dlogits, w.T, preferred_element_type=jnp.float32, precision=exact)        # (chunk, d)
+        dw = dw + jnp.dot(hc.T, dlogits, preferred_element_type=jnp.float32, precision=exact)  # (d, V)
         carry = (ce + jnp.sum((lse - target) * wc), z + jnp.sum(lse * lse * wc), dw)
         return carry, (dh, lse, target)
 

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, jaxtyped
 
 from olmo3 import float8, rope
 from olmo3.attention import attention
-from olmo3.config import Config
+from olmo3.config import Config, matmul_precision
 
 # Names of the projection outputs the "save_proj" remat policy keeps (DESIGN §6: the policy
 # that fit the 7B saves the attention and MLP projections and recomputes the rest).
@@ -73,7 +73,8 @@ def _proj(cfg: Config, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
     if uses_float8(cfg, name, w.shape):
         y = float8.linear(x, w)
     else:
-        y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        y = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32,
+                    precision=matmul_precision(x.dtype)).astype(x.dtype)
     return checkpoint_name(y, name)
 
 
@@ -218,7 +219,8 @@ class OLMo3(eqx.Module):
         positions: Optional[Int[Array, " seq"]] = None,
     ) -> Float[Array, "seq vocab"]:
         h = self.hidden(tokens, segment_ids=segment_ids, positions=positions)
-        return jnp.dot(h, self.lm_head.astype(h.dtype), preferred_element_type=jnp.float32)
+        return jnp.dot(h, self.lm_head.astype(h.dtype), preferred_element_type=jnp.float32,
+                       precision=matmul_precision(h.dtype))
 
 
 def decay_mask(model: OLMo3) -> OLMo3:

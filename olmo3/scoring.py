@@ -24,6 +24,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from olmo3 import rope
+from olmo3.config import matmul_precision
 from olmo3.heldout import logits_fn
 from olmo3.metrics import read_jsonl
 from olmo3.model import OLMo3, attention_inputs, layer_output, rms_norm
@@ -54,18 +55,22 @@ def _extend(model: OLMo3, k_cache: jax.Array, v_cache: jax.Array, tokens: jax.Ar
         vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (start, 0, 0))
         G = c.n_heads // c.n_kv_heads
         qg = q.reshape(T, c.n_kv_heads, G, c.head_dim)                             # (T, KV, G, hd)
-        s = jnp.einsum("tkgd,skd->kgts", qg, kc.astype(dt), preferred_element_type=jnp.float32)
+        s = jnp.einsum("tkgd,skd->kgts", qg, kc.astype(dt), preferred_element_type=jnp.float32,
+                       precision=matmul_precision(dt))
         s = s * c.head_dim ** -0.5
         mask = causal & (in_window | full)
         s = jnp.where(mask[None, None], s, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(s, axis=-1).astype(dt)
-        o = jnp.einsum("kgts,skd->tkgd", probs, vc.astype(dt), preferred_element_type=jnp.float32)
+        o = jnp.einsum("kgts,skd->tkgd", probs, vc.astype(dt), preferred_element_type=jnp.float32,
+                       precision=matmul_precision(dt))
         return layer_output(c, p, x, o.astype(dt).reshape(T, c.q_dim)), (kc, vc)
 
     x = model.embed[tokens].astype(c.dtype)
     x, (k_cache, v_cache) = jax.lax.scan(layer, x, (model.layers, is_full, k_cache, v_cache))
     h = rms_norm(x, model.norm, c.norm_eps)
-    return jnp.dot(h, model.lm_head.astype(h.dtype), preferred_element_type=jnp.float32), k_cache, v_cache
+    logits = jnp.dot(h, model.lm_head.astype(h.dtype), preferred_element_type=jnp.float32,
+                     precision=matmul_precision(h.dtype))
+    return logits, k_cache, v_cache
 
 
 _extend_jit = eqx.filter_jit(_extend, donate="all-except-first")  # the caches are updated in place
@@ -212,7 +217,8 @@ def continuation_scores(model: OLMo3, batch: dict, gather: Optional[Callable] = 
     def one(xs):
         tokens, targets, weights, pos, choices = xs
         h = model.hidden(tokens, gather=gather)                                        # (T, d)
-        logits = jnp.dot(h, model.lm_head.astype(h.dtype), preferred_element_type=jnp.float32)  # (T, V)
+        logits = jnp.dot(h, model.lm_head.astype(h.dtype), preferred_element_type=jnp.float32,
+                         precision=matmul_precision(h.dtype))                             # (T, V)
         lse = jax.nn.logsumexp(logits, axis=-1)                                       # (T,)
         tok = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
         return jnp.sum(jnp.where(weights > 0, tok, 0.0)), logits[pos, choices] - lse[pos]

@@ -48,6 +48,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int, Int8
 
+from olmo3.config import matmul_precision
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 LANES, SUBLANES = 128, 8          # TPU vreg shape (Mosaic tiling unit)
 # Inside a tile, scores are computed in chunks of at most this many queries x keys, so a
@@ -61,6 +63,12 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 NT = (((1,), (1,)), ((), ()))      # a @ b.T  (contract the last dims)
 NN = (((1,), (0,)), ((), ()))      # a @ b
+
+
+def dot(a, b, dims):
+    """a . b with a float32 result; float32 inputs multiply in float32 (config.matmul_precision:
+    Mosaic's default would be bf16 passes, Triton's TF32), bf16 ones as the MXU / tensor cores do."""
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32, precision=matmul_precision(b.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,7 +262,7 @@ def _fwd_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
 
     def compute(qs, ks, masked):
         q, k, v = q_ref[qs, :], k_ref[ks, :], v_ref[ks, :]
-        s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * plan.scale
+        s = dot(q, k, NT) * plan.scale
         if masked:                                                        # s: [cq, ck]
             seg = (qseg_ref[qs, :1], kseg_ref[:1, ks]) if plan.segmented else ()
             s = jnp.where(_tile_mask(q0 + qs.start, k0 + ks.start, s.shape, plan.window, False,
@@ -268,7 +276,7 @@ def _fwd_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         p = jnp.exp(s - m_next[:, :1])
         l_scr[qs, :] = alpha * l_scr[qs, :] + jnp.sum(p, axis=1, keepdims=True)
         m_scr[qs, :] = m_next
-        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
+        pv = dot(p.astype(v.dtype), v, NN)
         acc_scr[qs, :] = acc_scr[qs, :] * alpha[:, :1] + pv
 
     _for_each_chunk(plan, kind_ref[step], q0, k0, compute)
@@ -359,16 +367,15 @@ def _dq_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref
         q, k, v, do = q_ref[qs, :], k_ref[ks, :], v_ref[ks, :], do_ref[qs, :]
         lse = jnp.expand_dims(lse_ref[0][qs], -1)                        # [cq, 1]
         di = jnp.expand_dims(di_ref[0][qs], -1)                          # [cq, 1]
-        s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * plan.scale
+        s = dot(q, k, NT) * plan.scale
         p = jnp.exp(s - lse)                                             # [cq, ck]
         if masked:
             seg = (qseg_ref[qs, :1], kseg_ref[:1, ks]) if plan.segmented else ()
             p = jnp.where(_tile_mask(q0 + qs.start, k0 + ks.start, s.shape, plan.window, False,
                                      *seg), p, 0.0)
-        dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
+        dp = dot(do, v, NT)
         ds = p * (dp - di)
-        acc_scr[qs, :] += lax.dot_general(ds.astype(k.dtype), k, NN,
-                                          preferred_element_type=jnp.float32)
+        acc_scr[qs, :] += dot(ds.astype(k.dtype), k, NN)
 
     _for_each_chunk(plan, kind_ref[step], q0, k0, compute)
 
@@ -394,18 +401,16 @@ def _dkv_kernel(index_ref, kind_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_re
 
     def compute(qs, ks, masked):
         q, k, v, do = q_ref[qs, :], k_ref[ks, :], v_ref[ks, :], do_ref[qs, :]
-        s_t = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * plan.scale
+        s_t = dot(k, q, NT) * plan.scale
         p_t = jnp.exp(s_t - lse_ref[:, qs])                              # [ck, cq]
         if masked:
             seg = (qseg_ref[:1, qs], kseg_ref[ks, :1]) if plan.segmented else ()
             p_t = jnp.where(_tile_mask(q0 + qs.start, k0 + ks.start, s_t.shape, plan.window,
                                        True, *seg), p_t, 0.0)
-        dv_scr[ks, :] += lax.dot_general(p_t.astype(do.dtype), do, NN,
-                                         preferred_element_type=jnp.float32)
-        dp_t = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+        dv_scr[ks, :] += dot(p_t.astype(do.dtype), do, NN)
+        dp_t = dot(v, do, NT)
         ds_t = p_t * (dp_t - di_ref[:, qs])
-        dk_scr[ks, :] += lax.dot_general(ds_t.astype(q.dtype), q, NN,
-                                         preferred_element_type=jnp.float32)
+        dk_scr[ks, :] += dot(ds_t.astype(q.dtype), q, NN)
 
     _for_each_chunk(plan, kind_ref[step], q0, k0, compute)
 

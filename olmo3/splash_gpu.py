@@ -106,6 +106,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from olmo3.splash import NN, NT, dot as _dot   # a . b, float32 result and float32 inputs exact
+
 # Finite "minus infinity" for masked scores (exp2(MASK_VALUE - m) == 0, never inf - inf).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2E = math.log2(math.e)
@@ -113,9 +115,6 @@ MIN_DIM = 16                          # tl.dot: every matmul dimension >= 16
 # Per-block shared memory on sm_90 is 227 KiB (CUDA C Programming Guide, "Compute Capability
 # 9.0"); keep ~35 KiB for the Triton compiler's own layout-conversion scratch.
 SMEM_BUDGET = 192 * 1024
-
-NT = (((1,), (1,)), ((), ()))         # a @ b.T
-NN = (((1,), (0,)), ((), ()))         # a @ b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +313,7 @@ def _fwd_kernel(bounds_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         acc, m, l = carry
         k0 = j * bkv
         k, v = k_ref[pl.ds(k0, bkv), :], v_ref[pl.ds(k0, bkv), :]         # [bkv, d]
-        s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * c
+        s = _dot(q, k, NT) * c
         if masked:
             k_seg = seg_ref[pl.ds(k0, bkv)] if plan.segmented else None
             s = jnp.where(_mask(q0, k0, s.shape, plan.window, False, q_seg, k_seg),
@@ -322,7 +321,7 @@ def _fwd_kernel(bounds_ref, q_ref, k_ref, v_ref, *refs, plan: _Plan):
         m_next = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_next)
         p = jnp.exp2(s - m_next[:, None])                                  # [bq, bkv] fp32
-        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
+        pv = _dot(p.astype(v.dtype), v, NN)
         return acc * alpha[:, None] + pv, m_next, l * alpha + jnp.sum(p, axis=1)
 
     init = (jnp.zeros((bq, plan.head_dim), jnp.float32),
@@ -348,14 +347,14 @@ def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs, 
     def body(j, dq, masked):
         k0 = j * bkv
         k, v = k_ref[pl.ds(k0, bkv), :], v_ref[pl.ds(k0, bkv), :]
-        s = lax.dot_general(q, k, NT, preferred_element_type=jnp.float32) * c
+        s = _dot(q, k, NT) * c
         p = jnp.exp2(s - lse2[:, None])                                    # [bq, bkv]
         if masked:
             k_seg = seg_ref[pl.ds(k0, bkv)] if plan.segmented else None
             p = jnp.where(_mask(q0, k0, s.shape, plan.window, False, q_seg, k_seg), p, 0.0)
-        dp = lax.dot_general(do, v, NT, preferred_element_type=jnp.float32)
+        dp = _dot(do, v, NT)
         ds = p * (dp - di[:, None])
-        return dq + lax.dot_general(ds.astype(k.dtype), k, NN, preferred_element_type=jnp.float32)
+        return dq + _dot(ds.astype(k.dtype), k, NN)
 
     dq = _three_loops(bounds_ref, i, body, jnp.zeros((bq, plan.head_dim), jnp.float32))
     dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
@@ -380,18 +379,16 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, *refs,
             q0 = plan.q_offset + row
             q, do = q_ref[r, pl.ds(row, bq), :], do_ref[r, pl.ds(row, bq), :]   # [bq, d]
             lse2 = lse_ref[r, pl.ds(row, bq)] * LOG2E
-            s_t = lax.dot_general(k, q, NT, preferred_element_type=jnp.float32) * c
+            s_t = _dot(k, q, NT) * c
             p_t = jnp.exp2(s_t - lse2[None, :])                            # [bkv, bq]
             if masked:
                 q_seg = seg_ref[pl.ds(q0, bq)] if plan.segmented else None
                 p_t = jnp.where(_mask(q0, k0, s_t.shape, plan.window, True, q_seg, k_seg),
                                 p_t, 0.0)
-            dv = dv + lax.dot_general(p_t.astype(do.dtype), do, NN,
-                                      preferred_element_type=jnp.float32)
-            dp_t = lax.dot_general(v, do, NT, preferred_element_type=jnp.float32)
+            dv = dv + _dot(p_t.astype(do.dtype), do, NN)
+            dp_t = _dot(v, do, NT)
             ds_t = p_t * (dp_t - di_ref[r, pl.ds(row, bq)][None, :])
-            dk = dk + lax.dot_general(ds_t.astype(q.dtype), q, NN,
-                                      preferred_element_type=jnp.float32)
+            dk = dk + _dot(ds_t.astype(q.dtype), q, NN)
             return dk, dv
 
         return _three_loops(bounds_ref, j, body, carry)

@@ -181,3 +181,55 @@ def test_bad_inputs(tmp_path):
     sd.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight.*download complete"):
         hf.from_hf(sd, hf.config_from_hf(cfg.to_dict()))
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The `precision` of every dot_general in a jaxpr, through scans, remat, custom_vjp, pjit."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            out.append(eqn.params["precision"])
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _dot_precisions(inner)
+    return out
+
+
+@pytest.mark.parametrize("window", [8, 64], ids=["local", "dense"])
+def test_float32_compute_matmuls_are_float32(window):
+    """float32 compute (HF verification, convert.py --verify) asks every matmul of the loss and its
+    gradient for float32 ('highest'): by default TPUs take one bf16 pass and NVIDIA tensor cores
+    TF32 for float32 inputs (the CPU ignores it). bf16 compute keeps the platform's default."""
+    from olmo3 import step
+    P = jax.lax.Precision
+    for dtype in ("float32", "bfloat16"):
+        config = olmo3.Config.preset("tiny").replace(compute_dtype=dtype, window=window)
+        model = olmo3.OLMo3(config, jax.random.key(0))
+        tokens = jnp.arange(64, dtype=jnp.int32).reshape(2, 32) % config.vocab_size
+        batch = {"tokens": tokens, "instance_mask": jnp.ones(2, bool),
+                 "segment_ids": jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16).reshape(2, 32)}
+        with jax.default_matmul_precision("default"):   # conftest makes every test's default 'highest'
+            jaxpr = jax.make_jaxpr(lambda m: step.accumulate_grads(
+                m, batch, jnp.float32(62), microbatches=1, chunk=16, z_loss=1e-5, use_segments=True))(model)
+            precisions = [p[0] for p in _dot_precisions(jaxpr.jaxpr) + _dot_precisions(
+                jax.make_jaxpr(model)(tokens[0]).jaxpr)]
+        if dtype == "float32":
+            assert len(precisions) >= 12 and set(precisions) == {P.HIGHEST}, precisions
+        else:   # only the RoPE tables' own float32 dot (rope.cos_sin) asks for HIGHEST
+            assert precisions.count(P.DEFAULT) >= 12 and set(precisions) == {P.DEFAULT, P.HIGHEST}, precisions
+
+
+def test_float32_kernels_matmuls_are_float32():
+    """The same for the Splash kernels, forward and backward, in every branch the dispatch
+    lowers (Mosaic for TPU: contract_precision fp32; Triton for CUDA: IEEE, not TF32; interpret)."""
+    from olmo3.attention import attention
+    seg = jnp.repeat(jnp.arange(2, dtype=jnp.int32), 128)
+    for dtype, want in ((jnp.float32, jax.lax.Precision.HIGHEST), (jnp.bfloat16, jax.lax.Precision.DEFAULT)):
+        q, kv = jnp.ones((4, 256, 64), dtype), jnp.ones((2, 256, 64), dtype)
+        f = lambda q, k, v: jnp.sum(attention(q, k, v, window=64, segment_ids=seg,  # noqa: E731
+                                              impl="splash").astype(jnp.float32))
+        with jax.default_matmul_precision("default"):
+            precisions = [p[0] for p in _dot_precisions(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, kv, kv).jaxpr)]
+        assert len(precisions) >= 3 * 9 and set(precisions) == {want}, (dtype, set(precisions))
