@@ -94,7 +94,10 @@ def layer_output(cfg: Config, p: Layer, x: jax.Array, o: jax.Array) -> jax.Array
     h = x + rms_norm(_proj(cfg, o, p.o_proj, "o_proj"), p.post_attention_norm, cfg.norm_eps)
     gate = _proj(cfg, h, p.gate_proj, "gate_proj")
     up = _proj(cfg, h, p.up_proj, "up_proj")
-    mlp = _proj(cfg, jax.nn.silu(gate) * up, p.down_proj, "down_proj")              # (T, d)
+    # silu in float32, rounded once, as torch's F.silu (HF's Olmo3MLP, OLMo-core) does in bf16;
+    # jax.nn.silu on bf16 rounds sigmoid(gate) first (1 bf16 ulp off in ~40% of elements)
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype)
+    mlp = _proj(cfg, act * up, p.down_proj, "down_proj")                             # (T, d)
     return h + rms_norm(mlp, p.post_feedforward_norm, cfg.norm_eps)
 
 

@@ -183,6 +183,25 @@ def test_bad_inputs(tmp_path):
         hf.from_hf(sd, hf.config_from_hf(cfg.to_dict()))
 
 
+def test_bf16_mlp_bit_exact_with_transformers():
+    """A bf16 layer's feed-forward half equals HF's bf16 Olmo3DecoderLayer bit for bit: torch's
+    F.silu rounds once from float32 (jax.nn.silu on bf16 rounds sigmoid first: ~40% of the
+    elements 1 ulp off). The attention output is zero, so h = x and only the MLP + norms run."""
+    from olmo3.model import layer_output
+    cfg = hf_config(intermediate_size=256)
+    ref = random_hf_model(cfg).to(torch.bfloat16)
+    layer = ref.model.layers[0]
+    x = torch.randn(37, cfg.hidden_size).to(torch.bfloat16)
+    with torch.no_grad():
+        want = (x + layer.post_feedforward_layernorm(layer.mlp(x))).float().numpy()
+    config = hf.config_from_hf(cfg.to_dict(), compute_dtype="bfloat16", param_dtype="bfloat16")
+    model = hf.from_hf(dict(ref.state_dict()), config)
+    p = jax.tree.map(lambda w: w[0], model.layers)
+    got = layer_output(config, p, jnp.asarray(x.float().numpy(), jnp.bfloat16),
+                       jnp.zeros((37, config.q_dim), jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+
+
 def _dot_precisions(jaxpr) -> list:
     """The `precision` of every dot_general in a jaxpr, through scans, remat, custom_vjp, pjit."""
     out = []
