@@ -21,9 +21,9 @@ generate_doc_lengths=True)`, and so does `train.py --stage=sft --packed --label_
 AI2's converter train here unchanged. One difference: AI2's converter cuts parts at exactly
 2^28 tokens, through a conversation if need be; here a part ends at a conversation's end.
 
-`--max_seq_length` is the converter's option of the same name (open-instruct's SLURM script for
-the 7B Think data, scripts/slurm/sft/prepare_dolci_think_data.sh, passes 32768; its default is
-none): `sft_tulu_tokenize_and_truncate_v1` cuts the rendered conversation and its mask to that many
+`--max_seq_length` is the converter's option of the same name (open-instruct's SLURM scripts for
+the 7B's data, scripts/slurm/sft/prepare_dolci_{think,instruct}_data.sh, pass 32768, and so do
+sft_{think,instruct}.flags' commands; its default is none): `sft_tulu_tokenize_and_truncate_v1` cuts the rendered conversation and its mask to that many
 tokens, then `sft_tulu_filter_v1` drops it if nothing trained is left. A cut conversation has lost
 its EOS, so packing (documents split at EOS) reads it and the conversation after it as one
 document, which the packer then truncates to the sequence length, as OLMo-core does with such
