@@ -175,7 +175,7 @@ cli.require([
     ("keep_checkpoints", lambda v: v >= 1, ">= 1 (0 deleted every checkpoint as it was written)"),
     ("loss_chunk", lambda v: v > 0, "> 0 (tokens per lm_head + cross-entropy chunk)"),
     ("loader_workers", lambda v: v >= 0, ">= 0 (0: batches are read in the training thread)"),
-    ("max_restarts", lambda v: v >= 0, ">= 0"),
+    ("max_restarts", lambda v: v >= 1, ">= 1 (failed attempts in a row, without a new checkpoint, before giving up)"),
     ("downstream_limit", lambda v: v is None or v > 0, "> 0 (leave it out for every document)"),
     ("downstream_batch", lambda v: v is None or v > 0, "> 0"),
     ("eval_batches", lambda v: v >= 0, ">= 0 (0: every held-out document)"),
@@ -196,8 +196,8 @@ def main(argv):
         import random
 
         from olmo3.cluster import job_id
-        from olmo3.launch import newest_checkpoint, run_until_done, strip_flag
-        args = strip_flag(strip_flag(sys.argv, "resume_until_done"), "resume") + ["--resume"]
+        from olmo3.launch import child_argv, newest_checkpoint, run_until_done
+        args = child_argv(sys.argv)
         # The tasks of one cluster job draw the same backoff delays: a crash stops every task (JAX's
         # heartbeat), so they restart together and find each other again; other jobs still differ.
         rng = random.Random(job_id()) if job_id() else None

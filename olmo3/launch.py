@@ -52,6 +52,13 @@ def strip_flag(argv: Sequence[str], name: str) -> list[str]:
             if a not in (f"--{name}", f"--no{name}") and not a.startswith(f"--{name}=")]
 
 
+def child_argv(argv: Sequence[str]) -> list[str]:
+    """The command a launcher reruns: `argv` with --resume, and never a launcher itself.
+    Both flags come last, so they also win over a --flagfile's lines (a flagfile holding
+    --resume_until_done made every child a launcher of its own: processes without end)."""
+    return strip_flag(strip_flag(argv, "resume_until_done"), "resume") + ["--resume", "--noresume_until_done"]
+
+
 def newest_checkpoint(directory: str) -> Optional[int]:
     """The largest step among the complete checkpoints in `directory` (`<step>/` folders; an
     unfinished save's temporary folder has a longer name), None if there are none. Reads only the
@@ -77,7 +84,7 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
     """Run `argv` until it exits 0; returns the last exit code.
 
     Stops on rc 0, on an rc in `no_retry`, or after `max_attempts` consecutive attempts that
-    failed without progress (None: never). A child killed by a signal (rc < 0, e.g. SIGKILL from
+    failed without progress (None: never). A child killed by a signal (rc 128 + N, e.g. SIGKILL from
     the OOM killer or a preemption) is retried. `progress()` is the newest checkpoint step (or
     None): an attempt after which it is larger than before made progress and resets the count.
     Without `progress`, an attempt that ran at least `reset_after_s` resets it."""
@@ -137,4 +144,6 @@ def _run_forwarding_sigterm(argv: Sequence[str]) -> tuple[int, bool]:
         rc = proc.wait()
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return rc, bool(told)
+    # Killed by signal N: Popen says -N, a shell and Slurm say 128 + N (a launcher that exited
+    # with -15 would have stopped with status 241).
+    return (128 - rc if rc < 0 else rc), bool(told)

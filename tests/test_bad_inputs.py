@@ -107,6 +107,8 @@ def _cases(w):
         ("lr_nan_flagfile", "train.py", [*T, f"--run_dir={new}", f"--flagfile={w / 'bad.flags'}"], 2,
          "--lr must be finite and > 0"),
         ("beta_out_of_range", "train.py", [*T, f"--run_dir={new}", "--b2=1.0"], 2, "--b2 must be in [0, 1)"),
+        ("max_restarts_zero", "train.py", [*T, f"--run_dir={new}", "--resume_until_done", "--max_restarts=0"], 2,
+         "--max_restarts must be >= 1"),
         ("keep_no_checkpoint", "train.py", [*T, f"--run_dir={new}", "--keep_checkpoints=0"], 2,
          "--keep_checkpoints must be >= 1"),
         ("loss_chunk_zero", "train.py", [*T, f"--run_dir={new}", "--loss_chunk=0"], 2, "--loss_chunk must be > 0"),

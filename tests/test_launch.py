@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from olmo3.launch import backoff_delay, newest_checkpoint, run_until_done, strip_flag
+from olmo3.launch import backoff_delay, child_argv, newest_checkpoint, run_until_done, strip_flag
 
 # Each run appends a line to the counter file, then exits with codes[run index] (or the last).
 # A code ending in "+" saves first: a checkpoint folder named by the run's number in argv[3]; one
@@ -42,6 +42,12 @@ def test_fails_twice_then_succeeds(tmp_path):
     assert (rc, runs) == (0, 3)             # a crash and a SIGKILL are both retried
     assert len(delays) == 2
     assert 0.005 <= delays[0] <= 0.01 and 0.01 <= delays[1] <= 0.02
+
+
+def test_signal_death_is_128_plus_the_signal(tmp_path):
+    """A child killed by SIGKILL ends the launcher with 137, as a shell or Slurm report it (Popen's
+    -9 made the launcher's own exit status 247)."""
+    assert _run(tmp_path, "-9", max_attempts=1)[:2] == (137, 1)
 
 
 def test_usage_error_is_not_retried(tmp_path):
@@ -113,6 +119,24 @@ def test_backoff_is_exponential_jittered_and_capped():
     assert backoff_delay(30, 1.0, 100.0, rng) <= 100.0          # capped, no overflow
     with pytest.raises(ValueError):
         run_until_done(["true"], max_attempts=0)
+
+
+def test_child_is_never_a_launcher(tmp_path):
+    """--resume_until_done in a flagfile: the child, given the flagfile back, parses as a resuming
+    trainer, not a launcher (each child started launchers of its own: 24 -> 173 processes in 16 s)."""
+    import json
+    import os
+    import subprocess
+    flagfile = tmp_path / "run.flags"
+    flagfile.write_text("--resume_until_done\n--noresume\n--max_steps=2\n")
+    child = child_argv(["train.py", f"--flagfile={flagfile}"])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    parse = ("import json, sys, train; train.F(sys.argv[1:]); "
+             "print(json.dumps([train.F.resume_until_done, train.F.resume, train.F.max_steps]))")
+    p = subprocess.run([sys.executable, "-c", parse, *child], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, True, 2]
 
 
 def test_strip_flag():
