@@ -41,8 +41,10 @@ import dataclasses
 import glob
 import importlib.util
 import os
+import random
 import re
 import sys
+import time
 from typing import Mapping, Optional
 
 from absl import logging
@@ -318,3 +320,42 @@ def start(program: str, coordinator: Optional[str] = None, num_processes: Option
         sys.exit(2)
     logging.info(summary(launch))
     return launch
+
+
+def check_shared_directory(path: str, flag: str, timeout_s: float = 30.0) -> None:
+    """Stop every process (ClusterError, exit status 2) unless all processes of the job see one
+    directory at `path`. Checkpoints need it: process 0 writes the metadata, every process its
+    shards, and each reads all of them back. A path each host has to itself (a local disk, a
+    bucket mounted on none or some of the hosts) otherwise trains up to its first save, which
+    never completes, and the watchdog then blames a hang, on every rerun. Process 0 writes a
+    file of a fresh name there; each other process looks for it, for up to `timeout_s` (a network
+    filesystem may show another host's new file late); then all learn who did not see it."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from olmo3 import atomic
+    if jax.process_count() == 1:
+        return
+    token = int(multihost_utils.broadcast_one_to_all(np.int32(random.getrandbits(31))))
+    marker = os.path.join(os.path.abspath(path), f".olmo3-shared-{token:08x}")
+    if jax.process_index() == 0:
+        os.makedirs(path, exist_ok=True)
+        atomic.write_text(marker, "olmo3")
+    multihost_utils.sync_global_devices("olmo3: shared-directory marker written")
+    deadline = time.monotonic() + timeout_s
+    while not (seen := os.path.exists(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    everyone = np.asarray(multihost_utils.process_allgather(np.asarray(seen))).reshape(-1)
+    if jax.process_index() == 0:
+        try:
+            os.remove(marker)
+        except OSError:
+            pass
+    blind = [i for i, s in enumerate(everyone) if not s]
+    if blind:
+        raise ClusterError(
+            f"{flag}={path!r} is not one directory shared by every process: process(es) {blind} of "
+            f"{len(everyone)} do not see the file process 0 wrote there ({os.path.basename(marker)}) within "
+            f"{timeout_s:.0f} s. Fix: give a path every host sees: a shared filesystem, or a bucket mounted on "
+            "every host (launch/tpu_jobset.yaml mounts one at /gcs; XPK: `xpk storage attach` and --storage)")
