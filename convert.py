@@ -608,7 +608,7 @@ def verify(hf_dir: str, ours, *, seq: int = 256, batch: int = 2, seed: int = 0) 
     if V >= 100278:  # real text through the dolma2 tokenizer, as a user would feed it
         import data
         text = open(os.path.abspath(__file__)).read()
-        ids = data.dolma2().encode(text, disallowed_special=())
+        ids = data.tokenizer.encode(text)
         rows = np.stack([np.resize(np.roll(ids, -k * seq), seq) for k in range(batch)])
     else:
         rows = rng.integers(0, V, size=(batch, seq))

@@ -445,8 +445,7 @@ def main(argv):
         from olmo3 import oe_tasks
         labels = oe_tasks.resolve(F.downstream_tasks, "--downstream_tasks")
         score_fn = sharding.make_score_fn(mesh, specs)
-        tok = data.dolma2()
-        encode = lambda s: tok.encode(s, disallowed_special=())  # noqa: E731
+        encode = data.tokenizer.encode
         # Tokenized now: a missing wheel or file stops the run here, not at the first interval.
         rows_cache = oe_tasks.prepare(labels, encode, limit=F.downstream_limit, max_length=F.seq_len)
         ds_rows = -(-(F.downstream_batch or 8) // n_devices) * n_devices

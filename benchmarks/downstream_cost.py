@@ -39,8 +39,7 @@ def main(argv):
     import data
     import olmo3
     from olmo3 import oe_tasks, scoring
-    tok = data.dolma2()
-    encode = lambda s: tok.encode(s, disallowed_special=())  # noqa: E731
+    encode = data.tokenizer.encode
     labels = oe_tasks.resolve(F.tasks)
     big = olmo3.Config.preset("olmo3_7b")
     fwd = lambda c, T: T * c.train_flops_per_token(T, "writeup") / 3  # noqa: E731  forward FLOPs of one row

@@ -40,8 +40,8 @@ one document. `convert_sft_data_for_olmocore.py` writes mask = (label != -100).
 
 Why it is built this way: the template is a few lines of string assembly, not Jinja, so the
 token sequence is visible here; special tokens are placed only by the template (content is
-encoded as plain text, so a chat that quotes "<|im_end|>" cannot end its own turn; Hugging Face
-tokenizers would parse it as the special token).
+encoded as text by data.tokenizer.encode, so a chat that quotes "<|im_end|>" cannot end its own
+turn; Hugging Face tokenizers would parse it as the special token).
 
 "<think>" and the mask: the mask's prompt is the template's own generation prompt, measured in
 tokens, as open-instruct measures it. With `olmo_thinker` (the Think DPO script's template) that
@@ -63,6 +63,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from jaxtyping import Bool, UInt32
 
+from data import tokenizer
 from data.tokenizer import (EOS_ID, FUNCTION_CALLS_END_ID, FUNCTION_CALLS_ID, FUNCTIONS_END_ID, FUNCTIONS_ID,
                             IM_END_ID, IM_START_ID, dolma2)
 
@@ -199,13 +200,13 @@ def pieces(messages: Sequence[dict], template: str = INSTRUCT, add_generation_pr
 def encode_pieces(ps: Sequence[Piece]) -> list[int]:
     """Token ids: special ids as they are, each run of text encoded as one string (as a Hugging
     Face tokenizer sees the text between two special tokens)."""
-    tok, ids, text = dolma2(), [], ""
+    ids, text = [], ""
     for p in list(ps) + [None]:
         if isinstance(p, str):
             text += p
             continue
         if text:
-            ids += tok.encode_ordinary(text)
+            ids += tokenizer.encode(text)
             text = ""
         if p is not None:
             ids.append(int(p))
@@ -240,6 +241,21 @@ def generation_prompt(messages: Sequence[dict], template: str = INSTRUCT, think:
     return encode_pieces(pieces(messages, template, add_generation_prompt=True, think=think))
 
 
+# The chat tokenizer's names of the tool markers (dolma2 calls those ids <|extra_id_1..4|>).
+_TOOL_NAMES = {FUNCTIONS_ID: "<functions>", FUNCTIONS_END_ID: "</functions>",
+               FUNCTION_CALLS_ID: "<function_calls>", FUNCTION_CALLS_END_ID: "</function_calls>"}
+
+
 def decode(ids: Sequence[int]) -> str:
-    """Text of generated ids, the chat markers spelled out."""
-    return dolma2().decode([int(t) for t in ids])
+    """Text of generated ids, the chat markers spelled out (the tool markers as olmo3_instruct's
+    tokenizer names them)."""
+    out, run = [], []
+    for t in [int(t) for t in ids] + [None]:
+        if t in _TOOL_NAMES or t is None:
+            out.append(dolma2().decode(run))
+            run = []
+            if t is not None:
+                out.append(_TOOL_NAMES[t])
+        else:
+            run.append(t)
+    return "".join(out)

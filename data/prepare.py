@@ -36,13 +36,17 @@ from absl import logging
 
 from data import corpus as corpus_lib
 from data.dataset import FSLDataset
-from data.tokenizer import CL100K_SHA256, EOS_ID, PAD_ID, VOCAB_SIZE, dolma2
+from data.tokenizer import CL100K_SHA256, EOS_ID, PAD_ID, VOCAB_SIZE, dolma2, encode_to_numpy
 from olmo3 import atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "olmo-core-fsl-uint32/v1"
 DEFAULT_MAX_TOKENS_PER_FILE = 2**28  # 1 GiB of uint32 per file
 _CHUNK_CHARS = 1 << 20  # documents are sent to workers in chunks of about this many characters
+# What the ids are, recorded in the manifest: a build made under other rules is rebuilt.
+TOKENIZER = {"name": "dolma2", "cl100k_sha256": CL100K_SHA256, "vocab_size": VOCAB_SIZE, "eos_id": EOS_ID,
+             "pad_id": PAD_ID, "documents": "dolma 1.2.1 tokenize_file: stripped, blank ones skipped, eos after each",
+             "added_tokens": "dolma2 tokenizer.json, the non-special ones matched in text"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,12 +54,12 @@ _CHUNK_CHARS = 1 << 20  # documents are sent to workers in chunks of about this 
 
 
 def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Worker: a list of documents -> (all tokens with an eos after each document, per-document lengths)."""
-    enc = dolma2()
-    # No special token is allowed or refused: a literal "<|endoftext|>" inside a document is encoded
-    # as text (same ids as encode_ordinary), so only prepare places eos tokens; AI2's `dolma tokens`
-    # runs likewise pass --tokenizer.encode_special_tokens.
-    ids = [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+    """Worker: a list of documents -> (all tokens with an eos after each document, per-document lengths).
+
+    As AI2's `dolma tokens` (dolma 1.2.1 tokenizer.py `tokenize_file`) encodes a document: its text
+    stripped of leading and trailing whitespace, then an eos. A literal "<|endoftext|>" inside is
+    text (its runs pass --tokenizer.encode_special_tokens), so only prepare places eos tokens."""
+    ids = [encode_to_numpy(t.strip()) for t in texts]
     lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
     ends = np.cumsum(lengths)
     out = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.uint32)
@@ -78,7 +82,9 @@ def _chunks(docs: Iterable[corpus_lib.Document]) -> Iterator[list[corpus_lib.Doc
 
 
 def encode_documents(docs: Iterable[corpus_lib.Document], workers: int) -> Iterator[tuple[list[corpus_lib.Document], np.ndarray, np.ndarray]]:
-    """Yield (documents, tokens, lengths) per chunk, in input order, encoding in `workers` processes."""
+    """Yield (documents, tokens, lengths) per chunk, in input order, encoding in `workers` processes.
+    A document of whitespace only is left out, as `dolma tokens` skips it."""
+    docs = (d for d in docs if d.text.strip())
     if workers <= 1:
         for chunk in _chunks(docs):
             yield (chunk, *_encode_chunk([d.text for d in chunk]))
@@ -346,8 +352,7 @@ def prepare(
         raise
     manifest = {
         "format": FORMAT,
-        "tokenizer": {"name": "dolma2", "cl100k_sha256": CL100K_SHA256, "vocab_size": VOCAB_SIZE,
-                      "eos_id": EOS_ID, "pad_id": PAD_ID},
+        "tokenizer": TOKENIZER,
         "source": source,
         "inputs": inputs,
         "heldout_fraction": _effective_heldout(heldout_fraction),
@@ -438,11 +443,12 @@ def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dic
         manifest = None if first else verify(out_dir)
         if manifest is not None and (
                 manifest["source"] != corpus
+                or manifest["tokenizer"] != TOKENIZER
                 or manifest["inputs"] != [{"source": s, "sha256": inputs_digest(s)} for s, _ in sources]
                 or manifest["heldout_fraction"] != _effective_heldout(prepare_kwargs.get("heldout_fraction"))
                 or manifest["max_tokens_per_file"] != prepare_kwargs.get("max_tokens_per_file", DEFAULT_MAX_TOKENS_PER_FILE)
                 or manifest["mixture_tokens"] != prepare_kwargs.get("mixture_tokens")):
-            reason = "its source or settings changed"
+            reason = "its source, settings or tokenization rules changed"
     except (OSError, ValueError) as e:  # a truncated or replaced token file, a torn manifest
         reason = " ".join(str(e).split())
     if first or reason is not None:

@@ -1,9 +1,11 @@
-"""The dolma2 tokenizer, offline: cl100k_base BPE plus dolma2's special tokens.
+"""The dolma2 tokenizer, offline: cl100k_base BPE plus dolma2's added tokens.
 
 OLMo 3 uses `allenai/dolma2-tokenizer`, which is OpenAI's cl100k_base byte-level BPE with the
-vocabulary grown to 100278 by a `<|pad|>` token at 100277. Nothing is downloaded: the cl100k
-ranks ship inside the `bpe-openai` wheel, and we refuse to run if that file is not byte-for-byte
-the published one (same sha256 that tiktoken checks for cl100k_base).
+vocabulary grown to 100278 by 22 added tokens (the last, `<|pad|>`, at 100277). Nothing is
+downloaded: the cl100k ranks ship inside the `bpe-openai` wheel, and we refuse to run if that file
+is not byte-for-byte the published one (same sha256 that tiktoken checks for cl100k_base).
+`encode(text)` gives the ids AI2's tokenizer gives (tests/fixtures/dolma2_reference.json); the
+tiktoken regex is written differently from the one in tokenizer.json, with equal ids.
 """
 import base64
 import functools
@@ -11,6 +13,7 @@ import gzip
 import hashlib
 import importlib.resources
 
+import numpy as np
 import tiktoken
 
 # OLMo-core `TokenizerConfig.dolma2()`: vocab_size=100278, eos_token_id=100257, pad_token_id=100277.
@@ -39,22 +42,30 @@ IM_END_ID = 100265
 FUNCTIONS_ID, FUNCTIONS_END_ID = 100266, 100267            # <functions>, </functions>
 FUNCTION_CALLS_ID, FUNCTION_CALLS_END_ID = 100268, 100269  # <function_calls>, </function_calls>
 
-# cl100k's own specials (tiktoken_ext/openai_public.py) plus dolma2's pad token
-# (allenai/dolma2-tokenizer tokenizer.json, added_tokens) and the instruct tokenizers' chat and tool markers.
-SPECIAL_TOKENS = {
+# allenai/dolma2-tokenizer's tokenizer.json `added_tokens`, as AI2 ships a copy of it in the dolma
+# 1.2.1 sdist (tests/data/tokenizer/dolma2-test-tokenizer.json): cl100k's own specials at their ids,
+# Dolma's PII masks, <|extra_id_N|> fillers and <|pad|>. The instruct tokenizers rename the first
+# four fillers to the tool markers above (same ids; only data/chat.py places those).
+ADDED_TOKENS = {
+    "<|extra_id_0|>": 100256,
     "<|endoftext|>": EOS_ID,
     "<|fim_prefix|>": 100258,
     "<|fim_middle|>": 100259,
     "<|fim_suffix|>": 100260,
+    "|||PHONE_NUMBER|||": 100261,
+    "|||EMAIL_ADDRESS|||": 100262,
+    "|||IP_ADDRESS|||": 100263,
     "<|im_start|>": IM_START_ID,
     "<|im_end|>": IM_END_ID,
-    "<functions>": FUNCTIONS_ID,
-    "</functions>": FUNCTIONS_END_ID,
-    "<function_calls>": FUNCTION_CALLS_ID,
-    "</function_calls>": FUNCTION_CALLS_END_ID,
+    **{f"<|extra_id_{i}|>": 100265 + i for i in range(1, 11)},   # 100266 .. 100275
     "<|endofprompt|>": 100276,
     "<|pad|>": PAD_ID,
 }
+# The added tokens marked `"special": false` there. Hugging Face's tokenizers matches those in any
+# text, also under encode_special_tokens=True (how AI2's `dolma tokens` runs encode documents),
+# which keeps only the special ones as text: a document's "|||EMAIL_ADDRESS|||" is one token.
+IN_TEXT = frozenset({"<|extra_id_0|>", "|||PHONE_NUMBER|||", "|||EMAIL_ADDRESS|||", "|||IP_ADDRESS|||",
+                     *(f"<|extra_id_{i}|>" for i in range(1, 11))})
 
 
 def cl100k_path() -> str:
@@ -93,7 +104,19 @@ def dolma2() -> tiktoken.Encoding:
         name="dolma2",
         pat_str=CL100K_PAT_STR,
         mergeable_ranks=_verified_ranks(),
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=ADDED_TOKENS,
     )
     assert enc.n_vocab == VOCAB_SIZE, enc.n_vocab
     return enc
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of text as AI2's dolma2 tokenizer gives them for data and evaluation requests:
+    the `IN_TEXT` added tokens matched, special tokens' strings encoded as text (a literal
+    "<|endoftext|>" never ends a document; only data/prepare.py and data/chat.py place them)."""
+    return dolma2().encode(text, allowed_special=IN_TEXT, disallowed_special=())
+
+
+def encode_to_numpy(text: str) -> np.ndarray:
+    """`encode` as a uint32 array."""
+    return dolma2().encode_to_numpy(text, allowed_special=IN_TEXT, disallowed_special=())

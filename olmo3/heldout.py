@@ -33,10 +33,10 @@ from olmo3.step import eval_loss
 def token_byte_lengths(vocab_size: int) -> Int[np.ndarray, " vocab"]:
     """UTF-8 bytes of each dolma2 token, for bits per byte. Special tokens (eos, pad...) and rows
     beyond the tokenizer (a padded vocabulary) count 0 bytes: they are not text (Paloma counts
-    the bytes of the documents)."""
+    the bytes of the documents); the added tokens matched in text (Dolma's PII masks) count theirs."""
     import data
     enc = data.dolma2()
-    special = set(enc._special_tokens.values())
+    special = {i for name, i in data.tokenizer.ADDED_TOKENS.items() if name not in data.tokenizer.IN_TEXT}
     out = np.zeros(vocab_size, np.int64)
     for i in range(min(vocab_size, enc.n_vocab)):
         if i not in special:

@@ -191,8 +191,12 @@ class Scorer:
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of `text`; special-token strings in the text are encoded as plain text (tiktoken
-    refuses them by default)."""
+    """Token ids of `text`: with the dolma2 tokenizer as data.tokenizer.encode gives them (AI2's
+    non-special added tokens matched, special-token strings as plain text); another tiktoken
+    tokenizer with its special-token strings as text (tiktoken refuses them by default)."""
+    import data
+    if tokenizer is data.dolma2():
+        return data.tokenizer.encode(text)
     try:
         return tokenizer.encode(text, disallowed_special=())
     except TypeError:  # not tiktoken

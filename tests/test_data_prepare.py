@@ -58,7 +58,7 @@ def test_format_split_and_byte_identical_builds(tmp_path):
     assert sorted(m1["splits"]) == ["heldout/web", "train"]
     for split, keep in (("train", lambda n: not _heldout(n)), ("heldout/web", _heldout)):
         chosen = [t for n, t in docs if keep(n)]
-        want = [tok for t in chosen for tok in enc.encode_ordinary(t) + [data.EOS_ID]]
+        want = [tok for t in chosen for tok in enc.encode_ordinary(t.strip()) + [data.EOS_ID]]   # as `dolma tokens`
         np.testing.assert_array_equal(_split_tokens(out1, m1, split), np.array(want, dtype=np.uint32))
         assert m1["splits"][split]["documents"] == len(chosen) > 0
         for f in m1["splits"][split]["files"]:

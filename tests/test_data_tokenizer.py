@@ -1,7 +1,10 @@
-"""dolma2 tokenizer vs tiktoken's own cl100k_base, built independently from the same published file."""
+"""dolma2 tokenizer vs tiktoken's own cl100k_base, built independently from the same published file,
+and documents as AI2's `dolma tokens` writes them (tests/fixtures/dolma2_reference.json)."""
 import gzip
 import hashlib
 import itertools
+import json
+import os
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ import tiktoken
 
 import data
 from data import corpus, tokenizer
-from data.prepare import _encode_chunk
+from data.prepare import _encode_chunk, encode_documents
 
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
 
@@ -63,11 +66,11 @@ def test_agrees_with_cl100k_reference(reference, texts):
     assert sum(len(t) for t in texts) > 1_000_000
     for t in texts:
         assert enc.encode_ordinary(t) == reference.encode_ordinary(t)
-    # The parallel corpus encoder (numpy path, eos appended) gives the same ids.
+    # The parallel corpus encoder (numpy path, text stripped as `dolma tokens` does, eos appended).
     tokens, lengths = _encode_chunk(texts)
-    want = list(itertools.chain.from_iterable(reference.encode_ordinary(t) + [data.EOS_ID] for t in texts))
+    want = list(itertools.chain.from_iterable(reference.encode_ordinary(t.strip()) + [data.EOS_ID] for t in texts))
     np.testing.assert_array_equal(tokens, np.array(want, dtype=np.uint32))
-    assert lengths.tolist() == [len(reference.encode_ordinary(t)) + 1 for t in texts]
+    assert lengths.tolist() == [len(reference.encode_ordinary(t.strip())) + 1 for t in texts]
     # cl100k ids are unchanged; dolma2 only adds <|pad|>.
     assert reference.n_vocab == data.VOCAB_SIZE - 1
 
@@ -93,3 +96,25 @@ def test_refuses_a_corrupt_ranks_file(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         tokenizer.dolma2.cache_clear()
+
+
+def test_documents_equal_dolma_tokens():
+    """Every case of the fixture (AI2's dolma 1.2.1 `tokenize_file` with the dolma2 tokenizer.json and
+    the OLMo 3 settings, see its "about") through data.prepare's encoder: stripped text, blank
+    documents skipped, Dolma's PII masks and <|extra_id_N|> as one token each, special-token
+    strings as text, one eos. Whitespace runs, trailing newlines, digits, contractions, emoji."""
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "dolma2_reference.json")
+    cases = json.load(open(path, encoding="utf-8"))["cases"]
+    docs = [corpus.Document(f"case{i}", c["text"], "test") for i, c in enumerate(cases)]
+    got = {}
+    for chunk, tokens, lengths in encode_documents(docs, workers=1):
+        ends = np.cumsum(lengths)
+        for d, end, n in zip(chunk, ends, lengths):
+            got[d.name] = tokens[end - n:end].tolist()
+    assert sum(c["ids"] is None for c in cases) >= 3 and sum("|||" in c["text"] for c in cases) >= 2
+    for i, c in enumerate(cases):
+        assert got.get(f"case{i}") == c["ids"], (i, c["text"][:60])
+    # the same ids through data.tokenizer.encode (evaluation requests, chat content), without the eos
+    for c in cases:
+        if c["ids"] is not None:
+            assert tokenizer.encode(c["text"].strip()) == c["ids"][:-1]

@@ -102,10 +102,10 @@ def test_instruct_template_default_system_and_tool_use():
     the model card's default system message with <functions></functions> as the tokenizer's added
     tokens, a given system message as it is (no suffix), functions and function_calls between
     their marker tokens, a tool turn as environment; hand-built ids and open-instruct's mask."""
-    tok = data.dolma2()
-    assert tok.encode("<functions></functions><function_calls></function_calls>", allowed_special="all") == \
-        [FUNCS, FUNCS_END, CALLS, CALLS_END]
-    assert tok.decode([FUNCS, CALLS_END]) == "<functions></function_calls>" and text("<functions>") != [FUNCS]
+    # the chat tokenizer's names for dolma2's first four <|extra_id_N|> fillers; in plain text
+    # "<functions>" is no marker (dolma2 does not have it)
+    assert [data.tokenizer.ADDED_TOKENS[f"<|extra_id_{i}|>"] for i in range(1, 5)] == [FUNCS, FUNCS_END, CALLS, CALLS_END]
+    assert chat.decode([FUNCS] + text("x") + [CALLS_END]) == "<functions>x</function_calls>" and text("<functions>") != [FUNCS]
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     default = ([IM_START] + text("system\nYou are a helpful function-calling AI assistant. You do not currently "
                                  "have access to any functions. ") + [FUNCS, FUNCS_END, IM_END, NL])
