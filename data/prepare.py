@@ -5,8 +5,8 @@
     python -m data.prepare --source="stdlib-code:0.3,/data/web:0.7" --out_dir=runs/mix
 
 Output format (OLMo-core `NumpyFSLDataset` input): headerless uint32 token files (the `.npy` name
-is OLMo-core's convention; they are raw memmaps, not NumPy files), one eos (100257) after every
-document, at most `max_tokens_per_file` tokens per file (a single longer document gets a file of
+is OLMo-core's convention; they are raw memmaps, not NumPy files), every document as AI2's `dolma
+tokens` writes it (its text stripped, blank documents skipped, one eos (100257) after it), at most `max_tokens_per_file` tokens per file (a single longer document gets a file of
 its own), one directory per split: `train/`, `heldout/<domain>/`. `manifest.json` records the
 tokenizer, the inputs' digest, and per split and file the document and token counts and sha256.
 
