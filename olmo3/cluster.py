@@ -339,9 +339,13 @@ def check_shared_directory(path: str, flag: str, timeout_s: float = 30.0) -> Non
         return
     token = int(multihost_utils.broadcast_one_to_all(np.int32(random.getrandbits(31))))
     marker = os.path.join(os.path.abspath(path), f".olmo3-shared-{token:08x}")
+    failed = None   # process 0 reports a failed write through the allgather: the others never wait alone
     if jax.process_index() == 0:
-        os.makedirs(path, exist_ok=True)
-        atomic.write_text(marker, "olmo3")
+        try:
+            os.makedirs(path, exist_ok=True)
+            atomic.write_text(marker, "olmo3")
+        except OSError as e:
+            failed = e
     multihost_utils.sync_global_devices("olmo3: shared-directory marker written")
     deadline = time.monotonic() + timeout_s
     while not (seen := os.path.exists(marker)) and time.monotonic() < deadline:
@@ -353,6 +357,11 @@ def check_shared_directory(path: str, flag: str, timeout_s: float = 30.0) -> Non
         except OSError:
             pass
     blind = [i for i, s in enumerate(everyone) if not s]
+    if failed is not None:
+        raise ClusterError(f"{flag}={path!r}: process 0 cannot write there ({failed}); fix the directory or "
+                           "its permissions, or give another")
+    if blind and blind[0] == 0:   # process 0's own line says why
+        raise ClusterError(f"{flag}={path!r}: process 0 could not write there (its log says why)")
     if blind:
         raise ClusterError(
             f"{flag}={path!r} is not one directory shared by every process: process(es) {blind} of "

@@ -71,7 +71,7 @@ def test_agrees_with_cl100k_reference(reference, texts):
     want = list(itertools.chain.from_iterable(reference.encode_ordinary(t.strip()) + [data.EOS_ID] for t in texts))
     np.testing.assert_array_equal(tokens, np.array(want, dtype=np.uint32))
     assert lengths.tolist() == [len(reference.encode_ordinary(t.strip())) + 1 for t in texts]
-    # cl100k ids are unchanged; dolma2 only adds <|pad|>.
+    # cl100k's ids are unchanged; dolma2 fills its unused ids below 100276 with added tokens and puts <|pad|> last.
     assert reference.n_vocab == data.VOCAB_SIZE - 1
 
 

@@ -164,7 +164,7 @@ def _end_to_end(tmp_path, E2E_TASKS, LIMIT):
         vocab_size, pad_token_id, eos_token_id, bos_token_id = data.VOCAB_SIZE, data.PAD_ID, data.EOS_ID, None
 
         def encode_batch(self, inputs, add_special_tokens=True):
-            return [tok.encode(s, disallowed_special=()) for s in inputs]
+            return [data.tokenizer.encode(s) for s in inputs]
 
         def decode_batch(self, ids, skip_special_tokens=True):
             return [tok.decode(i) for i in ids]

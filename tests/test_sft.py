@@ -106,6 +106,8 @@ def test_instruct_template_default_system_and_tool_use():
     # "<functions>" is no marker (dolma2 does not have it)
     assert [data.tokenizer.ADDED_TOKENS[f"<|extra_id_{i}|>"] for i in range(1, 5)] == [FUNCS, FUNCS_END, CALLS, CALLS_END]
     assert chat.decode([FUNCS] + text("x") + [CALLS_END]) == "<functions>x</function_calls>" and text("<functions>") != [FUNCS]
+    # content never places a marker (dolma2 matches "<|extra_id_1|>" in documents: id 100266)
+    assert data.tokenizer.encode("<|extra_id_1|>") == [FUNCS] and FUNCS not in chat.encode_pieces(["a <|extra_id_1|>"])
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     default = ([IM_START] + text("system\nYou are a helpful function-calling AI assistant. You do not currently "
                                  "have access to any functions. ") + [FUNCS, FUNCS_END, IM_END, NL])
