@@ -6,9 +6,10 @@
 
 Output format (OLMo-core `NumpyFSLDataset` input): headerless uint32 token files (the `.npy` name
 is OLMo-core's convention; they are raw memmaps, not NumPy files), every document as AI2's `dolma
-tokens` writes it (its text stripped, blank documents skipped, one eos (100257) after it), at most `max_tokens_per_file` tokens per file (a single longer document gets a file of
-its own), one directory per split: `train/`, `heldout/<domain>/`. `manifest.json` records the
-tokenizer, the inputs' digest, and per split and file the document and token counts and sha256.
+tokens` writes it (its text stripped, blank documents skipped, one eos (100257) after it), at
+most `max_tokens_per_file` tokens per file (a single longer document gets a file of its own), one
+directory per split: `train/`, `heldout/<domain>/`. `manifest.json` records the tokenizer, the
+inputs' digest, and per split and file the document and token counts and sha256.
 
 Determinism: documents are read in a fixed order, encoded in parallel processes but written in
 input order, and the manifest holds no timestamps, so identical inputs give byte-identical

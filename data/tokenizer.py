@@ -15,6 +15,7 @@ import importlib.resources
 
 import numpy as np
 import tiktoken
+from jaxtyping import UInt32
 
 # OLMo-core `TokenizerConfig.dolma2()`: vocab_size=100278, eos_token_id=100257, pad_token_id=100277.
 EOS_ID = 100257
@@ -130,6 +131,6 @@ def encode_chat_text(text: str) -> list[int]:
     return dolma2().encode(text, allowed_special=_CHAT_TEXT, disallowed_special=())
 
 
-def encode_to_numpy(text: str) -> np.ndarray:
+def encode_to_numpy(text: str) -> UInt32[np.ndarray, " n"]:
     """`encode` as a uint32 array."""
     return dolma2().encode_to_numpy(text, allowed_special=IN_TEXT, disallowed_special=())
