@@ -357,11 +357,10 @@ def check_shared_directory(path: str, flag: str, timeout_s: float = 30.0) -> Non
         except OSError:
             pass
     blind = [i for i, s in enumerate(everyone) if not s]
-    if failed is not None:
-        raise ClusterError(f"{flag}={path!r}: process 0 cannot write there ({failed}); fix the directory or "
+    if blind and blind[0] == 0:   # process 0 could not write it: its own line says why
+        why = f"({failed})" if failed is not None else "(process 0's log says why)"
+        raise ClusterError(f"{flag}={path!r}: process 0 cannot write there {why}; fix the directory or "
                            "its permissions, or give another")
-    if blind and blind[0] == 0:   # process 0's own line says why
-        raise ClusterError(f"{flag}={path!r}: process 0 could not write there (its log says why)")
     if blind:
         raise ClusterError(
             f"{flag}={path!r} is not one directory shared by every process: process(es) {blind} of "
