@@ -8,7 +8,8 @@
     held out, so neither the base model nor SFT has seen them
     out/sft_{train,heldout}.jsonl   {"messages": [user, assistant]}               (data.prepare_sft)
     out/dpo_{train,heldout}.jsonl   {"chosen": [user, real], "rejected": [user, wrong]}
-        wrong = another function's docstring (even rows) or the real one with its words shuffled (odd rows)
+        wrong = another function's docstring that fits --max_tokens too (even rows), or the real one
+                with its words shuffled (odd rows, and even rows where 16 draws found none)
 
 Why: the CPU evidence of issue 16 needs chats whose answers are checkable and whose held-out
 half is really unseen; docstrings are real, short, and tied to the code above them. Only
@@ -86,14 +87,21 @@ def corrupt(answer: str, rng: random.Random) -> str:
     return " ".join(words) + ("" if len(set(words)) > 1 else " not")
 
 
-def preference_rows(pairs: list[tuple[str, str]], seed: int) -> list[dict]:
+def preference_rows(pairs: list[tuple[str, str]], seed: int, fits=lambda conv: True) -> list[dict]:
+    """open-instruct preference rows. `fits(conversation)` says whether a rejected side fits the
+    sequence (`--max_tokens`): another function's docstring can be longer than the real one, and
+    prepare_dpo would truncate that side alone."""
     rng, rows = random.Random(seed + 1), []
     for i, (source, answer) in enumerate(pairs):
+        wrong = None
         if i % 2 == 0 and len(pairs) > 1:
-            j = rng.randrange(len(pairs) - 1)
-            other = pairs[j + (j >= i)][1]
-            wrong = other if other != answer else corrupt(answer, rng)
-        else:
+            for _ in range(16):   # another function's docstring that fits, else the shuffled answer
+                j = rng.randrange(len(pairs) - 1)
+                other = pairs[j + (j >= i)][1]
+                if other != answer and fits(conversation(source, other)):
+                    wrong = other
+                    break
+        if wrong is None:
             wrong = corrupt(answer, rng)
         rows.append({"chosen": conversation(source, answer), "rejected": conversation(source, wrong)})
     return rows
@@ -119,7 +127,8 @@ def main(argv):
     sets = build(f.max_tokens, f.template, f.seed, f.max_train, f.max_heldout)
     for split, pairs in sets.items():
         write_jsonl(os.path.join(f.out, f"sft_{split}.jsonl"), [{"messages": conversation(s, d)} for s, d in pairs])
-        write_jsonl(os.path.join(f.out, f"dpo_{split}.jsonl"), preference_rows(pairs, f.seed))
+        rows = preference_rows(pairs, f.seed, lambda conv: len(chat.encode(conv, f.template)) <= f.max_tokens)
+        write_jsonl(os.path.join(f.out, f"dpo_{split}.jsonl"), rows)
         print(f"{split}: {len(pairs):,} functions -> {f.out}/sft_{split}.jsonl, {f.out}/dpo_{split}.jsonl")
 
 

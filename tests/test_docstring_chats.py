@@ -1,0 +1,110 @@
+"""data.docstring_chats: the instruction and preference sets of the README's SFT / DPO evidence."""
+import json
+import random
+
+from data import chat, corpus
+from data import docstring_chats as dc
+
+TEMPLATE = "olmo_thinker_no_think_sft_tokenization"
+
+SOURCE = '''
+def documented(a, b):
+    """Add two numbers.
+
+    A second paragraph that is not the answer.
+    """
+    c = a + b
+    return c
+
+
+def one_liner():
+    "Too short: no body to show."
+
+
+def undocumented(x):
+    y = x
+    return y
+
+
+class K:
+    def method(self):
+        """Return self.
+        Still the first paragraph."""
+        return self
+'''
+
+
+def test_functions_with_docstrings_strips_the_docstring_and_keeps_the_first_paragraph():
+    found = dict((d, s) for s, d in dc.functions_with_docstrings(SOURCE))
+    assert set(found) == {"Add two numbers.", "Return self.\nStill the first paragraph."}
+    assert found["Add two numbers."] == "def documented(a, b):\n    c = a + b\n    return c"
+    assert found["Return self.\nStill the first paragraph."] == "def method(self):\n    return self"
+    assert dc.functions_with_docstrings("def broken(:\n") == []
+
+
+def _fake_corpus(monkeypatch, n_docs=12):
+    docs = []
+    for k in range(n_docs):
+        body = "".join(f'def f{k}_{i}(x):\n    """Doc {k} {i}{" word" * i}."""\n    return x + {i}\n\n'
+                       for i in range(4))
+        docs.append(corpus.Document(name=f"mod{k}.py", text=body, domain="code"))
+    monkeypatch.setattr(corpus, "documents", lambda source: iter(docs))
+    heldout = {"mod1.py", "mod5.py"}
+    monkeypatch.setattr(corpus, "split_of", lambda doc, fraction=None: "heldout" if doc.name in heldout else "train")
+    return heldout
+
+
+def test_build_splits_by_document_fits_and_cuts_a_fixed_shuffle(monkeypatch):
+    heldout = _fake_corpus(monkeypatch)
+    limit = 51   # rendered lengths 49-52 tokens (i = 0..3): f*_3 does not fit
+    sets = dc.build(limit, TEMPLATE, seed=0, max_train=None, max_heldout=None)
+    held_mods = {s.split("(")[0].removeprefix("def f").split("_")[0] for s, _ in sets["heldout"]}
+    assert held_mods == {m.removeprefix("mod").removesuffix(".py") for m in heldout}
+    assert not {s for s, _ in sets["train"]} & {s for s, _ in sets["heldout"]}
+    for split in sets.values():
+        for source, answer in split:
+            assert len(chat.encode(dc.conversation(source, answer), TEMPLATE)) <= limit
+    assert len(sets["train"]) == 30 and len(sets["heldout"]) == 6   # 3 of 4 functions in each of 10 + 2
+    # the README's "first 320 of --max_train=480 are --max_train=320": a seeded shuffle, then a cut
+    assert dc.build(limit, TEMPLATE, 0, 5, 2)["train"] == sets["train"][:5]
+    assert dc.build(limit, TEMPLATE, 0, None, None) == sets
+    assert dc.build(limit, TEMPLATE, 1, None, None)["train"] != sets["train"]
+
+
+def test_preference_rows_reject_a_wrong_answer_that_fits():
+    pairs = [(f"def f{i}(): pass", ("short " if i % 3 else "a long docstring " * 30) + str(i)) for i in range(30)]
+    fits = lambda conv: len(conv[1]["content"]) < 100   # noqa: E731
+    rows = dc.preference_rows(pairs, seed=0, fits=fits)
+    assert rows == dc.preference_rows(pairs, seed=0, fits=fits)
+    for i, (row, (source, answer)) in enumerate(zip(rows, pairs)):
+        assert row["chosen"] == dc.conversation(source, answer)
+        assert row["rejected"][0] == row["chosen"][0]
+        wrong = row["rejected"][1]["content"]
+        assert wrong != answer
+        if i % 2 == 1:   # odd rows: the real answer's words, shuffled
+            assert sorted(wrong.split()) == sorted(answer.split()) or wrong.endswith(" not")
+        elif len(answer) < 100:   # even rows: another function's answer, one that fits
+            assert wrong in {a for _, a in pairs} and fits(row["rejected"])
+
+
+def test_corrupt_always_differs():
+    rng = random.Random(0)
+    for answer in ("one", "same same", "Return the value.", "a b c d e f"):
+        assert dc.corrupt(answer, rng) != answer
+
+
+def test_readme_command_fits_every_side_in_the_tiny_sequence(tmp_path):
+    """The README's command: every chosen and every rejected side fits --max_tokens=256, so
+    prepare_dpo --max_seq_length=256 truncates none (three rejected sides did before)."""
+    import subprocess
+    import sys
+    subprocess.run([sys.executable, "-m", "data.docstring_chats", f"--out={tmp_path}", "--max_train=480",
+                    "--max_heldout=64"], check=True, capture_output=True, text=True)
+    for split, n in (("train", 480), ("heldout", 64)):
+        sft = [json.loads(line) for line in open(tmp_path / f"sft_{split}.jsonl")]
+        dpo = [json.loads(line) for line in open(tmp_path / f"dpo_{split}.jsonl")]
+        assert len(sft) == len(dpo) == n
+        for row, pair in zip(sft, dpo):
+            assert pair["chosen"] == row["messages"]
+            for side in ("chosen", "rejected"):
+                assert len(chat.encode(pair[side], TEMPLATE)) <= 256, (split, json.dumps(pair)[:200])
