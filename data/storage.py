@@ -18,7 +18,9 @@ Three things make that safe at scale:
 - Retries we control. TensorStore's own retries are switched off (max_retries 0) and each
   request is retried here with capped exponential backoff and jitter on transient errors only
   (connection refused/dropped, timeouts, 429, 5xx) — DESIGN §4 bug 5: a fixed small budget dies
-  in a long outage. Permanent errors (missing file, short file, permission) are raised at once.
+  in a long outage. Permanent errors (missing file, short file, permission, a redirect, any other
+  status a retry would get again) are raised at once as FinalRemoteError naming the URL: exit
+  status 2, also in the middle of a run, since a resubmission would only meet them again.
 - Exact bytes. A read returns exactly `4 * count` bytes or raises; there is no partial result.
 
 Public API: `open_token_files(paths)` -> LocalTokenFile or RemoteTokenFile readers with `.path`, `.nbytes`, `.read(start, stop)`
@@ -68,6 +70,11 @@ class TruncatedFileError(FinalRemoteError):
     """The server holds fewer bytes than the recorded size: the file changed or was truncated."""
 
 
+class MissingRemoteFileError(FinalRemoteError, FileNotFoundError):
+    """The server says the file is not there (HTTP 404 / 410, a missing object): at open or in
+    the middle of a run, a resubmission would only meet it again."""
+
+
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
     """Capped exponential backoff with full jitter: try k waits U(0, min(max_delay, initial * 2^k))."""
@@ -91,10 +98,14 @@ def is_remote(path: str | os.PathLike) -> bool:
 
 
 def local_path(path: str | os.PathLike) -> str:
-    """A plain path for `path` or a file:// URL."""
+    """A plain path for `path` or a file:// URL (file:///abs/path, or file://localhost/abs/path)."""
     path = os.fspath(path)
     if path.startswith("file://"):
-        return urllib.parse.unquote(urllib.parse.urlsplit(path).path)
+        u = urllib.parse.urlsplit(path)
+        if u.netloc not in ("", "localhost"):   # file://d/x.npy: "d" is a host to urlsplit, not a folder
+            raise ValueError(f"{path!r}: a file:// URL names an absolute path (file:///abs/path); "
+                             f"write file:///{u.netloc}{u.path} or the plain path")
+        return urllib.parse.unquote(u.path)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
         raise ValueError(f"{path!r}: unsupported scheme; use a local path, file://, or one of "
                          f"{', '.join(s + '://' for s in REMOTE_SCHEMES)}")
@@ -189,7 +200,13 @@ def _read_once(url: str, start: int, stop: int, timeout: float) -> bytes:
     except concurrent.futures.TimeoutError:
         fut.cancel()
         raise
-    except ValueError as e:
+    except Exception as e:  # noqa: BLE001 -- TensorStore's status codes, sorted below
+        total = re.search(r"total size (\d+)", str(e))
+        if str(e).startswith("OUT_OF_RANGE") and total and int(total.group(1)) >= stop:
+            raise FinalRemoteError(
+                f"{url}: the server answered a shorter byte range than [{start}, {stop}) of a file it says "
+                f"holds {total.group(1)} bytes ({e}); token files are read one instance per range, so use "
+                "a root (mirror) that serves whole ranges") from e
         if str(e).startswith("OUT_OF_RANGE"):
             raise TruncatedFileError(
                 f"{url} has fewer than {stop} bytes on the server ({e}); it was truncated or replaced "
@@ -201,10 +218,18 @@ def _read_once(url: str, start: int, stop: int, timeout: float) -> bytes:
         if code == "FAILED_PRECONDITION" and "ignored" in str(e):
             raise FinalRemoteError(f"{url}: the server ignores HTTP Range requests ({e}); token files "
                                   "are read by byte range, so use a root (mirror) that supports them") from e
-        raise
+        if code == "NOT_FOUND":   # HTTP 410 Gone comes back this way
+            raise MissingRemoteFileError(f"no token file at {url} ({e}). Check the mix name, --data_root "
+                                         "and --tokenizer.") from e
+        if _is_transient(e):
+            raise
+        if re.search(r"HTTP code 30[1278]\b", str(e)):
+            raise FinalRemoteError(f"{url}: the server redirects it ({e}); pass the root it redirects to "
+                                  "as --data_root") from e
+        raise FinalRemoteError(f"{url}: {e}") from e   # 400, 501, ...: a retry would get the same
     if res.state == "missing":
-        raise FileNotFoundError(f"no token file at {url}: the server answered 'not found'. Check the "
-                                "mix name, --data_root and --tokenizer (the URL must exist under the root).")
+        raise MissingRemoteFileError(f"no token file at {url}: the server answered 'not found'. Check the "
+                                     "mix name, --data_root and --tokenizer (the URL must exist under the root).")
     value = bytes(res.value)
     if len(value) != stop - start:
         raise TruncatedFileError(f"{url}: asked for bytes [{start}, {stop}) and got {len(value)} bytes; "
@@ -224,6 +249,7 @@ def _head_size(url: str, timeout: float) -> int | None:
     req = urllib.request.Request(url, method="HEAD", headers={"Accept-Encoding": "identity"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
+            _not_redirected(url, r)
             n = r.headers.get("Content-Length")
             return int(n) if n is not None and r.headers.get("Content-Encoding", "identity") == "identity" else None
     except urllib.error.HTTPError as e:
@@ -232,11 +258,19 @@ def _head_size(url: str, timeout: float) -> int | None:
         _http_error(url, e)
 
 
+def _not_redirected(url: str, response) -> None:
+    """urllib follows redirects, TensorStore's reads do not: a root that redirects would size every
+    file and then fail every read, so it is refused when its sizes are fetched."""
+    if response.geturl() != url:
+        raise FinalRemoteError(f"{url} redirects to {response.geturl()}; token files are read by byte "
+                               "range without following redirects: pass the root it redirects to as --data_root")
+
+
 def _http_error(url: str, e: urllib.error.HTTPError):
     """Raise what an HTTP error status means for token file `url`: transient ones as they are
     (retried), the rest naming the URL and the fix."""
     if e.code in (404, 410):
-        raise FileNotFoundError(f"no token file at {url} (HTTP {e.code}). Check the mix name, "
+        raise MissingRemoteFileError(f"no token file at {url} (HTTP {e.code}). Check the mix name, "
                                 "--data_root and --tokenizer.") from e
     if e.code in (401, 403):   # a private mirror or a missing credential: no retry helps
         raise FinalRemoteError(f"{url}: access denied (HTTP {e.code} {e.reason}); check --data_root "
@@ -255,6 +289,7 @@ def _range_total(url: str, start: int, timeout: float) -> int:
     req = urllib.request.Request(url, headers={"Range": f"bytes={start}-{start}", "Accept-Encoding": "identity"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
+            _not_redirected(url, r)
             status, content_range = r.status, r.headers.get("Content-Range", "")
             body = r.read(2) if status == 206 else b""
     except urllib.error.HTTPError as e:
@@ -459,7 +494,7 @@ def open_token_files(
                 pool.shutdown(wait=False, cancel_futures=True)  # report the first hard error now
                 raise
         if missing:
-            raise FileNotFoundError(
+            raise MissingRemoteFileError(
                 f"{len(missing)} of {len(remote)} token files are not on the server, e.g. "
                 f"{', '.join(missing[:3])}. Check --data_root, --tokenizer and the mix name.")
         if todo or refresh or first not in known:

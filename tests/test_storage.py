@@ -59,6 +59,14 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
             time.sleep(self.server.delay)
         if self._fault():
             return
+        for prefix, (status, location) in self.server.answers.items():   # a fixed answer for some paths
+            if self.path.startswith(prefix):
+                self.send_response(status)
+                if location:
+                    self.send_header("Location", location + self.path[len(prefix):])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
         if head and self.server.no_head:
             self.send_response(405)
             self.send_header("Content-Length", "0")
@@ -87,6 +95,7 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+            b = min(b, a + self.server.max_range - 1)   # a server that caps what one range returns
             status, body = 206, body[a:b + 1]
             headers["Content-Range"] = f"bytes {a}-{b}/{n}"
         self.send_response(status)
@@ -108,6 +117,7 @@ class RangeServer(http.server.ThreadingHTTPServer):
     def __init__(self, root, lifetime=120.0):
         super().__init__(("127.0.0.1", 0), RangeHandler)
         self.root, self.no_head, self.no_range, self.faults, self.delay = str(root), False, False, [], 0.0
+        self.answers, self.max_range = {}, 1 << 62   # {path prefix: (status, redirect target)}
         self.requests, self.faulted, self.past_end = {}, 0, []
         self._lock, self._n = threading.Lock(), 0
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -279,6 +289,59 @@ def test_errors_no_retry_cures_end_with_status_2(tmp_path, monkeypatch):
         monkeypatch.setattr(cli, "_running", running)
         assert cli.exit_status(truncated.value) == cli.exit_status(denied.value) == 2
         assert cli.exit_status(storage.RemoteFileError(f"reading {url} failed 10 times")) == 1
+
+
+@pytest.mark.parametrize("status", [404, 410, 400, 501])
+def test_a_file_the_server_refuses_mid_run_ends_with_status_2_naming_it(tmp_path, monkeypatch, status):
+    """A token file deleted from the server (404 / 410) or refused for good (400, 501) after the
+    run started: one line naming the URL, exit status 2 (before, a 404 was retried as exit 1 and
+    each rerun trained back to the same step; 410, 400 and 501 named no file)."""
+    from olmo3 import cli
+    rel = _corpus(tmp_path, [6 * SEQ, 6 * SEQ], seed=6)
+    with RangeServer(tmp_path) as srv:
+        urls = [f"{srv.url}/{r}" for r in rel]
+        ds = data.FSLDataset(urls, SEQ)
+        ds[7]
+        if status == 404:
+            os.remove(tmp_path / rel[1])
+        else:
+            srv.answers["/" + rel[1]] = (status, None)
+        with pytest.raises(storage.FinalRemoteError, match=re.escape(urls[1])) as e:
+            ds[8]
+    assert isinstance(e.value, FileNotFoundError) == (status in (404, 410))
+    monkeypatch.setattr(cli, "_running", True)
+    assert cli.exit_status(e.value) == 2
+
+
+def test_a_redirecting_root_is_refused_at_open(tmp_path):
+    """urllib follows redirects, TensorStore's range reads do not: a root that redirects is refused
+    when its sizes are fetched, naming where it points, instead of every read failing later."""
+    rel = _corpus(tmp_path, [2 * SEQ], seed=7)
+    with RangeServer(tmp_path) as srv:
+        srv.answers["/moved/"] = (302, f"{srv.url}/")
+        url = f"{srv.url}/moved/{rel[0]}"
+        with pytest.raises(storage.FinalRemoteError, match=re.escape(f"{url} redirects to {srv.url}/{rel[0]}")
+                           + ".*--data_root"):
+            data.FSLDataset([url], SEQ)
+
+
+def test_a_server_that_shortens_ranges_is_not_called_truncated(tmp_path):
+    rel = _corpus(tmp_path, [4 * SEQ], seed=8)
+    with RangeServer(tmp_path) as srv:
+        url = f"{srv.url}/{rel[0]}"
+        ds = data.FSLDataset([url], SEQ)
+        srv.max_range = 100
+        with pytest.raises(storage.FinalRemoteError, match="shorter byte range") as e:
+            ds[1]
+    assert not isinstance(e.value, storage.TruncatedFileError)
+
+
+def test_file_urls(tmp_path):
+    assert storage.local_path(f"file://{tmp_path}/x.npy") == f"{tmp_path}/x.npy"
+    assert storage.local_path(f"file://localhost{tmp_path}/x.npy") == f"{tmp_path}/x.npy"
+    assert storage.local_path("data/x.npy") == "data/x.npy"
+    with pytest.raises(ValueError, match="file:///d/x.npy"):   # "d" would be a host, and dropped
+        storage.local_path("file://d/x.npy")
 
 
 def test_unreachable_root_fails_fast(tmp_path):
