@@ -295,6 +295,14 @@ def main(argv):
                for name, paths in splits.items() if name.startswith("heldout/") and paths}
     if config.vocab_size < data.VOCAB_SIZE:
         raise app.UsageError(f"--vocab_size={config.vocab_size} is smaller than the tokenizer's {data.VOCAB_SIZE}")
+    cluster.check_same_everywhere(   # every process the same files, sizes and so the same order
+        {"train": train_set.fingerprint} | {f"heldout/{k}": v.fingerprint for k, v in heldout.items()}
+        | ({f"dpo_heldout/{k}": v.fingerprint for k, v in dpo_heldout.items()} if F.stage == "dpo" else {}),
+        "the data sets (file names and sizes)",
+        "give every process the same --data / --data_root / mix; for remote files, delete the stale "
+        "entries from the size manifest (OLMO3_DATA_CACHE/remote_sizes.json, default "
+        "~/.cache/olmo3-jax/remote_sizes.json) on the hosts that differ, or point OLMO3_DATA_CACHE at "
+        "one shared directory")
 
     if F.epochs is not None or F.warmup_fraction is not None:  # the horizon from the data (SFT)
         set_horizon(len(train_set))

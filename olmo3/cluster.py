@@ -367,3 +367,27 @@ def check_shared_directory(path: str, flag: str, timeout_s: float = 30.0) -> Non
             f"{len(everyone)} do not see the file process 0 wrote there ({os.path.basename(marker)}) within "
             f"{timeout_s:.0f} s. Fix: give a path every host sees: a shared filesystem, or a bucket mounted on "
             "every host (launch/tpu_jobset.yaml mounts one at /gcs; XPK: `xpk storage attach` and --storage)")
+
+
+def check_same_everywhere(values: Mapping[str, str], what: str, fix: str) -> None:
+    """Stop every process (ClusterError, exit status 2) unless all processes hold the same
+    `values` ({name: value}, e.g. each dataset's fingerprint). Each process builds its data order
+    from what it sees itself (token files, a cache of remote sizes); one that sees other files or
+    sizes computes another permutation and reads rows the others never skip, with no error
+    (DESIGN §4 bug 1). Only digests travel: 32 bytes per name."""
+    import hashlib
+
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+    if jax.process_count() == 1:
+        return
+    names = sorted(values)
+    mine = np.stack([np.frombuffer(hashlib.sha256(f"{n}={values[n]}".encode()).digest(), np.uint8)
+                     for n in names]) if names else np.zeros((0, 32), np.uint8)
+    everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(names), 32)
+    differ = [n for k, n in enumerate(names) if (everyone[:, k] != everyone[0, k]).any()]
+    if differ:
+        odd = [i for i in range(len(everyone)) if (everyone[i] != everyone[0]).any()]
+        raise ClusterError(f"{what} differ between processes: {', '.join(differ)} on process(es) {odd} "
+                           f"of {len(everyone)} differ from process 0's. Fix: {fix}")

@@ -252,32 +252,61 @@ def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path, when):
     print(f"process 0 ended {waited:.0f} s after its peer stopped {when}: {last}")
 
 
+def _two_train_py_until_done(tmp_path, per_process, timeout=240):
+    """train.py as 2 processes x 2 CPU devices with SMALL's recipe, `per_process(i)` adding each
+    one's own flags; returns their exit codes and outputs."""
+    from test_train import SMALL
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, "--mesh=fsdp:4",
+                               f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+                               *per_process(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outs
+
+
 def test_run_dir_not_shared_by_every_process_is_refused(tmp_path):
     """Two processes whose --run_dir is not one directory (as two hosts with a local disk each, or
     a bucket mounted on one): both stop before the first step with exit status 2 and one line
     naming --run_dir and the process that saw nothing. (Before, their first checkpoint never
     completed and the watchdog ended every rerun as a hang.)"""
-    from test_train import SMALL, word_corpus
+    from test_train import word_corpus
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     corpus = tmp_path / "docs"
     corpus.mkdir()
     word_corpus(corpus)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
-                               f"--data_dir={tmp_path / f'data{i}'}", f"--run_dir={tmp_path / f'host{i}' / 'run'}",
-                               "--mesh=fsdp:4", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
-                               f"--process_id={i}"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs)):
+    codes, outs = _two_train_py_until_done(tmp_path, lambda i: [
+        f"--data={corpus}", f"--data_dir={tmp_path / f'data{i}'}", f"--run_dir={tmp_path / f'host{i}' / 'run'}"])
+    for code, out in zip(codes, outs):
         last = out.strip().splitlines()[-1]
-        assert p.returncode == 2 and "--run_dir=" in last and "process(es) [1] of 2 do not see" in last, out[-3000:]
+        assert code == 2 and "--run_dir=" in last and "process(es) [1] of 2 do not see" in last, out[-3000:]
     assert not os.listdir(tmp_path / "host0" / "run")     # the marker is gone, nothing else was written
+
+
+def test_processes_that_see_different_data_are_refused(tmp_path):
+    """Each process builds the data order from the files and sizes it sees (a stale cache of remote
+    sizes on one host, another --data): one that sees other data would read rows of another
+    permutation, with no error. Both stop before the first step, exit status 2, one line naming
+    the data set that differs."""
+    from test_train import word_corpus
+
+    for i in range(2):
+        (tmp_path / f"docs{i}").mkdir()
+        word_corpus(tmp_path / f"docs{i}")
+    (tmp_path / "docs1" / "doc0.txt").write_text("one document changed on one host")
+    codes, outs = _two_train_py_until_done(tmp_path, lambda i: [
+        f"--data={tmp_path / f'docs{i}'}", f"--data_dir={tmp_path / f'data{i}'}", f"--run_dir={tmp_path / 'run'}"])
+    for code, out in zip(codes, outs):
+        last = out.strip().splitlines()[-1]
+        assert code == 2 and "the data sets (file names and sizes) differ between processes: " in last \
+            and "process(es) [1] of 2 differ from process 0's" in last, out[-3000:]
+    assert not os.path.exists(tmp_path / "run" / "checkpoints") or not os.listdir(tmp_path / "run" / "checkpoints")
