@@ -105,7 +105,7 @@ cli.require([
     ("max_eval_batches", lambda v: v >= 1, ">= 1"),
     ("kl_instances", lambda v: v >= 1, ">= 1"),
     ("olmo_batch_rows", lambda v: v >= 1, ">= 1"),
-    ("train_loss_window", lambda v: v >= 1, ">= 1"),
+    ("train_loss_window", lambda v: v >= 3, ">= 3 (its noise is the spread about a line fitted through it)"),
     ("z", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
     ("tol", lambda v: cli.finite(v) and v >= 0, "finite and >= 0"),
     ("num_fewshot", lambda v: v >= 0, ">= 0"),
@@ -209,12 +209,17 @@ def position_report(model, sets: dict, fractions, *, batch_size: int, max_batche
     for domain, r in [*per.items(), ("all", _concat(per.values()))]:
         ce, tok, nbytes = r["ce"], r["tokens"], r["bytes"]
         for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
-            key = f"pos/{domain}/{lo}-{hi}"
-            out[f"{key}/loss"] = ce[:, k].sum() / max(tok[:, k].sum(), 1.0)
+            key = f"pos/{domain}/{lo}-{hi}"   # a bucket no document reaches: NaN, not a perfect 0
+            out[f"{key}/loss"] = _ratio(ce[:, k].sum(), tok[:, k].sum())
             out[f"{key}/se"] = heldout.ratio_se(ce[:, k], tok[:, k])
-            out[f"{key}/bpb"] = ce[:, k].sum() / (math.log(2) * max(nbytes[:, k].sum(), 1.0))
+            out[f"{key}/bpb"] = _ratio(ce[:, k].sum(), math.log(2) * nbytes[:, k].sum())
+            out[f"{key}/documents"] = int((tok[:, k] > 0).sum())   # those the mean and its se are over
         out[f"pos/{domain}/documents"] = len(ce)
     return {k: float(v) if isinstance(v, np.floating) else v for k, v in out.items()}
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num / den) if den > 0 else float("nan")
 
 
 def _concat(results) -> dict:
@@ -232,7 +237,7 @@ def position_deltas(rows_a: dict, rows_b: dict) -> dict:
         bounds = next(iter(rows_a.values()))["bounds"]
         for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
             d, n = b["ce"][:, k] - a["ce"][:, k], a["tokens"][:, k]
-            out[f"pos/{domain}/{lo}-{hi}/loss_delta"] = float(d.sum() / max(n.sum(), 1.0))
+            out[f"pos/{domain}/{lo}-{hi}/loss_delta"] = _ratio(d.sum(), n.sum())
             out[f"pos/{domain}/{lo}-{hi}/loss_delta_se"] = heldout.ratio_se(d, n)
     return out
 
@@ -256,6 +261,12 @@ def yarn_override():
 # §2 Token-level agreement of two models on identical inputs (DESIGN §5: 0.389 nats between two
 # independent 7B runs, ~200x the framework noise floor; ~1e-6 for a correct fp32 conversion).
 # ---------------------------------------------------------------------------------------------
+def fixed_length(sets: dict, sets_fn, config) -> dict:
+    """The held-out sets as fixed-length windows, for KL (padded documents carry padding)."""
+    return sets if not any(isinstance(ds, data.PackedFSLDataset) for ds in sets.values()) \
+        else sets_fn(config, padded=False)
+
+
 def kl_report(model_a, model_b, sets: dict, instances: int) -> dict:
     rows = np.concatenate([np.stack([ds[i] for i in range(min(instances, len(ds)))]) for ds in sets.values()])
     r = heldout.model_agreement(model_a, model_b, rows.astype(np.int32))
@@ -342,6 +353,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
     steps, notes = comparison.iter_steps(run_a, run_b, steps)
     config = check_same_architecture(run_a, run_b, steps[0], steps[0])
     sets = sets_fn(config)
+    windows = fixed_length(sets, sets_fn, config)
     metrics = [comparison.read_metrics(r) for r in (run_a, run_b)]
     rows = []
     for step in steps:
@@ -365,7 +377,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
                "train_se": train_se, "heldout_se": heldout_se, "train_band": band_t, "gap_band": band_g}
         for d in sets:
             row[f"heldout/{d}_delta"] = hb[f"eval/{d}/loss"] - ha[f"eval/{d}/loss"]
-        row["kl_AB"] = kl_report(ma, mb, sets, kl_instances)["kl/mean"]
+        row["kl_AB"] = kl_report(ma, mb, windows, kl_instances)["kl/mean"]
         if tasks:
             da = downstream_report(ma, tasks, num_fewshot=num_fewshot, limit=limit, tokenizer=tokenizer,
                                    max_length=context)
@@ -385,14 +397,22 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
                     row[f"{label}/{metric}_delta"] = ob[k] - oa[k]
         row["flag"] = comparison.verdict(row["train_delta"], row["heldout_delta"], tol, train_se=train_se,
                                          heldout_se=heldout_se, z=z) or ""
+        if not comparison.measurable(train_se, heldout_se, tol):
+            row["flag"] = ("undetermined: noise not measurable (" + ", ".join(
+                [f"{sum(step - train_loss_window < s <= step and 'train/loss' in m for s, m in metrics[0].items())} "
+                 f"logged training losses in the {train_loss_window}-step window, need 3"] * (not math.isfinite(train_se))
+                + [f"{len(la)} held-out batch(es), need 2"] * (not math.isfinite(heldout_se)))
+                + "); widen --train_loss_window, raise --max_eval_batches, or give --tol")
         rows.append(row)
         logging.info("step %d: train delta %+.4f (band %.4f), held-out delta %+.4f (gap band %.4f), KL %.4g %s",
                      step, row["train_delta"], band_t, row["heldout_delta"], band_g, row["kl_AB"], row["flag"])
     final = rows[-1]["flag"]
-    verdict = (f"FLAGGED at step {rows[-1]['step']}: {final}" if final else
+    undetermined = final.startswith("undetermined")
+    verdict = (f"step {rows[-1]['step']} {final}" if undetermined else
+               f"FLAGGED at step {rows[-1]['step']}: {final}" if final else
                f"no memorization signature (B vs A at step {rows[-1]['step']}: training loss delta "
                f"{rows[-1]['train_delta']:+.4f}, held-out delta {rows[-1]['heldout_delta']:+.4f} nats)")
-    out = {"rows": rows, "verdict": verdict, "flagged": bool(final), "notes": notes}
+    out = {"rows": rows, "verdict": verdict, "flagged": bool(final) and not undetermined, "notes": notes}
     band_note = (f"Noise bands (z={z:g}, floor --tol={tol:g}): train_band = z * train_se, train_se = the two runs' "
                  f"standard errors of the {train_loss_window}-step training-loss mean about its linear trend, in "
                  "quadrature; gap_band = z * sqrt(train_se^2 + heldout_se^2), heldout_se = the spread of the "
@@ -472,6 +492,10 @@ def main(argv):
     if F.compare:
         if len(F.compare) != 2:
             raise app.UsageError(f"--compare={','.join(F.compare)}: give exactly two run directories A,B")
+        for name in ("model", "model_b", "position_buckets", "chat_file", "lm_eval_tasks"):
+            if F[name].present:
+                raise app.UsageError(f"--{name} does not apply with --compare (run directories A,B, step by "
+                                     "step); evaluate one model, or two with --model_b, without --compare")
         r = compare_runs(*F.compare, sets_fn=sets_fn, tasks=F.tasks, steps=F.steps,
                          train_loss_window=F.train_loss_window, tol=F.tol, z=F.z, kl_instances=F.kl_instances,
                          olmo_tasks=F.olmo_tasks, max_length=F.max_length, doc_lengths=F.doc_lengths,
@@ -497,6 +521,12 @@ def main(argv):
         except ValueError as e:
             raise app.UsageError(f"--position_buckets: {e}") from None
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, **yarn_override())
+    if F.model_b:   # loaded and checked before A's evaluation, which can take minutes
+        model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype)
+        # YaRN rescales positions only: a stage-3 model and its stage-2 start share inputs and vocabulary
+        diff = {k: v for k, v in config_diff(info["config"], info_b["config"]).items() if k != "yarn"}
+        if diff:
+            raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
     max_length = context_length(info, F.max_length)
     use_segments = segments_for(info, F.doc_lengths)
     if F.chat or F.chat_file:
@@ -521,11 +551,6 @@ def main(argv):
         results.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot, limit=F.limit,
                                       include=F.lm_eval_include, max_length=max_length))
     if F.model_b:
-        model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype)
-        # YaRN rescales positions only: a stage-3 model and its stage-2 start share inputs and vocabulary
-        diff = {k: v for k, v in config_diff(info["config"], info_b["config"]).items() if k != "yarn"}
-        if diff:
-            raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
         if F.position_buckets:
             rows_b = {}
             position_report(model_b, sets, F.position_buckets, batch_size=F.eval_batch_size,
@@ -536,9 +561,7 @@ def main(argv):
                                 use_segments=use_segments)
             results.update({f"{k}_delta": hb[k] - results[k] for k in hb})
         if not F.position_buckets:  # KL reads fixed-length rows; padded documents carry padding
-            windows = sets if not any(isinstance(ds, data.PackedFSLDataset) for ds in sets.values()) \
-                else sets_fn(info["config"], padded=False)
-            results.update(kl_report(model, model_b, windows, F.kl_instances))
+            results.update(kl_report(model, model_b, fixed_length(sets, sets_fn, info["config"]), F.kl_instances))
     for k, v in results.items():
         line = f"{k:40s} {v:.5g}" if isinstance(v, float) else f"{k:40s} {v}"
         if k.startswith("downstream/") and not k.endswith("/n"):  # OLMo-core's name for AI2's curves

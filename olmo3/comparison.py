@@ -12,6 +12,7 @@ checkpoint N of the other, never a curve against a curve).
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Iterable, Mapping, Optional, Sequence, Union
 
@@ -72,10 +73,18 @@ Z = 3.0
 
 def bands(train_se: float, heldout_se: float, z: float = Z, tol: float = 0.0) -> tuple[float, float]:
     """(train band, gap band) in nats. train_se is sqrt(se_A^2 + se_B^2) of the two windows; the
-    gap train_delta - heldout_delta has variance train_se^2 + heldout_se^2."""
-    t = 0.0 if not np.isfinite(train_se) else train_se
-    h = 0.0 if not np.isfinite(heldout_se) else heldout_se
+    gap train_delta - heldout_delta has variance train_se^2 + heldout_se^2. A standard error that
+    could not be measured (NaN: under 3 logged steps in the window, under 2 held-out batches)
+    leaves --tol alone as the band, and with no --tol an infinite one: unknown noise flags nothing."""
+    unknown = 0.0 if tol > 0 else math.inf
+    t = train_se if np.isfinite(train_se) else unknown
+    h = heldout_se if np.isfinite(heldout_se) else unknown
     return max(tol, z * t), max(tol, z * float(np.hypot(t, h)))
+
+
+def measurable(train_se: float, heldout_se: float, tol: float = 0.0) -> bool:
+    """Whether bands() can judge a step: both standard errors measured, or a --tol floor given."""
+    return tol > 0 or bool(np.isfinite(train_se) and np.isfinite(heldout_se))
 
 
 def verdict(train_delta: float, heldout_delta: float, tol: float = 0.0, *, train_se: float = 0.0,

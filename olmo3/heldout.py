@@ -115,9 +115,10 @@ def bucket_bounds(fractions, seq_len: int) -> tuple[int, ...]:
     except ValueError:
         raise ValueError(f"position buckets {list(fractions)}: give fractions of the sequence, e.g. 0.25,0.5,1") from None
     edges = [f * seq_len for f in fr]
-    if not fr or any(b <= a for a, b in zip([0.0, *edges], edges)) or fr[-1] != 1.0:
+    if not fr or not all(math.isfinite(f) for f in fr) or any(b <= a for a, b in zip([0.0, *edges], edges)) \
+            or fr[-1] != 1.0:
         raise ValueError(f"position buckets {fr}: give increasing fractions of the sequence in (0, 1], the last 1")
-    if any(e != round(e) for e in edges):
+    if any(abs(e - round(e)) > 1e-9 * seq_len for e in edges):   # 0.55 x 100 is 55.00000000000001
         raise ValueError(f"position buckets {fr} at sequence length {seq_len}: edges {edges} are not whole positions")
     return (0, *(int(round(e)) for e in edges))
 
@@ -191,12 +192,16 @@ def by_position(model: OLMo3, dataset, bounds: tuple[int, ...], *, batch_size: i
                                     for lo, hi in zip(bounds[:-1], bounds[1:])], axis=1)[keep].astype(np.float64))
     ce, tok = np.concatenate(ce), np.concatenate(tok)
     out = {"bounds": tuple(bounds), "ce": ce, "tokens": tok, "rows": len(ce),
-           "loss": ce.sum(0) / np.maximum(tok.sum(0), 1.0),
+           "loss": _per_bucket(ce.sum(0), tok.sum(0)),   # NaN where no row reaches a bucket
            "se": np.array([ratio_se(ce[:, k], tok[:, k]) for k in range(ce.shape[1])])}
     if byte_lengths is not None:
         out["bytes"] = np.concatenate(nbytes)
-        out["bpb"] = ce.sum(0) / (math.log(2) * np.maximum(out["bytes"].sum(0), 1.0))
+        out["bpb"] = _per_bucket(ce.sum(0), math.log(2) * out["bytes"].sum(0))
     return out
+
+
+def _per_bucket(num: Float[np.ndarray, " k"], den: Float[np.ndarray, " k"]) -> Float[np.ndarray, " k"]:
+    return np.divide(num, den, out=np.full(num.shape, np.nan), where=den > 0)
 
 
 # ---- two models on identical inputs -------------------------------------------------------------

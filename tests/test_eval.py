@@ -369,6 +369,34 @@ def test_compare_flags_memorization_not_seed_noise(runs, tmp_path):
         assert f.readline().startswith("step,train_A,train_B,train_delta")
 
 
+def test_unmeasurable_noise_flags_nothing_and_says_so(runs, tmp_path):
+    """A noise band that cannot be measured (2 logged training losses: no line to take the trend
+    out) is not a band of zero: the memorization pair is not flagged on it, the row says why, and --tol alone
+    still judges. (Before, NaN counted as 0 and any gap was flagged.)"""
+    from olmo3 import comparison
+    assert comparison.verdict(-0.001, 0.0, train_se=float("nan"), heldout_se=float("nan")) is None
+    assert comparison.bands(float("nan"), 0.01, tol=0.05) == (0.05, pytest.approx(max(0.05, 3 * 0.01)))
+    assert not comparison.measurable(0.01, float("nan")) and comparison.measurable(0.01, float("nan"), tol=0.1)
+    kw = dict(sets_fn=runs["sets_fn"], train_loss_window=2, max_batches=2, steps=[90])
+    r = eval_script.compare_runs(runs["clean0"], runs["repeat"], out_dir=str(tmp_path / "u"), **kw)
+    assert not r["flagged"] and r["rows"][0]["flag"].startswith(
+        "undetermined: noise not measurable (2 logged training losses in the 2-step window, need 3)")
+    assert r["verdict"].startswith("step 90 undetermined") and "--train_loss_window" in r["verdict"]
+    assert eval_script.compare_runs(runs["clean0"], runs["repeat"], tol=0.1, out_dir=str(tmp_path / "t"), **kw)["flagged"]
+
+
+def test_compare_on_padded_documents(runs, tmp_path):
+    """--compare --eval_padded: held-out documents padded, KL on fixed-length windows of the same
+    files (it crashed on the padded rows before)."""
+    windows = runs["sets_fn"](None)
+    documents = {d: data.PaddedFSLDataset(ds.paths, SEQ, vocab_size=512, eos_id=0, pad_id=511)   # symbol 0 ends one
+                 for d, ds in windows.items()}
+    r = eval_script.compare_runs(runs["clean0"], runs["clean1"], train_loss_window=10, max_batches=2, steps=[90],
+                                 sets_fn=lambda config, padded=True: documents if padded else windows,
+                                 out_dir=str(tmp_path / "p"))
+    assert r["rows"][0]["kl_AB"] > 0 and math.isfinite(r["rows"][0]["heldout_delta"])
+
+
 def test_compare_with_downstream_stderr_in_quadrature(runs, monkeypatch):
     calls = {}
 

@@ -54,7 +54,8 @@ def parse(*names):
 
 
 def test_tiny_chain_flags_follow_the_recipe():
-    s1, s2, s3, r3 = parse("tiny.flags", "tiny_stage2.flags", "tiny_stage3.flags", "stage3.flags")
+    s1, s2, s3, r1, r2, r3 = parse("tiny.flags", "tiny_stage2.flags", "tiny_stage3.flags", "stage1.flags",
+                                   "stage2.flags", "stage3.flags")
     arch = ("model", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "window", "data")
     for s in (s2, s3):  # the same model restored from the previous stage, on the same corpus
         assert [getattr(s, k) for k in arch] == [getattr(s1, k) for k in arch]
@@ -65,8 +66,10 @@ def test_tiny_chain_flags_follow_the_recipe():
             [s1.weight_decay, s1.b1, s1.b2, s1.eps, s1.max_grad_norm, s1.z_loss, s1.skip_steps]
     assert (s1.stage, s2.stage, s3.stage) == ("1", "2", "3")
     assert len({s1.run_dir, s2.run_dir, s3.run_dir}) == 3
-    # stage 2 (stage2.flags): where stage 1's cosine left off, no warmup, half stage 1's tokens per step
-    assert s2.lr == pytest.approx(s1.lr * s1.final_lr_ratio) and s2.warmup_steps == 0
+    # stage 2 (stage2.flags): the same fraction of stage 1's peak lr (a jump up from where the cosine
+    # ended), no warmup, half stage 1's tokens per step
+    assert s2.lr / s1.lr == pytest.approx(r2.lr / r1.lr, rel=1e-3) and s2.warmup_steps == 0
+    assert s2.lr > s1.lr * s1.final_lr_ratio and r2.lr > r1.lr * r1.final_lr_ratio
     assert s2.seq_len == s1.seq_len and s2.global_batch * s2.seq_len * 2 == s1.global_batch * s1.seq_len
     assert not s2.packed and not s2.yarn and s2.seed == 1337
     # stage 3 (stage3.flags): 4x the stage-1 length, YaRN over the old context, packed documents with
@@ -116,6 +119,11 @@ def test_bucket_bounds():
     for bad in ([0.5, 0.25, 1], [0.25, 0.5], [0.0, 1], [0.3, 1]):  # not increasing, not ending at 1, 0.3 * 64
         with pytest.raises(ValueError, match="position buckets"):
             heldout.bucket_bounds(bad, 64)
+    # whole edges that floating point writes as 55.00000000000001 or 196.00000000000003
+    assert heldout.bucket_bounds(["0.55", "1"], 100) == (0, 55, 100)
+    assert heldout.bucket_bounds(["0.07", "0.14", "0.28", "1"], 700) == (0, 49, 98, 196, 700)
+    with pytest.raises(ValueError, match="increasing fractions"):
+        heldout.bucket_bounds(["0.5", "nan", "1"], 64)
 
 
 def test_ratio_se_equals_standard_error_of_the_mean_for_equal_rows():
@@ -233,6 +241,24 @@ def test_eval_position_report_and_paired_deltas(tmp_path):
     diff = (ce_b[:, 0] - ce[:, 0])
     assert d["pos/all/0-16/loss_delta"] == pytest.approx(diff.sum() / n[:, 0].sum())
     assert d["pos/all/0-16/loss_delta_se"] == pytest.approx(heldout.ratio_se(diff, n[:, 0]))
+    # each bucket says how many documents reach it: the 12- and 8-token ones end inside 0-16
+    assert [ra[f"pos/{k}/16-32/documents"] for k in "xy"] == [3, 2] and ra["pos/all/0-16/documents"] == 7
+
+
+def test_a_bucket_no_document_reaches_is_nan_not_zero(tmp_path):
+    from test_eval import eval_script as ev
+    path, _ = _documents(tmp_path, [5, 6, 7], seed=3)
+    sets = {"s": data.PaddedFSLDataset([path], 32, vocab_size=512, eos_id=EOS, pad_id=PAD)}
+    ma, mb = olmo3.OLMo3(CFG, jax.random.key(5)), olmo3.OLMo3(CFG, jax.random.key(6))
+    rows_a, rows_b = {}, {}
+    r = ev.position_report(ma, sets, [0.25, 0.5, 1], batch_size=2, max_batches=8, rows=rows_a)
+    ev.position_report(mb, sets, [0.25, 0.5, 1], batch_size=2, max_batches=8, rows=rows_b)
+    d = ev.position_deltas(rows_a, rows_b)
+    assert r["pos/s/0-8/loss"] > 0 and r["pos/s/0-8/documents"] == 3
+    for key in ("pos/s/8-16", "pos/s/16-32", "pos/all/16-32"):
+        assert np.isnan(r[f"{key}/loss"]) and np.isnan(r[f"{key}/bpb"]) and np.isnan(d[f"{key}/loss_delta"])
+        assert r[f"{key}/documents"] == 0
+    assert np.isnan(rows_a["s"]["loss"][1:]).all() and np.isfinite(rows_a["s"]["loss"][0])
 
 
 @pytest.mark.slow  # four train.py / eval.py processes: a few minutes on 2 cores
