@@ -25,7 +25,6 @@ stop as well, as under srun, which signals every process of the job step.
 from __future__ import annotations
 
 import signal
-import threading
 
 from absl import logging
 
@@ -38,22 +37,26 @@ class Notice:
 
     def __init__(self) -> None:
         import jax
-        self._received = threading.Event()
+        self._received = False   # a plain bool: the handler must take no lock (below)
         self._previous = None
         self._mode = "jax" if jax.process_count() > 1 else "signal"
         if self._mode == "signal":
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame) -> None:
-        self._received.set()   # only that: the handler may interrupt the main thread anywhere
+        # Only that, and no lock: the handler may interrupt the main thread anywhere, also inside
+        # itself. Under srun a second SIGTERM follows the first by microseconds (Slurm signals the
+        # launcher and the child, the launcher forwards its own), and a nested Event.set() waited
+        # forever on the lock the outer one held (helper repro: 1 hang in ~30 to ~1,100 pairs).
+        self._received = True
 
     def reached(self, step: int) -> bool:
         """True at the step to checkpoint before stopping (the same step on every process). Call
         it after every step, on every process, from the same first step on."""
         if self._mode == "signal":
-            if self._received.is_set():
+            if self._received:
                 logging.warning("SIGTERM received: saving checkpoint %d, then exiting", step)
-            return self._received.is_set()
+            return self._received
         if self._mode == "off":
             return False
         from jax.experimental import multihost_utils
