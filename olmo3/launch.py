@@ -21,7 +21,10 @@ SIGTERM to the launcher (srun signals every process of the job step at the time 
 Kubernetes pod's first process alone is signalled) is passed on to the child, which saves a
 checkpoint and exits (olmo3/preemption.py); the launcher then waits for it and stops with its
 exit status instead of rerunning it. Dying at once would let the scheduler kill the child in
-the middle of that save.
+the middle of that save. SIGINT and SIGHUP (`kill -INT` of the launcher's pid, a supervisor that
+signals only the process it started, a closed terminal) stop it the same way, the child told
+with SIGTERM: before, the launcher exited at once and left its child training on, unseen, into
+the run directory a resubmission would then share.
 """
 from __future__ import annotations
 
@@ -101,7 +104,7 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
         rc, told_to_stop = _run_forwarding_sigterm(argv)
         ran = time.monotonic() - start
         if told_to_stop:
-            log(f"[launch] SIGTERM: attempt {attempt} stopped with exit code {rc}; not rerunning")
+            log(f"[launch] {told_to_stop}: attempt {attempt} stopped with exit code {rc}; not rerunning")
             return rc
         if rc == 0:
             if attempt > 1:
@@ -128,22 +131,27 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
         sleep(delay)
 
 
-def _run_forwarding_sigterm(argv: Sequence[str]) -> tuple[int, bool]:
-    """Run `argv` to its end; a SIGTERM to this process meanwhile is passed on to it. Returns
-    (its exit code, whether this process was sent SIGTERM)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _run_forwarding_sigterm(argv: Sequence[str]) -> tuple[int, str | None]:
+    """Run `argv` to its end; SIGTERM, SIGINT or SIGHUP to this process meanwhile is passed on
+    to it as SIGTERM (its checkpoint-and-stop; a Ctrl-C at a terminal has sent the child its own
+    SIGINT already). Returns (its exit code, the name of the signal this process was sent, or None)."""
     told = []
     proc = subprocess.Popen(list(argv))
 
     def forward(signum, frame):
-        told.append(signum)
+        told.append(signal.Signals(signum).name)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
 
-    previous = signal.signal(signal.SIGTERM, forward)
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         rc = proc.wait()
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     # Killed by signal N: Popen says -N, a shell and Slurm say 128 + N (a launcher that exited
     # with -15 would have stopped with status 241).
-    return (128 - rc if rc < 0 else rc), bool(told)
+    return (128 - rc if rc < 0 else rc), (told[0] if told else None)

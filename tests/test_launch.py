@@ -161,9 +161,11 @@ TRAPPING = textwrap.dedent("""
 """)
 
 
-def test_sigterm_is_passed_to_the_child_and_ends_the_loop(tmp_path):
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_sigterm_is_passed_to_the_child_and_ends_the_loop(tmp_path, name):
     """srun's SIGTERM at the time limit reaches the launcher: it must not die before the child
-    has saved, nor rerun the child afterwards."""
+    has saved, nor rerun the child afterwards. SIGINT or SIGHUP to the launcher alone stop the
+    child the same way (the launcher exited at once on SIGINT and left the child training)."""
     import os
     import signal
     import subprocess
@@ -176,8 +178,8 @@ def test_sigterm_is_passed_to_the_child_and_ends_the_loop(tmp_path):
     deadline = time.time() + 60
     while not (log.exists() and "started" in log.read_text()) and time.time() < deadline:
         time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)          # the launcher only; it passes the signal on
+    p.send_signal(getattr(signal, name))   # the launcher only; it passes SIGTERM on
     _, err = p.communicate(timeout=60)
     assert p.returncode == 143, err
     assert log.read_text().split() == ["started", "saved"]    # one attempt, which saved
-    assert "SIGTERM: attempt 1 stopped with exit code 143; not rerunning" in err
+    assert f"{name}: attempt 1 stopped with exit code 143; not rerunning" in err
