@@ -565,11 +565,14 @@ def main(argv):
                 with clock.excluded("save"), hang.phase("checkpoint save"):
                     save(step, owed=due if stopped else ())
                 paused[step] = clock.last["save"]
-            report_saves(log, ckpt, paused)
+            report_saves(log, ckpt, paused, hang)
             if stopped:
                 break
     finally:
-        with hang.phase("checkpoint save"):   # the last save's commit, bounded like every save
+        # The last save's commit: bounded by the earlier commits' whole durations, not by the
+        # in-loop "checkpoint save" (only the device-to-host copy of an async save): a short
+        # --hang_timeout_s ended every final commit of a 7B state and every rerun met it again.
+        with hang.phase("checkpoint commit"):
             ckpt.wait()
         hang.close()
         notice.close()
@@ -604,9 +607,12 @@ def model_config():
     return olmo3.Config.preset(F.model, **overrides)
 
 
-def report_saves(log, ckpt, paused: dict) -> None:
-    """One line per checkpoint whose async save has finished: its time, and how long training waited."""
+def report_saves(log, ckpt, paused: dict, hang=None) -> None:
+    """One line per checkpoint whose async save has finished: its time, and how long training
+    waited; the time also bounds the final commit's wait (`hang`, the watchdog)."""
     for step, seconds in ckpt.finished_saves():
+        if hang is not None:
+            hang.observed("checkpoint commit", seconds)
         log.info(f"checkpoint {step} saved to {ckpt.directory}/{step} in {seconds:.1f} s "
                  f"(training paused {paused.pop(step, 0.0):.2f} s)")
 

@@ -37,7 +37,9 @@ A phase (an evaluation, a save) is work of its own size: the first one of each n
 (it compiles, and nothing says how long it should take), and each later one may take
 max(timeout_s, PHASE_FACTOR x the longest of its name so far) before the same ending. A save
 stuck behind a storage mount that stopped answering, or an evaluation's collective that never
-completes, then ends the process too, however long the phase is normally.
+completes, then ends the process too, however long the phase is normally. Work measured outside
+the loop bounds its phase through `observed`: train.py's final wait for an async save's commit
+("checkpoint commit") by the commits the checkpoint manager reported before.
 """
 from __future__ import annotations
 
@@ -125,6 +127,12 @@ class Watchdog:
                 self._phase = None
                 if self._last is not None:
                     self._last = now
+
+    def observed(self, name: str, seconds: float) -> None:
+        """A run of phase `name` measured elsewhere (an async save's commit, which the phase that
+        waits for it at the end does not see in the loop): it bounds the later ones."""
+        with self._lock:
+            self._longest[name] = max(self._longest.get(name, 0.0), seconds)
 
     def close(self) -> None:
         self._stop.set()

@@ -71,6 +71,27 @@ def test_a_phase_that_ran_before_is_bounded_by_its_own_duration():
     assert "3 x its longest before, 0.6 s" in last, last
 
 
+def test_the_final_commit_is_bounded_by_earlier_commits_not_by_the_in_loop_save():
+    """train.py's last wait for an async save's commit: the in-loop "checkpoint save" phase only
+    copies to host (here 0.1 s), the commit takes longer (2 s, reported by the checkpoint manager
+    and `observed`). The final wait may take 3 x 2 s; a commit stuck past that still ends it."""
+    p = run("""
+        w = Watchdog(1.0)
+        w.beat(1)
+        with w.phase("checkpoint save"):
+            time.sleep(0.1)
+        w.observed("checkpoint commit", 2.0)
+        w.beat(2)
+        with w.phase("checkpoint commit"):
+            time.sleep(3.0)      # past max(1.0, 3 x 0.1) = 1 s, well within max(1.0, 3 x 2.0) = 6 s
+        print("committed", flush=True)
+        with w.phase("checkpoint commit"):
+            time.sleep(60)
+    """)
+    assert p.returncode == 1 and p.stdout.strip() == "committed", (p.stdout, p.stderr)
+    assert "the checkpoint commit after step 2 has run for" in p.stderr.strip().splitlines()[-1]
+
+
 def test_the_first_step_is_timed_from_the_end_of_its_compilation():
     """After `arm`, the clock stands still while JAX compiles (its announced start and end: a real
     jit compile here, then a 2 s "compile" recorded as JAX records one, 4x the timeout) and starts
