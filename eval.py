@@ -195,8 +195,9 @@ def heldout_report(model, sets: dict, *, batch_size: int, max_batches: int, batc
 
 
 def position_report(model, sets: dict, fractions, *, batch_size: int, max_batches: int, rows=None) -> dict:
-    """pos/<domain>/<lo>-<hi>/{loss,bpb,se} per position bucket, and pos/all/... over every
-    domain's documents (se: standard error over documents, heldout.ratio_se). `rows` (a dict)
+    """pos/<domain>/<lo>-<hi>/{loss,bpb,se,documents} per position bucket, and pos/all/... over
+    every domain's documents (se: standard error over the documents that reach the bucket,
+    heldout.ratio_se; a bucket none reaches is NaN). `rows` (a dict)
     receives each domain's per-document sums, for a paired comparison of two models."""
     lengths = heldout.token_byte_lengths(model.config.vocab_size)
     out, per = {}, {}

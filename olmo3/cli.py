@@ -11,7 +11,7 @@
     exit 1   anything else (a lost host, an I/O error mid-run, a bug): a traceback, retried.
     exit 143 train.py was sent SIGTERM (a preemption, a time limit) and saved a checkpoint of the
              step it was on first (olmo3/preemption.py). Retried, unless the launcher was sent
-             SIGTERM too.
+             SIGTERM, SIGINT or SIGHUP too.
 
 What counts as a user's error is decided by the exception's type, at the one place every
 script ends (`run`): our own `UserError`, absl's flag and usage errors, and the built-in types
@@ -19,7 +19,8 @@ our input checks raise with a message naming the thing and the fix (ValueError, 
 existing files). Inputs are checked before the first step; once a run has made progress
 (`mark_running`, after train.py's first step) a missing or unreadable file is a fault of the
 storage, not of the command (a flaky mount, a lost host), and is retried; a ValueError (bad data
-deep in the corpus) stays final. Out of device memory is the same: before the first step the
+deep in the corpus) stays final, as does a remote token file the server refuses for good
+(data.storage.FinalRemoteError: a UserError). Out of device memory is the same: before the first step the
 shapes that did not fit are the flags' (final, with the advice the script gave `advise`), after
 it they ran before, so fragmentation or a leak is more likely and a fresh process may pass.
 Except in a program's first run after the first step (`first_run`: the first held-out or
