@@ -432,9 +432,20 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
 # ---------------------------------------------------------------------------------------------
 def chat_answer(model, messages: list, template: str = chat.INSTRUCT, max_new_tokens: int = 256,
                 temperature: float = 0.0, seed: int = 0, max_length: int = 2048, think=None) -> str:
-    """The model's next assistant turn for `messages`, as text (the stop token removed)."""
+    """The model's next assistant turn for `messages`, as text (the stop token removed). A prompt
+    that leaves no room in `max_length` is an error; one that leaves less than `max_new_tokens`
+    caps the answer, with a warning (never a prompt cut from the left: it would lose the turns
+    that open the conversation)."""
     stops = (data.EOS_ID, data.tokenizer.IM_END_ID)
     prompt = chat.generation_prompt(messages, template, think)
+    if len(prompt) >= max_length:
+        raise ValueError(f"the conversation's prompt is {len(prompt)} tokens, the model's context (--max_length) "
+                         f"{max_length}: no room for an answer; shorten the conversation or raise --max_length")
+    if len(prompt) + max_new_tokens > max_length:
+        logging.warning("the prompt's %d tokens leave room for %d of --max_new_tokens=%d in --max_length=%d: "
+                        "the answer is capped there", len(prompt), max_length - len(prompt), max_new_tokens,
+                        max_length)
+        max_new_tokens = max_length - len(prompt)
     out = scoring.Scorer(model, max_length=max_length).generate(
         prompt, max_new_tokens, stop=lambda ids: ids[-1] in stops, temperature=temperature, seed=seed)
     return chat.decode(out[:-1] if out and out[-1] in stops else out)
@@ -442,7 +453,7 @@ def chat_answer(model, messages: list, template: str = chat.INSTRUCT, max_new_to
 
 def chat_report(model, max_length: int) -> None:
     """Print the answer to --chat, or to each conversation of --chat_file beside its reference."""
-    if F.chat:
+    if F.chat is not None:
         rows = [[{"role": "user", "content": F.chat}]]
     else:
         from data import prepare_sft
@@ -456,8 +467,12 @@ def chat_report(model, max_length: int) -> None:
     for i, messages in enumerate(rows):
         reference = messages[-1]["content"] if messages[-1]["role"] == "assistant" else None
         prompt = messages[:-1] if reference is not None else messages
-        answer = chat_answer(model, prompt, F.chat_template, F.max_new_tokens, F.temperature, F.sample_seed + i,
-                             max_length, F.chat_think)
+        try:
+            answer = chat_answer(model, prompt, F.chat_template, F.max_new_tokens, F.temperature,
+                                 F.sample_seed + i, max_length, F.chat_think)
+        except ValueError as e:
+            where = "--chat" if F.chat is not None else f"--chat_file={F.chat_file!r}: conversation {i + 1}"
+            raise ValueError(f"{where}: {e}") from None
         results.append({"prompt": prompt, "answer": answer, "reference": reference})
         print(f"--- {i}: {(prompt[-1]['content'] or '')[:400]}\n>>> answer:    {answer}"
               + (f"\n>>> reference: {reference}" if reference is not None else ""))
@@ -514,6 +529,9 @@ def main(argv):
         raise app.UsageError(f"--max_new_tokens={F.max_new_tokens} must be >= 1")
     if F.olmo_tasks:
         oe_tasks.resolve(F.olmo_tasks)   # an unknown task stops here, before the model loads
+    if F.chat is not None and (F.chat_file or not F.chat.strip()):
+        raise app.UsageError("--chat takes one non-empty user message" + (", and not with --chat_file (one or the "
+                             "other)" if F.chat_file else ""))
     if F.chat_file and not os.path.isfile(F.chat_file):
         raise FileNotFoundError(f"--chat_file={F.chat_file!r} is not a file; pass a JSONL of {{\"messages\": [...]}} lines")
     if F.position_buckets:  # a bad flag stops before any work
@@ -530,7 +548,7 @@ def main(argv):
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
     max_length = context_length(info, F.max_length)
     use_segments = segments_for(info, F.doc_lengths)
-    if F.chat or F.chat_file:
+    if F.chat is not None or F.chat_file:
         return chat_report(model, max_length)
     results = {"model": F.model, "step": info["step"]}
     if F.position_buckets:  # padded held-out documents, loss per position bucket (long-context evidence)

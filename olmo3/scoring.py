@@ -138,8 +138,16 @@ class Scorer:
     def generate(self, prompt: Tokens, max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]] = None,
                  eos_id: Optional[int] = None, temperature: float = 0.0, seed: int = 0) -> list[int]:
         """Decoding with a KV cache: one prefill, then one token per step. Greedy at temperature 0,
-        else sampled from softmax(logits / temperature) (numpy's generator seeded with `seed`)."""
+        else sampled from softmax(logits / temperature) (numpy's generator seeded with `seed`).
+        The prompt and `max_new_tokens` must fit `max_length` together: nothing is cut here (a
+        caller that wants lm-eval's left truncation does it, knowing what it drops)."""
         rng = np.random.default_rng(seed)
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("generate: the prompt is empty; give at least one token")
+        if len(prompt) + max_new_tokens > self.max_length:
+            raise ValueError(f"generate: a prompt of {len(prompt)} tokens and {max_new_tokens} new tokens do not fit "
+                             f"the context of {self.max_length} tokens (max_length)")
 
         def pick(logits) -> int:
             x = np.asarray(logits, np.float64)
@@ -149,9 +157,7 @@ class Scorer:
             return int(rng.choice(len(p), p=p / p.sum()))
 
         c = self.model.config
-        prompt = [int(t) for t in prompt][-(self.max_length - 1):]
         self._check(prompt)
-        max_new_tokens = max(0, min(max_new_tokens, self.max_length - len(prompt)))
         S = _bucket(len(prompt) + max_new_tokens)
         kc = jnp.zeros((c.n_layers, S, c.n_kv_heads, c.head_dim), c.dtype)
         vc = jnp.zeros_like(kc)
@@ -314,11 +320,20 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
             for r in requests:
                 context, kwargs = r.args
                 kwargs = dict(kwargs or {})
-                until = kwargs.get("until") or [tok.decode([tok.eot_token])]
+                until = kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
+                eos = tok.decode([tok.eot_token])
+                until += [eos] * bool(eos and eos not in until)   # lm-eval's HFLM adds EOS to every stop list
                 n = int(kwargs.get("max_gen_toks", max_gen_toks))
+                room = self.scorer.max_length - n
+                if room < 1:
+                    raise ValueError(f"generate_until: max_gen_toks={n} leaves no room for a context in "
+                                     f"--max_length={self.scorer.max_length}")
+                # HFLM keeps the last max_length - max_gen_toks tokens of the context, so that the
+                # whole max_gen_toks can be generated
                 stop = lambda ids: any(u in tok.decode(ids) for u in until)  # noqa: E731
-                ids = self.scorer.generate(encode(tok, context), n, stop=stop, eos_id=tok.eot_token)
+                ids = self.scorer.generate(encode(tok, context)[-room:], n, stop=stop,
+                                           eos_id=tok.eot_token)
                 text = tok.decode(ids)
                 for u in until:
                     text = text.split(u)[0]

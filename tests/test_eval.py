@@ -287,6 +287,68 @@ metric_list:
         assert sample["resps"][0][0] == tok.decode(out).split("\n")[0]
 
 
+def test_generate_never_cuts_the_prompt_or_the_answer():
+    """A prompt and max_new_tokens that do not fit the context are an error, not a prompt cut from
+    the left (it lost the turns that open a chat) and an answer cut short, both unsaid."""
+    model = olmo3.OLMo3(CFG, jax.random.key(3))
+    tokens = [int(x) for x in np.random.default_rng(3).integers(0, 256, size=12)]
+    scorer = scoring.Scorer(model, max_length=16)
+    assert len(scorer.generate(tokens[:10], 6)) == 6
+    with pytest.raises(ValueError, match="a prompt of 10 tokens and 7 new tokens do not fit the context of 16"):
+        scorer.generate(tokens[:10], 7)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        scorer.generate([], 3)
+
+
+def test_chat_prompt_that_does_not_fit_is_an_error_and_a_long_one_caps_the_answer(caplog):
+    model = olmo3.OLMo3(CFG.replace(vocab_size=data.VOCAB_SIZE), jax.random.key(0))
+    messages = [{"role": "user", "content": "word " * 60}]
+    n = len(data.chat.generation_prompt(messages))
+    with pytest.raises(ValueError, match=f"prompt is {n} tokens, the model's context \\(--max_length\\) {n}"):
+        eval_script.chat_answer(model, messages, max_new_tokens=4, max_length=n)
+    with caplog.at_level("WARNING"):
+        eval_script.chat_answer(model, messages, max_new_tokens=8, max_length=n + 3)
+    assert f"leave room for 3 of --max_new_tokens=8 in --max_length={n + 3}" in caplog.text
+
+
+def test_lm_eval_generate_until_like_hflm(monkeypatch):
+    """generate_until as lm-eval's HFLM: EOS joins every stop list (a task's own `until` left
+    "<|endoftext|>" in the answer), and the context keeps its last max_length - max_gen_toks tokens
+    so that max_gen_toks can all be generated (the answer was cut short instead)."""
+    import sys
+    import types
+    if importlib.util.find_spec("lm_eval") is None:   # the adapter's base class is all it needs
+        base = types.ModuleType("lm_eval.api.model")
+        base.LM = type("LM", (), {"__init__": lambda self: None})
+        for name, module in (("lm_eval", types.ModuleType("lm_eval")), ("lm_eval.api", types.ModuleType("lm_eval.api")),
+                             ("lm_eval.api.model", base)):
+            monkeypatch.setitem(sys.modules, name, module)
+    seen = []
+
+    def fake_generate(self, prompt, n, stop=None, eos_id=None, **kw):   # a model that says x, or ends at once
+        seen.append((len(prompt), n))
+        out = []
+        for _ in range(n):
+            out.append(eos_id if says == "eos" else x)
+            if out[-1] == eos_id or (stop is not None and stop(out)):
+                break
+        return out
+
+    monkeypatch.setattr(scoring.Scorer, "generate", fake_generate)
+    x = data.tokenizer.encode("x")[0]
+    lm = scoring.lm_eval_adapter(olmo3.OLMo3(CFG, jax.random.key(0)), max_length=64)
+    request = lambda ctx, kw: types.SimpleNamespace(args=(ctx, kw))  # noqa: E731
+    says = "eos"
+    assert lm.generate_until([request("Question: 2+2?\nAnswer:", {"until": ["\n\n"], "max_gen_toks": 4}),
+                              request("Question: 2+2?\nAnswer:", {"max_gen_toks": 4})]) == ["", ""]
+    says, seen[:] = "x", []
+    context = "word " * 100                      # 100 tokens, more than max_length 64
+    assert lm.generate_until([request(context, {"until": ["\n\n"], "max_gen_toks": 8})]) == ["x" * 8]
+    assert seen == [(56, 8)]                     # the context's last 64 - 8 tokens, all 8 new ones
+    with pytest.raises(ValueError, match="max_gen_toks=64 leaves no room"):
+        lm.generate_until([request(context, {"max_gen_toks": 64})])
+
+
 # ---- step-aligned run comparison ----------------------------------------------------------------
 RUN_CFG = CFG.replace(init_std=0.02)
 SEQ, BATCH, STEPS, SAVE = 32, 8, 90, (30, 60, 90)
