@@ -570,8 +570,8 @@ def main(argv):
                 break
     finally:
         # The last save's commit: bounded by the earlier commits' whole durations, not by the
-        # in-loop "checkpoint save" (only the device-to-host copy of an async save): a short
-        # --hang_timeout_s ended every final commit of a 7B state and every rerun met it again.
+        # in-loop "checkpoint save" (only the device-to-host copy of an async save), under which a
+        # short --hang_timeout_s could end every final commit of a large state, and every rerun.
         with hang.phase("checkpoint commit"):
             ckpt.wait()
         hang.close()
