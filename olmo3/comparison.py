@@ -30,7 +30,7 @@ def read_metrics(run_dir: str) -> dict[int, dict]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: the run comparison needs each run's metrics.jsonl")
     out: dict[int, dict] = {}
-    for rec in read_jsonl(path):
+    for rec in read_jsonl(path, torn_tail_ok=True):
         if "step" in rec:
             out.setdefault(int(rec["step"]), {}).update(rec)
     return out

@@ -240,18 +240,49 @@ def perf(step_time_s: float, tokens_per_step: int, flops_per_step: dict, peak_fl
     return out
 
 
-def read_jsonl(path: str) -> list[dict]:
+def read_jsonl(path: str, torn_tail_ok: bool = False) -> list[dict]:
     """The JSON objects of a JSON Lines file (metrics.jsonl, task files); blank lines skipped. A
-    malformed line is an error naming the file and line."""
+    malformed line is an error naming the file and line; with `torn_tail_ok` (a log a process
+    appends to), a malformed last line without its newline is what a killed writer leaves, and is
+    skipped with a warning."""
     out = []
     with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+        lines = f.readlines()
+    for i, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if torn_tail_ok and i == len(lines) and not line.endswith("\n"):
+                    logging.warning("%s:%d: a torn last line (%d bytes, a writer killed mid-line), skipped",
+                                    path, i, len(line))
+                    break
+                raise ValueError(f"{path}:{i}: not JSON ({e})") from e
     return out
+
+
+def drop_torn_tail(path: str) -> int:
+    """Cut a file that a killed appender left without its final newline back to its last whole
+    line; the bytes dropped. The next append then starts on a line of its own (it was glued onto
+    the fragment, and the file was unreadable from there on)."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return 0
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        keep = size
+        while keep > 0:   # back to the last newline, 64 KiB at a time (a stage-1 log is ~1 GB)
+            start = max(0, keep - (1 << 16))
+            f.seek(start)
+            chunk = f.read(keep - start)
+            if keep == size and chunk.endswith(b"\n"):
+                return 0
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            keep = start
+        f.truncate(keep)
+    return size - keep
 
 
 class StepClock:
@@ -336,16 +367,22 @@ def _multiples(lo: int, hi: int, every: int) -> int:
 class MetricsWriter:
     """metrics.jsonl + TensorBoard event files + a progress line on stderr (process 0 only)."""
 
-    def __init__(self, run_dir: str, enabled: bool = True):
+    def __init__(self, run_dir: str, enabled: bool = True, purge_step: Optional[int] = None):
+        """`purge_step`: the first step this process logs (a resume's start + 1): TensorBoard
+        hides the points at and after it that an earlier attempt logged."""
         self.enabled = enabled
         self._tb = None
         self._t0 = time.time()
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        self._file = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        dropped = drop_torn_tail(path)
+        if dropped:   # the resumed run logs those steps again
+            logging.warning("%s: dropped a torn last line (%d bytes) before appending", path, dropped)
+        self._file = open(path, "a", buffering=1)
         try:
-            self._tb = _summary_writer(os.path.join(run_dir, "tb"))
+            self._tb = _summary_writer(os.path.join(run_dir, "tb"), purge_step)
         except ImportError:  # TensorBoard is optional; metrics.jsonl is the record
             self._tb = None
 
@@ -384,7 +421,7 @@ class MetricsWriter:
             self._tb.close()
 
 
-def _summary_writer(logdir: str):
+def _summary_writer(logdir: str, purge_step: Optional[int] = None):
     """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch whenever
     it is installed (the test extras, OLMo-core, most GPU images), only so that it can accept
     torch tensors; we log Python floats. Without that import, a 4-step test-config train.py run
@@ -404,7 +441,7 @@ def _summary_writer(logdir: str):
     finally:
         for m in blocked:
             sys.modules.pop(m, None)
-    return SummaryWriter(logdir)
+    return SummaryWriter(logdir, purge_step=purge_step)
 
 
 def _hms(seconds: float) -> str:

@@ -6,6 +6,7 @@ below is exact arithmetic on the scripted step times (the reference), never a ti
 import logging as std_logging
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -245,6 +246,55 @@ def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
         i += 12 + n + 4
     scalars = {(e.step, v.tag): v.simple_value for e in events for v in e.summary.value}
     assert scalars == {(7, "train/loss"): 2.5, (7, "perf/tokens_per_s"): 100.0}
+
+
+def _events(path):
+    """TensorBoard events of one file (TFRecord framing: u64 length, u32 crc, payload, u32 crc)."""
+    import struct
+    event_pb2 = pytest.importorskip("tensorboardX.proto.event_pb2")
+    data, events, i = open(path, "rb").read(), [], 0
+    while i + 12 <= len(data):
+        (n,) = struct.unpack("<Q", data[i:i + 8])
+        if i + 12 + n > len(data):
+            break   # a record cut short
+        events.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+        i += 12 + n + 4
+    return events
+
+
+def test_a_torn_metrics_line_is_dropped_before_appending_and_skipped_when_read(tmp_path):
+    """A writer killed mid-line leaves a fragment without its newline: the resumed run's first row
+    was glued onto it and the file could not be read from there on (read_metrics, eval.py
+    --compare). Now the writer cuts the fragment off, and a reader skips it."""
+    from olmo3.comparison import read_metrics
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 6, "train/loss": 2.0}\n{"step": 7, "train/lo')
+    assert read_metrics(str(tmp_path)) == {6: {"step": 6, "train/loss": 2.0}}
+    w = metrics.MetricsWriter(str(tmp_path))
+    w.write(5, {"train/loss": 2.5})
+    w.close()
+    assert path.read_text() == '{"step": 6, "train/loss": 2.0}\n{"step": 5, "train/loss": 2.5}\n'
+    path.write_text("x" * 70000 + "\n" + "y" * 70000)   # the last newline more than 64 KiB back
+    assert metrics.drop_torn_tail(str(path)) == 70000 and path.read_text() == "x" * 70000 + "\n"
+    assert metrics.drop_torn_tail(str(path)) == 0
+    path.write_text("no newline at all")
+    assert metrics.drop_torn_tail(str(path)) == 17 and path.read_text() == ""
+    path.write_text('{"step": 1}\n{"step": 2, bad}\n{"step": 3}\n')   # not at the end: still an error
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not JSON"):
+        read_metrics(str(tmp_path))
+
+
+def test_a_resumed_writer_purges_the_points_after_the_checkpoint(tmp_path):
+    """A resume from checkpoint 4 logs steps 5.. again; the earlier attempt may have logged them
+    too. The new event file starts with a purge marker at step 5, so TensorBoard shows the
+    resumed run's points only (tensorboardX's purge_step)."""
+    metrics.MetricsWriter(str(tmp_path)).close()
+    (first,) = os.listdir(tmp_path / "tb")
+    time.sleep(1.1)   # event files are named by the second they were opened in
+    metrics.MetricsWriter(str(tmp_path), purge_step=5).close()
+    (new,) = set(os.listdir(tmp_path / "tb")) - {first}
+    assert any(e.step == 5 and e.session_log.status == e.session_log.START for e in _events(tmp_path / "tb" / new))
+    assert not any(e.HasField("session_log") for e in _events(tmp_path / "tb" / first))
 
 
 def test_cpu_model_tells_families_apart():
