@@ -477,6 +477,7 @@ def main(argv):
             extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}
         if owed:   # evaluations a preemption stop skipped at this step: the resumed run does them first
             extra["owed_evaluations"] = list(owed)
+        extra["durations"] = dict(clock.last)   # a resumed run's ETA counts its evaluations and saves at once
         ckpt.save(step, {"model": model, "opt": opt_state}, extra)
 
     # -----------------------------------------------------------------------------------------
@@ -489,6 +490,7 @@ def main(argv):
     # MFU's peak: --peak_tflops, the device's nominal peak, or measured (and kept honest) by process 0.
     peak = metrics_lib.PeakFlops(F.peak_tflops, dtype=config.dtype) if is_main else None
     clock = metrics_lib.StepClock(tokens_per_step, flops, metrics_lib.peak_units(n_devices), peak)
+    clock.last.update({k: float(v) for k, v in extra.get("durations", {}).items()})   # resumed: {} otherwise
     if is_main:
         log.info(f"OLMo 3 stage {F.stage}: {config.num_params():,} params on {metrics_lib.device_description()}"
                  f" | MFU = write-up FLOPs ({flops['writeup'] / tokens_per_step / 1e6:,.1f} MFLOP/token: 6 x "
@@ -560,7 +562,8 @@ def main(argv):
                 due.append("downstream")
             if not stopped:
                 m.update(evaluations(step, due))
-            log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval))
+            log.write(step, m, eta_s=clock.eta_s(step, max_steps, F.eval_interval, F.save_interval,
+                                                 F.downstream_eval_interval if downstream is not None else None))
             if step % F.save_interval == 0 or step == max_steps or stopped:
                 with clock.excluded("save"), hang.phase("checkpoint save"):
                     save(step, owed=due if stopped else ())

@@ -339,15 +339,19 @@ class StepClock:
             out[f"perf/mfu_{convention}_smoothed"] = f / mean / (self.peak.value * self.n_devices)
         return out
 
-    def eta_s(self, step: int, max_steps: int, eval_interval: int, save_interval: int) -> float:
+    def eta_s(self, step: int, max_steps: int, eval_interval: int, save_interval: int,
+              downstream_interval: Optional[int] = None) -> float:
         """Seconds left: steps at the windowed step time, plus the evaluations (every
-        eval_interval, every save_interval and at the end) and saves still to come."""
+        eval_interval, every save_interval and at the end), the downstream evaluations (every
+        downstream_interval) and saves still to come, each at its last duration (a resumed run
+        starts from those its checkpoint recorded: train.py seeds `last`)."""
         if not self.times:
             return math.nan
         evals = _events_left(step, max_steps, eval_interval, save_interval)
         saves = _events_left(step, max_steps, save_interval)
-        return (sum(self.times) / len(self.times) * (max_steps - step)
-                + evals * self.last.get("eval", 0.0) + saves * self.last.get("save", 0.0))
+        downstream = _multiples(step, max_steps, downstream_interval) if downstream_interval else 0
+        return (sum(self.times) / len(self.times) * (max_steps - step) + evals * self.last.get("eval", 0.0)
+                + saves * self.last.get("save", 0.0) + downstream * self.last.get("downstream", 0.0))
 
 
 def _events_left(step: int, max_steps: int, *intervals: int) -> int:

@@ -170,6 +170,16 @@ def test_windowed_tokens_per_s_and_eta():
     assert sc.eta_s(step, max_steps, 10, 25) == pytest.approx(expect)
     clock.advance(2.0)
     assert sc.step_done(10)["perf/step_time_s"] == pytest.approx(2.0)   # eval and save not billed
+    # downstream evaluations every 20 steps add theirs; a resumed clock, seeded with the durations
+    # its checkpoint recorded, counts evaluations and saves before it has timed one itself
+    with sc.excluded("downstream"):
+        clock.advance(11.0)
+    downstream = sum(1 for s in range(11, 101) if s % 20 == 0)
+    assert sc.eta_s(10, 100, 10, 25, 20) == pytest.approx(sc.eta_s(10, 100, 10, 25) + 11.0 * downstream)
+    resumed = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, window=4, clock=clock)
+    resumed.last.update({"eval": 7.0, "save": 3.0})
+    run_steps(resumed, clock, [2.0, 2.0])
+    assert resumed.eta_s(9, 100, 10, 25) == pytest.approx(2.0 * 91 + 7.0 * evals + 3.0 * saves)
 
 
 @pytest.mark.parametrize("step,max_steps", [(0, 1), (0, 200), (3, 6), (7, 7), (49, 201), (99, 100)])
