@@ -399,11 +399,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
         row["flag"] = comparison.verdict(row["train_delta"], row["heldout_delta"], tol, train_se=train_se,
                                          heldout_se=heldout_se, z=z) or ""
         if not comparison.measurable(train_se, heldout_se, tol):
-            row["flag"] = ("undetermined: noise not measurable (" + ", ".join(
-                [f"{sum(step - train_loss_window < s <= step and 'train/loss' in m for s, m in metrics[0].items())} "
-                 f"logged training losses in the {train_loss_window}-step window, need 3"] * (not math.isfinite(train_se))
-                + [f"{len(la)} held-out batch(es), need 2"] * (not math.isfinite(heldout_se)))
-                + "); widen --train_loss_window, raise --max_eval_batches, or give --tol")
+            row["flag"] = "undetermined: " + _unmeasured(metrics, step, train_loss_window, train_se, len(la), heldout_se)
         rows.append(row)
         logging.info("step %d: train delta %+.4f (band %.4f), held-out delta %+.4f (gap band %.4f), KL %.4g %s",
                      step, row["train_delta"], band_t, row["heldout_delta"], band_g, row["kl_AB"], row["flag"])
@@ -424,6 +420,17 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
         out["paths"] = comparison.write_report(rows, out_dir, f"B={run_b} vs A={run_a}",
                                                notes=[*notes, band_note, f"Verdict: {verdict}"])
     return out
+
+
+def _unmeasured(metrics: list, step: int, window: int, train_se: float, batches: int, heldout_se: float) -> str:
+    """Why a step's noise band could not be measured (comparison.measurable), and the fix."""
+    why = []
+    if not math.isfinite(train_se):
+        logged = min(sum(step - window < s <= step and "train/loss" in m for s, m in run.items()) for run in metrics)
+        why.append(f"{logged} logged training losses in the {window}-step window, need 3")
+    if not math.isfinite(heldout_se):
+        why.append(f"{batches} held-out batch(es), need 2")
+    return f"noise not measurable ({', '.join(why)}); widen --train_loss_window, raise --max_eval_batches, or give --tol"
 
 
 # ---------------------------------------------------------------------------------------------
