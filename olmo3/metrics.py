@@ -246,18 +246,17 @@ def read_jsonl(path: str, torn_tail_ok: bool = False) -> list[dict]:
     appends to), a malformed last line without its newline is what a killed writer leaves, and is
     skipped with a warning."""
     out = []
-    with open(path) as f:
-        lines = f.readlines()
-    for i, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                if torn_tail_ok and i == len(lines) and not line.endswith("\n"):
-                    logging.warning("%s:%d: a torn last line (%d bytes, a writer killed mid-line), skipped",
-                                    path, i, len(line))
-                    break
-                raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+    with open(path) as f:   # streamed: a stage-1 metrics.jsonl is ~1 GB
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    if torn_tail_ok and not line.endswith("\n"):   # only the last line can lack it
+                        logging.warning("%s:%d: a torn last line (%d bytes, a writer killed mid-line), skipped",
+                                        path, i, len(line))
+                        break
+                    raise ValueError(f"{path}:{i}: not JSON ({e})") from e
     return out
 
 
