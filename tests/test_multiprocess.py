@@ -60,6 +60,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _train_py_env(devices: int) -> dict:
+    """This environment for a train.py process on `devices` CPU devices, with no inherited JAX
+    cluster variables."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT,
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+    return env
+
+
+def _start_two_train_py(per_process, popen) -> list:
+    """train.py as 2 processes x 2 CPU devices (fsdp:4) with SMALL's recipe, `per_process(i)`
+    adding each one's own flags; `popen(i)` gives each one's output files."""
+    from test_train import SMALL
+
+    port, env = _free_port(), _train_py_env(2)
+    return [subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *SMALL, "--mesh=fsdp:4",
+                              f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
+                              *per_process(i)], env=env, text=True, **popen(i)) for i in range(2)]
+
+
 @pytest.mark.parametrize("launcher", ["flags", "slurm", pytest.param("mpirun", marks=pytest.mark.slow)])
 def test_two_processes_match_single_process(tmp_path, launcher):
     import fake_srun
@@ -127,17 +151,13 @@ def test_train_py_two_processes_match_one(tmp_path):
 
     from test_train import SMALL, word_corpus   # the tiny recipe and corpus of the train.py tests
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     corpus = tmp_path / "docs"
     corpus.mkdir()
     word_corpus(corpus)
 
     def launch(run_dir, devices, extra):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-        env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root,
-                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
-        cmd = [sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
+        env = _train_py_env(devices)
+        cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={corpus}",
                f"--data_dir={tmp_path / 'data'}", f"--run_dir={run_dir}", "--max_steps=3",
                "--save_interval=3", "--mesh=fsdp:4", *extra]
         return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -167,22 +187,15 @@ def _two_train_py(tmp_path, *extra, until=r"^step +2 \|", log="p"):
     """train.py as 2 processes x 2 CPU devices (fsdp:4) with SMALL's recipe, output in
     tmp_path/{log}{0,1}.log; yields the two processes once process 0 has logged a line matching
     `until` (by default step 2), kills whatever is left when the block ends."""
-    from test_train import SMALL, word_corpus
+    from test_train import word_corpus
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     corpus = tmp_path / "docs"
     corpus.mkdir(exist_ok=True)
     word_corpus(corpus)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
     logs = [open(tmp_path / f"{log}{i}.log", "w+") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, f"--data={corpus}",
-                               f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}",
-                               "--save_interval=1000", "--mesh=fsdp:4", f"--coordinator=127.0.0.1:{port}",
-                               "--num_processes=2", f"--process_id={i}", *extra],
-                              env=env, stdout=logs[i], stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = _start_two_train_py(lambda i: [f"--data={corpus}", f"--data_dir={tmp_path / 'data'}",
+                                           f"--run_dir={tmp_path / 'run'}", "--save_interval=1000", *extra],
+                                lambda i: {"stdout": logs[i], "stderr": subprocess.STDOUT})
     try:
         deadline = time.time() + 300
         while not re.search(until, (tmp_path / f"{log}0.log").read_text(), re.M):
@@ -253,19 +266,8 @@ def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path, when):
 
 
 def _two_train_py_until_done(tmp_path, per_process, timeout=240):
-    """train.py as 2 processes x 2 CPU devices with SMALL's recipe, `per_process(i)` adding each
-    one's own flags; returns their exit codes and outputs."""
-    from test_train import SMALL
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": root, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    procs = [subprocess.Popen([sys.executable, os.path.join(root, "train.py"), *SMALL, "--mesh=fsdp:4",
-                               f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
-                               *per_process(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
+    """_start_two_train_py's processes run to their end: their exit codes and outputs."""
+    procs = _start_two_train_py(per_process, lambda i: {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT})
     try:
         outs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
