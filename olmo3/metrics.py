@@ -17,6 +17,7 @@ import os
 import resource
 import sys
 import time
+import types
 from typing import Callable, Optional
 
 import jax
@@ -385,7 +386,7 @@ class MetricsWriter:
             logging.warning("%s: dropped a torn last line (%d bytes) before appending", path, dropped)
         self._file = open(path, "a", buffering=1)
         try:
-            self._tb = _summary_writer(os.path.join(run_dir, "tb"), purge_step)
+            self._tb = TensorBoardEvents(os.path.join(run_dir, "tb"), purge_step)
         except ImportError:  # TensorBoard is optional; metrics.jsonl is the record
             self._tb = None
 
@@ -398,8 +399,7 @@ class MetricsWriter:
             return
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         if self._tb is not None:
-            for k, v in metrics.items():
-                self._tb.add_scalar(k, v, step)
+            self._tb.write(step, metrics)
         parts = [f"step {step:>7d}"]
         if "train/loss" in metrics:   # absent from an evaluation-only record (--eval_at_start's step 0)
             tokens_per_s = metrics.get("perf/tokens_per_s_smoothed", metrics.get("perf/tokens_per_s", 0))
@@ -424,10 +424,39 @@ class MetricsWriter:
             self._tb.close()
 
 
-def _summary_writer(logdir: str, purge_step: Optional[int] = None):
-    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch whenever
-    it is installed (the test extras, OLMo-core, most GPU images), only so that it can accept
-    torch tensors; we log Python floats. Without that import, a 4-step test-config train.py run
+class TensorBoardEvents:
+    """A TensorBoard event file, written in the caller's thread and flushed at every step, so that
+    it holds what metrics.jsonl holds when a run dies. tensorboardX's SummaryWriter queues events
+    for a thread that flushes every 120 s, and its flush() does not wait for that queue: a crash
+    after a checkpoint lost up to two minutes of points before the checkpoint's step, which the
+    resumed run never logs again. The file format is tensorboardX's (its EventsWriter and Event
+    proto); a step is one Event holding all its scalars."""
+
+    def __init__(self, logdir: str, purge_step: Optional[int] = None):
+        """`purge_step`: TensorBoard hides the points at and after it from earlier files (a
+        SessionLog START at that step, as tensorboardX's `purge_step` writes it)."""
+        tbx = _import_tensorboardx()
+        self._event, self._summary = tbx.event_pb2.Event, tbx.summary_pb2.Summary
+        os.makedirs(logdir, exist_ok=True)
+        self._writer = tbx.event_file_writer.EventsWriter(os.path.join(logdir, "events"))
+        if purge_step is not None:
+            start = tbx.event_pb2.SessionLog(status=tbx.event_pb2.SessionLog.START)
+            self._writer.write_event(self._event(step=purge_step, wall_time=time.time(), session_log=start))
+        self._writer.flush()
+
+    def write(self, step: int, metrics: dict) -> None:
+        values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
+        self._writer.write_event(self._event(step=step, wall_time=time.time(), summary=self._summary(value=values)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def _import_tensorboardx():
+    """tensorboardX's event writer and protos, imported without torch. tensorboardX imports torch
+    whenever it is installed (the test extras, OLMo-core, most GPU images), only so that it can
+    accept torch tensors; we log Python floats. Without that import, a 4-step test-config train.py run
     took 31.0 s instead of 35.4 s and peaked at 1.18 GB RSS instead of 1.35 GB (three runs each,
     AMD EPYC), and a GPU process keeps torch's CUDA libraries out from beside JAX's (a torch
     cuDNN loaded before JAX's backend starts stops that backend: jax-ml/jax#18032, #19004).
@@ -440,11 +469,16 @@ def _summary_writer(logdir: str, purge_step: Optional[int] = None):
     for m in blocked:
         sys.modules[m] = None
     try:
-        from tensorboardX import SummaryWriter
+        import tensorboardX
+        import tensorboardX.event_file_writer
+        import tensorboardX.proto.event_pb2
+        import tensorboardX.proto.summary_pb2
     finally:
         for m in blocked:
             sys.modules.pop(m, None)
-    return SummaryWriter(logdir, purge_step=purge_step)
+    return types.SimpleNamespace(event_file_writer=tensorboardX.event_file_writer,
+                                 event_pb2=tensorboardX.proto.event_pb2,
+                                 summary_pb2=tensorboardX.proto.summary_pb2)
 
 
 def _hms(seconds: float) -> str:

@@ -231,7 +231,7 @@ def test_progress_line_of_an_evaluation_only_step(tmp_path, capsys):
 
 def test_tensorboard_events_are_written_without_importing_torch(tmp_path):
     # A fresh process where torch is installed (the test extras): writing TensorBoard events
-    # must not import it (olmo3.metrics._summary_writer), and torch must still import after.
+    # must not import it (olmo3.metrics._import_tensorboardx), and torch must still import after.
     # The oracle for the event file is TensorBoard's own Event proto, as tensorboardX ships it.
     import struct
     import subprocess
@@ -292,6 +292,19 @@ def test_a_torn_metrics_line_is_dropped_before_appending_and_skipped_when_read(t
     path.write_text('{"step": 1}\n{"step": 2, bad}\n{"step": 3}\n')   # not at the end: still an error
     with pytest.raises(ValueError, match="metrics.jsonl:2: not JSON"):
         read_metrics(str(tmp_path))
+
+
+def test_tensorboard_points_are_on_disk_when_written(tmp_path):
+    """A run killed after a checkpoint must not lose the TensorBoard points before it, which the
+    resumed run does not log again: each step is on disk once write() returns, as its
+    metrics.jsonl line is (tensorboardX's SummaryWriter flushed its queue every 120 s)."""
+    w = metrics.MetricsWriter(str(tmp_path))
+    w.write(1, {"train/loss": 3.0})
+    w.write(2, {"train/loss": 2.5, "optim/step_skipped": False})
+    (name,) = os.listdir(tmp_path / "tb")
+    scalars = {(e.step, v.tag): v.simple_value for e in _events(tmp_path / "tb" / name) for v in e.summary.value}
+    assert scalars == {(1, "train/loss"): 3.0, (2, "train/loss"): 2.5, (2, "optim/step_skipped"): 0.0}
+    w.close()
 
 
 def test_a_resumed_writer_purges_the_points_after_the_checkpoint(tmp_path):
