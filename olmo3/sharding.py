@@ -430,16 +430,21 @@ def _all_gather_as(x: jax.Array, names, axis: int, wire) -> jax.Array:
     gathering x itself."""
     if wire == "float8":
         amax = jax.lax.pmax(jnp.max(jnp.abs(x)), names)      # the whole weight's maximum
-        q, s = float8.quantize(x, float8.E4M3, amax=amax)
+        q, s = float8.quantize(x, float8.E4M3, amax=amax, pow2=False)
         # As bytes: a collective of a float8 type need not exist on every backend.
         q = jax.lax.bitcast_convert_type(
             jax.lax.all_gather(jax.lax.bitcast_convert_type(q, jnp.uint8), names, axis=axis,
                                tiled=True), float8.E4M3)
-        # Dequantized exactly (q / s, s a power of 2). float8.linear recasts it with the same
-        # scale or twice it (when the largest |q| rounded down to half the format's maximum),
-        # either way to the same float8 values: the forward and backward of the layer are
-        # those of a weight cast from the whole fp32 tensor on one device.
-        return float8.dequantize(q, s, x.dtype)
+        # What arrives is q / s, except that an entry float8 saturated (|q| = 448, the entries
+        # that reached the whole weight's maximum) arrives as +-amax: float8.linear, recasting
+        # it, then finds this amax, so this scale, and these float8 values (q / s times s is q
+        # to an fp32 ulp, far from any float8 rounding boundary). Plain q / s would hand it the
+        # amax 448 x (1 / s) rounded, hence a scale a few ulps off, and the outputs would differ
+        # from one device's in the last bit. The forward and backward of the layer are those of
+        # a weight cast from the whole fp32 tensor on one device, bit for bit.
+        top = float(jnp.finfo(float8.E4M3).max)
+        d = float8.dequantize(q, s, x.dtype)
+        return jnp.where(jnp.abs(q.astype(jnp.float32)) == top, jnp.sign(d) * amax.astype(x.dtype), d)
     return jax.lax.all_gather(x.astype(wire), names, axis=axis, tiled=True).astype(x.dtype)
 
 
