@@ -275,6 +275,9 @@ def read_config(step_dir: str, reader: DistCheckpointReader, **overrides) -> tup
             try:
                 model = json.loads(raw)["model"]
                 return config_from_olmo_core(model, **overrides), path
+            except NotOLMo3 as e:
+                raise UserError(f"{path}: {e}; this codebase computes OLMo 3 only and cannot convert this "
+                                "model") from None
             except (ValueError, KeyError, TypeError) as e:
                 raise UserError(f"{path}: not an OLMo-core experiment config with a 'model' section "
                                 f"({e}); remove it to infer the model from the tensor shapes") from None
@@ -313,29 +316,107 @@ def _mixer(block: dict) -> dict:
     return block.get("sequence_mixer") or block.get("attention") or {}
 
 
+class NotOLMo3(ValueError):
+    """An OLMo-core model setting that OLMo 3 does not have and this model cannot compute."""
+
+
+def _strip_scaling(block: dict) -> dict:
+    """A block config without its RoPE scaling and class tags, to compare an override with."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("_CLASS_", "scaling")}
+        return x
+    out = strip(block)
+    if "attention" in out and "sequence_mixer" not in out:   # OLMo-core 2.x's name for it
+        out["sequence_mixer"] = out.pop("attention")
+    return out
+
+
+def _bias(module: dict) -> bool:
+    """OLMo-core's reading of a `bias` left unset: a bias (attention, feed-forward, LM head and
+    RMSNorm alike)."""
+    return True if module.get("bias") is None else bool(module["bias"])
+
+
+def _refuse_unlike_olmo3(model: dict, per_layer: list[int]) -> None:
+    """Every setting of OLMo-core's TransformerConfig that changes the computation must be OLMo
+    3's (`TransformerConfig.olmo3_7B`, OLMo-core 3.0.0), or the weights would convert bit for bit
+    into a model computing something else (an embed_scale of 8 moved the logits by 0.41, a
+    clip_qkv by 0.37, a LayerNorm for RMSNorm by 0.28, GELU for SiLU by 0.05, all converting
+    with exit 0)."""
+    block = model["block"]
+    att, ff, lm_head = _mixer(block), block.get("feed_forward") or {}, model.get("lm_head") or {}
+    norms = {"block.layer_norm": block.get("layer_norm"), "qk_norm": att.get("qk_norm"),
+             "lm_head.layer_norm": lm_head.get("layer_norm")}
+    want = {  # field: (value, OLMo 3's value); absent fields take OLMo-core's defaults
+        "name": (model.get("name", "default"), "default"),
+        "tie_word_embeddings": (bool(model.get("tie_word_embeddings")), False),
+        "embed_scale": (model.get("embed_scale"), None),
+        "embedding_norm": (model.get("embedding_norm"), None),
+        "block_pattern": (model.get("block_pattern"), None),
+        "block.name": (block.get("name"), "reordered_norm"),
+        "block.feed_forward_moe": (block.get("feed_forward_moe"), None),
+        "block.attention_residual_alpha": (block.get("attention_residual_alpha"), None),
+        "block.feed_forward_residual_alpha": (block.get("feed_forward_residual_alpha"), None),
+        "attention.name": (att.get("name", "default"), "default"),
+        "attention.bias": (_bias(att), False),
+        "attention.gate": (att.get("gate"), None),
+        "attention.clip_qkv": (att.get("clip_qkv"), None),
+        "attention.use_head_qk_norm": (bool(att.get("use_head_qk_norm")), False),
+        "attention.qk_norm_per_head_gains": (bool(att.get("qk_norm_per_head_gains")), False),
+        "attention.scalable_softmax": (bool(att.get("scalable_softmax")), False),
+        "attention.attention_sinks": (bool(att.get("attention_sinks")), False),
+        "attention.rope.name": ((att.get("rope") or {}).get("name"), "default"),
+        "attention.rope.partial_rotary_factor": (float((att.get("rope") or {}).get("partial_rotary_factor", 1.0)), 1.0),
+        "attention.rope.no_global_rope": (bool((att.get("rope") or {}).get("no_global_rope")), False),
+        "feed_forward.name": (ff.get("name", "default"), "default"),
+        "feed_forward.activation": (ff.get("activation", "silu"), "silu"),
+        "feed_forward.bias": (_bias(ff), False),
+        "lm_head.name": (lm_head.get("name", "default"), "default"),
+        "lm_head.bias": (_bias(lm_head), False),
+    }
+    for where, norm in norms.items():   # fused_rms: the same RMSNorm as one kernel
+        want[where] = ({"fused_rms": "rms"}.get(norm and norm.get("name"), norm and norm.get("name")), "rms")
+        want[where + ".bias"] = (_bias(norm or {}), False)
+    for field, (got, ok) in want.items():
+        if got != ok:
+            raise NotOLMo3(f"{field} is {got!r} where OLMo 3 has {ok!r}")
+    full = {i for i, w in enumerate(per_layer) if w == -1}
+    overrides = {int(i): over for i, over in (model.get("block_overrides") or {}).items()}
+    for i, over in overrides.items():
+        if _strip_scaling(over) != _strip_scaling(block):
+            raise NotOLMo3(f"block_overrides[{i}] changes more than RoPE scaling")
+    scalings = [json.dumps((_mixer(over).get("rope") or {}).get("scaling"), sort_keys=True) for over in overrides.values()]
+    if overrides and (set(overrides) != full or len(set(scalings)) > 1):
+        raise NotOLMo3(f"block_overrides on layers {sorted(overrides)}: OLMo 3 scales RoPE alike on its "
+                       f"full-attention layers, {sorted(full)}")
+
+
 def config_from_olmo_core(model: dict, **overrides) -> Config:
     """Our Config from OLMo-core's TransformerConfig dict (`as_config_dict()`): an OLMo 3
     reordered-norm, QK-normed, SwiGLU transformer with its sliding-window pattern (the shortest
     period of OLMo-core's per-layer windows: layers are scanned in whole periods); YaRN where its
-    block overrides (on the full-attention layers, `with_rope_scaling`) carry it."""
+    block overrides (on the full-attention layers, `with_rope_scaling`) carry it. Any other
+    setting raises NotOLMo3."""
     block = model["block"]
     att = _mixer(block)
     if block.get("name") != "reordered_norm" or not att.get("qk_norm") or att.get("use_head_qk_norm"):
-        raise ValueError(f"block {block.get('name')!r} with qk_norm={bool(att.get('qk_norm'))}, "
-                         f"use_head_qk_norm={att.get('use_head_qk_norm')}: not an OLMo 3 model")
+        raise NotOLMo3(f"block {block.get('name')!r} with qk_norm={bool(att.get('qk_norm'))}, "
+                       f"use_head_qk_norm={att.get('use_head_qk_norm')}: not an OLMo 3 model")
     n_heads = int(att["n_heads"])
     d_model = int(model["d_model"])
     head_dim = int(att.get("head_dim") or d_model // n_heads)
     n_layers = int(model["n_layers"])
     sw = att.get("sliding_window")
     per_layer = layer_windows(sw, n_layers) if sw else [-1] * n_layers
+    _refuse_unlike_olmo3(model, per_layer)
     windows = {w for w in per_layer if w != -1}
     if len(windows) > 1:
-        raise ValueError(f"sliding window {sw}: windows {sorted(windows)}; one window size expected")
+        raise NotOLMo3(f"sliding window {sw}: windows {sorted(windows)}; OLMo 3 has one window size")
     period = next(p for p in range(1, n_layers + 1)
                   if n_layers % p == 0 and per_layer == per_layer[:p] * (n_layers // p))
     if (att.get("rope") or {}).get("scaling"):
-        raise ValueError("RoPE scaling on every layer (with_rope_scaling(full_attn_layers_only=False)); OLMo 3 "
+        raise NotOLMo3("RoPE scaling on every layer (with_rope_scaling(full_attn_layers_only=False)); OLMo 3 "
                          "applies YaRN to its full-attention layers only (DESIGN §2)")
     yarn = None
     for over in (model.get("block_overrides") or {}).values():

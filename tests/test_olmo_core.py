@@ -5,6 +5,7 @@ the way back into OLMo-core, and the command line."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,6 +122,47 @@ def test_stage3_config_from_hf_builds_in_olmo_core():
         block["attention"] = block.pop("sequence_mixer")
     assert TransformerConfig.from_dict(json.loads(json.dumps(legacy))).num_params == want.num_params
     assert olmo_core.config_from_olmo_core(legacy) == olmo_core.config_from_olmo_core(model)
+
+
+def test_settings_olmo3_lacks_are_refused(tmp_path):
+    """OLMo-core settings that change what the model computes, and that OLMo 3 does not use: each
+    is refused naming its field (the weights of such a model converted bit for bit into an OLMo 3
+    that computes something else, exit 0). OLMo 3's own configs, YaRN included, pass."""
+    import copy
+
+    from olmo_core.nn.feed_forward import ActivationFunction
+    from olmo_core.nn.layer_norm import LayerNormType
+    from olmo_core.nn.rope import YaRNRoPEScalingConfig
+    from olmo_core.nn.transformer import TransformerConfig
+    as_json = lambda c: json.loads(json.dumps(c.as_config_dict()))   # noqa: E731
+    base = TransformerConfig.olmo3_7B(vocab_size=100352)
+    long = base.with_rope_scaling(YaRNRoPEScalingConfig(factor=8, old_context_len=8192), full_attn_layers_only=True)
+    for ok in (base, long):
+        olmo_core.config_from_olmo_core(as_json(ok))
+
+    def changed(c, set_):
+        c = copy.deepcopy(c)
+        set_(c)
+        return as_json(c)
+
+    mixer = lambda c: c.block.sequence_mixer   # noqa: E731
+    cases = {
+        "embed_scale": changed(base, lambda c: setattr(c, "embed_scale", 8.0)),
+        "tie_word_embeddings": changed(base, lambda c: setattr(c, "tie_word_embeddings", True)),
+        "attention.clip_qkv": changed(base, lambda c: setattr(mixer(c), "clip_qkv", 0.05)),
+        "attention.bias": changed(base, lambda c: setattr(mixer(c), "bias", None)),   # unset: a bias
+        "block.layer_norm": changed(base, lambda c: setattr(c.block.layer_norm, "name", LayerNormType.default)),
+        "feed_forward.activation": changed(base, lambda c: setattr(c.block.feed_forward, "activation",
+                                                                   ActivationFunction.gelu_tanh)),
+        "block_overrides[3]": changed(long, lambda c: setattr(c.block_overrides[3].feed_forward, "hidden_size", 64)),
+    }
+    for field, model in cases.items():
+        with pytest.raises(olmo_core.NotOLMo3, match=re.escape(field)):
+            olmo_core.config_from_olmo_core(model)
+    # Beside a checkpoint: one line naming the file (convert.py exits 2), not the advice to delete it.
+    (tmp_path / "config.json").write_text(json.dumps({"model": cases["embed_scale"]}))
+    with pytest.raises(olmo_core.UserError, match=r"config\.json: embed_scale is 8\.0 where OLMo 3 has None; .*OLMo 3 only"):
+        olmo_core.read_config(str(tmp_path), object.__new__(olmo_core.DistCheckpointReader))   # not read
 
 
 @pytest.mark.parametrize("pattern,first,last,n_layers", [
