@@ -38,6 +38,7 @@ import functools
 import json
 import math
 import os
+import re
 import resource
 import time
 
@@ -290,10 +291,14 @@ def write_orbax(dst: str, step: int, state, extra: dict) -> None:
                 if os.path.isdir(os.path.join(dst, checkpoint.CHECKPOINTS)) else [])
         raise FileExistsError(f"--to=orbax:{dst} " + (f"already holds checkpoints {held}" if held else
                                                       "exists and is not empty") + "; choose a new directory")
-    mgr = checkpoint.CheckpointManager(dst, keep=None, async_save=False)
-    mgr.save(step, state, extra)  # orbax writes <step>.orbax-checkpoint-tmp and renames it when done
-    mgr.wait()
-    mgr.close()
+    # In a temporary sibling, renamed into place when complete: a tensor that fails to read
+    # mid-write (a damaged source) left <dst>/checkpoints/<step>.orbax-checkpoint-tmp, and the
+    # rerun was refused for the directory it had left.
+    with checkpoint.new_directory(dst, "Orbax checkpoint") as tmp:
+        mgr = checkpoint.CheckpointManager(tmp, keep=None, async_save=False)
+        mgr.save(step, state, extra)
+        mgr.wait()
+        mgr.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -448,6 +453,10 @@ def olmo_core_to_orbax(src: str, dst: str, *, step: int | None = None, param_dty
         if got != want:
             raise ValueError(f"{dcp_dir}: tensor model.{name} is {got}, the model config ({config_from}) implies {want}")
     extra_tensors = sorted(set(n for n in reader.tensors if n.startswith("model.")) - {f"model.{n[2]}" for n in names})
+    deeper = sorted({int(m.group(1)) for n in extra_tensors if (m := re.match(r"model\.blocks\.(\d+)\.", n))})
+    if deeper and deeper[0] >= config.n_layers:
+        raise ValueError(f"{dcp_dir}: the checkpoint has blocks up to {deeper[-1]}, more than the {config.n_layers} "
+                         f"layers of the model config ({config_from}); give the run's own config.json")
     if extra_tensors:   # biases, attention sinks, gates: an architecture this model does not have
         raise ValueError(f"{dcp_dir}: tensor(s) {extra_tensors[:4]}{' ...' if len(extra_tensors) > 4 else ''} are not "
                          "part of an OLMo 3 model (no biases, sinks or gates); converting would drop them")
@@ -479,8 +488,15 @@ def olmo_core_to_orbax(src: str, dst: str, *, step: int | None = None, param_dty
     state = {"model": tree(lambda n: f"model.{n}", np.dtype(config.pdtype))}
     extra = {"stage": 0, "model_config": config_to_dict(config), "converted_from": f"olmo-core:{step_dir}",
              "olmo_core_step": oc_step, "with_optimizer_state": with_optimizer_state}
-    if with_optimizer_state:
-        count, counts = olmo_core.adam_count(reader)
+    if with_optimizer_state:   # every moment checked before anything is written, as the weights
+        count, counts = olmo_core.adam_count(reader)   # none at all: one line saying so
+        missing = [f"optim.state.{name}.{m}" for _, _, name, _ in names for m in olmo_core.MOMENTS.values()
+                   if f"optim.state.{name}.{m}" not in reader.tensors
+                   or reader.shape(f"optim.state.{name}.{m}") != reader.shape(f"model.{name}")]
+        if missing:
+            raise ValueError(f"{dcp_dir}: no Adam moments of the weights' shapes for {missing[:3]}"
+                             f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} (frozen parameters "
+                             "have none); convert the weights alone with --nowith_optimizer_state")
         if len(counts) > 1:
             logging.warning("%s: parameters disagree on the Adam step %s; using %d", src, sorted(counts), count)
         if count == 0 and oc_step:  # OLMo-core before step_increment_bugfix never advanced `step`

@@ -453,24 +453,77 @@ def test_fsdp_sharded_checkpoint_reassembled(tmp_path):
     assert int(opt.count) == R.STEPS
 
 
-def test_tensors_outside_olmo3_are_refused_not_dropped(tmp_path):
-    """An OLMo-core checkpoint of a variant with parameters this model lacks (an lm_head bias):
-    the conversion names them and writes nothing, instead of converting without them."""
+def synthetic_checkpoint(src, n_layers=4, moments=True, more=None, config_layers=None, drop=()):
+    """An OLMo-core step directory of a tiny OLMo 3 (d_model 32, ones for weights, moments and
+    Adam step 2) written by our DCP writer, with its config.json (of `config_layers`), without the
+    tensors in `drop`."""
     import olmo3
-    c = olmo3.Config.tiny(d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64,
-                          window=16, vocab_size=128)
+    c = olmo3.Config.tiny(d_model=32, n_layers=config_layers or n_layers, n_heads=2, n_kv_heads=2, head_dim=16,
+                          mlp_hidden=64, window=16, vocab_size=128)
     shapes = {"embed": (128, 32), "lm_head": (128, 32), "q_proj": (32, 32), "k_proj": (32, 32), "v_proj": (32, 32),
               "o_proj": (32, 32), "gate_proj": (64, 32), "up_proj": (64, 32), "down_proj": (32, 64)}
-    specs = {f"model.{name}": (shapes.get(field, (32,)), np.float32)
-             for field, _, name, _ in olmo_core.param_names(c.n_layers)}
-    specs["model.lm_head.w_out.bias"] = ((128,), np.float32)
-    src = tmp_path / "oc" / "step3"
+    specs = {f"model.{name}": (shapes.get(field, (32,)), np.float32) for field, _, name, _ in olmo_core.param_names(n_layers)}
+    if moments:
+        for name, (shape, dtype) in list(specs.items()):
+            for m in ("exp_avg", "exp_avg_sq", "step"):
+                specs[f"optim.state.{name[len('model.'):]}.{m}"] = (shape if m != "step" else (), dtype)
+    specs.update(more or {})
+    for name in drop:
+        specs.pop(name)
     olmo_core.write_dist_checkpoint(str(src / "model_and_optim"), specs,
-                                    lambda name: np.ones(specs[name][0], np.float32), {})
+                                    lambda name: np.full(specs[name][0], 2.0 if name.endswith(".step") else 1.0,
+                                                         np.float32), {})
     (src / "config.json").write_text(json.dumps({"model": olmo_core.config_to_olmo_core(c)}))
+    return specs
+
+
+def test_tensors_outside_olmo3_are_refused_not_dropped(tmp_path):
+    """An OLMo-core checkpoint of a variant with parameters this model lacks (an lm_head bias), or
+    with more layers than its config.json says: the conversion names them and writes nothing,
+    instead of converting without them."""
+    src = tmp_path / "oc" / "step3"
+    synthetic_checkpoint(src, moments=False, more={"model.lm_head.w_out.bias": ((128,), np.float32)})
     with pytest.raises(ValueError, match=r"model.lm_head.w_out.bias.*not part of an OLMo 3 model"):
         convert.olmo_core_to_orbax(str(src), str(tmp_path / "orbax"), with_optimizer_state=False)
-    assert not os.path.exists(tmp_path / "orbax" / "checkpoints")
+    assert not os.path.exists(tmp_path / "orbax")
+    deeper = tmp_path / "deeper" / "step3"
+    synthetic_checkpoint(deeper, n_layers=6, moments=False, config_layers=4)
+    with pytest.raises(ValueError, match=r"blocks up to 5, more than the 4 layers of the model config \(.*config.json\)"):
+        convert.olmo_core_to_orbax(str(deeper), str(tmp_path / "orbax"), with_optimizer_state=False)
+
+
+def test_missing_moments_are_named_before_writing(tmp_path):
+    """A parameter without Adam moments (frozen in OLMo-core) is named before anything is written,
+    with the flag that converts the weights alone; it used to fail mid-write as a bare KeyError
+    (exit 1, retried). The weights alone then convert."""
+    src = tmp_path / "oc" / "step3"
+    synthetic_checkpoint(src, drop=["optim.state.lm_head.w_out.weight.exp_avg"])
+    with pytest.raises(ValueError, match=r"optim.state.lm_head.w_out.weight.exp_avg.*--nowith_optimizer_state"):
+        convert.olmo_core_to_orbax(str(src), str(tmp_path / "orbax"))
+    assert not os.path.exists(tmp_path / "orbax")
+    convert.olmo_core_to_orbax(str(src), str(tmp_path / "orbax"), with_optimizer_state=False)
+    assert os.listdir(tmp_path / "orbax" / "checkpoints") == ["3"]
+
+
+def test_a_failed_orbax_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A tensor that cannot be read mid-write (a damaged file found only then) leaves no
+    half-written Orbax directory at --to, so the rerun is not refused for the directory it left."""
+    src = tmp_path / "oc" / "step3"
+    synthetic_checkpoint(src)
+    read_layer = olmo_core.read_layer
+
+    def damaged(reader, name, transpose, dtype):
+        if name == "model.lm_head.w_out.weight":
+            raise olmo_core.UserError(f"{name} does not decode")
+        return read_layer(reader, name, transpose, dtype)
+
+    monkeypatch.setattr(olmo_core, "read_layer", damaged)
+    with pytest.raises(olmo_core.UserError, match="does not decode"):
+        convert.olmo_core_to_orbax(str(src), str(tmp_path / "orbax"))
+    assert sorted(os.listdir(tmp_path)) == ["oc"]   # neither --to nor a temporary sibling
+    monkeypatch.setattr(olmo_core, "read_layer", read_layer)
+    convert.olmo_core_to_orbax(str(src), str(tmp_path / "orbax"))
+    assert os.listdir(tmp_path / "orbax" / "checkpoints") == ["3"]
 
 
 def test_metadata_pickle_cannot_run_code(tmp_path):
