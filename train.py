@@ -273,24 +273,18 @@ def main(argv):
         dpo_heldout = {name: data.PairDataset(d, F.seq_len)
                        for name, d in named_sets(F.dpo_heldout, "--dpo_heldout").items()}
     elif F.packed:  # every process packs the same instances; process 0 first, filling the cache
-        pack = lambda: data.PackedFSLDataset(  # noqa: E731
+        train_set = process_0_first("instances packed", lambda: data.PackedFSLDataset(
             splits["train"], F.seq_len, source_group_size=F.source_group_size,
             source_permutation_seed=F.source_permutation_seed, cache_dir=packing_cache(),
-            label_mask_paths=[data.packed.label_mask_path(p) for p in splits["train"]] if F.label_masks else None)
-        train_set = pack() if rank == 0 else None
-        if num_ranks > 1:
-            from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices("olmo3: instances packed")
-        if train_set is None:
-            train_set = pack()
+            label_mask_paths=[data.packed.label_mask_path(p) for p in splits["train"]] if F.label_masks else None))
         if is_main:
             logging.info("Packed %s", train_set)
     else:
         train_set = data.FSLDataset(splits["train"], F.seq_len)
     heldout_set = data.PaddedFSLDataset if F.eval_padded else data.FSLDataset
     if F.stage == "sft":  # held-out chats: packed like the training set, scored on their label masks only
-        heldout_set = lambda paths, seq_len: data.PackedFSLDataset(  # noqa: E731
-            paths, seq_len, cache_dir=packing_cache(), label_mask_paths=[data.packed.label_mask_path(p) for p in paths])
+        heldout_set = lambda paths, seq_len: process_0_first("held-out chats packed", lambda: data.PackedFSLDataset(  # noqa: E731
+            paths, seq_len, cache_dir=packing_cache(), label_mask_paths=[data.packed.label_mask_path(p) for p in paths]))
     heldout = {name.split("/", 1)[1]: heldout_set(paths, F.seq_len)
                for name, paths in splits.items() if name.startswith("heldout/") and paths}
     if config.vocab_size < data.VOCAB_SIZE:
@@ -303,6 +297,13 @@ def main(argv):
         "entries from the size manifest (OLMO3_DATA_CACHE/remote_sizes.json, default "
         "~/.cache/olmo3-jax/remote_sizes.json) on the hosts that differ, or point OLMO3_DATA_CACHE at "
         "one shared directory")
+    packed_sets = {"train": train_set} | {f"heldout/{k}": v for k, v in heldout.items()}
+    cluster.check_same_everywhere(   # the same files can still pack differently on another CPU type
+        {k: v.packing_digest for k, v in packed_sets.items() if hasattr(v, "packing_digest")},
+        "the packed instances (the same files, packed with equal-length documents in another order)",
+        "numpy's argsort orders equal-length documents by the CPU's instruction set; give every process "
+        f"one --packing_cache directory that all of them see (now {packing_cache()}), so that process 0 "
+        "packs and the others read its indices")
 
     if F.epochs is not None or F.warmup_fraction is not None:  # the horizon from the data (SFT)
         set_horizon(len(train_set))
@@ -741,6 +742,18 @@ def named_sets(dirs: list[str], flag: str) -> dict[str, str]:
                                  "logged as one); give each set its own folder name")
         out[name] = d
     return out
+
+
+def process_0_first(what: str, build):
+    """`build()` on process 0, then on the others once it is done: what process 0 writes to a
+    shared cache (the packing indices) the others read instead of computing their own."""
+    import jax
+    if jax.process_count() == 1:
+        return build()
+    from jax.experimental import multihost_utils
+    out = build() if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices(f"olmo3: {what}")
+    return build() if out is None else out
 
 
 def packing_cache() -> str | None:

@@ -204,7 +204,7 @@ class Loader:
             "fingerprint": self.dataset.fingerprint,
             "global_batch": self.global_batch,
             "seq_len": self.dataset.seq_len,
-        }
+        } | ({"packing": self.dataset.packing_digest} if hasattr(self.dataset, "packing_digest") else {})
 
     @classmethod
     def from_state(
@@ -230,6 +230,16 @@ class Loader:
                    f"{str(state['fingerprint'])[:16]}...: the token files changed since the checkpoint was "
                    "written, so the data order would differ. Point the run at the original files, or pass "
                    "allow_fingerprint_mismatch=True to continue on the new data deliberately.")
+            if not allow_fingerprint_mismatch:
+                raise ValueError(msg)
+            logging.warning(msg)
+        elif "packing" in state and state["packing"] != getattr(dataset, "packing_digest", state["packing"]):
+            msg = (f"the packed instances differ from the checkpoint's (packing digest {dataset.packing_digest[:16]}... "
+                   f"against {str(state['packing'])[:16]}...) though the token files are the same: numpy's argsort "
+                   "orders equal-length documents by the CPU's instruction set, and these were packed afresh on "
+                   "another CPU type. Point --packing_cache at the indices the run was packed with, or resume on "
+                   "the CPU type that packed them; allow_fingerprint_mismatch=True (train.py --allow_data_change) "
+                   "continues on the new packing deliberately.")
             if not allow_fingerprint_mismatch:
                 raise ValueError(msg)
             logging.warning(msg)

@@ -19,9 +19,12 @@ contents, so every host computes the same instances and `data.order` can shuffle
 exactly as for `FSLDataset`; nothing but the fingerprint goes into a checkpoint. Packing scans
 every token once (eos search) and keeps three small index arrays per group in memory;
 `cache_dir` keeps them on disk, keyed by the files, so a restart does not rescan. Equal-length
-documents are ordered by numpy's default argsort, as in OLMo-core; train.py lets process 0 pack
-first and the others read its cache, so hosts with different CPUs (whose argsort may order ties
-differently) still agree when the cache directory is shared.
+documents are ordered by numpy's default argsort, as in OLMo-core, and that order depends on the
+CPU: numpy's sorts dispatch on the instruction set (100,000 lengths in 1..49 argsort to different
+permutations with AVX-512 and with AVX2 only, numpy 2.4). train.py lets process 0 pack first and the
+others read its cache, so hosts with different CPUs still agree when the cache directory is
+shared; where they cannot agree it stops (`packing_digest`, compared across processes and with
+the checkpoint's loader state) instead of letting one index mean two instances.
 
 Document boundaries come from the eos tokens, local or remote files alike. OLMo-core takes a
 remote file's boundaries from its `.csv.gz` metadata instead; the two agree whenever every
@@ -30,6 +33,7 @@ document ends in eos (AI2's published token files do), and only then.
 Label masks: OLMo-core's SFT data (open-instruct `convert_sft_data_for_olmocore.py`) stores one
 bool per token beside the ids (`labels_mask_*.npy`); `label_mask_paths` gives one per token file.
 """
+import functools
 import hashlib
 import os
 import random
@@ -204,6 +208,19 @@ class PackedFSLDataset:
             h.update(f"path={os.path.basename(path)},size={size},".encode())
         for path in self.label_mask_paths or []:
             h.update(f"label_mask={os.path.basename(path)},".encode())
+        return h.hexdigest()
+
+    @functools.cached_property
+    def packing_digest(self) -> str:
+        """sha256 over the packing itself (each group's document spans, instance offsets and
+        document order): what `fingerprint` cannot see, the tie order of equal-length documents,
+        which depends on the CPU that packed them (module docstring)."""
+        h = hashlib.sha256()
+        for g in self._groups:
+            for k in ("files", "spans", "offsets", "docs"):
+                a = np.ascontiguousarray(g[k], np.int64)
+                h.update(f"{k}{a.shape}".encode())
+                h.update(a.tobytes())
         return h.hexdigest()
 
     def __repr__(self) -> str:

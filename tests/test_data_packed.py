@@ -185,6 +185,34 @@ def test_packed_loader_state_and_fingerprint(tmp_path):
             data.Loader.from_state(other, state)
 
 
+def test_a_packing_from_another_cpu_is_refused_on_resume(tmp_path, monkeypatch):
+    """numpy's argsort orders equal-length documents by the CPU's instruction set, so the same
+    files can pack to other instances on another host: the loader state carries a digest of the
+    packing, and a resume that packed differently is refused (the fingerprint, names and sizes,
+    cannot see it). A shared cache gives every CPU the first packing."""
+    paths, _ = write_files(tmp_path, 8)
+    ds = PackedFSLDataset(paths, 64, source_group_size=2, cache_dir=tmp_path / "cache")
+    with data.Loader(ds, 4, seed=5, workers=0) as loader:
+        next(loader)
+        state = loader.state()
+    assert state["packing"] == ds.packing_digest
+    argsort = np.argsort   # another CPU: ties in the reverse order
+    monkeypatch.setattr(packing.np, "argsort", lambda a: len(a) - 1 - argsort(np.asarray(a)[::-1], kind="stable"))
+    other = PackedFSLDataset(paths, 64, source_group_size=2)
+    assert other.fingerprint == ds.fingerprint and other.packing_digest != ds.packing_digest
+    assert len(other) == len(ds)   # the same lengths in every instance, other documents in some
+    assert all(sorted(other[i]["doc_lens"]) == sorted(ds[i]["doc_lens"]) for i in range(len(ds)))
+    assert any(not np.array_equal(other[i]["tokens"], ds[i]["tokens"]) for i in range(len(ds)))
+    with pytest.raises(ValueError, match="packed instances differ from the checkpoint's .* --packing_cache"):
+        data.Loader.from_state(other, state)
+    data.Loader.from_state(other, state, allow_fingerprint_mismatch=True).close()
+    cached = PackedFSLDataset(paths, 64, source_group_size=2, cache_dir=tmp_path / "cache")
+    assert cached.packing_digest == ds.packing_digest
+    data.Loader.from_state(cached, state).close()
+    legacy = {k: v for k, v in state.items() if k != "packing"}   # a checkpoint from before the digest
+    data.Loader.from_state(other, legacy).close()
+
+
 def test_label_mask_reaches_the_loss_as_olmo_core(tmp_path):
     """Our (labels, weights, counted) against OLMo-core's `get_labels` on packed batches with
     label-mask files and the repetition filter's instance mask."""
