@@ -578,6 +578,7 @@ def main(argv):
         # short --hang_timeout_s could end every final commit of a large state, and every rerun.
         with hang.phase("checkpoint commit"):
             ckpt.wait()
+        ckpt.close()   # and the step keep-N rotated out goes (checkpoints/.deleted/: one more checkpoint's bytes)
         hang.close()
         notice.close()
         report_saves(log, ckpt, paused)
@@ -806,7 +807,7 @@ def check_resume(extra: dict, config) -> None:
         raise app.UsageError(f"--resume: the checkpoint's model config differs from the flags: {diff}")
     if str(extra.get("stage")) != F.stage:  # older checkpoints hold an int
         raise app.UsageError(f"--resume: checkpoint is stage {extra.get('stage')}, flags say --stage={F.stage}")
-    for name in ("global_batch", "seq_len"):  # recipe constants: a resumed run may not change them
+    for name in ("global_batch", "seq_len", "seed"):  # recipe constants: a resumed run may not change them
         saved_value = extra.get("loader", {}).get(name)
         if saved_value is not None and saved_value != getattr(F, name):
             raise app.UsageError(f"--resume: the checkpoint was trained with --{name}={saved_value}, the flags "

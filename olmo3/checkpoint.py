@@ -86,6 +86,11 @@ def damaged_file(step_dir: str, error: BaseException) -> str:
     return m.group(1) if m and os.path.isfile(m.group(1)) else step_dir
 
 
+class NoIntactCheckpointError(UserError):
+    """--resume found checkpoints and none of them reads back: training again from step 1 in
+    their run directory would pass for a resume (and a resubmission loop would count it as one)."""
+
+
 class MissingTensorsError(ValueError):
     """The checkpoint lacks tensors the abstract state asks for (`.missing`: their paths), e.g.
     a model-only checkpoint given where the optimizer state is needed."""
@@ -233,8 +238,8 @@ class CheckpointManager:
             self.directory, options=options,
             item_handlers={"state": ocp.PyTreeCheckpointHandler(),
                            "extra": ocp.JsonCheckpointHandler()})
-        if not read_only:
-            self._purge_deleted()
+        # checkpoints/.deleted/ is emptied at the next save and at close(), not here: a resume
+        # that finds the kept checkpoints damaged names the rotated-out one still there.
 
     def _purge_deleted(self) -> None:
         """Empty checkpoints/.deleted/ (steps keep-N has already taken out of the list)."""
@@ -431,7 +436,8 @@ class CheckpointManager:
 
         A damaged newer checkpoint (a truncated file, a torn copy) is logged with the file that
         does not read, and moved aside to `<run_dir>/damaged/<N>[-<time>]`, never deleted, so the
-        next save of label N is possible and the bytes stay for inspection. `check_extra(extra)`
+        next save of label N is possible and the bytes stay for inspection. When every one is
+        damaged: NoIntactCheckpointError (exit 2), not a fresh start. `check_extra(extra)`
         runs before any array is read (train.py's config / stage / recipe-constant check): its
         errors are the user's and end the resume.
 
@@ -473,6 +479,15 @@ class CheckpointManager:
             break
         for step in damaged:
             self._move_aside(step)
+        if steps and result[0] is None:
+            rotated = os.path.join(self.directory, DELETED)
+            held = sorted(os.listdir(rotated)) if os.path.isdir(rotated) else []
+            raise NoIntactCheckpointError(
+                f"no checkpoint of {self.directory} reads back: {sorted(damaged)} are damaged, now in "
+                f"{os.path.join(os.path.dirname(self.directory), 'damaged')}. "
+                + (f"{rotated} still holds step(s) {held}, rotated out by --keep_checkpoints: move one back "
+                   "into checkpoints/ and resume, " if held else "Copy an intact checkpoint back and resume, ")
+                + "or start over in a new --run_dir without --resume")
         return result
 
     def _pending(self, step: int) -> str:

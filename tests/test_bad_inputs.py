@@ -126,6 +126,8 @@ def _cases(w):
          "checkpoint is stage 1, flags say --stage=2"),
         ("fingerprint_mismatch", "train.py", [*TINY, f"--data={w / 'other'}", f"--run_dir={w / 'run'}", "--resume",
                                               "--total_steps=6"], 2, "fingerprint"),
+        ("seed_changed_on_resume", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--seed=7"], 2,
+         "--resume: the checkpoint was trained with --seed="),
         ("rerun_without_resume", "train.py", [*T, f"--run_dir={w / 'run'}"], 2,
          f"--run_dir={w / 'run'} already holds a run (checkpoints up to step 4); add --resume"),
         ("model_size_zero", "train.py", [*T, f"--run_dir={new}", "--d_model=0"], 2, "d_model=0 must be >= 1"),
@@ -403,6 +405,21 @@ def test_damaged_newest_checkpoint_falls_back_exactly(world, tmp_path):
     assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["2", "4", "6"]
     want = _losses(tmp_path / "a")
     assert sorted(want) == [1, 2, 3, 4, 5, 6] and _losses(tmp_path / "b") == want
+
+
+def test_every_checkpoint_damaged_is_not_a_fresh_start(world, tmp_path):
+    """--resume on a run whose checkpoints all fail to read back: it used to move them aside and
+    train from step 1 in the same run directory, exit 0, which a resubmission loop counts as
+    progress. Now exit 2, one line naming the damaged steps and where they went."""
+    shutil.copytree(world / "run", tmp_path / "run")
+    for step in ("2", "4"):
+        truncate(tmp_path / "run" / "checkpoints" / step / "state" / "_sharding")
+    p = script("train.py", *TINY, f"--data={world / 'docs'}", f"--run_dir={tmp_path / 'run'}", "--resume")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and f"no checkpoint of {tmp_path / 'run' / 'checkpoints'} reads back: [2, 4] are " \
+        f"damaged, now in {tmp_path / 'run' / 'damaged'}" in last, p.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "run" / "damaged")) == ["2", "4"]
+    assert not os.listdir(tmp_path / "run" / "checkpoints")
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from olmo3 import checkpoint
 from olmo3.checkpoint import CheckpointManager, MissingTensorsError, locate, tensor_names
 from olmo3.optim import SkipStepAdamW
 
@@ -135,8 +136,39 @@ def test_transient_read_errors_keep_every_checkpoint(tmp_path, monkeypatch):
     stale = OSError(116, "Stale file handle")
     assert cli.storage_error_kind(stale) == "transient" and cli.exit_status(stale) == 1
     fail_with("OUT_OF_RANGE")
-    assert mgr.restore_intact(abstract) == (None, None, {})
+    with pytest.raises(checkpoint.NoIntactCheckpointError, match="no checkpoint of .* reads back: "
+                       r"\[1, 2\] are damaged") as e:   # not a fresh start that passes for a resume
+        mgr.restore_intact(abstract)
+    assert cli.exit_status(e.value) == 2
     assert sorted(os.listdir(tmp_path / "damaged")) == ["1", "2"]
+
+
+def test_the_rotated_out_checkpoint_waits_for_the_next_save(tmp_path):
+    """keep-N renames the oldest step into checkpoints/.deleted/. Opening the manager no longer
+    empties it (a resume that found the kept step damaged destroyed the one intact copy there
+    first); the refusal names it, and the next save or close() empties it (train.py closes at
+    the end, where it had left N+1 checkpoints on disk)."""
+    mgr = CheckpointManager(str(tmp_path), keep=1, async_save=False)
+    for step in (1, 2):
+        mgr.save(step, {"x": jnp.full((8,), float(step))}, {"step": step})
+    abstract = {"x": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    deleted = tmp_path / "checkpoints" / ".deleted"
+    assert os.listdir(deleted) == ["1"]
+    for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    resumed = CheckpointManager(str(tmp_path), keep=1, async_save=False)
+    with pytest.raises(checkpoint.NoIntactCheckpointError, match=r"\.deleted still holds step\(s\) \['1'\]"):
+        resumed.restore_intact(abstract)
+    os.rename(deleted / "1", tmp_path / "checkpoints" / "1")   # what the message says to do
+    resumed = CheckpointManager(str(tmp_path), keep=1, async_save=False)
+    step, got, _ = resumed.restore_intact(abstract)
+    assert step == 1 and np.all(np.asarray(got["x"]) == 1.0)
+    resumed.save(2, {"x": jnp.full((8,), 2.0)}, {"step": 2})
+    resumed.save(3, {"x": jnp.full((8,), 3.0)}, {"step": 3})
+    assert os.listdir(deleted) == ["2"]
+    resumed.close()
+    assert not os.path.exists(deleted) or not os.listdir(deleted)
 
 
 @pytest.mark.parametrize("async_save", [True, False])
