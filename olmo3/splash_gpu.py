@@ -595,6 +595,8 @@ def splash_attention(
     if k.shape != v.shape or k.shape[2] != head_dim:
         raise ValueError(f"splash_gpu: expected q [heads, q_seq, head_dim] and k, v "
                          f"[kv_heads, seq, head_dim]; got q {q.shape}, k {k.shape}, v {v.shape}")
+    if segment_ids is not None and segment_ids.shape != (k.shape[1],):
+        raise ValueError(f"splash_gpu: segment_ids must be int [seq={k.shape[1]}], got {segment_ids.shape}")
     forward, backward = kernels(heads, k.shape[0], k.shape[1], head_dim, q.dtype, window=window,
                                 segmented=segment_ids is not None, sizes=sizes,
                                 interpret=interpret, q_seq=q_seq, q_offset=q_offset)
