@@ -230,9 +230,6 @@ class Loader:
                    f"{str(state['fingerprint'])[:16]}...: the token files changed since the checkpoint was "
                    "written, so the data order would differ. Point the run at the original files, or pass "
                    "allow_fingerprint_mismatch=True to continue on the new data deliberately.")
-            if not allow_fingerprint_mismatch:
-                raise ValueError(msg)
-            logging.warning(msg)
         elif "packing" in state and state["packing"] != getattr(dataset, "packing_digest", state["packing"]):
             msg = (f"the packed instances differ from the checkpoint's (packing digest {dataset.packing_digest[:16]}... "
                    f"against {str(state['packing'])[:16]}...) though the token files are the same: numpy's argsort "
@@ -240,8 +237,11 @@ class Loader:
                    "another CPU type. Point --packing_cache at the indices the run was packed with, or resume on "
                    "the CPU type that packed them; allow_fingerprint_mismatch=True (train.py --allow_data_change) "
                    "continues on the new packing deliberately.")
-            if not allow_fingerprint_mismatch:
-                raise ValueError(msg)
+        else:
+            msg = None
+        if msg and not allow_fingerprint_mismatch:
+            raise ValueError(msg)
+        if msg:
             logging.warning(msg)
         return cls(dataset, state["global_batch"], state["seed"], rank=rank, num_ranks=num_ranks, workers=workers,
                    prefetch=prefetch, repetition_filter=repetition_filter, start_step=state["step"])
