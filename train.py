@@ -80,7 +80,8 @@ flags.DEFINE_integer("yarn_original_max_position", 8192, "YaRN: the context the 
 # Data.
 flags.DEFINE_string("data", "stdlib", "'stdlib' (embedded corpus), a directory of documents, or 'mix:NAME'; "
                     "--stage=sft: a directory of token_ids_part_*.npy + labels_mask_part_*.npy (data.prepare_sft).")
-flags.DEFINE_string("data_dir", None, "Where prepared token files live (default: <run_dir>/../data/<name>).")
+flags.DEFINE_string("data_dir", None, "Where prepared token files live (default: <run_dir>/../data/stdlib for the "
+                    "embedded corpus, <run_dir>/../data/<folder names>-<hash of their paths> for directories).")
 flags.DEFINE_string("data_root", None, "Root URL of a data mix (with --data=mix:NAME; default AI2's "
                     "https://olmo-data.org); a mirror or local copy with the same layout works.")
 flags.DEFINE_string("tokenizer", "dolma2", "Tokenizer of the token files.")
@@ -223,6 +224,7 @@ def main(argv):
     import jax
 
     import data
+    from data import prepare
     import olmo3
     from olmo3 import checkpoint, cluster, heldout as heldout_lib, metrics as metrics_lib, optim, preemption
     from olmo3 import schedules, sharding, watchdog
@@ -392,15 +394,17 @@ def main(argv):
         train_set.attach_reference(ref_logps(train_set, F.reference_cache or reference.default_path(F.data)))
         ref_sums = {name: ref_logps(ds, reference.default_path(ds.directory)) for name, ds in dpo_heldout.items()}
 
+    contents = prepare.contents_digest(prepared_dir(), "train") if prepared_dir() else None   # beside the fingerprint
     if loader_state is not None:
         loader = data.Loader.from_state(train_set, loader_state, rank=rank, num_ranks=num_ranks,
                                         workers=F.loader_workers, repetition_filter=F.repetition_filter,
-                                        allow_fingerprint_mismatch=F.allow_data_change)
+                                        allow_fingerprint_mismatch=F.allow_data_change, contents=contents)
         if loader.step != start:
             raise RuntimeError(f"checkpoint {start} holds loader step {loader.step}; expected {start}")
     else:
         loader = data.Loader(train_set, F.global_batch, F.seed, rank=rank, num_ranks=num_ranks,
-                             workers=F.loader_workers, repetition_filter=F.repetition_filter, start_step=0)
+                             workers=F.loader_workers, repetition_filter=F.repetition_filter, start_step=0,
+                             contents=contents)
 
     # -----------------------------------------------------------------------------------------
     # §6 The step: gradients under shard_map (FSDP x DP), optimizer update on the sharded state.
@@ -723,13 +727,22 @@ def resolve_data() -> dict:
         return splits
     import jax
     from jax.experimental import multihost_utils
-    name = os.path.basename(os.path.normpath(F.data)) if F.data != "stdlib" else "stdlib"
-    out = F.data_dir or os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", name)
+    out = prepared_dir()
     if jax.process_count() > 1:  # process 0 builds; the others then reuse it (or build their own copy)
         if jax.process_index() == 0:
             data.ensure_corpus(out, F.data)
         multihost_utils.sync_global_devices("olmo3: corpus prepared")
     return data.ensure_corpus(out, F.data)
+
+
+def prepared_dir() -> str | None:
+    """Where --data (stdlib, a directory or a mixture of them) is prepared into token files: --data_dir,
+    else <run_dir>/../data/<name and a hash of the sources' paths>; None for other kinds of data."""
+    if F.stage in ("sft", "dpo") or F.data.startswith("mix:"):
+        return None
+    from data import prepare
+    return F.data_dir or os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data",
+                                      prepare.default_dir_name(F.data))
 
 
 def named_sets(dirs: list[str], flag: str) -> dict[str, str]:

@@ -1,8 +1,10 @@
 """Document sources: the embedded standard-library corpus and user corpus directories.
 
-A source is a deterministic stream of `Document`s (name, text, domain). The train / held-out
-split is decided per document from a hash of its name alone, so the same document lands on the
-same side on every machine and in every mixture, and a held-out document is never trained on.
+A source is a deterministic stream of `Document`s (name, text, domain, key). The train / held-out
+split is decided per document from a hash of its key alone: for a user corpus, the path relative
+to the corpus directory (and line number), never where the directory is or what it is called. So
+the same document lands on the same side on every machine, from every copy of the corpus and in
+every mixture, and a held-out document is never trained on.
 
 Built-in corpus "stdlib" (present wherever Python is):
   code  every .py file of the standard library (site-packages excluded), named by its path
@@ -15,6 +17,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -24,6 +27,8 @@ HELDOUT_FRACTION = 0.1
 # pydoc_data.topics is only 79 long documents (~106k tokens): hold out a quarter so the docs
 # domain keeps a usable held-out set (17 documents, ~21k tokens).
 DOMAIN_HELDOUT_FRACTION = {"docs": 0.25}
+# Sources that name no directory.
+BUILTIN = ("stdlib", "stdlib-code", "stdlib-docs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +36,7 @@ class Document:
     name: str  # stable identifier: decides the split, and names the document in errors
     text: str
     domain: str  # held-out documents are kept per domain (multi-domain perplexity)
+    key: str = ""  # decides the split (the name when empty): the same wherever the corpus lies
 
 
 def is_heldout(name: str, fraction: float = HELDOUT_FRACTION) -> bool:
@@ -43,7 +49,7 @@ def split_of(doc: Document, fraction: float | None = None) -> str:
     """"train" or "heldout/<domain>". `fraction=None` uses the per-domain defaults above."""
     if fraction is None:
         fraction = DOMAIN_HELDOUT_FRACTION.get(doc.domain, HELDOUT_FRACTION)
-    return f"heldout/{doc.domain}" if is_heldout(doc.name, fraction) else "train"
+    return f"heldout/{doc.domain}" if is_heldout(doc.key or doc.name, fraction) else "train"
 
 
 def stdlib_root() -> str:
@@ -76,21 +82,23 @@ def stdlib_description() -> dict:
 
 def directory_documents(root: str, domain: str | None = None) -> Iterator[Document]:
     """A user corpus: every .txt file (one document) and every line of .jsonl / .jsonl.gz files
-    (one document per line, from its "text" field), walked in sorted order."""
+    (one document per line, from its "text" field), walked in sorted order. Symlinked folders are
+    followed (a corpus assembled from links to shards), each real folder once."""
     if not os.path.isdir(root):
         raise FileNotFoundError(f"corpus directory {root!r} {'is a file' if os.path.exists(root) else 'does not exist'}; "
                                 "pass a directory of .txt/.jsonl/.jsonl.gz files or 'stdlib'")
     domain = domain or os.path.basename(os.path.normpath(root)) or "user"
     found = False
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    seen = {os.path.realpath(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and _first_visit(dirpath, d, seen)]
         for fn in sorted(filenames):
             path = os.path.join(dirpath, fn)
             rel = os.path.relpath(path, root).replace(os.sep, "/")
             if fn.endswith(".txt"):
                 found = True
                 with open(path, "rb") as f:
-                    yield Document(f"{domain}/{rel}", f.read().decode("utf-8", errors="replace"), domain)
+                    yield Document(f"{domain}/{rel}", f.read().decode("utf-8", errors="replace"), domain, rel)
             elif fn.endswith(".jsonl") or fn.endswith(".jsonl.gz"):
                 found = True
                 opener = gzip.open if fn.endswith(".gz") else open
@@ -104,23 +112,64 @@ def directory_documents(root: str, domain: str | None = None) -> Iterator[Docume
                             raise ValueError(f"{path}:{lineno}: expected a JSON object with a string 'text' field ({e})") from e
                         if not isinstance(text, str):
                             raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {type(text).__name__}")
-                        yield Document(f"{domain}/{rel}:{lineno}", text, domain)
+                        yield Document(f"{domain}/{rel}:{lineno}", _without_lone_surrogates(text), domain, f"{rel}:{lineno}")
     if not found:
         raise ValueError(f"corpus directory {root!r} holds no .txt, .jsonl or .jsonl.gz files")
+
+
+def _first_visit(dirpath: str, name: str, seen: set[str]) -> bool:
+    """True the first time a folder's real path is met: a link back up the tree is not a loop."""
+    real = os.path.realpath(os.path.join(dirpath, name))
+    if real in seen:
+        return False
+    seen.add(real)
+    return True
+
+
+def _without_lone_surrogates(text: str) -> str:
+    """JSON may escape half of a UTF-16 pair ("\\ud800"), which no UTF-8 encoder takes: each lone
+    one becomes U+FFFD, as undecodable bytes of a .txt file do. (json.loads joins whole pairs.)"""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def documents(source: str) -> Iterator[Document]:
     """Documents of a named source: "stdlib", "stdlib-code", "stdlib-docs", or a directory path."""
     if source == "stdlib":
         return stdlib_documents()
-    if source in ("stdlib-code", "stdlib-docs"):
+    if source in BUILTIN[1:]:
         domain = source.split("-")[1]
         return (d for d in stdlib_documents() if d.domain == domain)
     return directory_documents(source)
 
 
 def parse_mixture(spec: str) -> list[tuple[str, float]]:
-    """"stdlib-code:0.7,/data/web:0.3" -> [(source, weight)]; a lone source has weight 1."""
+    """"stdlib-code:0.7,/data/web:0.3" -> [(source, weight)]; a lone source has weight 1. Directory
+    paths come back normalised ("/data/web/" is "/data/web"); a missing one is an error."""
+    out = _mixture_parts(spec)
+    for source, _ in out:
+        if source not in BUILTIN and not os.path.isdir(source):
+            raise FileNotFoundError(f"corpus directory {source!r} "
+                                    f"{'is a file' if os.path.exists(source) else 'does not exist'}; pass a directory of "
+                                    ".txt/.jsonl/.jsonl.gz files or 'stdlib'")
+    return out
+
+
+def same_mixture(a: str, b: str) -> bool:
+    """Whether two specs name the same sources and weights, spelled alike or not."""
+    try:
+        return _mixture_parts(a) == _mixture_parts(b)
+    except ValueError:
+        return False
+
+
+def _mixture_parts(spec: str) -> list[tuple[str, float]]:
     out = []
     for part in spec.split(","):
         part = part.strip()
@@ -132,11 +181,7 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
         weight = float(w)
         if not weight > 0:
             raise ValueError(f"mixture {spec!r}: weight of {source!r} must be > 0, got {w}")
-        if source not in ("stdlib", "stdlib-code", "stdlib-docs") and not os.path.isdir(source):
-            raise FileNotFoundError(f"corpus directory {source!r} "
-                                    f"{'is a file' if os.path.exists(source) else 'does not exist'}; pass a directory of "
-                                    ".txt/.jsonl/.jsonl.gz files or 'stdlib'")
-        out.append((source, weight))
+        out.append((source if source in BUILTIN else os.path.normpath(source), weight))
     if not out:
         raise ValueError(f"mixture {spec!r} names no source")
     return out

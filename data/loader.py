@@ -136,6 +136,7 @@ class Loader:
         prefetch: int = 4,
         repetition_filter: bool = False,
         start_step: int = 0,
+        contents: str | None = None,
     ):
         if num_ranks < 1 or global_batch % num_ranks:
             raise ValueError(f"num_ranks={num_ranks} must divide global_batch={global_batch}")
@@ -153,6 +154,7 @@ class Loader:
         self.repetition_filter = bool(repetition_filter)
         self.steps_per_epoch = steps_per_epoch(len(dataset), self.global_batch)
         self._next_step = int(start_step)  # the step of the next batch __next__ returns
+        self.contents = contents  # digest of the token files' contents, where known (data.prepare.contents_digest)
         self._pool = None
         self._pending = collections.deque()  # (step, future) for steps _next_step, _next_step + 1, ...
 
@@ -204,7 +206,8 @@ class Loader:
             "fingerprint": self.dataset.fingerprint,
             "global_batch": self.global_batch,
             "seq_len": self.dataset.seq_len,
-        } | ({"packing": self.dataset.packing_digest} if hasattr(self.dataset, "packing_digest") else {})
+        } | ({"packing": self.dataset.packing_digest} if hasattr(self.dataset, "packing_digest") else {}) | (
+            {"contents": self.contents} if self.contents is not None else {})
 
     @classmethod
     def from_state(
@@ -217,9 +220,11 @@ class Loader:
         prefetch: int = 4,
         repetition_filter: bool = False,
         allow_fingerprint_mismatch: bool = False,
+        contents: str | None = None,
     ) -> "Loader":
         """Resume at `state["step"]`. A different dataset fingerprint or batch shape is an error:
-        silently training on other data after a restart is a real failure mode (DESIGN §4)."""
+        silently training on other data after a restart is a real failure mode (DESIGN §4). So are
+        other `contents` than the state's, where both are known."""
         missing = {"seed", "step", "fingerprint", "global_batch", "seq_len"} - set(state)
         if missing:
             raise ValueError(f"loader state lacks {sorted(missing)}; it is not a data.Loader.state() value")
@@ -230,6 +235,12 @@ class Loader:
                    f"{str(state['fingerprint'])[:16]}...: the token files changed since the checkpoint was "
                    "written, so the data order would differ. Point the run at the original files, or pass "
                    "allow_fingerprint_mismatch=True to continue on the new data deliberately.")
+        elif None not in (contents, state.get("contents")) and contents != state["contents"]:
+            msg = (f"the token files' contents differ from the checkpoint's (digest {contents[:16]}... against "
+                   f"{str(state['contents'])[:16]}...) though their names and sizes are the same: the corpus was "
+                   "edited and prepared again since the checkpoint was written. Restore the original corpus, or "
+                   "pass allow_fingerprint_mismatch=True (train.py --allow_data_change) to continue on the new "
+                   "data deliberately.")
         elif "packing" in state and state["packing"] != getattr(dataset, "packing_digest", state["packing"]):
             msg = (f"the packed instances differ from the checkpoint's (packing digest {dataset.packing_digest[:16]}... "
                    f"against {str(state['packing'])[:16]}...) though the token files are the same: numpy's argsort "
@@ -244,7 +255,8 @@ class Loader:
         if msg:
             logging.warning(msg)
         return cls(dataset, state["global_batch"], state["seed"], rank=rank, num_ranks=num_ranks, workers=workers,
-                   prefetch=prefetch, repetition_filter=repetition_filter, start_step=state["step"])
+                   prefetch=prefetch, repetition_filter=repetition_filter, start_step=state["step"],
+                   contents=contents)
 
     def close(self):
         for _, fut in self._pending:

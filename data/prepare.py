@@ -158,7 +158,7 @@ class _SplitWriter:
         rel = f"{self.split}/{self.split.replace('/', '-')}-{k:05d}.npy"
         path = os.path.join(self.out_dir, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
+        tmp = atomic.temporary_name(path)
         self._created.append(tmp)
         self._f = open(tmp, "wb")
         self._cur = {"path": rel, "tokens": 0, "documents": 0, "sha256": hashlib.sha256(), "_tmp": tmp}
@@ -263,6 +263,13 @@ def _tokenize_source(source: str, out_dir: str, prefix: str, workers: int, max_t
     return {name: w.close() for name, w in sorted(writers.items())}, digest.hexdigest()
 
 
+def _require_train(source: str, splits: dict, train: str) -> None:
+    if train not in splits:   # every document blank or held out: nothing to train on
+        raise ValueError(f"corpus {source!r} gives no training document: "
+                         f"{'every document is blank' if not splits else 'every document is held out'}; "
+                         "add documents, lower --heldout_fraction, or drop the source")
+
+
 def _doc_blocks(out_dir: str, split: dict) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Whole documents of a written split, one (tokens, lengths) block per file."""
     for f in split["files"]:
@@ -277,8 +284,6 @@ def _mix(out_dir: str, parts: list[tuple[dict, float]], total: int | None, max_t
     weights = np.array([w for _, w in parts], dtype=np.float64)
     frac = weights / weights.sum()
     available = [p["tokens"] for p, _ in parts]
-    if any(a == 0 for a in available):
-        raise ValueError("a mixture source has no train documents; lower --heldout_fraction or drop the source")
     if total is None:
         total = int(min(a / f for a, f in zip(available, frac)))
     writer = _SplitWriter(out_dir, "train", max_tokens, created)
@@ -329,13 +334,15 @@ def prepare(
                                               heldout_fraction, progress, created)
             inputs = [{"source": sources[0][0], "sha256": digest}]
             mixture = None
+            _require_train(sources[0][0], splits, "train")
         else:
             splits, inputs, parts = {}, [], []
             for i, (src, w) in enumerate(sources):
                 sub, digest = _tokenize_source(src, out_dir, f"sources/{i}/", workers, max_tokens_per_file,
                                                heldout_fraction, progress, created)
                 inputs.append({"source": src, "sha256": digest})
-                parts.append((sub.get(f"sources/{i}/train", {"tokens": 0, "documents": 0, "files": []}), w))
+                _require_train(src, sub, f"sources/{i}/train")
+                parts.append((sub[f"sources/{i}/train"], w))
                 for name, split in sub.items():  # held-out splits per domain, across sources
                     if name != f"sources/{i}/train":
                         dom = name.split("/", 2)[2]
@@ -362,7 +369,7 @@ def prepare(
         "mixture_tokens": mixture_tokens,
         "splits": dict(sorted(splits.items())),
     }
-    if any(s in ("stdlib", "stdlib-code", "stdlib-docs") for s, _ in sources):
+    if any(s in corpus_lib.BUILTIN for s, _ in sources):
         manifest["stdlib"] = corpus_lib.stdlib_description()
     atomic.write_json(manifest_path, manifest, indent=1, sort_keys=True)
     return manifest
@@ -430,6 +437,26 @@ def open_split(out_dir: str, split: str, seq_len: int) -> FSLDataset:
                       expected_tokens=[f["tokens"] for f in files])
 
 
+def default_dir_name(corpus: str) -> str:
+    """The folder a run prepares `corpus` in when no --data_dir is given: a built-in source by its
+    name; directories by their names and a hash of their absolute paths and weights, so that
+    /a/web and /b/web never build over each other, and /data/web/ is /data/web."""
+    if corpus in corpus_lib.BUILTIN:
+        return corpus
+    parts = corpus_lib.parse_mixture(corpus)
+    spelled = ",".join(f"{s if s in corpus_lib.BUILTIN else os.path.abspath(s)}:{w!r}" for s, w in parts)
+    names = "+".join(os.path.basename(s) or "root" for s, _ in parts)[:48]
+    return f"{names}-{hashlib.sha256(spelled.encode()).hexdigest()[:10]}"
+
+
+def contents_digest(out_dir: str, split: str) -> str:
+    """sha256 over the split's token files' sha256s, in order, from the manifest: what a
+    resumed run checks besides the names and sizes in the dataset's fingerprint (a document edited
+    to another text of the same token count changes only this)."""
+    files = load_manifest(out_dir)["splits"][split]["files"]
+    return hashlib.sha256("\n".join(f["sha256"] for f in files).encode()).hexdigest()
+
+
 def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dict[str, list[str]]:
     """Token files of `corpus` under `out_dir`, built only if missing or stale: {split: [paths]}.
 
@@ -443,7 +470,7 @@ def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dic
     try:
         manifest = None if first else verify(out_dir)
         if manifest is not None and (
-                manifest["source"] != corpus
+                not corpus_lib.same_mixture(manifest["source"], corpus)
                 or manifest["tokenizer"] != TOKENIZER
                 or manifest["inputs"] != [{"source": s, "sha256": inputs_digest(s)} for s, _ in sources]
                 or manifest["heldout_fraction"] != _effective_heldout(prepare_kwargs.get("heldout_fraction"))

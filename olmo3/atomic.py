@@ -39,9 +39,8 @@ def replacing(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
     """Yields a temporary path beside `path` to write; renamed onto `path` when the block ends
     normally, removed when it raises. `suffix` ends the temporary name (".npz" for np.savez)."""
     path = os.path.abspath(os.fspath(path))
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{suffix}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = temporary_name(path, suffix)
     try:
         yield tmp
         fd = os.open(tmp, os.O_RDONLY)
@@ -53,6 +52,13 @@ def replacing(path: str | os.PathLike, suffix: str = "") -> Iterator[str]:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def temporary_name(path: str | os.PathLike, suffix: str = "") -> str:
+    """A name beside `path` for writing it: hidden, and unique per process and call (a process id
+    alone is not: containers on several hosts all run as pid 1)."""
+    directory, name = os.path.split(os.fspath(path))
+    return os.path.join(directory, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{suffix}")
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:

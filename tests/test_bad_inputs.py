@@ -55,6 +55,8 @@ def world(tmp_path_factory):
             shutil.copy(os.path.join(ROOT, "olmo3", f), w / name / f"{f}.txt")
     os.makedirs(w / "nan")
     (w / "nan" / "a.jsonl").write_text('{"text": "fine"}\n{"text": NaN}\n')
+    os.makedirs(w / "blank")
+    (w / "blank" / "a.txt").write_text(" \n\t\n")
     p = script("train.py", *TINY, f"--data={w / 'docs'}", f"--run_dir={w / 'run'}")
     assert p.returncode == 0, p.stderr[-3000:]
     shutil.copytree(w / "run", w / "damaged")
@@ -100,6 +102,8 @@ def _cases(w):
          f"corpus directory '{w / 'nowhere'}' does not exist"),
         ("nan_in_data", "train.py", [*TINY, f"--data={w / 'nan'}", f"--run_dir={new}"], 2,
          "a.jsonl:2: 'text' must be a string"),
+        ("corpus_all_blank", "train.py", [*TINY, f"--data={w / 'blank'}", f"--run_dir={new}"], 2,
+         f"corpus '{w / 'blank'}' gives no training document: every document is blank"),
         ("init_from_missing", "train.py", [*T, "--stage=2", f"--run_dir={new}", f"--init_from={w / 'nowhere'}"],
          2, f"{w / 'nowhere'}: not a run directory"),
         ("flagfile_missing", "train.py", [f"--flagfile={w / 'none.flags'}"], 2, "Unable to open flagfile"),
@@ -356,8 +360,9 @@ def test_verbosity_brings_the_traceback_back(world):
 
 def test_truncated_token_file_is_rebuilt_and_said(world, tmp_path):
     """A prepared token file cut short is rebuilt (as always), and a warning names it."""
+    from data import prepare
     shutil.copytree(world / "run", tmp_path / "run")
-    data_dir = world / "data" / "docs"
+    data_dir = world / "data" / prepare.default_dir_name(str(world / "docs"))
     token_file = data_dir / "train" / "train-00000.npy"
     saved = token_file.read_bytes()
     try:
@@ -369,6 +374,28 @@ def test_truncated_token_file_is_rebuilt_and_said(world, tmp_path):
         assert token_file.read_bytes() == saved  # the same corpus, rebuilt exactly
     finally:
         token_file.write_bytes(saved)
+
+
+def test_a_corpus_edited_to_the_same_sizes_is_not_resumed_on(world, tmp_path):
+    """A document of the corpus edited to another text of the same token count: the rebuilt token
+    files have the same names and sizes (the fingerprint), other tokens. --resume stops (exit 2)
+    instead of continuing on other data; --allow_data_change continues deliberately."""
+    import data
+    shutil.copytree(world / "run", tmp_path / "run")
+    shutil.copytree(world / "docs", tmp_path / "docs")
+    doc = tmp_path / "docs" / "loss.py.txt"
+    text = doc.read_text()
+    enc = data.dolma2()
+    edited = next(e for e in (text.replace(a, b, 1) for a, b in (("0", "1"), ("1", "2"), ("x", "y")))
+                  if e != text and len(enc.encode_ordinary(e.strip())) == len(enc.encode_ordinary(text.strip())))
+    doc.write_text(edited)
+    args = [*TINY, f"--data={tmp_path / 'docs'}", f"--data_dir={tmp_path / 'prepared'}", f"--run_dir={tmp_path / 'run'}",
+            "--resume", "--total_steps=6"]
+    p = script("train.py", *args)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "the token files' contents differ from the checkpoint's" in p.stderr.strip().splitlines()[-1]
+    p = script("train.py", *args, "--allow_data_change")
+    assert p.returncode == 0, p.stderr[-3000:]
 
 
 def _logged(run_dir) -> int:

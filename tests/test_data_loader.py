@@ -99,6 +99,21 @@ def test_fingerprint_mismatch_fails_loudly(ds, tmp_path):
         data.Loader.from_state(data.FSLDataset(ds.paths, SEQ // 2), state)
 
 
+def test_contents_mismatch_fails_loudly(ds):
+    """Same files, names and sizes, other tokens (a prepared corpus edited and rebuilt): the
+    contents digest the run recorded tells them apart where the fingerprint cannot."""
+    a, b = "a" * 64, "b" * 64
+    state = data.Loader(ds, GB, 1, contents=a).state()
+    assert state["contents"] == a and state["fingerprint"] == ds.fingerprint
+    with pytest.raises(ValueError, match="the token files' contents differ from the checkpoint's"):
+        data.Loader.from_state(ds, state, contents=b)
+    assert data.Loader.from_state(ds, state, contents=a).state() == state
+    older = {k: v for k, v in state.items() if k != "contents"}   # a checkpoint from before the digest
+    assert data.Loader.from_state(ds, older, contents=b).state()["contents"] == b
+    assert "contents" not in data.Loader.from_state(ds, state).state()   # not known now: not claimed
+    assert data.Loader.from_state(ds, state, contents=b, allow_fingerprint_mismatch=True).state()["contents"] == b
+
+
 def test_segment_ids_oracle():
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, 5, size=(6, 40)).astype(np.uint32)

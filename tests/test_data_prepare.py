@@ -39,8 +39,9 @@ def _make_corpus(root, name, n_docs, seed):
     return str(d), docs
 
 
-def _heldout(name, fraction=0.1):  # the documented split rule, written out independently
-    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") / 2**64 < fraction
+def _heldout(name, fraction=0.1):  # the documented split rule, written out independently: the hash of
+    key = name.split("/", 1)[1]      # the path inside the corpus folder (and line), not the folder's name
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64 < fraction
 
 
 def _split_tokens(out_dir, manifest, split):
@@ -145,6 +146,61 @@ def test_ensure_corpus_is_idempotent_and_repairs(tmp_path):
         fh.write("a new document")
     data.ensure_corpus(out, src, workers=1, progress=False)
     assert data.load_manifest(out)["splits"]["train"]["documents"] + data.load_manifest(out)["splits"]["heldout/web"]["documents"] == 91
+
+
+def test_a_corpus_moved_or_renamed_splits_the_same_and_its_default_folder_is_its_own(tmp_path):
+    """The split hashes the path inside the corpus folder: a copy under another name holds out the
+    same documents (a document trained on from one copy is never held out from the other). The
+    default folder a run prepares into names the corpus by its path: /a/web and /b/web differ,
+    /a/web/ is /a/web."""
+    import shutil
+    src, docs = _make_corpus(tmp_path / "a", "web", 90, 8)
+    shutil.copytree(src, tmp_path / "b" / "renamed")
+    m1 = prep.prepare(src, str(tmp_path / "o1"), workers=1, progress=False)
+    m2 = prep.prepare(str(tmp_path / "b" / "renamed"), str(tmp_path / "o2"), workers=1, progress=False)
+    def contents(split):
+        return [(f["sha256"], f["documents"]) for f in split["files"]]
+    assert contents(m1["splits"]["heldout/web"]) == contents(m2["splits"]["heldout/renamed"])
+    assert contents(m1["splits"]["train"]) == contents(m2["splits"]["train"])
+    shutil.copytree(src, tmp_path / "b" / "web")
+    names = {prep.default_dir_name(x) for x in (src, src + "/", os.path.join(src, "sub", ".."))}
+    assert len(names) == 1 and names != {prep.default_dir_name(str(tmp_path / "b" / "web"))}
+    assert names.pop().startswith("web-")
+    assert prep.default_dir_name("stdlib") == "stdlib"   # where the embedded default always went
+    mix = f"stdlib-docs:0.5,{src}:0.5"
+    assert prep.default_dir_name(mix) != prep.default_dir_name(f"stdlib-docs:0.5,{src}:0.25")
+    # The same corpus spelled with a trailing slash is the same build: not rebuilt.
+    out = str(tmp_path / "o1")
+    stamp = os.stat(os.path.join(out, m1["splits"]["train"]["files"][0]["path"])).st_mtime_ns
+    data.ensure_corpus(out, src + "/", workers=1, progress=False)
+    assert os.stat(os.path.join(out, m1["splits"]["train"]["files"][0]["path"])).st_mtime_ns == stamp
+
+
+def test_lone_surrogates_symlinked_folders_and_nothing_to_train_on(tmp_path):
+    """JSON's lone surrogate escapes become U+FFFD (they used to crash the tokenizer without naming
+    the file); a symlinked folder is read, each real folder once (a link up the tree is no loop); a corpus whose documents
+    are all blank or held out is one error naming it, not a KeyError."""
+    d = tmp_path / "web"
+    os.makedirs(d / "real")
+    (d / "a.jsonl").write_text('{"text": "half \\ud800 a pair \\ud83d\\ude00"}\n', encoding="utf-8")
+    (d / "real" / "b.txt").write_text("in a linked folder", encoding="utf-8")
+    os.symlink(d / "real", d / "linked")
+    os.symlink(d, d / "real" / "up")   # a loop
+    out = str(tmp_path / "out")
+    m = prep.prepare(str(d), out, workers=1, progress=False, heldout_fraction=0.0)
+    tokens = _split_tokens(out, m, "train")
+    enc = data.dolma2()
+    want = [enc.encode_ordinary(t) + [data.EOS_ID] for t in
+            ("half \ufffd a pair \U0001f600", "in a linked folder")]
+    np.testing.assert_array_equal(tokens, np.array(sum(want, []), dtype=np.uint32))
+    assert m["splits"]["train"]["documents"] == 2   # a.jsonl, linked/b.txt; real/ is the same folder, up/ a loop
+    blank = tmp_path / "blank"
+    os.makedirs(blank)
+    (blank / "a.txt").write_text(" \n\t ")
+    with pytest.raises(ValueError, match=f"corpus '{blank}' gives no training document: every document is blank"):
+        prep.prepare(str(blank), str(tmp_path / "o2"), workers=1, progress=False)
+    with pytest.raises(ValueError, match="every document is held out"):
+        prep.prepare(f"stdlib-docs:1,{d}:1", str(tmp_path / "o3"), workers=1, progress=False, heldout_fraction=0.999999)
 
 
 def test_bad_corpus_leaves_nothing_half_written(tmp_path):
