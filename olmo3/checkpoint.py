@@ -4,7 +4,10 @@ Layout: `<run_dir>/checkpoints/<N>/` holds
     state/   every array of the state PyTree (model, optimizer state, ...) as one flat dict keyed
              by its dotted path ("model.blocks.attn.q_proj.weight", "opt.mu.embed.weight"), so the
              checkpoint is readable without our classes and errors can name the tensor;
-    extra/   a JSON dict chosen by the caller (data-loader state, data fingerprint, config, stage).
+    extra/   a JSON dict chosen by the caller (data-loader state, data fingerprint, config, stage),
+             and under "tensor_checksums" a checksum of every tensor's bits, taken when it was saved
+             and compared when it is read: Orbax's OCDBT files carry none, and a flipped bit in one
+             read back without an error (a weight of 0.14 came back as 3e17).
 Orbax writes `<N>.orbax-checkpoint-tmp*` and renames it to `<N>` only when every host has
 finished (commit_success.txt on object stores), so a crash mid-save leaves a tmp dir that
 `latest_step()` never returns, and the previous checkpoint untouched. Stale tmp dirs are removed
@@ -58,6 +61,11 @@ class DamagedCheckpointError(UserError):
     def __init__(self, message: str, step: int, file: str):
         super().__init__(message)
         self.step, self.file = step, file
+
+
+class ChangedBitsError(DamagedCheckpointError):
+    """A checkpoint whose tensors read back with other bits than were saved (checksums). Every
+    process computes the same global checksums, so all find it at once and fall back together."""
 
 
 _JSON_FILES = ("_CHECKPOINT_METADATA", "extra/metadata", "state/_METADATA", "state/_sharding")
@@ -186,6 +194,36 @@ def nonfinite_tensors(flat: dict[str, Any]) -> list[str]:
     return [n for n, good in zip(names, ok) if not good]
 
 
+CHECKSUMS = "tensor_checksums"   # the key in extra/
+
+
+@jax.jit
+def _checksums(leaves: list) -> jax.Array:
+    return jnp.stack([_checksum(x) for x in leaves])
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """sum over elements of bits(x[i]) * (2i + 1), mod 2**32: exact and independent of the order
+    (and so of the sharding) it is summed in. One flipped bit changes it (2**k times an odd number
+    is never 0 mod 2**32), and so does moving a block of elements elsewhere."""
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)   # 8 bytes: a trailing axis of 2
+    index = jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape)
+    return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
+
+
+def tensor_checksums(flat: dict[str, Any]) -> dict[str, int]:
+    """{name: checksum} of the arrays of `flat` (tensor_names' dict), by one jitted pass on the
+    devices that hold them (a uint32 per tensor comes back)."""
+    names = [n for n, x in flat.items() if isinstance(x, (jax.Array, np.ndarray))]
+    if not names:
+        return {}
+    return dict(zip(names, map(int, np.asarray(_checksums([flat[n] for n in names])))))
+
+
 @contextlib.contextmanager
 def new_directory(path: Union[str, os.PathLike], what: str = "checkpoint"):
     """Yields a temporary sibling of `path` to fill; on success it is renamed into place, on
@@ -301,6 +339,7 @@ class CheckpointManager:
                                  f"{step} was not written. {self.what_to_resume()}")
         self._mgr.wait_until_finished()   # orbax would wait here anyway; this times only our save
         self._purge_deleted()              # the steps the last save's keep-N renamed away
+        extra = {**extra, CHECKSUMS: tensor_checksums(flat)}
         with self._lock:
             self._started[int(step)] = time.perf_counter()
         try:
@@ -343,7 +382,7 @@ class CheckpointManager:
         step = self._resolve(step)
         with self._reading(step):
             out = self._mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
-        return dict(out["extra"] or {})
+        return {k: v for k, v in (out["extra"] or {}).items() if k != CHECKSUMS}
 
     @contextlib.contextmanager
     def _reading(self, step: int):
@@ -399,12 +438,21 @@ class CheckpointManager:
             out = self._mgr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(want, restore_args, partial_restore=True),
                 extra=ocp.args.JsonRestore()))
-        flat = out["state"]
+        flat, extra = out["state"], dict(out["extra"] or {})
+        saved = extra.pop(CHECKSUMS, {})   # none in checkpoints from before them
+        same_bits = [n for n in want if n in saved and np.dtype(stored[n].dtype) == np.dtype(want[n].dtype)]
+        got = tensor_checksums({n: flat[n] for n in same_bits})
+        changed = [n for n in same_bits if got[n] != saved[n]]
+        if changed:
+            raise ChangedBitsError(
+                f"checkpoint {where} is damaged: {len(changed)} tensor(s) read back with other bits than were "
+                f"saved, e.g. {changed[:3]} (their checksums differ); intact checkpoints: "
+                f"{[s for s in self.all_steps() if s != step] or 'none'}", step, os.path.join(where, "state"))
         arrays, static = eqx.partition(abstract_state, _is_leaf_array)
         leaves_paths, treedef = jax.tree_util.tree_flatten_with_path(arrays)
         names = [".".join(_key_name(k) for k in p) or "_root" for p, _ in leaves_paths]
         restored = jax.tree_util.tree_unflatten(treedef, [flat[n] for n in names])
-        return eqx.combine(restored, static), dict(out["extra"] or {})
+        return eqx.combine(restored, static), extra
 
     def verify(self, step: Optional[int] = None) -> int:
         """Check checkpoint `step` (None: the latest) as far as it goes without reading arrays:
@@ -464,7 +512,7 @@ class CheckpointManager:
                     check_extra(self.read_extra(step))
                 state, extra = self.restore(step, abstract_state)
             except DamagedCheckpointError as e:
-                if jax.process_count() > 1:
+                if jax.process_count() > 1 and not isinstance(e, ChangedBitsError):
                     from olmo3 import atomic
                     os.makedirs(os.path.dirname(self._pending(step)), exist_ok=True)
                     with atomic.replacing(self._pending(step)) as tmp, open(tmp, "w") as f:
