@@ -33,7 +33,7 @@ import numpy as np
 from absl import app, flags, logging
 
 import data
-from data import chat
+from data import chat, prepare
 from olmo3 import atomic, cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
 from olmo3.config import config_diff, config_from_dict
 
@@ -51,7 +51,8 @@ flags.DEFINE_string("heldout", "stdlib", "Held-out domains: 'stdlib' (the embedd
                     "a directory of documents, or a comma list of domain=token_file.npy.")
 flags.DEFINE_string("data_mix", None, "Held-out domains from a named data mix (data.mixes), e.g. v3-small-ppl-validation.")
 flags.DEFINE_string("data_root", None, "Root URL of --data_mix.")
-flags.DEFINE_string("eval_data_dir", None, "Where held-out token files are built (default: runs/data/<name>).")
+flags.DEFINE_string("eval_data_dir", None, "Where held-out token files are built (default: runs/data/<name>, the folder train.py "
+                    "prepares the corpus in for a run under runs/).")
 flags.DEFINE_integer("eval_seq_len", 256, "Tokens per held-out instance.")
 flags.DEFINE_integer("eval_batch_size", 8, "Held-out instances per batch.")
 flags.DEFINE_integer("max_eval_batches", 4, "Held-out batches per domain (the same fixed batches every time).")
@@ -160,9 +161,8 @@ def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) ->
         for item in spec.split(","):
             domain, _, path = item.partition("=")
             paths.setdefault(domain, []).append(path)
-    else:
-        name = "stdlib" if spec == "stdlib" else os.path.basename(os.path.normpath(spec))
-        splits = data.ensure_corpus(data_dir or os.path.join("runs", "data", name), spec)
+    else:   # where train.py prepares it for a run under runs/
+        splits = data.ensure_corpus(data_dir or os.path.join("runs", "data", prepare.default_dir_name(spec)), spec)
         paths = {k.split("/", 1)[1]: v for k, v in splits.items() if k.startswith("heldout/") and v}
     if not paths:
         raise ValueError(f"no held-out domains found in --heldout={spec!r} / --data_mix={data_mix!r}")
