@@ -33,7 +33,7 @@ BUILTIN = ("stdlib", "stdlib-code", "stdlib-docs")
 
 @dataclasses.dataclass(frozen=True)
 class Document:
-    name: str  # stable identifier: decides the split, and names the document in errors
+    name: str  # stable identifier: names the document in errors (and decides the split without a key)
     text: str
     domain: str  # held-out documents are kept per domain (multi-domain perplexity)
     key: str = ""  # decides the split (the name when empty): the same wherever the corpus lies
@@ -85,8 +85,7 @@ def directory_documents(root: str, domain: str | None = None) -> Iterator[Docume
     (one document per line, from its "text" field), walked in sorted order. Symlinked folders are
     followed (a corpus assembled from links to shards), each real folder once."""
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"corpus directory {root!r} {'is a file' if os.path.exists(root) else 'does not exist'}; "
-                                "pass a directory of .txt/.jsonl/.jsonl.gz files or 'stdlib'")
+        raise _not_a_directory(root)
     domain = domain or os.path.basename(os.path.normpath(root)) or "user"
     found = False
     seen = {os.path.realpath(root)}
@@ -115,6 +114,11 @@ def directory_documents(root: str, domain: str | None = None) -> Iterator[Docume
                         yield Document(f"{domain}/{rel}:{lineno}", _without_lone_surrogates(text), domain, f"{rel}:{lineno}")
     if not found:
         raise ValueError(f"corpus directory {root!r} holds no .txt, .jsonl or .jsonl.gz files")
+
+
+def _not_a_directory(path: str) -> FileNotFoundError:
+    return FileNotFoundError(f"corpus directory {path!r} {'is a file' if os.path.exists(path) else 'does not exist'}; "
+                             "pass a directory of .txt/.jsonl/.jsonl.gz files or 'stdlib'")
 
 
 def _first_visit(dirpath: str, name: str, seen: set[str]) -> bool:
@@ -155,9 +159,7 @@ def parse_mixture(spec: str) -> list[tuple[str, float]]:
     out = _mixture_parts(spec)
     for source, _ in out:
         if source not in BUILTIN and not os.path.isdir(source):
-            raise FileNotFoundError(f"corpus directory {source!r} "
-                                    f"{'is a file' if os.path.exists(source) else 'does not exist'}; pass a directory of "
-                                    ".txt/.jsonl/.jsonl.gz files or 'stdlib'")
+            raise _not_a_directory(source)
     return out
 
 
