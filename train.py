@@ -671,6 +671,11 @@ def check_flags():
         raise app.UsageError(f"--joined_at={F.joined_at}: the joined schedule's second cosine runs to --total_steps "
                              f"(AI2's: {schedules.STAGE1_JOINED_TOTAL}, 7T tokens) and the run stops at --max_steps "
                              f"(AI2's: {schedules.STAGE1_TOTAL}, one epoch); give --max_steps too")
+    if F.eval_padded and F.stage in ("sft", "dpo"):   # it would do nothing, and log a wrong olmo_core_ce for SFT
+        raise app.UsageError(f"--eval_padded pads held-out pretraining documents one per row (OLMo-core's validation "
+                             f"sets); --stage={F.stage} scores its held-out "
+                             + ("chats packed, on their label masks" if F.stage == "sft" else "preference pairs")
+                             + ": drop --eval_padded")
     if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
         raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply "
                              "with --packed")

@@ -122,6 +122,8 @@ def _cases(w):
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
         ("dpo_beta_zero", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--dpo_beta=0"], 2,
          "--dpo_beta=0.0 must be finite and > 0"),
+        ("eval_padded_sft", "train.py", [*T, "--stage=sft", f"--run_dir={new}", "--eval_padded"], 2,
+         "--eval_padded pads held-out pretraining documents one per row (OLMo-core's validation sets); --stage=sft"),
         ("joined_schedule_without_stop", "train.py", [*T, f"--run_dir={new}", "--joined_at=2"], 2,
          "--joined_at=2: the joined schedule's second cosine runs to --total_steps"),
         ("checkpoint_of_another_model", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--d_model=64",

@@ -182,8 +182,8 @@ def test_bad_context_mesh():
 
 
 def train_py(tmp_path, mesh, *flags):
-    """train.py on 8 CPU devices, a tiny model on four of our own source files (--doc_lengths:
-    segment ids); returns its metrics rows and stderr."""
+    """train.py on 8 CPU devices, a tiny model on five of our own source files, optim.py held out
+    (--doc_lengths: segment ids); returns its metrics rows and stderr."""
     import json
     import os
     import subprocess
@@ -192,7 +192,7 @@ def train_py(tmp_path, mesh, *flags):
     docs = tmp_path / "docs"
     if not docs.exists():
         docs.mkdir()
-        for name in ("model.py", "rope.py", "loss.py", "attention.py"):
+        for name in ("model.py", "rope.py", "loss.py", "attention.py", "optim.py"):
             (docs / f"{name}.txt").write_text(open(os.path.join(root, "olmo3", name)).read())
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": root}
