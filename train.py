@@ -306,6 +306,10 @@ def main(argv):
         "numpy's argsort orders equal-length documents by the CPU's instruction set; give every process "
         f"one --packing_cache directory that all of them see (now {packing_cache()}), so that process 0 "
         "packs and the others read its indices")
+    contents = prepare.contents_digest(prepared_dir(), "train") if prepared_dir() else None   # beside the fingerprint
+    if contents is not None:   # host-local --data_dir copies, built from corpora that differ in a word
+        cluster.check_same_everywhere({"train": contents}, "the prepared token files' contents (same names and sizes)",
+                                      "give every process the same corpus files, or one --data_dir that all of them see")
 
     if F.epochs is not None or F.warmup_fraction is not None:  # the horizon from the data (SFT)
         set_horizon(len(train_set))
@@ -394,7 +398,6 @@ def main(argv):
         train_set.attach_reference(ref_logps(train_set, F.reference_cache or reference.default_path(F.data)))
         ref_sums = {name: ref_logps(ds, reference.default_path(ds.directory)) for name, ds in dpo_heldout.items()}
 
-    contents = prepare.contents_digest(prepared_dir(), "train") if prepared_dir() else None   # beside the fingerprint
     if loader_state is not None:
         loader = data.Loader.from_state(train_set, loader_state, rank=rank, num_ranks=num_ranks,
                                         workers=F.loader_workers, repetition_filter=F.repetition_filter,

@@ -294,21 +294,31 @@ def test_run_dir_not_shared_by_every_process_is_refused(tmp_path):
     assert not os.listdir(tmp_path / "host0" / "run")     # the marker is gone, nothing else was written
 
 
-def test_processes_that_see_different_data_are_refused(tmp_path):
+@pytest.mark.parametrize("edit", ["other_sizes", "same_sizes"])
+def test_processes_that_see_different_data_are_refused(tmp_path, edit):
     """Each process builds the data order from the files and sizes it sees (a stale cache of remote
     sizes on one host, another --data): one that sees other data would read rows of another
     permutation, with no error. Both stop before the first step, exit status 2, one line naming
-    the data set that differs."""
+    the data set that differs. A corpus edited on one host to the same token counts (two words
+    swapped) prepares into files of the same names and sizes: their contents digests differ."""
     from test_train import word_corpus
 
-    for i in range(2):
-        (tmp_path / f"docs{i}").mkdir()
-        word_corpus(tmp_path / f"docs{i}")
-    (tmp_path / "docs1" / "doc0.txt").write_text("one document changed on one host")
+    for i in range(2):   # one folder name: the held-out domain is named after it
+        os.makedirs(tmp_path / f"host{i}" / "docs")
+        word_corpus(tmp_path / f"host{i}" / "docs")
+    doc = tmp_path / "host1" / "docs" / "doc0.txt"
+    if edit == "other_sizes":
+        doc.write_text("one document changed on one host")
+        says = "the data sets (file names and sizes) differ between processes: "
+    else:
+        words = doc.read_text().split(" ")
+        k = next(k for k in range(1, len(words) - 1) if words[k] != words[k + 1])
+        words[k], words[k + 1] = words[k + 1], words[k]
+        doc.write_text(" ".join(words))
+        says = "the prepared token files' contents (same names and sizes) differ between processes: "
     codes, outs = _two_train_py_until_done(tmp_path, lambda i: [
-        f"--data={tmp_path / f'docs{i}'}", f"--data_dir={tmp_path / f'data{i}'}", f"--run_dir={tmp_path / 'run'}"])
+        f"--data={tmp_path / f'host{i}' / 'docs'}", f"--data_dir={tmp_path / f'data{i}'}", f"--run_dir={tmp_path / 'run'}"])
     for code, out in zip(codes, outs):
         last = out.strip().splitlines()[-1]
-        assert code == 2 and "the data sets (file names and sizes) differ between processes: " in last \
-            and "process(es) [1] of 2 differ from process 0's" in last, out[-3000:]
+        assert code == 2 and says in last and "process(es) [1] of 2 differ from process 0's" in last, out[-3000:]
     assert not os.path.exists(tmp_path / "run" / "checkpoints") or not os.listdir(tmp_path / "run" / "checkpoints")
