@@ -122,7 +122,8 @@ def _cases(w):
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
         ("dpo_beta_zero", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--dpo_beta=0"], 2,
          "--dpo_beta=0.0 must be finite and > 0"),
-        ("eval_padded_sft", "train.py", [*T, "--stage=sft", f"--run_dir={new}", "--eval_padded"], 2,
+        ("eval_padded_sft", "train.py", [*T, "--stage=sft", "--packed", "--label_masks", f"--run_dir={new}",
+                                         "--eval_padded"], 2,
          "--eval_padded pads held-out pretraining documents one per row (OLMo-core's validation sets); --stage=sft"),
         ("joined_schedule_without_stop", "train.py", [*T, f"--run_dir={new}", "--joined_at=2"], 2,
          "--joined_at=2: the joined schedule's second cosine runs to --total_steps"),
@@ -474,7 +475,7 @@ def test_sigkill_anywhere(world, tmp_path):
     while kills < 20 or finished == 0:   # at least 20 kills, and every killed sequence run to its end
         steps = sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit()) \
             if os.path.isdir(run / "checkpoints") else []
-        if steps and kills % 3 == 2 and kills < 20:
+        if len(steps) > 1 and kills % 3 == 2 and kills < 20:   # one to fall back to (all damaged: exit 2)
             truncate(run / "checkpoints" / str(steps[-1]) / "state" / "_sharding")
             damaged += 1
         # The kill is placed by progress, not wall time, so a loaded machine moves it too: after 0-3
