@@ -85,7 +85,7 @@ def test_small_heldout_domain_is_evaluated(tmp_path):
     (tmp_path / "docs").mkdir()
     words = [f"w{i}" for i in range(200)]
     for i in (*range(7), 8, *range(10, 16)):  # prepare holds out a quarter of the documents by hash: 3 of these
-        (tmp_path / "docs" / f"doc{i}.txt").write_text(" ".join(rng.choice(words, rng.integers(2, 20))))
+        (tmp_path / "docs" / f"doc{i}.txt").write_text(" ".join(rng.choice(words, rng.integers(15, 30))))
     four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     for padded in (True, False):
         run_dir = tmp_path / f"run{padded}"
