@@ -42,6 +42,9 @@ from olmo3 import atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "olmo-core-fsl-uint32/v1"
+# How documents are split (data/corpus.py), recorded in the manifest; builds from before it hashed
+# "<corpus folder name>/<path>" for directory corpora (the built-in one is split as it always was).
+SPLIT = "sha256 of the path inside the corpus"
 DEFAULT_MAX_TOKENS_PER_FILE = 2**28  # 1 GiB of uint32 per file
 _CHUNK_CHARS = 1 << 20  # documents are sent to workers in chunks of about this many characters
 # What the ids are, recorded in the manifest: a build made under other rules is rebuilt.
@@ -364,6 +367,7 @@ def prepare(
         "source": source,
         "inputs": inputs,
         "heldout_fraction": _effective_heldout(heldout_fraction),
+        "split": SPLIT,
         "max_tokens_per_file": max_tokens_per_file,
         "mixture": mixture,
         "mixture_tokens": mixture_tokens,
@@ -483,6 +487,12 @@ def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dic
         if reason is not None:  # kept as it always was: rebuilt, but never silently
             logging.warning("rebuilding the prepared corpus in %s: %s", out_dir, reason)
         manifest = prepare(corpus, out_dir, **prepare_kwargs)
+    elif manifest.get("split") != SPLIT and any(s not in corpus_lib.BUILTIN for s, _ in sources):
+        # Reused, not rebuilt: a run resuming on it keeps its data. But a fresh build holds out others.
+        logging.warning("%s was prepared before directory corpora were split by the path inside the corpus "
+                        "(it hashed '<folder name>/<path>'): a build of the same files made now holds out other "
+                        "documents, some of which this one trains on. Compare held-out numbers only within one "
+                        "build; delete the folder to rebuild it with the current split", out_dir)
     return split_paths(out_dir, manifest)
 
 

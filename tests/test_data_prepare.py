@@ -148,7 +148,7 @@ def test_ensure_corpus_is_idempotent_and_repairs(tmp_path):
     assert data.load_manifest(out)["splits"]["train"]["documents"] + data.load_manifest(out)["splits"]["heldout/web"]["documents"] == 91
 
 
-def test_a_corpus_moved_or_renamed_splits_the_same_and_its_default_folder_is_its_own(tmp_path):
+def test_a_corpus_moved_or_renamed_splits_the_same_and_its_default_folder_is_its_own(tmp_path, caplog):
     """The split hashes the path inside the corpus folder: a copy under another name holds out the
     same documents (a document trained on from one copy is never held out from the other). The
     default folder a run prepares into names the corpus by its path: /a/web and /b/web differ,
@@ -174,6 +174,14 @@ def test_a_corpus_moved_or_renamed_splits_the_same_and_its_default_folder_is_its
     stamp = os.stat(os.path.join(out, m1["splits"]["train"]["files"][0]["path"])).st_mtime_ns
     data.ensure_corpus(out, src + "/", workers=1, progress=False)
     assert os.stat(os.path.join(out, m1["splits"]["train"]["files"][0]["path"])).st_mtime_ns == stamp
+    # A build from before the path-only split is reused (a resumed run keeps its data), and said.
+    old = {k: v for k, v in m1.items() if k != "split"}
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(old, f)
+    with caplog.at_level("WARNING"):
+        data.ensure_corpus(out, src, workers=1, progress=False)
+    assert os.stat(os.path.join(out, m1["splits"]["train"]["files"][0]["path"])).st_mtime_ns == stamp
+    assert "a build of the same files made now holds out other documents" in caplog.text
 
 
 def test_lone_surrogates_symlinked_folders_and_nothing_to_train_on(tmp_path):
