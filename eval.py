@@ -51,8 +51,8 @@ flags.DEFINE_string("heldout", "stdlib", "Held-out domains: 'stdlib' (the embedd
                     "a directory of documents, or a comma list of domain=token_file.npy.")
 flags.DEFINE_string("data_mix", None, "Held-out domains from a named data mix (data.mixes), e.g. v3-small-ppl-validation.")
 flags.DEFINE_string("data_root", None, "Root URL of --data_mix.")
-flags.DEFINE_string("eval_data_dir", None, "Where held-out token files are built (default: runs/data/<name>, the folder train.py "
-                    "prepares the corpus in for a run under runs/).")
+flags.DEFINE_string("eval_data_dir", None, "Where held-out token files are built (default: runs/data/<name>, "
+                    "the folder train.py prepares the corpus in for a run under runs/).")
 flags.DEFINE_integer("eval_seq_len", 256, "Tokens per held-out instance.")
 flags.DEFINE_integer("eval_batch_size", 8, "Held-out instances per batch.")
 flags.DEFINE_integer("max_eval_batches", 4, "Held-out batches per domain (the same fixed batches every time).")

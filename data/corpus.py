@@ -111,7 +111,8 @@ def directory_documents(root: str, domain: str | None = None) -> Iterator[Docume
                             raise ValueError(f"{path}:{lineno}: expected a JSON object with a string 'text' field ({e})") from e
                         if not isinstance(text, str):
                             raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {type(text).__name__}")
-                        yield Document(f"{domain}/{rel}:{lineno}", _without_lone_surrogates(text), domain, f"{rel}:{lineno}")
+                        yield Document(f"{domain}/{rel}:{lineno}", _without_lone_surrogates(text), domain,
+                                       f"{rel}:{lineno}")
     if not found:
         raise ValueError(f"corpus directory {root!r} holds no .txt, .jsonl or .jsonl.gz files")
 
