@@ -276,6 +276,22 @@ def _two_train_py_until_done(tmp_path, per_process, timeout=240):
     return [p.returncode for p in procs], outs
 
 
+def test_train_py_as_two_processes_trains_and_saves(tmp_path):
+    """The smallest whole train.py run as 2 processes x 2 CPU devices, in the default suite: 2
+    steps and a checkpoint. (A check that every run passes once stopped every multi-process run
+    before its first step, and only slow tests ran train.py as several processes.)"""
+    from test_train import word_corpus
+
+    corpus = tmp_path / "docs"
+    corpus.mkdir()
+    word_corpus(corpus)
+    codes, outs = _two_train_py_until_done(tmp_path, lambda i: [
+        f"--data={corpus}", f"--data_dir={tmp_path / 'data'}", f"--run_dir={tmp_path / 'run'}", "--max_steps=2",
+        "--save_interval=2"])
+    assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+
+
 def test_run_dir_not_shared_by_every_process_is_refused(tmp_path):
     """Two processes whose --run_dir is not one directory (as two hosts with a local disk each, or
     a bucket mounted on one): both stop before the first step with exit status 2 and one line
