@@ -218,14 +218,17 @@ def encode(messages: Sequence[dict], template: str = INSTRUCT, add_generation_pr
     return encode_pieces(pieces(messages, template, add_generation_prompt))
 
 
-def encode_with_mask(messages: Sequence[dict], template: str = INSTRUCT
+def encode_with_mask(messages: Sequence[dict], template: str = INSTRUCT, last_turn: bool = False
                      ) -> tuple[UInt32[np.ndarray, " n"], Bool[np.ndarray, " n"]]:
-    """(token ids uint32, label mask bool): open-instruct's SFT masking (module docstring)."""
+    """(token ids uint32, label mask bool): open-instruct's SFT masking (module docstring), every
+    assistant turn trained; `last_turn`: only the last message, every earlier one masked, the
+    assistant's included (open-instruct's `last_turn_tulu_tokenize_and_truncate_v1`, what its DPO
+    trains on since "mask all turns but last for dpo", #617)."""
     check_messages(messages, template)
     ids = encode(messages, template)
     mask = np.ones(len(ids), np.bool_)
     for i, m in enumerate(messages):
-        if m["role"] == "assistant":
+        if m["role"] == "assistant" and not (last_turn and i + 1 < len(messages)):
             continue
         start = 0 if i == 0 else len(encode(messages[:i], template))
         prompt_follows = i + 1 < len(messages) and messages[i + 1]["role"] == "assistant"

@@ -1,7 +1,7 @@
 """Preference pairs for DPO: rendered conversations on disk, one (chosen, rejected) pair per instance.
 
     <dir>/token_ids.npy     headerless uint32: pair 0 chosen, pair 0 rejected, pair 1 chosen, ...
-    <dir>/labels_mask.npy   headerless bool, one per token: True on the assistant tokens
+    <dir>/labels_mask.npy   headerless bool, one per token: True on the last message (the response)
     <dir>/pairs.json        lengths of the 2n sequences, sha256 of both files, how they were made
     ds[i] = {tokens:     uint32 [2, seq_len]  chosen, rejected; truncated to seq_len, padded,
              label_mask: bool   [2, seq_len]  False on prompt tokens and padding,

@@ -3,15 +3,16 @@
     python -m data.prepare_dpo --input=pairs.jsonl --out_dir=runs/dpo_data [--template=olmo_thinker]
 
     for each line {"chosen": [{"role", "content"}, ...], "rejected": [...]}:
-        each side: ids, mask = data.chat.encode_with_mask(messages)   # assistant tokens trained
+        each side: ids, mask = data.chat.encode_with_mask(messages, last_turn=True)   # the response trained
                    truncated to --max_seq_length
         drop the pair if either side keeps no trained token        # preference_tulu_filter_v1
     out_dir/token_ids.npy, labels_mask.npy, pairs.json              # data/preference.py
 
 open-instruct's preference format and tokenization: `chosen` / `rejected` message lists sharing
-the prompt (`preference_tulu_tokenize_and_truncate_v1`: each side rendered as an SFT example, labels
--100 off the assistant turns, then truncated to `max_seq_length`), 16,384 tokens in the OLMo 3
-DPO scripts (`7b_{think,instruct}_dpo.sh`: `--max_seq_length 16384`). A bad line stops everything
+the prompt (`preference_tulu_tokenize_and_truncate_v1`, which its DPO registers as
+`preference_tulu_tokenize_and_truncate_v1_2`: each side rendered whole, labels -100 on every message
+but the last, earlier assistant turns included (`last_turn_tulu_tokenize_and_truncate_v1`), then
+truncated to `max_seq_length`), 16,384 tokens in the OLMo 3 DPO scripts (`7b_{think,instruct}_dpo.sh`: `--max_seq_length 16384`). A bad line stops everything
 before anything is written, naming the file and line.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, ma
     renamed into place: a failure leaves nothing); returns the manifest (data/preference.py)."""
     chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"chosen": [...], "rejected": [...]} lines')
     rows = read_pairs(input_path, template)
-    rendered = ((chat.encode_with_mask(c, template), chat.encode_with_mask(r, template)) for c, r in rows)
+    rendered = ((chat.encode_with_mask(c, template, last_turn=True), chat.encode_with_mask(r, template, last_turn=True))
+                for c, r in rows)
     from olmo3.checkpoint import new_directory
     with new_directory(out_dir, "DPO data") as tmp:
         return write_pairs(tmp, rendered, max_seq_length=max_seq_length, display=out_dir,

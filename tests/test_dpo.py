@@ -263,6 +263,33 @@ def test_sharded_step_is_topology_independent_and_equals_plain_gradient():
         np.testing.assert_allclose(np.asarray(a), expect, atol=2e-5)
 
 
+@pytest.mark.parametrize("template", ["olmo_thinker_no_think_7b", "olmo3_instruct"])
+def test_prepare_dpo_trains_the_last_message_only(tmp_path, template):
+    """open-instruct's DPO (`preference_tulu_tokenize_and_truncate_v1` -> `_v1_2` ->
+    `last_turn_tulu_tokenize_and_truncate_v1`) masks every message but the last, earlier assistant
+    turns included: the trained tokens are what follows the generation prompt after the prompt
+    messages. (Every assistant turn was trained here, so the shared earlier turns entered the
+    length-normalised dpo_norm loss of both sides.)"""
+    import json
+
+    from data import chat
+    from data.prepare_dpo import prepare_dpo
+    prompt = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
+              {"role": "user", "content": "And 3+3?"}]
+    row = {"chosen": [*prompt, {"role": "assistant", "content": "6"}],
+           "rejected": [*prompt, {"role": "assistant", "content": "7"}]}
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(row) + "\n")
+    prepare_dpo(str(tmp_path / "pairs.jsonl"), str(tmp_path / "out"), template, max_seq_length=256)
+    ds = PairDataset(tmp_path / "out", seq_len=256)
+    start = len(chat.encode(prompt, template, add_generation_prompt=True))
+    for j, side in enumerate(("chosen", "rejected")):
+        n = len(chat.encode(row[side], template))
+        want = np.zeros(256, bool)
+        want[start:n] = True
+        np.testing.assert_array_equal(ds[0]["label_mask"][j], want)
+        assert data.dolma2().decode(ds[0]["tokens"][j, start:n].tolist()).startswith(row[side][-1]["content"])
+
+
 def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path):
     import json
 
