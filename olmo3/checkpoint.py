@@ -198,30 +198,35 @@ CHECKSUMS = "tensor_checksums"   # the key in extra/
 
 
 @jax.jit
-def _checksums(leaves: list) -> jax.Array:
-    return jnp.stack([_checksum(x) for x in leaves])
+def bit_sums(leaves: list) -> jax.Array:
+    """uint32 [len(leaves), 2]: per array, (sum of its bits, sum of bits * (2654435761 * flat
+    position + 1)), mod 2**32. Exact, and independent of the order (so of the sharding) it is
+    summed in. One flipped bit changes the pair (2**k is never 0 mod 2**32, and where the second
+    sum's weight is even the first sum sees it), and moving a block of elements elsewhere changes
+    the second. Bools count as 0 / 1, 8-byte elements as two 4-byte words. Also the DPO reference's
+    identity (olmo3/reference.py)."""
+    out = []
+    for x in leaves:
+        if x.dtype == jnp.bool_:
+            bits = x.astype(jnp.uint32)
+        else:
+            width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+            bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)   # 8 bytes: a trailing axis of 2
+        pos = jnp.zeros(bits.shape, jnp.uint32)
+        for axis in range(bits.ndim):
+            pos = pos * jnp.uint32(bits.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
+        out.append(jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
+                              jnp.sum(bits * (pos * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)]))
+    return jnp.stack(out)
 
 
-def _checksum(x: jax.Array) -> jax.Array:
-    """sum over elements of bits(x[i]) * (2i + 1), mod 2**32: exact and independent of the order
-    (and so of the sharding) it is summed in. One flipped bit changes it (2**k times an odd number
-    is never 0 mod 2**32), and so does moving a block of elements elsewhere."""
-    if x.dtype == jnp.bool_:
-        bits = x.astype(jnp.uint32)
-    else:
-        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)   # 8 bytes: a trailing axis of 2
-    index = jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape)
-    return jnp.sum(bits * (2 * index + 1), dtype=jnp.uint32)
-
-
-def tensor_checksums(flat: dict[str, Any]) -> dict[str, int]:
-    """{name: checksum} of the arrays of `flat` (tensor_names' dict), by one jitted pass on the
-    devices that hold them (a uint32 per tensor comes back)."""
+def tensor_checksums(flat: dict[str, Any]) -> dict[str, list[int]]:
+    """{name: bit_sums pair} of the arrays of `flat` (tensor_names' dict), by one jitted pass on the
+    devices that hold them (two uint32 per tensor come back)."""
     names = [n for n, x in flat.items() if isinstance(x, (jax.Array, np.ndarray))]
     if not names:
         return {}
-    return dict(zip(names, map(int, np.asarray(_checksums([flat[n] for n in names])))))
+    return dict(zip(names, np.asarray(bit_sums([flat[n] for n in names])).tolist()))
 
 
 @contextlib.contextmanager

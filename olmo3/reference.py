@@ -28,28 +28,15 @@ from typing import Callable
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
 from olmo3 import atomic
+from olmo3.checkpoint import bit_sums
 from olmo3.cli import UserError
 
 CACHE_NAME = "reference_logps.npz"
 _NOT_NUMERIC = ("attention", "remat", "splash_block_q", "splash_block_kv")   # config fields the logps ignore
-
-
-@jax.jit
-def _checksums(leaves: list) -> list:
-    """Per array: (sum of its bits, sum of bits * odd hash of the flat position), uint32 wraparound."""
-    out = []
-    for x in leaves:
-        bits = jax.lax.bitcast_convert_type(x, {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]).astype(jnp.uint32)
-        pos = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0)
-        for axis in range(1, x.ndim):
-            pos = pos * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis)
-        out.append(jnp.stack([jnp.sum(bits), jnp.sum(bits * (pos * jnp.uint32(2654435761) + jnp.uint32(1)))]))
-    return out
 
 
 def weights_identity(model: PyTree) -> str:
@@ -58,7 +45,7 @@ def weights_identity(model: PyTree) -> str:
     config = {k: v for k, v in config_to_dict(model.config).items() if k not in _NOT_NUMERIC}
     arrays = eqx.filter(model, eqx.is_inexact_array)
     named = jax.tree_util.tree_flatten_with_path(arrays)[0]
-    sums = _checksums([x for _, x in named])
+    sums = np.asarray(bit_sums([x for _, x in named]))
     h = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     for (path, x), s in zip(named, sums):
         h.update(f"{jax.tree_util.keystr(path)},{x.dtype},{tuple(x.shape)},{np.asarray(s).tolist()};".encode())

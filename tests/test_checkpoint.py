@@ -91,14 +91,14 @@ def test_roundtrip_8_devices_to_fewer(tmp_path, n_restore):
     assert isinstance(got["opt"], type(state["opt"]))
 
 
-def _checksum_oracle(x: np.ndarray) -> int:
+def _checksum_oracle(x: np.ndarray) -> list[int]:
     """numpy: the bits of each element as an unsigned integer (8-byte ones as two 4-byte words,
-    bools as 0 / 1), times 2i + 1, summed mod 2**32."""
+    bools as 0 / 1), summed, and summed times 2654435761 * (flat position) + 1, both mod 2**32."""
     x = np.ascontiguousarray(x)
     bits = x.astype(np.uint64) if x.dtype == bool else x.view({1: np.uint8, 2: np.uint16, 4: np.uint32,
                                                              8: np.uint32}[x.dtype.itemsize]).astype(np.uint64)
-    weights = 2 * np.arange(bits.size, dtype=np.uint64) + 1
-    return int(np.sum((bits.ravel() * weights) % 2**32) % 2**32)
+    weights = (2654435761 * np.arange(bits.size, dtype=np.uint64) + 1) % 2**32
+    return [int(bits.sum() % 2**32), int(np.sum((bits.ravel() * weights) % 2**32) % 2**32)]
 
 
 def test_tensor_checksums_match_a_numpy_oracle_on_any_sharding():
