@@ -7,7 +7,7 @@ Layout: `<run_dir>/checkpoints/<N>/` holds
     extra/   a JSON dict chosen by the caller (data-loader state, data fingerprint, config, stage),
              and under "tensor_checksums" a checksum of every tensor's bits, taken when it was saved
              and compared when it is read: Orbax's OCDBT files carry none, and a flipped bit in one
-             read back without an error (a weight of 0.14 came back as 3e17).
+             read back without an error (an element of a 4096-float tensor came back off by 3e17).
 Orbax writes `<N>.orbax-checkpoint-tmp*` and renames it to `<N>` only when every host has
 finished (commit_success.txt on object stores), so a crash mid-save leaves a tmp dir that
 `latest_step()` never returns, and the previous checkpoint untouched. Stale tmp dirs are removed
