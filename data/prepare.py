@@ -85,6 +85,18 @@ def _chunks(docs: Iterable[corpus_lib.Document]) -> Iterator[list[corpus_lib.Doc
         yield chunk
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Worker start: Linux sends SIGKILL when the process that started it dies. Without it, a
+    SIGKILLed prepare (a job's time limit, the OOM killer) left its workers blocked on the task
+    queue forever, each holding the tokenizer."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        if os.getppid() != parent:   # it died before the call
+            os._exit(1)
+
+
 def encode_documents(docs: Iterable[corpus_lib.Document], workers: int) -> Iterator[tuple[list[corpus_lib.Document], np.ndarray, np.ndarray]]:
     """Yield (documents, tokens, lengths) per chunk, in input order, encoding in `workers` processes.
     A document of whitespace only is left out, as `dolma tokens` skips it."""
@@ -100,7 +112,8 @@ def encode_documents(docs: Iterable[corpus_lib.Document], workers: int) -> Itera
         ctx = multiprocessing.get_context("fork")
     else:
         ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_exit_with_parent,
+                                                initargs=(os.getpid(),)) as pool:
         pending = []
         for chunk in _chunks(docs):
             pending.append((chunk, pool.submit(_encode_chunk, [d.text for d in chunk])))

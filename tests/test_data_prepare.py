@@ -230,6 +230,50 @@ def test_bad_corpus_leaves_nothing_half_written(tmp_path):
     assert not os.path.exists(tmp_path / "new")
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"   # a zombie has exited
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_sigkilled_prepare(tmp_path):
+    """A prepare killed outright (a job's time limit, the OOM killer) takes its encoding workers
+    with it; they used to wait on the task queue forever, each holding the tokenizer."""
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "data.prepare", "--source=stdlib-code", f"--out_dir={tmp_path / 'o'}",
+                          "--workers=2"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while len(_children(p.pid)) < 2:
+            assert time.time() < deadline and p.poll() is None, "no encoding workers started"
+            time.sleep(0.1)
+        workers = _children(p.pid)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        deadline = time.time() + 30
+        while any(map(_alive, workers)):
+            assert time.time() < deadline, f"workers {workers} outlived their prepare"
+            time.sleep(0.1)
+    finally:
+        p.kill()
+
+
 def test_cli_matches_library(tmp_path):
     src, _ = _make_corpus(tmp_path, "web", 60, 6)
     lib = prep.prepare(src, str(tmp_path / "lib"), workers=1, progress=False)
