@@ -258,6 +258,7 @@ def test_workers_die_with_a_sigkilled_prepare(tmp_path):
     import time
     p = subprocess.Popen([sys.executable, "-m", "data.prepare", "--source=stdlib-code", f"--out_dir={tmp_path / 'o'}",
                           "--workers=2"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers = []
     try:
         deadline = time.time() + 120
         while len(_children(p.pid)) < 2:
@@ -272,6 +273,9 @@ def test_workers_die_with_a_sigkilled_prepare(tmp_path):
             time.sleep(0.1)
     finally:
         p.kill()
+        for w in workers:   # a failure leaves nothing running
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
 
 
 def test_cli_matches_library(tmp_path):
