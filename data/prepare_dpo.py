@@ -12,8 +12,9 @@ open-instruct's preference format and tokenization: `chosen` / `rejected` messag
 the prompt (`preference_tulu_tokenize_and_truncate_v1`, which its DPO registers as
 `preference_tulu_tokenize_and_truncate_v1_2`: each side rendered whole, labels -100 on every message
 but the last, earlier assistant turns included (`last_turn_tulu_tokenize_and_truncate_v1`), then
-truncated to `max_seq_length`), 16,384 tokens in the OLMo 3 DPO scripts (`7b_{think,instruct}_dpo.sh`: `--max_seq_length 16384`). A bad line stops everything
-before anything is written, naming the file and line.
+truncated to `max_seq_length`), 16,384 tokens in the OLMo 3 DPO scripts
+(`7b_{think,instruct}_dpo.sh`: `--max_seq_length 16384`). A bad line stops everything before
+anything is written, naming the file and line.
 """
 from __future__ import annotations
 
