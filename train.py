@@ -306,7 +306,8 @@ def main(argv):
         "numpy's argsort orders equal-length documents by the CPU's instruction set; give every process "
         f"one --packing_cache directory that all of them see (now {packing_cache()}), so that process 0 "
         "packs and the others read its indices")
-    contents = prepare.contents_digest(prepared_dir(), "train") if prepared_dir() else None   # beside the fingerprint
+    prepared = prepared_dir()
+    contents = prepare.contents_digest(prepared, "train") if prepared else None   # beside the fingerprint
     if contents is not None:   # host-local --data_dir copies, built from corpora that differ in a word
         cluster.check_same_everywhere({"train": contents}, "the prepared token files' contents (same names and sizes)",
                                       "give every process the same corpus files, or one --data_dir that all of them see")
