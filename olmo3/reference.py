@@ -1,6 +1,6 @@
 """The frozen DPO reference: its per-sequence log-probs, computed once and cached beside the data.
 
-    identity    = sha256(model config, for each weight: path, dtype, shape, two checksums of its bits)
+    identity    = sha256(model config, precision, for each weight: path, dtype, shape, two checksums of its bits)
     fingerprint = sha256(identity, data fingerprint, seq_len)
     <pairs dir>/reference_logps.npz = {fingerprint, sums float32 [pairs, 2], counts int32 [pairs, 2]}
 
@@ -14,8 +14,10 @@ keeps the results: in memory at the commit the OLMo 3 scripts cite (`get_cache_r
 (`dpo_utils.build_reference_logprobs_cache`). Here the key is the reference's *weights*: two integer checksums per tensor of its
 raw bits (a plain sum and a position-weighted sum, both mod 2^32, so exact and independent of how
 the tensor is sharded), so a renamed or copied checkpoint keeps its cache and a retrained one at
-the same path does not. The data fingerprint (data/preference.py) covers the files' contents and
-seq_len. Attention kernel, remat policy and block sizes are left out of the identity: they do not
+the same path does not. The identity also holds the precision the log-probs were computed in
+(compute_dtype, float8): the reference must score at the policy's precision, or the first step's
+loss is not log 2. The data fingerprint (data/preference.py) covers the files' contents and
+seq_len. The attention kernel, remat policy, layer scan and block sizes are left out: they do not
 change what is computed.
 """
 from __future__ import annotations
@@ -36,13 +38,14 @@ from olmo3.checkpoint import bit_sums
 from olmo3.cli import UserError
 
 CACHE_NAME = "reference_logps.npz"
-_NOT_NUMERIC = ("attention", "remat", "splash_block_q", "splash_block_kv")   # config fields the logps ignore
 
 
 def weights_identity(model: PyTree) -> str:
-    """sha256 hex of the model config and every weight's path, dtype, shape and bit checksums."""
+    """sha256 hex of the model's architecture and precision, and every weight's path, dtype, shape
+    and bit checksums."""
     from olmo3.config import config_to_dict
-    config = {k: v for k, v in config_to_dict(model.config).items() if k not in _NOT_NUMERIC}
+    config = config_to_dict(model.config) | {"compute_dtype": model.config.compute_dtype,
+                                             "float8": model.config.float8}
     arrays = eqx.filter(model, eqx.is_inexact_array)
     named = jax.tree_util.tree_flatten_with_path(arrays)[0]
     sums = np.asarray(bit_sums([x for _, x in named]))
@@ -74,7 +77,8 @@ def load(path: str, expected: str) -> np.ndarray | None:
         raise UserError(f"reference log-probs cache {path} is unreadable ({e}); delete it to recompute it") from e
     if found != expected:
         raise UserError(
-            f"reference log-probs cache {path} was computed for another reference model, data set or seq_len "
+            f"reference log-probs cache {path} was computed for another reference model (weights or "
+            "--compute_dtype / --float8), data set or seq_len "
             f"(fingerprint {found[:12]}..., this run needs {expected[:12]}...); delete it to recompute it with this "
             "reference, or pass --reference_cache=<another file>")
     return sums

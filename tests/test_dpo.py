@@ -187,8 +187,11 @@ def test_truncation_that_leaves_nothing_to_train_is_refused(tmp_path):
 # --------------------------------------------------------------------------------------------
 def test_reference_cache_rejects_changed_reference_data_or_seq_len(tmp_path):
     import olmo3
-    model = olmo3.OLMo3(olmo3.Config.tiny(vocab_size=128, d_model=16, n_heads=2, n_kv_heads=2, head_dim=8,
-                                          mlp_hidden=32, n_layers=4), jax.random.key(0))
+
+    def tiny_model(**precision):
+        return olmo3.OLMo3(olmo3.Config.tiny(vocab_size=128, d_model=16, n_heads=2, n_kv_heads=2, head_dim=8,
+                                             mlp_hidden=32, n_layers=4, **precision), jax.random.key(0))
+    model = tiny_model()
     write_pairs(tmp_path / "a", synthetic_pairs(6), max_seq_length=32)
     write_pairs(tmp_path / "b", synthetic_pairs(6, seed=3), max_seq_length=32)
     ds = PairDataset(tmp_path / "a", seq_len=32)
@@ -208,7 +211,8 @@ def test_reference_cache_rejects_changed_reference_data_or_seq_len(tmp_path):
     flip = eqx.tree_at(lambda m: m.layers.q_proj, bumped,
                        bumped.layers.q_proj.at[2, 3, 4].set(jnp.nextafter(bumped.layers.q_proj[2, 3, 4], 1.0)))
     swap = eqx.tree_at(lambda m: m.layers.q_proj, bumped, bumped.layers.q_proj[::-1])   # same bits, moved
-    for other in (flip, swap):
+    # The same weights scoring in bf16 or through float8: other log-probs, so another identity.
+    for other in (flip, swap, tiny_model(compute_dtype="bfloat16"), tiny_model(float8=True)):
         other_fp = reference.fingerprint(reference.weights_identity(other), ds.fingerprint, ds.seq_len)
         with pytest.raises(UserError, match="reference_logps.npz.*delete it"):
             reference.load(path, other_fp)
