@@ -829,8 +829,11 @@ def check_resume(extra: dict, config) -> None:
         raise app.UsageError(f"--resume: the checkpoint's model config differs from the flags: {diff}")
     if str(extra.get("stage")) != F.stage:  # older checkpoints hold an int
         raise app.UsageError(f"--resume: checkpoint is stage {extra.get('stage')}, flags say --stage={F.stage}")
-    for name in ("global_batch", "seq_len", "seed"):  # recipe constants: a resumed run may not change them
-        saved_value = extra.get("loader", {}).get(name)
+    # Recipe constants, and the DPO objective: a resumed run may not change them.
+    constants = {name: extra.get("loader", {}).get(name) for name in ("global_batch", "seq_len", "seed")}
+    if F.stage == "dpo":
+        constants |= {f"dpo_{name}": extra.get("dpo", {}).get(name) for name in ("loss", "beta")}
+    for name, saved_value in constants.items():
         if saved_value is not None and saved_value != getattr(F, name):
             raise app.UsageError(f"--resume: the checkpoint was trained with --{name}={saved_value}, the flags "
                                  f"say {getattr(F, name)}; a recipe constant cannot change mid-run")

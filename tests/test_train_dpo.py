@@ -75,6 +75,11 @@ def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
     for step in (2, 3):
         assert resumed[step] == full[step], step        # every train/eval metric, exactly
 
+    # The objective is part of the run: a resume with another loss or beta stops, naming the flag.
+    for flag, saved in (("--dpo_beta=0.1", "--dpo_beta=5.0"), ("--dpo_loss=dpo", "--dpo_loss=dpo_norm")):
+        p = run(["--max_steps=4", "--resume", flag], b, pairs, check=False)
+        assert p.returncode == 2 and f"trained with {saved}" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
+
     # The cache beside the pairs belongs to run a's reference; another reference is refused.
     p = run(["--max_steps=1", "--model_seed=1"], tmp_path / "c", pairs, check=False)
     assert p.returncode == 2, p.stderr[-2000:]
