@@ -191,8 +191,8 @@ def make_train_step(optimizer, mesh, specs: PyTree, *, loss: str = "dpo_norm", b
 
 def make_logps_fn(mesh, specs: PyTree, *, chunk: int = 1024):
     """`logps_fn(model, batch) -> (sums, counts)` numpy [rows] for a WHOLE batch given on every
-    process (held-out pairs, the reference cache): each process sends its slice of the rows, the
-    rows are split over every device, and the per-row results come back to every process."""
+    process (held-out pairs, the reference cache): the rows are split over every device
+    (`sharding.whole_batch`), and the per-row results come back to every process in row order."""
     from jax.experimental import multihost_utils
 
     from olmo3 import sharding
@@ -209,11 +209,8 @@ def make_logps_fn(mesh, specs: PyTree, *, chunk: int = 1024):
                              out_specs=(sharding.ROWS, sharding.ROWS), check_vma=False)(params, batch)
 
     def logps_fn(model: OLMo3, batch: dict):
-        n, rank = jax.process_count(), jax.process_index()
-        rows = len(batch["tokens"]) // n
-        mine = {k: batch[k][rank * rows:(rank + 1) * rows] for k in ("tokens", "label_mask")}
-        out = sharded(model, sharding.global_batch(mine, mesh))
-        if n > 1:
+        out = sharded(model, sharding.whole_batch({k: batch[k] for k in ("tokens", "label_mask")}, mesh))
+        if jax.process_count() > 1:
             out = [multihost_utils.process_allgather(x, tiled=True) for x in out]
         return tuple(np.asarray(x, np.float64) for x in out)
 

@@ -614,8 +614,8 @@ def make_score_fn(mesh: Mesh, specs: PyTree):
     """`score_fn(model, batch) -> per-row (continuation log-likelihood, choice log-probs)` of
     olmo3.scoring.continuation_scores, as numpy arrays on every process. `batch` holds the WHOLE
     batch's rows (numpy, identical on every process: OLMo's in-loop requests are read by each);
-    process p keeps its slice, rows are split over every device like held-out evaluation (same
-    per-layer gathers), and the per-row results are gathered back, nothing summed. With a context
+    rows are split over every device like held-out evaluation (same per-layer gathers,
+    `whole_batch`), and the per-row results are gathered back in row order, nothing summed. With a context
     axis the ranks of a context group score the same whole rows (requests are short)."""
     from jax.experimental import multihost_utils
 
@@ -633,11 +633,8 @@ def make_score_fn(mesh: Mesh, specs: PyTree):
                              check_vma=False)(params, batch)
 
     def score_fn(model: OLMo3, batch: dict):
-        n, rank = jax.process_count(), jax.process_index()
-        rows = len(batch["tokens"]) // n
-        mine = {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
-        out = sharded(model, global_batch(mine, mesh, whole_rows=True))
-        if n == 1:
+        out = sharded(model, whole_batch(batch, mesh))
+        if jax.process_count() == 1:
             return tuple(np.asarray(x) for x in out)
         return tuple(np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in out)
 
@@ -707,7 +704,7 @@ def microbatches(global_batch: int, micro_batch_per_device: Optional[int], mesh:
     return per_device // micro_batch_per_device
 
 
-def global_batch(local_batch: dict, mesh: Mesh, *, whole_rows: bool = False) -> dict:
+def global_batch(local_batch: dict, mesh: Mesh) -> dict:
     """One global jax.Array per numpy field of this process's rows (other fields, e.g. the
     loader's "step" int, are left out), rows split over ('data', 'fsdp').
 
@@ -716,10 +713,10 @@ def global_batch(local_batch: dict, mesh: Mesh, *, whole_rows: bool = False) -> 
     they land on its own devices. The global array therefore holds the global batch's rows in
     another order than the loader's, which no loss sum can see (every sum runs over all rows).
     With a context axis, rows are first put in context order (`_context_rows`: labels, positions)
-    and their [rows, seq] fields split over 'context' too (a context group within one process),
-    unless `whole_rows` (downstream scoring: every context rank scores whole rows)."""
+    and their [rows, seq] fields split over 'context' too (a context group within one process).
+    A batch every process holds whole goes through `whole_batch` instead."""
     C = context_size(mesh)
-    chunked = CONTEXT in mesh.axis_names and not whole_rows
+    chunked = CONTEXT in mesh.axis_names
     if chunked:
         local_batch = _context_rows({k: v for k, v in local_batch.items() if isinstance(v, np.ndarray)}, C)
     n_local = len(mesh.local_devices) // C
@@ -735,6 +732,18 @@ def global_batch(local_batch: dict, mesh: Mesh, *, whole_rows: bool = False) -> 
         spec = TOKENS if chunked and value.ndim == 2 else ROWS
         out[key] = jax.make_array_from_process_local_data(NamedSharding(mesh, spec), value)
     return out
+
+
+def whole_batch(batch: dict, mesh: Mesh) -> dict:
+    """One global jax.Array per numpy field of a batch that EVERY process holds whole (held-out
+    pairs, downstream requests), rows split over ('data', 'fsdp'), replicated over 'context'. Row
+    i of the global array is batch row i: each device takes the rows its place in the mesh owns,
+    wherever the mesh puts it. (A process's own slice of rows would land on its devices' places,
+    which are not rows [p * n, (p + 1) * n) when the mesh interleaves processes, as a TPU slice's
+    physical order may; results gathered back in global order would then be another row's.)"""
+    sharding = NamedSharding(mesh, ROWS)
+    return {key: jax.make_array_from_callback(value.shape, sharding, lambda index, v=value: v[index])
+            for key, value in batch.items() if isinstance(value, np.ndarray)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -54,6 +54,18 @@ def batches():
     return out
 
 
+def scored_batch():
+    """Rows of other lengths and contents, so that a result moved to another row shows: the DPO
+    log-probs' fields and downstream scoring's (olmo3/scoring.py continuation_scores)."""
+    rng = np.random.default_rng(11)
+    lengths = rng.permutation(np.arange(3, 3 + 3 * B, 3))[:B]
+    return {"tokens": rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+            "label_mask": np.arange(T)[None, :] < lengths[:, None] % T,
+            "targets": rng.integers(0, CFG.vocab_size, (B, T)).astype(np.int32),
+            "weights": (np.arange(T)[None, :] < lengths[:, None] % T).astype(np.float32),
+            "pos": (lengths % T).astype(np.int32), "choices": rng.integers(0, CFG.vocab_size, (B, 4)).astype(np.int32)}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,6 +152,35 @@ def test_two_processes_match_single_process(tmp_path, launcher):
     for path, x in jax.tree_util.tree_flatten_with_path(restored["model"])[0]:
         np.testing.assert_array_equal(np.asarray(x), got[jax.tree_util.keystr(path)])
     assert int(restored["opt"].step) == STEPS
+
+
+def test_whole_batch_results_keep_the_batch_order_across_processes(tmp_path):
+    """DPO reference log-probs and downstream scores are computed for a batch every process holds
+    whole. On a mesh that puts process 1's devices first, interleaved with process 0's (a TPU
+    slice's physical device order may do that), row i's result must still be row i's: each
+    process used to send rows [p * n, (p + 1) * n), which land wherever its devices sit."""
+    from olmo3 import dpo
+    from olmo3.scoring import continuation_scores_jit
+    worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, worker, port, str(i), str(tmp_path), "scores"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    with contextlib.ExitStack() as stack:
+        for p in procs:
+            stack.callback(p.kill)
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    got = np.load(tmp_path / "scores.npz")
+    model, batch = fresh()[0], scored_batch()
+    sums, counts = dpo.sequence_logps(model, jnp.asarray(batch["tokens"]), jnp.asarray(batch["label_mask"]), chunk=64)
+    ll, choice = continuation_scores_jit(model, {k: jnp.asarray(v) for k, v in batch.items()})
+    np.testing.assert_array_equal(got["counts"], counts)
+    np.testing.assert_allclose(got["sums"], sums, rtol=2e-5)
+    np.testing.assert_allclose(got["ll"], ll, rtol=2e-5)
+    np.testing.assert_allclose(got["choice"], choice, rtol=2e-5, atol=1e-5)
 
 
 @pytest.mark.slow
