@@ -20,7 +20,10 @@ import os
 import re
 import sys
 import sysconfig
+import zlib
 from collections.abc import Iterator
+
+from absl import logging
 
 # Fraction of documents held out from training (a hash threshold, not a count).
 HELDOUT_FRACTION = 0.1
@@ -83,38 +86,71 @@ def stdlib_description() -> dict:
 def directory_documents(root: str, domain: str | None = None) -> Iterator[Document]:
     """A user corpus: every .txt file (one document) and every line of .jsonl / .jsonl.gz files
     (one document per line, from its "text" field), walked in sorted order. Symlinked folders are
-    followed (a corpus assembled from links to shards), each real folder once."""
+    followed (a corpus assembled from links to shards), each real folder once. Bytes that are not
+    UTF-8 become U+FFFD, with one warning naming the .txt files that had any."""
     if not os.path.isdir(root):
         raise _not_a_directory(root)
     domain = domain or os.path.basename(os.path.normpath(root)) or "user"
     found = False
     seen = {os.path.realpath(root)}
+    not_utf8 = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and _first_visit(dirpath, d, seen)]
         for fn in sorted(filenames):
+            if not fn.endswith((".txt", ".jsonl", ".jsonl.gz")):
+                continue
+            found = True
             path = os.path.join(dirpath, fn)
             rel = os.path.relpath(path, root).replace(os.sep, "/")
+            _require_regular_file(path)
             if fn.endswith(".txt"):
-                found = True
                 with open(path, "rb") as f:
-                    yield Document(f"{domain}/{rel}", f.read().decode("utf-8", errors="replace"), domain, rel)
-            elif fn.endswith(".jsonl") or fn.endswith(".jsonl.gz"):
-                found = True
-                opener = gzip.open if fn.endswith(".gz") else open
-                with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-                    for lineno, line in enumerate(f, 1):
-                        if not line.strip():
-                            continue
-                        try:
-                            text = json.loads(line)["text"]
-                        except (json.JSONDecodeError, KeyError, TypeError) as e:
-                            raise ValueError(f"{path}:{lineno}: expected a JSON object with a string 'text' field ({e})") from e
-                        if not isinstance(text, str):
-                            raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {type(text).__name__}")
-                        yield Document(f"{domain}/{rel}:{lineno}", _without_lone_surrogates(text), domain,
-                                       f"{rel}:{lineno}")
+                    raw = f.read()
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = raw.decode("utf-8", errors="replace")
+                    not_utf8.append(rel)
+                yield Document(f"{domain}/{rel}", text, domain, rel)
+            else:
+                yield from _jsonl_documents(path, rel, domain)
     if not found:
         raise ValueError(f"corpus directory {root!r} holds no .txt, .jsonl or .jsonl.gz files")
+    if not_utf8:
+        logging.warning("corpus %s: %d .txt file(s) hold bytes that are not UTF-8, read as U+FFFD (e.g. %s); "
+                        "is it another encoding, or a binary file?", root, len(not_utf8), ", ".join(not_utf8[:3]))
+
+
+def _jsonl_documents(path: str, rel: str, domain: str) -> Iterator[Document]:
+    """One document per non-blank line of a .jsonl / .jsonl.gz file, from its "text" field."""
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as e:
+                    raise ValueError(f"{path}:{lineno}: expected a JSON object with a string 'text' field "
+                                     f"({type(e).__name__}: {e})") from e
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}:{lineno}: 'text' must be a string, got {type(text).__name__}")
+                yield Document(f"{domain}/{rel}:{lineno}", _without_lone_surrogates(text), domain, f"{rel}:{lineno}")
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:   # not gzip; cut short; damaged inside
+        raise ValueError(f"{path}: not a whole gzip file ({e}); replace it with an intact copy or remove it "
+                         "from the corpus") from e
+
+
+def _require_regular_file(path: str) -> None:
+    """A broken link or a pipe named like a corpus file is an error naming it (a pipe would block
+    the read forever)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"corpus file {path} is a symbolic link to {os.readlink(path)!r}, which does not "
+                                "exist; fix the link or remove it")
+    if not os.path.isfile(path):
+        raise ValueError(f"corpus file {path} is not a regular file (a pipe, socket or device); remove it from the "
+                         "corpus")
 
 
 def _not_a_directory(path: str) -> FileNotFoundError:

@@ -4,6 +4,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -327,3 +328,34 @@ def test_full_stdlib_corpus(tmp_path):
     total = sum(s["tokens"] for s in m["splits"].values())
     assert total > 5_000_000
     assert m["splits"]["heldout/code"]["documents"] > 100
+
+
+def test_damaged_corpus_files_are_named(tmp_path, caplog):
+    """A .jsonl.gz cut short or not gzip at all, a broken link, a pipe and a line nested past
+    Python's recursion limit each stop with the file's name (they were tracebacks without it, or,
+    for the pipe, a read that never returns); a .txt of other bytes than UTF-8 is read with one
+    warning naming it."""
+    from data import corpus
+    whole = gzip.compress(b"".join(json.dumps({"text": f"doc {i} " * 40}).encode() + b"\n" for i in range(40)))
+    cases = {"cut.jsonl.gz": lambda p: p.write_bytes(whole[:len(whole) // 2]),
+             "plain.jsonl.gz": lambda p: p.write_text('{"text": "not compressed"}\n'),
+             "gone.txt": lambda p: os.symlink(tmp_path / "nowhere.txt", p),
+             "pipe.txt": lambda p: os.mkfifo(p),
+             "deep.jsonl": lambda p: p.write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")}
+    expected = {"cut.jsonl.gz": "not a whole gzip file", "plain.jsonl.gz": "not a whole gzip file",
+                "gone.txt": "is a symbolic link to", "pipe.txt": "is not a regular file",
+                "deep.jsonl": r"deep\.jsonl:1: expected a JSON object"}
+    for name, make in cases.items():
+        d = tmp_path / name.replace(".", "_")
+        os.makedirs(d)
+        (d / "a.txt").write_text("a fine document")
+        make(d / name)
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(str(d / name))) as e:
+            list(corpus.directory_documents(str(d)))
+        assert re.search(expected[name], str(e.value)), (name, e.value)
+    latin = tmp_path / "latin"
+    os.makedirs(latin)
+    (latin / "a.txt").write_bytes("café".encode("latin-1"))
+    with caplog.at_level("WARNING"):
+        docs = list(corpus.directory_documents(str(latin)))
+    assert docs[0].text == "caf\ufffd" and "1 .txt file(s) hold bytes that are not UTF-8, read as U+FFFD (e.g. a.txt)" in caplog.text
