@@ -183,9 +183,20 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
         raise ValueError(f"{src}: tensors do not match config.json (n_layers={config.n_layers}): missing "
                          f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected {extra_names[:4]}")
 
+    for name in sorted(expected):   # integer (quantized) tensors would be cast to floats without a word
+        if not jax.numpy.issubdtype(sd.dtype(name), jax.numpy.floating):
+            raise ValueError(f"{src}: tensor {name!r} has dtype {sd.dtype(name)}; weights are floating point (a "
+                             "quantized or damaged checkpoint?)")
+
+    def finite(name, a):   # checked as each block streams through: no checkpoint of non-finite weights
+        if not np.isfinite(a).all():
+            raise ValueError(f"{src}: tensor {name!r} holds NaN or infinite values; the checkpoint is damaged "
+                             "(download or convert it again)")
+        return a
+
     def hf_tensor(name, want_shape, transpose):
         _check_shape(src, sd, name, want_shape, transpose)
-        return sd[name].T if transpose else sd[name]
+        return finite(name, np.asarray(sd[name].T if transpose else sd[name], dtype))
 
     def vocab_shape(shape, transpose):  # the HF tensor's share of a (possibly padded) vocab matrix
         return (shape[0], hf_vocab) if transpose else (hf_vocab, shape[1])
@@ -193,14 +204,14 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     def single(name, shape, transpose):  # embed [V, d] in row blocks; lm_head [d, V] in column blocks
         if len(shape) != 2:                                               # the final norm, whole
             _check_shape(src, sd, name, shape, transpose)
-            return LazyTensor(shape, dtype, lambda: [((), np.asarray(sd[name], dtype))])
+            return LazyTensor(shape, dtype, lambda: [((), finite(name, np.asarray(sd[name], dtype)))])
         axis = 1 if transpose else 0
         block = _block(shape, axis, dtype)
         pad = padded_rows(name, shape[axis] - hf_vocab, shape[1 - axis])               # (V - V_hf, d)
 
         def parts():
             for a in range(0, shape[axis], block):
-                rows = np.asarray(sd[name][a:a + block], dtype)                  # HF rows a..a+block
+                rows = finite(name, np.asarray(sd[name][a:a + block], dtype))    # HF rows a..a+block
                 if a + block > hf_vocab:  # the block runs into the padding
                     rows = np.concatenate([rows, pad[max(a - hf_vocab, 0):a + block - hf_vocab]])
                 yield ((slice(None), slice(a, a + block)) if transpose else slice(a, a + block)), (
@@ -215,8 +226,7 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
         return np.asarray(config.init_std * jax.random.truncated_normal(key, -3.0, 3.0, (n, d)), dtype)
 
     def stacked(suffix, shape, transpose):                               # (L, in, out), a layer at a time
-        return LazyTensor(shape, dtype, lambda: ((i, np.asarray(hf_tensor(f"model.layers.{i}.{suffix}",
-                                                                          shape[1:], transpose), dtype))
+        return LazyTensor(shape, dtype, lambda: ((i, hf_tensor(f"model.layers.{i}.{suffix}", shape[1:], transpose))
                                                  for i in range(shape[0])), 0, 1)
 
     # Every shape is checked before anything is written.

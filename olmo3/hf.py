@@ -62,7 +62,7 @@ def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
         full = dict(params)
         full.update(hf.get("rope_scaling") or {})
         sliding = {"rope_type": "default"}
-    theta = float(full.get("rope_theta", hf.get("rope_theta", 500_000.0)))
+    theta = _field(full, "rope_theta", float, _field(hf, "rope_theta", float, 500_000.0))
     if float(sliding.get("rope_theta", theta)) != theta:
         raise ValueError("HF config has different rope_theta for sliding and full layers; unsupported")
     if sliding.get("rope_type", "default") != "default":
@@ -73,11 +73,28 @@ def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
         return theta, None
     if kind != "yarn":
         raise ValueError(f"HF config rope_type={kind!r} for full layers: only 'default' and 'yarn' supported")
-    return theta, YaRN(factor=float(full["factor"]),
-                       original_max_position=int(full["original_max_position_embeddings"]),
-                       beta_fast=float(full.get("beta_fast") or 32.0),
-                       beta_slow=float(full.get("beta_slow") or 1.0),
+    return theta, YaRN(factor=_field(full, "factor", float),
+                       original_max_position=_field(full, "original_max_position_embeddings", int),
+                       beta_fast=_field(full, "beta_fast", float, 32.0),
+                       beta_slow=_field(full, "beta_slow", float, 1.0),
                        attention_factor=full.get("attention_factor"))
+
+
+_REQUIRED = object()
+
+
+def _field(hf: Mapping[str, Any], name: str, kind: type, default: Any = _REQUIRED) -> Any:
+    """hf[name] as an int or float (`default` when absent or null); a missing or non-numeric value
+    is an error naming the field."""
+    value = hf.get(name)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"HF config has no {name!r}")
+        return default
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not whole):
+        raise ValueError(f"HF config field {name!r} is {value!r}; expected {'an integer' if kind is int else 'a number'}")
+    return kind(value)
 
 
 def config_from_hf(hf: Mapping[str, Any], **overrides) -> Config:
@@ -87,19 +104,22 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> Config:
                          f"{hf.get('architectures')}; expected an Olmo3ForCausalLM checkpoint (model_type 'olmo3')")
     if hf.get("tie_word_embeddings"):
         raise ValueError("HF config has tie_word_embeddings=true; OLMo 3 has an untied lm_head")
-    n_layers = int(hf["num_hidden_layers"])
-    n_heads = int(hf["num_attention_heads"])
+    if hf.get("hidden_act", "silu") != "silu":   # the MLP is SwiGLU; nothing else would read another
+        raise ValueError(f"HF config has hidden_act {hf['hidden_act']!r}; OLMo 3's MLP is SwiGLU ('silu')")
+    n_layers = _field(hf, "num_hidden_layers", int)
+    n_heads = _field(hf, "num_attention_heads", int)
+    d_model = _field(hf, "hidden_size", int)
     theta, yarn = _rope_params(hf)
     layer_types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n_layers)]
     kw = dict(
-        vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]), n_layers=n_layers,
-        n_heads=n_heads, n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // n_heads),
-        mlp_hidden=int(hf["intermediate_size"]), window=int(hf.get("sliding_window") or 4096),
+        vocab_size=_field(hf, "vocab_size", int), d_model=d_model, n_layers=n_layers,
+        n_heads=n_heads, n_kv_heads=_field(hf, "num_key_value_heads", int, n_heads),
+        head_dim=_field(hf, "head_dim", int, d_model // max(n_heads, 1)),
+        mlp_hidden=_field(hf, "intermediate_size", int), window=_field(hf, "sliding_window", int, 4096),
         layer_pattern=_pattern(list(layer_types), n_layers), rope_theta=theta, yarn=yarn,
-        max_position_embeddings=int(hf.get("max_position_embeddings", 65536)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+        max_position_embeddings=_field(hf, "max_position_embeddings", int, 65536),
+        norm_eps=_field(hf, "rms_norm_eps", float, 1e-6))
     kw.update(overrides)
     return Config(**kw)
 
@@ -154,6 +174,9 @@ def read_hf_config(path: str, **overrides) -> Config:
                                 "(config.json + *.safetensors)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path!r} is not valid JSON ({e}); download or convert the model again") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{cfg_path!r} holds a JSON {type(raw).__name__}, not an object of config fields; "
+                         "download or convert the model again")
     try:
         return config_from_hf(raw, **overrides)
     except (ValueError, KeyError, TypeError) as e:
@@ -289,10 +312,16 @@ def _take(sd: Mapping, name: str, shape: tuple, transpose: bool) -> np.ndarray:
     if name not in sd:   # ValueError: a user's input error (one line, exit 2)
         raise ValueError(f"HF checkpoint has no tensor {name!r}; is the download complete?")
     a = _to_numpy(sd[name])
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        raise ValueError(f"HF tensor {name!r} has dtype {a.dtype}; weights are floating point (is this a quantized "
+                         "or damaged checkpoint?)")
     want = shape[::-1] if transpose else shape
     if tuple(a.shape) != tuple(want):
         raise ValueError(f"HF tensor {name!r} has shape {tuple(a.shape)}, but the config expects "
                          f"{tuple(want)}; check that config.json matches the weights")
+    if not np.isfinite(a).all():
+        raise ValueError(f"HF tensor {name!r} holds NaN or infinite values; the checkpoint is damaged (download "
+                         "or convert it again)")
     return a.T if transpose else a
 
 

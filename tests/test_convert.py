@@ -229,6 +229,33 @@ def test_bad_inputs(tmp_path):
     (tmp_path / "wrong" / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 128}))
     with pytest.raises(ValueError, match=r"mlp.gate_proj.weight.*config.json implies"):
         convert.hf_to_orbax(str(tmp_path / "wrong"), str(tmp_path / "o3"))
+    # config.json that is not an object, misses or garbles a field, or names another activation
+    for name, text, culprit in (("list", "[1, 2]", "holds a JSON list, not an object"),
+                                ("nohidden", json.dumps({k: v for k, v in cfg.items() if k != "hidden_size"}),
+                                 "has no 'hidden_size'"),
+                                ("nulllayers", json.dumps({**cfg, "num_hidden_layers": None}), "no 'num_hidden_layers'"),
+                                ("abc", json.dumps({**cfg, "intermediate_size": "abc"}),
+                                 "field 'intermediate_size' is 'abc'; expected an integer"),
+                                ("gelu", json.dumps({**cfg, "hidden_act": "gelu"}), "hidden_act 'gelu'")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(data)
+        (tmp_path / name / "config.json").write_text(text)
+        with pytest.raises(ValueError, match=re.escape(str(tmp_path / name / "config.json")) + ".*" + culprit):
+            convert.hf_to_orbax(str(tmp_path / name), str(tmp_path / f"o_{name}"))
+    # integer or non-finite weights: named, and nothing written
+    from safetensors.torch import save_file
+    weights = {k: v for k, v in random_hf_model(hf_config(vocab_size=512, num_key_value_heads=2), 0).state_dict().items()
+               if "rotary_emb" not in k}
+    for name, change, culprit in (("ints", lambda t: t.to(torch.int32), "has dtype int32"),
+                                  ("nan", lambda t: t.index_fill(0, torch.tensor([1]), float("nan")), "NaN")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        target = "model.layers.1.mlp.up_proj.weight"
+        save_file({k: (change(v) if k == target else v).contiguous() for k, v in weights.items()},
+                  str(tmp_path / name / "model.safetensors"))
+        with pytest.raises(ValueError, match=re.escape(target) + ".*" + culprit):
+            convert.hf_to_orbax(str(tmp_path / name), str(tmp_path / f"o_{name}"))
+        assert not os.path.exists(tmp_path / f"o_{name}")
     # never overwrite
     convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o4"))
     with pytest.raises(FileExistsError):
