@@ -338,6 +338,7 @@ def prepare(
     sources = corpus_lib.parse_mixture(source)
     if os.path.isfile(out_dir):
         raise ValueError(f"out_dir {out_dir!r} is a file; give a directory for the token files")
+    _require_ours(out_dir)
     made = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     manifest_path = os.path.join(out_dir, MANIFEST)
@@ -390,6 +391,29 @@ def prepare(
         manifest["stdlib"] = corpus_lib.stdlib_description()
     atomic.write_json(manifest_path, manifest, indent=1, sort_keys=True)
     return manifest
+
+
+def _require_ours(out_dir: str) -> None:
+    """A rebuild replaces the manifest and token files of `out_dir`: it must be new, empty, or a
+    prepared corpus (its manifest, train/, heldout/, sources/ and hidden temporaries), never a
+    folder of someone's other files."""
+    if not os.path.isdir(out_dir):
+        return
+    other = sorted(e for e in os.listdir(out_dir) if not e.startswith(".") and e not in (MANIFEST, *_SPLIT_DIRS))
+    foreign = f"holds {other[:3]}" if other else None
+    try:
+        with open(os.path.join(out_dir, MANIFEST)) as f:
+            manifest = json.load(f)
+        if not (isinstance(manifest, dict) and manifest.get("format") == FORMAT):
+            foreign = foreign or f"holds a {MANIFEST} that is not a prepared corpus's"
+    except (OSError, ValueError):   # none, or torn: a build of ours that stopped half-way is rebuilt
+        pass
+    if foreign:
+        raise ValueError(f"out_dir {out_dir!r} {foreign}; a prepared corpus is written into a new or empty "
+                         "directory (or over an earlier prepared corpus), so give another directory")
+
+
+_SPLIT_DIRS = ("train", "heldout", "sources")   # what `prepare` writes beside the manifest
 
 
 # ---------------------------------------------------------------------------------------------

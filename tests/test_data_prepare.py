@@ -295,16 +295,25 @@ def test_cli_matches_library(tmp_path):
     (["--heldout_fraction=nan"], "--heldout_fraction must be in [0, 1)"),
     (["--workers=0"], "--workers must be >= 1"),
     (["--source=SRC_FILE"], "is a file; pass a directory"),
-    (["--out_dir=SRC_FILE"], "is a file; give a directory")])
+    (["--out_dir=SRC_FILE"], "is a file; give a directory"),
+    (["--out_dir=MINE", "--source=stdlib-docs"], "holds ['notes.txt']; a prepared corpus is written into a new"),
+    (["--out_dir=THEIRS", "--source=stdlib-docs"], "holds a manifest.json that is not a prepared corpus's")])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, says):
+    """Bad values, and an --out_dir of someone's other files (their manifest.json was overwritten)."""
     (tmp_path / "f.txt").write_text("a file")
-    args = [a.replace("SRC_FILE", str(tmp_path / "f.txt")) for a in args]
+    for name, entry in (("mine", "notes.txt"), ("theirs", "manifest.json")):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / entry).write_text('{"mine": true}')
+    before = {p: p.read_text() for p in tmp_path.glob("*/*")}
+    args = [a.replace("SRC_FILE", str(tmp_path / "f.txt")).replace("MINE", str(tmp_path / "mine"))
+            .replace("THEIRS", str(tmp_path / "theirs")) for a in args]
     if not any(a.startswith("--out_dir") for a in args):
         args.append(f"--out_dir={tmp_path / 'out'}")
     r = subprocess.run([sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert says in r.stderr.strip().splitlines()[-1] and not os.path.exists(tmp_path / "out")
+    assert {p: p.read_text() for p in tmp_path.glob("*/*")} == before
 
 
 def test_embedded_docs_corpus(tmp_path):
