@@ -231,10 +231,17 @@ class Loader:
         if state["seq_len"] != dataset.seq_len:
             raise ValueError(f"loader state has seq_len={state['seq_len']} but the dataset has seq_len={dataset.seq_len}")
         if state["fingerprint"] != dataset.fingerprint:
+            packed = hasattr(dataset, "packing_digest")
+            if packed != ("packing" in state):   # the same files read as other instances
+                cause = ("this run packs documents (--packed) and the checkpoint's did not" if packed else
+                         "the checkpoint's run packed documents (--packed) and this one does not")
+                fix = f"{'drop' if packed else 'add'} --packed"
+            else:
+                cause, fix = "the token files changed since the checkpoint was written", "point the run at the original files"
             msg = (f"dataset fingerprint {dataset.fingerprint[:16]}... differs from the checkpoint's "
-                   f"{str(state['fingerprint'])[:16]}...: the token files changed since the checkpoint was "
-                   "written, so the data order would differ. Point the run at the original files, or pass "
-                   "allow_fingerprint_mismatch=True to continue on the new data deliberately.")
+                   f"{str(state['fingerprint'])[:16]}...: {cause}, so the data order would differ. {fix.capitalize()}, "
+                   "or pass allow_fingerprint_mismatch=True (train.py --allow_data_change) to continue on the new "
+                   "data deliberately.")
         elif None not in (contents, state.get("contents")) and contents != state["contents"]:
             msg = (f"the token files' contents differ from the checkpoint's (digest {contents[:16]}... against "
                    f"{str(state['contents'])[:16]}...) though their names and sizes are the same: the corpus was "

@@ -91,8 +91,11 @@ def test_fingerprint_mismatch_fails_loudly(ds, tmp_path):
     other_path = tmp_path / "other.npy"
     np.arange(40 * SEQ, dtype=np.uint32).tofile(other_path)
     other = data.FSLDataset([str(other_path)], SEQ)
-    with pytest.raises(ValueError, match="fingerprint"):
+    with pytest.raises(ValueError, match="fingerprint.*the token files changed.*train.py --allow_data_change"):
         data.Loader.from_state(other, state)
+    # A checkpoint of a packed run, resumed without --packed: the flag is named, not the files.
+    with pytest.raises(ValueError, match="the checkpoint's run packed documents .--packed.*Add --packed"):
+        data.Loader.from_state(other, {**state, "packing": "0" * 64})
     loader = data.Loader.from_state(other, state, allow_fingerprint_mismatch=True, workers=0)
     assert next(loader)["step"] == 0
     with pytest.raises(ValueError, match="seq_len"):
