@@ -506,6 +506,9 @@ def main(argv):
                  f"non-embedding params + full causal attention, DESIGN §6) / {peak.describe()}")
         log.info(f"mesh {dict(mesh.shape)}, {microbatches} microbatch(es), {tokens_per_step:,} tokens/step, "
                  f"steps {start + 1}..{max_steps}" + (f" | tuning: {'; '.join(tuned)}" if tuned else ""))
+        if start >= max_steps:   # a finished run submitted again, or a horizon lowered below the checkpoint
+            log.info(f"Nothing to train: the checkpoint is at step {start}, and this run stops at step {max_steps} "
+                     f"({'--max_steps' if F.max_steps is not None else '--total_steps'}); raise it to train on")
     paused = {}  # step -> seconds the loop waited for its checkpoint save to start
     step = start
     # A preemption notice (SIGTERM; on any process of a multi-process run) ends the loop after the
@@ -651,6 +654,7 @@ def check_flags():
                              "give a path every host sees: a shared filesystem, or the bucket mounted with Cloud "
                              "Storage FUSE (e.g. --run_dir=/gcs/BUCKET/run; launch/tpu_jobset.yaml mounts it)")
     atomic.check_directory(F.run_dir, "--run_dir")   # checkpoints rename directories: not every mount can
+    atomic.existing_directory(os.path.join(F.run_dir, "checkpoints"), "--run_dir", F.run_dir)
     if not F.resume:   # a fresh run would train up to its first save and fail there (exit 1, rerun forever)
         from olmo3.launch import newest_checkpoint
         done = newest_checkpoint(os.path.join(F.run_dir, "checkpoints"))
@@ -658,8 +662,8 @@ def check_flags():
             raise app.UsageError(f"--run_dir={F.run_dir} already holds a run (checkpoints up to step {done}); add "
                                  "--resume to continue it, or give a new --run_dir")
     for name in ("data_dir", "packing_cache"):
-        if F[name].value and os.path.isfile(F[name].value):
-            raise app.UsageError(f"--{name}={F[name].value} is a file; give a directory")
+        if F[name].value:
+            atomic.existing_directory(F[name].value, f"--{name}")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     if F.downstream_tasks:   # an unknown task stops here, not after the model is built

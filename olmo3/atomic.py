@@ -82,6 +82,18 @@ RENAME_ADVICE = ("checkpoints are written into a temporary directory that is the
                  "mounted with rename-dir-limit=200000, as launch/tpu_jobset.yaml does)")
 
 
+def existing_directory(path: str | os.PathLike, flag: str, given: str | None = None) -> str:
+    """`path`, or its nearest existing ancestor: where a directory `path` will be made. Stops with
+    one line (UserError naming `flag` and its value, `given` or `path`) when that is a file."""
+    where = os.path.abspath(os.fspath(path))
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
+        raise UserError(f"{said}{where} is a file, not a directory; move the file away or give another path")
+    return where
+
+
 def check_directory(path: str | os.PathLike, flag: str, given: str | None = None) -> None:
     """Stop with one line (UserError naming `flag` and its value, `given` or `path`) unless
     directories can be made and renamed where `path` is, or will be: in `path` itself, else in
@@ -91,11 +103,7 @@ def check_directory(path: str | os.PathLike, flag: str, given: str | None = None
     save interval's steps. The probe's name is unique per host and process, so every host of a
     job may probe at once."""
     said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
-    where = os.path.abspath(os.fspath(path))
-    while not os.path.exists(where):
-        where = os.path.dirname(where)
-    if not os.path.isdir(where):
-        raise UserError(f"{said}{where} is a file, not a directory; give a directory path")
+    where = existing_directory(path, flag, given)
     name = f".olmo3-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     made, renamed = os.path.join(where, name), os.path.join(where, name + "-renamed")
     step = "create a directory"

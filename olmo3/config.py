@@ -97,6 +97,8 @@ class Config:
             errors.append(f"layer_pattern={self.layer_pattern}: entries must be 'sliding' or 'full'")
         if self.n_heads % self.n_kv_heads != 0:
             errors.append(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            errors.append(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
         if self.window < 1:
             errors.append(f"window={self.window} must be >= 1")
         for name in ("param_dtype", "compute_dtype"):

@@ -76,6 +76,8 @@ def world(tmp_path_factory):
     os.makedirs(w / "nonempty")
     (w / "nonempty" / "keep.txt").write_text("mine")
     (w / "bad.flags").write_text("--lr=nan\n")
+    os.makedirs(w / "ckfile")
+    (w / "ckfile" / "checkpoints").write_text("")
     (w / "empty.jsonl").write_text("")
     return w
 
@@ -132,7 +134,11 @@ def _cases(w):
         ("checkpoint_of_another_stage", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--stage=2"], 2,
          "checkpoint is stage 1, flags say --stage=2"),
         ("fingerprint_mismatch", "train.py", [*TINY, f"--data={w / 'other'}", f"--run_dir={w / 'run'}", "--resume",
-                                              "--total_steps=6"], 2, "fingerprint"),
+                                              "--total_steps=6"], 2,
+         "fingerprint"),
+        ("packed_on_resume", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--packed", "--total_steps=6"], 2,
+         "this run packs documents (--packed) and the checkpoint's did not, so the data order would differ. Drop "
+         "--packed, or pass allow_fingerprint_mismatch=True (train.py --allow_data_change)"),
         ("seed_changed_on_resume", "train.py", [*T, f"--run_dir={w / 'run'}", "--resume", "--seed=7"], 2,
          "--resume: the checkpoint was trained with --seed="),
         ("rerun_without_resume", "train.py", [*T, f"--run_dir={w / 'run'}"], 2,
@@ -142,7 +148,14 @@ def _cases(w):
          "--attention=cudnn is cuDNN's fused attention, for NVIDIA GPUs; this run's devices are cpu"),
         ("max_steps_zero", "train.py", [*T, f"--run_dir={new}", "--max_steps=0"], 2, "--max_steps must be >= 1"),
         ("data_dir_a_file", "train.py", [*T, f"--run_dir={new}", f"--data_dir={w / 'bad.flags'}"], 2,
-         f"--data_dir={w / 'bad.flags'} is a file; give a directory"),
+         f"--data_dir='{w / 'bad.flags'}': {w / 'bad.flags'} is a file, not a directory"),
+        ("checkpoints_a_file", "train.py", [*T, f"--run_dir={w / 'ckfile'}"], 2,
+         f"--run_dir='{w / 'ckfile'}': {w / 'ckfile' / 'checkpoints'} is a file, not a directory"),
+        ("packing_cache_under_a_file", "train.py", [*T, f"--run_dir={new}", "--packed",
+                                                    f"--packing_cache={w / 'bad.flags' / 'cache'}"], 2,
+         f"--packing_cache='{w / 'bad.flags' / 'cache'}': {w / 'bad.flags'} is a file, not a directory"),
+        ("head_dim_odd", "train.py", [*T, f"--run_dir={new}", "--head_dim=15"], 2,
+         "head_dim=15 must be even: RoPE rotates pairs of dimensions"),
         ("hang_timeout_nan", "train.py", [*T, f"--run_dir={new}", "--hang_timeout_s=nan"], 2,
          "--hang_timeout_s must be >= 1 second, or 0 (never)"),
         ("diverges", "train.py", [*T, f"--run_dir={new}", "--lr=1e30", "--max_grad_norm=1e30"], 3,
@@ -359,6 +372,16 @@ def test_verbosity_brings_the_traceback_back(world):
     p = script("eval.py", f"--model={world / 'nowhere'}", "--verbosity=1")   # library logs may follow it
     assert p.returncode == 2 and "Traceback" in p.stderr
     assert any(line.startswith("eval.py: error: ") for line in p.stderr.splitlines())
+
+
+def test_a_horizon_below_the_checkpoint_says_nothing_is_trained(world, tmp_path):
+    """--resume with --max_steps below the checkpoint's step trains nothing (exit 0: a finished
+    run submitted again is not an error) and says so; its header read "steps 5..2" and no more."""
+    shutil.copytree(world / "run", tmp_path / "run")
+    p = script("train.py", *TINY, f"--data={world / 'docs'}", f"--run_dir={tmp_path / 'run'}", "--resume",
+               "--max_steps=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Nothing to train: the checkpoint is at step 4, and this run stops at step 2 (--max_steps)" in p.stderr
 
 
 def test_truncated_token_file_is_rebuilt_and_said(world, tmp_path):
