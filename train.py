@@ -84,7 +84,8 @@ flags.DEFINE_string("data_dir", None, "Where prepared token files live (default:
                     "embedded corpus, <run_dir>/../data/<folder names>-<hash of their paths> for directories).")
 flags.DEFINE_string("data_root", None, "Root URL of a data mix (with --data=mix:NAME; default AI2's "
                     "https://olmo-data.org); a mirror or local copy with the same layout works.")
-flags.DEFINE_string("tokenizer", "dolma2", "Tokenizer of the token files.")
+flags.DEFINE_string("tokenizer", "dolma2", "Tokenizer of a --data=mix:NAME mix's token files (a part of their "
+                    "paths); corpora prepared here are dolma2.")
 flags.DEFINE_integer("seq_len", 8192, "Tokens per instance.")
 flags.DEFINE_integer("global_batch", 512, "Instances per optimizer step: a recipe constant, never derived from devices.")
 flags.DEFINE_integer("micro_batch", None, "Instances per device per microbatch (default: the whole per-device batch).")
@@ -118,7 +119,8 @@ flags.DEFINE_integer("loader_workers", 2, "Background data workers (never change
 flags.DEFINE_bool("allow_data_change", False, "Resume even if the data fingerprint differs (deliberate data swap).")
 # Optimizer and schedule (OLMo-core SkipStepAdamW).
 flags.DEFINE_float("lr", 3e-4, "Peak learning rate.")
-flags.DEFINE_enum("schedule", None, ["cosine", "linear", "constant"], "Default: cosine (stage 1), linear (2, 3).")
+flags.DEFINE_enum("schedule", None, ["cosine", "linear", "constant"], "Default: cosine (stage 1), linear (2, 3). "
+                  "constant: --warmup_steps of linear warmup, then --lr (OLMo-core ConstantWithWarmup).")
 flags.DEFINE_integer("warmup_steps", 2000, "Linear warmup steps.")
 flags.DEFINE_integer("total_steps", 1_413_814, "Schedule horizon in steps.")
 flags.DEFINE_integer("epochs", None, "Set --total_steps to this many passes over the training instances (whole "
@@ -185,6 +187,13 @@ cli.require([
     ("yarn_original_max_position", lambda v: v >= 1, ">= 1"),
     ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0"),
     ("max_steps", lambda v: v is None or v >= 1, ">= 1 (leave it out for the schedule's horizon)"),
+    ("micro_batch", lambda v: v is None or v >= 1, ">= 1 instances per device (leave it out for the whole "
+                                                  "per-device batch)"),
+    ("seed", lambda v: v >= 0, ">= 0 (the data order's seed)"),
+    ("joined_at", lambda v: v is None or v >= 1, ">= 1 (the step pretrain-2 resumed at)"),
+    # The Splash kernel's tiles (olmo3/splash.py: on a TPU also a multiple of 128, said at its compile).
+    ("splash_block_q", lambda v: v is None or (v >= 8 and v % 8 == 0), "a positive multiple of 8 (128 on a TPU)"),
+    ("splash_block_kv", lambda v: v is None or (v >= 8 and v % 8 == 0), "a positive multiple of 8 (128 on a TPU)"),
     # NaN turned the watchdog off; a few ms ended every attempt (exit 1) at its first step.
     ("hang_timeout_s", lambda v: cli.finite(v) and (v == 0 or v >= 1), ">= 1 second, or 0 (never)"),
     ("run_dir", lambda v: bool(v), "a directory (it is empty)")])
@@ -324,7 +333,7 @@ def main(argv):
     elif kind == "linear":
         schedule = schedules.linear_schedule(F.lr, F.warmup_steps, F.total_steps)
     else:
-        schedule = schedules.constant_schedule(F.lr)
+        schedule = schedules.constant_schedule(F.lr, F.warmup_steps)
     optimizer = optim.SkipStepAdamW(schedule, b1=F.b1, b2=F.b2, eps=F.eps, weight_decay=F.weight_decay,
                                     decay_mask=decay_mask, max_grad_norm=F.max_grad_norm,
                                     skip_steps=F.skip_steps)
@@ -661,6 +670,9 @@ def check_flags():
         if done is not None:
             raise app.UsageError(f"--run_dir={F.run_dir} already holds a run (checkpoints up to step {done}); add "
                                  "--resume to continue it, or give a new --run_dir")
+    if F.tokenizer != "dolma2" and not F.data.startswith("mix:"):   # it would be ignored
+        raise app.UsageError(f"--tokenizer={F.tokenizer} picks a data mix's token files (--data=mix:NAME); "
+                             f"--data={F.data} is tokenized here, with dolma2")
     for name in ("data_dir", "packing_cache"):
         if F[name].value:
             atomic.existing_directory(F[name].value, f"--{name}")

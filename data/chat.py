@@ -139,6 +139,8 @@ def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
                 out.append(parse(json.loads(line)))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON object ({e.msg}); {what}") from None
+            except RecursionError:   # nested deeper than Python's recursion limit
+                raise ValueError(f"{path}:{n}: nested too deeply to be a conversation; {what}") from None
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: {e}; {what}") from None
     if not out:

@@ -117,9 +117,11 @@ def linear_schedule(peak: float = STAGE2_PEAK, warmup: int = 0, total: int = STA
     return schedule
 
 
-def constant_schedule(peak: float) -> Schedule:
-    """Constant lr (debugging, ablations)."""
-    return lambda step: jnp.full((), peak, jnp.float32) + 0.0 * _n(step)
+def constant_schedule(peak: float, warmup: int = 0) -> Schedule:
+    """Linear warmup over `warmup` steps (as `linear_schedule`'s), then a constant lr: OLMo-core
+    `ConstantWithWarmup` (debugging, ablations)."""
+    return lambda step: peak * jnp.minimum(_n(step), warmup) / max(warmup, 1) if warmup else (
+        jnp.full((), peak, jnp.float32) + 0.0 * _n(step))
 
 
 _SCHEDULES = {"cosine": stage1_schedule, "linear": linear_schedule, "constant": constant_schedule}

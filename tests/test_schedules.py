@@ -115,3 +115,14 @@ def test_make_schedule_and_errors():
         S.make_schedule("linear", peek=1.0)
     with pytest.raises(ValueError, match="joined_at"):
         S.stage1_schedule(total=100, joined_at=200, first_total=150)
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 5])
+def test_constant_matches_olmo_core_constant_with_warmup(warmup):
+    """--schedule=constant honours --warmup_steps (it used to drop it): OLMo-core's own
+    ConstantWithWarmup.get_lr at its 1-based step, warmup 0 being a plain constant."""
+    scheduler = pytest.importorskip("olmo_core.optim.scheduler")
+    f = jax.jit(S.constant_schedule(3e-4, warmup))
+    for s in range(12):
+        want = scheduler.ConstantWithWarmup(warmup=warmup).get_lr(3e-4, s + 1, 100) if warmup else 3e-4
+        np.testing.assert_allclose(float(f(s)), want, rtol=1e-6)
