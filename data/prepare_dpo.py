@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import sys
 
+from absl import logging
+
 from data import chat
 from data.preference import write_pairs
 
@@ -47,6 +49,11 @@ def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, ma
     renamed into place: a failure leaves nothing); returns the manifest (data/preference.py)."""
     chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"chosen": [...], "rejected": [...]} lines')
     rows = read_pairs(input_path, template)
+    same = [i for i, (c, r) in enumerate(rows) if c == r]
+    if same:   # kept, as open-instruct keeps them; but they are a data bug worth a look
+        logging.warning("%s: %d pair(s) have the same chosen and rejected messages (first: pair %d); each trains "
+                        "nothing (its margin is 0, its loss log 2) and weighs in every batch's mean",
+                        input_path, len(same), same[0] + 1)
     rendered = ((chat.encode_with_mask(c, template, last_turn=True), chat.encode_with_mask(r, template, last_turn=True))
                 for c, r in rows)
     from olmo3.checkpoint import new_directory
