@@ -258,6 +258,8 @@ def read_jsonl(path: str, torn_tail_ok: bool = False) -> list[dict]:
                                         path, i, len(line))
                         break
                     raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+                if not isinstance(out[-1], dict):
+                    raise ValueError(f"{path}:{i}: a JSON {type(out[-1]).__name__}, not an object")
     return out
 
 

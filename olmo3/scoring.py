@@ -251,9 +251,12 @@ def load_task(path: str) -> tuple[list[dict], list[dict]]:
                          "'choices' and 'gold'")
     for i, d in enumerate(docs):
         if not (isinstance(d.get("context"), str) and isinstance(d.get("choices"), list) and d["choices"]
-                and isinstance(d.get("gold"), int) and 0 <= d["gold"] < len(d["choices"])):
+                and isinstance(d.get("gold"), int) and not isinstance(d["gold"], bool)):
             raise ValueError(f"{path}: document {i} needs 'context' (str), 'choices' (non-empty list) and "
                              f"'gold' (an index into choices); got keys {sorted(d)}")
+        if not 0 <= d["gold"] < len(d["choices"]):
+            raise ValueError(f"{path}: document {i} has 'gold' {d['gold']}, not an index into its "
+                             f"{len(d['choices'])} choices (0..{len(d['choices']) - 1})")
     shots_path = path[:-len(".jsonl")] + ".fewshot.jsonl" if path.endswith(".jsonl") else None
     pool = read_jsonl(shots_path) if shots_path and os.path.exists(shots_path) else None
     return docs, pool

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import equinox as eqx
 import jax
@@ -635,3 +636,14 @@ def test_heldout_domains_from_a_data_mix(tmp_path, monkeypatch):
     monkeypatch.setenv("OLMO3_MIXES_DIR", str(tmp_path / "mixes"))
     sets = eval_script.heldout_sets("stdlib", 32, 512, data_mix="local-ppl", data_root=str(tmp_path / "root"))
     assert sorted(sets) == ["c4_en", "wiki"] and all(len(ds) == 4 for ds in sets.values())
+
+
+def test_local_task_with_a_bad_document_names_it(tmp_path):
+    """A 'gold' out of range names the document and its choices (the message listed keys that
+    were all present); a line that is not an object says so."""
+    for lines, says in ((['{"context": "a", "choices": ["x", "y"], "gold": 0}', '{"context": "b", "choices": ["x"], "gold": 3}'],
+                         "document 1 has 'gold' 3, not an index into its 1 choices (0..0)"),
+                        (['[1, 2]'], "1: a JSON list, not an object")):
+        (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
+        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 't.jsonl'}") + ":? ?" + re.escape(says)):
+            scoring.load_task(str(tmp_path / "t.jsonl"))
