@@ -31,6 +31,7 @@ import dataclasses
 import http.client
 import json
 import os
+import queue
 import random
 import re
 import socket
@@ -64,6 +65,7 @@ class UnreachableError(RemoteFileError):
 class FinalRemoteError(RemoteFileError, UserError):
     """A remote file that no retry will read (access denied, truncated, Range ignored): the
     message names the URL and the fix; scripts end with exit status 2, never resubmitted."""
+    final = True
 
 
 class TruncatedFileError(FinalRemoteError):
@@ -123,10 +125,17 @@ _TRANSIENT_HTTP = (408, 425, 429, 500, 502, 503, 504)
 def _is_transient(e: BaseException) -> bool:
     if isinstance(e, urllib.error.HTTPError):
         return e.code in _TRANSIENT_HTTP
+    if isinstance(e, http.client.InvalidURL):   # a malformed URL stays malformed
+        return False
     if isinstance(e, (urllib.error.URLError, ConnectionError, TimeoutError, socket.timeout,
                       http.client.HTTPException, concurrent.futures.TimeoutError)):
         return True
     if isinstance(e, ValueError):
+        # TensorStore files most HTTP statuses it has no name for (301, 405, 422, ...) under
+        # UNKNOWN, and 308 under UNAVAILABLE: the status itself decides.
+        status = re.search(r"\[HTTP code (\d+)\]", str(e))
+        if status:
+            return int(status.group(1)) in _TRANSIENT_HTTP
         return str(e).split(":", 1)[0].strip() in _TRANSIENT_CODES
     return False
 
@@ -166,7 +175,14 @@ def _context() -> ts.Context:
 
 def _store_and_key(url: str) -> tuple[ts.KvStore, str]:
     """One shared kvstore per origin (scheme, host, query) / bucket; the key is the object path."""
+    if re.search(r"[\x00-\x20\x7f]", url):
+        raise ValueError(f"{url!r} holds a space or control character; percent-encode it (a space is %20)")
     u = urllib.parse.urlsplit(url)
+    escaped = re.search(r"%(2[FfBb])", u.path)
+    if escaped:   # TensorStore requests '/' and '+' unescaped: another folder; on S3, '+' is a space
+        raise ValueError(f"{url!r} escapes {'/' if escaped.group(1) in 'Ff' else '+'} as %{escaped.group(1)} in "
+                         "its path; token files are read by their decoded path, which names another object: "
+                         "serve the file under a name without it")
     if u.scheme in ("http", "https"):
         origin = f"{u.scheme}://{u.netloc}" + (f"?{u.query}" if u.query else "")
         spec, key = {"driver": "http", "base_url": origin}, urllib.parse.unquote(u.path)
@@ -186,6 +202,18 @@ def _store_and_key(url: str) -> tuple[ts.KvStore, str]:
         if spec_key not in _STORES:
             _STORES[spec_key] = ts.KvStore.open(spec, context=_context()).result()
         return _STORES[spec_key], key
+
+
+# The characters TensorStore's http driver leaves unescaped in a key (the rest it percent-encodes),
+# as requests to a local server showed: sizes are asked of the very URL the reads will request.
+_UNESCAPED_BY_TENSORSTORE = "!$&'()*+,/:;=~-._"
+
+
+def _as_read(url: str) -> str:
+    """The http(s) URL TensorStore requests for `url` (its path decoded, then encoded its way)."""
+    u = urllib.parse.urlsplit(url)
+    path = urllib.parse.quote(urllib.parse.unquote(u.path), safe=_UNESCAPED_BY_TENSORSTORE)
+    return urllib.parse.urlunsplit((u.scheme, u.netloc, path, u.query, ""))
 
 
 def _read_once(url: str, start: int, stop: int, timeout: float) -> bytes:
@@ -246,12 +274,13 @@ def read_bytes(url: str, start: int, stop: int, policy: RetryPolicy = DEFAULT_RE
 
 def _head_size(url: str, timeout: float) -> int | None:
     """Content-Length from an HTTP HEAD, or None when the server gives none (then we probe)."""
-    req = urllib.request.Request(url, method="HEAD", headers={"Accept-Encoding": "identity"})
+    req = urllib.request.Request(_as_read(url), method="HEAD", headers={"Accept-Encoding": "identity"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             _not_redirected(url, r)
-            n = r.headers.get("Content-Length")
-            return int(n) if n is not None and r.headers.get("Content-Encoding", "identity") == "identity" else None
+            n = (r.headers.get("Content-Length") or "").strip()
+            # None (probe the ranges) unless one plain number for an unencoded body
+            return int(n) if n.isdigit() and r.headers.get("Content-Encoding", "identity") == "identity" else None
     except urllib.error.HTTPError as e:
         if e.code in (405, 501):  # HEAD not allowed: fall back to range probing
             return None
@@ -261,7 +290,7 @@ def _head_size(url: str, timeout: float) -> int | None:
 def _not_redirected(url: str, response) -> None:
     """urllib follows redirects, TensorStore's reads do not: a root that redirects would size every
     file and then fail every read, so it is refused when its sizes are fetched."""
-    if response.geturl() != url:
+    if response.geturl() != _as_read(url):
         raise FinalRemoteError(f"{url} redirects to {response.geturl()}; token files are read by byte "
                                "range without following redirects: pass the root it redirects to as --data_root")
 
@@ -277,7 +306,7 @@ def _http_error(url: str, e: urllib.error.HTTPError):
                                "and the credentials the server wants") from e
     if _is_transient(e):
         raise e
-    raise RemoteFileError(f"{url}: HTTP {e.code} {e.reason}; check --data_root") from e
+    raise FinalRemoteError(f"{url}: HTTP {e.code} {e.reason}; check --data_root") from e
 
 
 _CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
@@ -286,7 +315,8 @@ _CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
 def _range_total(url: str, start: int, timeout: float) -> int:
     """The file size an HTTP server states in Content-Range, asking for the byte at `start` (which
     must exist, or `start` 0 of a possibly empty file: a 416 there means size 0)."""
-    req = urllib.request.Request(url, headers={"Range": f"bytes={start}-{start}", "Accept-Encoding": "identity"})
+    req = urllib.request.Request(_as_read(url), headers={"Range": f"bytes={start}-{start}",
+                                                         "Accept-Encoding": "identity"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             _not_redirected(url, r)
@@ -301,8 +331,8 @@ def _range_total(url: str, start: int, timeout: float) -> int:
         raise FinalRemoteError(f"{url}: the server ignores HTTP Range requests; token files are read by "
                               "byte range, so use a root (mirror) that supports them")
     if m is None or (status == 416 and start != 0):
-        raise RemoteFileError(f"{url}: HTTP {status} with Content-Range {content_range!r} for bytes "
-                              f"{start}-{start}; the server does not state the file's size")
+        raise FinalRemoteError(f"{url}: HTTP {status} with Content-Range {content_range!r} for bytes "
+                               f"{start}-{start}; the server does not state the file's size: use another mirror")
     if status == 206 and (not m.group(1) == m.group(2) == str(start) or len(body) != 1):
         # Another range, or a body cut short: a broken answer, retried like a dropped connection.
         raise http.client.HTTPException(f"{url}: asked for byte {start}, got Content-Range "
@@ -347,21 +377,21 @@ def fetch_size(url: str, policy: RetryPolicy = DEFAULT_RETRY, error: type = Remo
     total. gs:// and s3:// probe by range reads, which their APIs answer past the end too."""
     if urllib.parse.urlsplit(url).scheme in ("http", "https"):
         n = _with_retries("HEAD", url, lambda: _head_size(url, policy.timeout), policy, error)
-        if n is None:
+        if not n:   # none, or 0 (a HEAD answered without a body's length): the ranges say
             n = _with_retries("asking the size of", url, lambda: _range_total(url, 0, policy.timeout), policy, error)
         if n:
             total = _with_retries("checking the end of", url, lambda: _range_total(url, n - 1, policy.timeout),
                                   policy, error)
             if total != n:
-                raise RemoteFileError(f"{url}: the server reported {n} bytes but its ranges say {total}; it "
-                                      "does not report sizes reliably (a compressing proxy?). Use another mirror.")
+                raise FinalRemoteError(f"{url}: the server reported {n} bytes but its ranges say {total}; it "
+                                       "does not report sizes reliably (a compressing proxy?). Use another mirror.")
         return n
     n = _probe_size(url, policy, error)
     if n and n % ITEMSIZE == 0:  # the last token is there, and nothing after it
         read_bytes(url, n - ITEMSIZE, n, policy, error)
         if _with_retries("checking the end of", url, lambda: _exists(url, n, policy.timeout), policy, error):
-            raise RemoteFileError(f"{url}: the server reported {n} bytes but holds more; it does not "
-                                  "report sizes reliably (a compressing proxy?). Use another mirror.")
+            raise FinalRemoteError(f"{url}: the server reported {n} bytes but holds more; it does not "
+                                   "report sizes reliably (a compressing proxy?). Use another mirror.")
     return n
 
 
@@ -450,6 +480,35 @@ class RemoteTokenFile:
         return f"RemoteTokenFile({self.path!r}, {self.nbytes} bytes)"
 
 
+def _sizes_as_they_come(urls: Sequence[str], policy: RetryPolicy, threads: int):
+    """(url, its size or the error fetching it) for each of `urls`, in the order they finish,
+    from up to `threads` daemon threads. A caller that stops at the first hard error is held up
+    neither by files still retrying (ThreadPoolExecutor's exit, and the interpreter's, waits for
+    them: minutes under DEFAULT_RETRY) nor by files not yet started (none start after it stops)."""
+    waiting, finished, stop = queue.SimpleQueue(), queue.SimpleQueue(), threading.Event()
+    for u in urls:
+        waiting.put(u)
+
+    def work():
+        while not stop.is_set():
+            try:
+                u = waiting.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                finished.put((u, fetch_size(u, policy)))
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller
+                finished.put((u, e))
+
+    for _ in range(max(1, min(threads, len(urls)))):
+        threading.Thread(target=work, name="olmo3-sizes", daemon=True).start()
+    try:
+        for _ in urls:
+            yield finished.get()
+    finally:
+        stop.set()
+
+
 def open_token_files(
     paths: Sequence[str],
     *,
@@ -482,26 +541,25 @@ def open_token_files(
             sizes[first] = fetch_size(first, FAST_FAIL, UnreachableError)
             todo.remove(first)
         missing = []
-        with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(todo)))) as pool:
-            futs = {u: pool.submit(fetch_size, u, policy) for u in todo}
-            try:
-                for u, f in futs.items():
-                    try:
-                        sizes[u] = f.result()
-                    except FileNotFoundError:
-                        missing.append(u)
-            except BaseException:
-                pool.shutdown(wait=False, cancel_futures=True)  # report the first hard error now
-                raise
+        for u, size in _sizes_as_they_come(todo, policy, threads):
+            if isinstance(size, FileNotFoundError):
+                missing.append(u)
+            elif isinstance(size, BaseException):
+                raise size   # the first hard error, at once
+            else:
+                sizes[u] = size
         if missing:
             raise MissingRemoteFileError(
                 f"{len(missing)} of {len(remote)} token files are not on the server, e.g. "
                 f"{', '.join(missing[:3])}. Check --data_root, --tokenizer and the mix name.")
-        if todo or refresh or first not in known:
-            save_manifest(manifest, {u: sizes[u] for u in remote})
+        whole = {u: n for u, n in sizes.items() if n % ITEMSIZE == 0}
+        if (todo or refresh or first not in known) and whole:
+            save_manifest(manifest, whole)   # a size no token file has is never recorded
         for u in remote:
             if sizes[u] % ITEMSIZE:
-                raise ValueError(f"token file {u} has {sizes[u]} bytes, not a multiple of 4: it is not a "
+                where = (f" (as the size manifest {manifest} records it: delete that entry if the server copy "
+                         "was fixed)") if u in known and not refresh else ""
+                raise ValueError(f"token file {u} has {sizes[u]} bytes{where}, not a multiple of 4: it is not a "
                                  "headerless uint32 token file, or the server copy is truncated")
     out = []
     for p in paths:

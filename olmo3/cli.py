@@ -48,7 +48,10 @@ NON_FINITE = 3
 
 
 class UserError(ValueError):
-    """A flag, path or input file is wrong; the message names it and the fix."""
+    """A flag, path or input file is wrong; the message names it and the fix. `final`: raised
+    where a storage failure was already judged incurable (data.storage.FinalRemoteError), so the
+    status words of the storage error it wraps (UNAVAILABLE for an HTTP 308) do not make it a retry."""
+    final = False
 
 
 class NonFiniteError(FloatingPointError):
@@ -173,7 +176,7 @@ def exit_status(e: BaseException) -> int:
         return NON_FINITE
     if is_out_of_memory(e):
         return 1 if _running and not _oom_final else USER_ERROR
-    if is_disk_full(e):
+    if is_disk_full(e) or (isinstance(e, UserError) and e.final):
         return USER_ERROR
     kind = storage_error_kind(e)
     if kind == "transient" or (_running and kind):

@@ -291,11 +291,13 @@ def test_errors_no_retry_cures_end_with_status_2(tmp_path, monkeypatch):
         assert cli.exit_status(storage.RemoteFileError(f"reading {url} failed 10 times")) == 1
 
 
-@pytest.mark.parametrize("status", [404, 410, 400, 501])
+@pytest.mark.parametrize("status", [404, 410, 400, 501, 301, 308, 405, 422])
 def test_a_file_the_server_refuses_mid_run_ends_with_status_2_naming_it(tmp_path, monkeypatch, status):
     """A token file deleted from the server (404 / 410) or refused for good (400, 501) after the
     run started: one line naming the URL, exit status 2 (before, a 404 was retried as exit 1 and
-    each rerun trained back to the same step; 410, 400 and 501 named no file)."""
+    each rerun trained back to the same step; 410, 400 and 501 named no file). TensorStore files
+    301, 405, 422 and most statuses it has no name for under UNKNOWN, 308 under UNAVAILABLE: they
+    were retried, then ended the run with exit 1, and every resubmission met them again."""
     from olmo3 import cli
     rel = _corpus(tmp_path, [6 * SEQ, 6 * SEQ], seed=6)
     with RangeServer(tmp_path) as srv:
@@ -311,6 +313,70 @@ def test_a_file_the_server_refuses_mid_run_ends_with_status_2_naming_it(tmp_path
     assert isinstance(e.value, FileNotFoundError) == (status in (404, 410))
     monkeypatch.setattr(cli, "_running", True)
     assert cli.exit_status(e.value) == 2
+
+
+def test_sizes_no_retry_cures_end_with_status_2_and_one_hard_error_is_said_at_once(tmp_path, monkeypatch):
+    """While sizing: a HEAD refused for good (400), and a server whose ranges disagree with its
+    HEAD, end with exit 2 (they were exit 1: resubmitted); a HEAD saying 0 bytes is checked against
+    the ranges (a file was sized empty and its instances vanished); a size that is not whole
+    tokens is never recorded. The first hard error is raised while other files still retry: it
+    used to wait for every retry budget (minutes)."""
+    from olmo3 import cli
+    rel = _corpus(tmp_path, [3 * SEQ, 3 * SEQ, 3 * SEQ, 3 * SEQ], seed=9)
+    with RangeServer(tmp_path) as srv:
+        urls = [f"{srv.url}/{r}" for r in rel]
+        srv.answers["/" + rel[1]] = (400, None)
+        with pytest.raises(storage.FinalRemoteError, match=re.escape(urls[1]) + ".*HTTP 400") as e:
+            storage.open_token_files(urls[:2])
+        assert cli.exit_status(e.value) == 2
+        del srv.answers["/" + rel[1]]
+
+        real_head = storage._head_size
+        monkeypatch.setattr(storage, "_head_size", lambda url, timeout: 0)   # "Content-Length: 0"
+        assert storage.fetch_size(urls[2]) == 4 * 3 * SEQ
+        monkeypatch.setattr(storage, "_head_size", lambda url, timeout: 4 * 3 * SEQ - 8)
+        with pytest.raises(storage.FinalRemoteError, match="reported 760 bytes but its ranges say 768") as e:
+            storage.fetch_size(urls[2])
+        assert cli.exit_status(e.value) == 2
+        monkeypatch.setattr(storage, "_head_size", real_head)
+
+        with open(tmp_path / rel[3], "ab") as fh:
+            fh.write(b"\0")
+        with pytest.raises(ValueError, match="not a multiple of 4"):
+            storage.open_token_files(urls)
+        with open(tmp_path / rel[3], "r+b") as fh:
+            fh.truncate(4 * 3 * SEQ)
+        assert urls[3] not in storage.load_manifest(storage.default_manifest_path())
+        assert [f.nbytes for f in storage.open_token_files(urls)] == [4 * 3 * SEQ] * 4   # the fix is seen
+
+    rel = _corpus(tmp_path, [SEQ] * 6, seed=10)
+    with RangeServer(tmp_path) as srv:
+        urls = [f"{srv.url}/{r}" for r in rel]
+        for r in rel[1:]:
+            srv.answers["/" + r] = (503, None)   # every file but the first retries ...
+        srv.answers["/" + rel[3]] = (403, None)  # ... and one is refused for good
+        monkeypatch.setattr(storage, "DEFAULT_RETRY", storage.RetryPolicy(attempts=30, initial_delay=0.4,
+                                                                          max_delay=0.4, timeout=5.0))
+        t0 = time.perf_counter()
+        with pytest.raises(storage.FinalRemoteError, match=re.escape(urls[3]) + ".*access denied"):
+            storage.open_token_files(urls, manifest=str(tmp_path / "m.json"))
+        assert time.perf_counter() - t0 < 5   # the others retry for ~6 s each
+
+
+def test_urls_that_name_another_object_than_is_read_are_refused(tmp_path):
+    """TensorStore requests the decoded path: %2F is read as a folder, %2B as '+' (a space on
+    S3), so the size came from one object and the tokens from another. A raw space is refused
+    before any request (it was retried as an unreachable root, exit 1). Other escapes are sized
+    at the URL TensorStore requests, so both come from one object."""
+    os.makedirs(tmp_path / "d")
+    np.arange(4, dtype=np.uint32).tofile(tmp_path / "a!b.npy")
+    with RangeServer(tmp_path) as srv:
+        for bad in ("d%2Fe.npy", "a%2Bb.npy", "a b.npy"):
+            with pytest.raises(ValueError, match=re.escape(f"{srv.url}/{bad}")):
+                storage.open_token_files([f"{srv.url}/{bad}"])
+        assert srv.requests == {}
+        f, = storage.open_token_files([f"{srv.url}/a%21b.npy"])
+        np.testing.assert_array_equal(f.read(0, 4), np.arange(4))
 
 
 def test_a_redirecting_root_is_refused_at_open(tmp_path):
@@ -395,8 +461,8 @@ def test_size_by_range_probing(tmp_path, nbytes):
 def test_http_never_asks_past_the_end(tmp_path, no_head):
     """Against a strict server (416 with `bytes */size` past the end) no request starts at or after
     a file's size: not while sizing, checking the end, opening, or reading every instance. An
-    empty file is sized 0 (from HEAD, or from the 416 to its byte 0 when there is no HEAD) and
-    holds no instance."""
+    empty file is sized 0 from the 416 to its byte 0 (HEAD's Content-Length 0 is not taken alone:
+    a HEAD answered without the body's length says 0 too) and holds no instance."""
     rel = _corpus(tmp_path, SIZES, seed=6)
     want = _plain_instances([tmp_path / r for r in rel], SEQ)
     (tmp_path / "mix" / "empty.npy").write_bytes(b"")
@@ -412,8 +478,8 @@ def test_http_never_asks_past_the_end(tmp_path, no_head):
         with pytest.raises(ValueError, match="no file holds a full instance"):
             data.FSLDataset([f"{srv.url}/mix/empty.npy"], SEQ)
         assert len(data.FSLDataset([f"{srv.url}/mix/empty.npy", *urls], SEQ)) == len(want)
-        # Only without HEAD, and only for the empty file, is byte 0 asked for: its 416 means "empty".
-        assert srv.past_end == (["bytes=0-0"] * 2 if no_head else []), srv.past_end
+        # Only for the empty file is byte 0 asked for: its 416 means "empty".
+        assert srv.past_end == ["bytes=0-0"] * 2, srv.past_end
 
 
 def test_manifest_errors(tmp_path):
