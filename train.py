@@ -504,7 +504,9 @@ def main(argv):
     max_steps = F.max_steps if F.max_steps is not None else F.total_steps
     tokens_per_step = F.global_batch * F.seq_len * (2 if F.stage == "dpo" else 1)   # DPO: chosen + rejected
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}
-    log = metrics_lib.MetricsWriter(F.run_dir, enabled=is_main, purge_step=start + 1 if start else None)
+    # TensorBoard hides what an earlier attempt logged past the checkpoint (all of it when this run
+    # starts from step 0 in a directory an attempt died in before its first checkpoint).
+    log = metrics_lib.MetricsWriter(F.run_dir, enabled=is_main, purge_step=start + 1 if start else 0)
     # MFU's peak: --peak_tflops, the device's nominal peak, or measured (and kept honest) by process 0.
     peak = metrics_lib.PeakFlops(F.peak_tflops, dtype=config.dtype) if is_main else None
     clock = metrics_lib.StepClock(tokens_per_step, flops, metrics_lib.peak_units(n_devices), peak)

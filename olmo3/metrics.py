@@ -343,14 +343,17 @@ class StepClock:
 
     def eta_s(self, step: int, max_steps: int, eval_interval: int, save_interval: int,
               downstream_interval: Optional[int] = None) -> float:
-        """Seconds left: steps at the windowed step time, plus the evaluations (every
-        eval_interval, every save_interval and at the end), the downstream evaluations (every
-        downstream_interval) and saves still to come, each at its last duration (a resumed run
-        starts from those its checkpoint recorded: train.py seeds `last`)."""
-        if not self.times:
+        """Seconds left after step `step`'s line: steps at the windowed step time, plus the
+        evaluations (every eval_interval, every save_interval and at the end), the downstream
+        evaluations (every downstream_interval) and saves still to come, each at its last duration
+        (a resumed run starts from those its checkpoint recorded: train.py seeds `last`). The line
+        is written after the step's evaluations and before its save, so that save is still to
+        come. NaN (no ETA shown) until a step after the compiling one has been timed: a 60 s
+        compile made the first line of a 9,000-step resume promise six days."""
+        if not self.times or self._steps < 2:
             return math.nan
         evals = _events_left(step, max_steps, eval_interval, save_interval)
-        saves = _events_left(step, max_steps, save_interval)
+        saves = _events_left(step - 1, max_steps, save_interval)
         downstream = _multiples(step, max_steps, downstream_interval) if downstream_interval else 0
         return (sum(self.times) / len(self.times) * (max_steps - step) + evals * self.last.get("eval", 0.0)
                 + saves * self.last.get("save", 0.0) + downstream * self.last.get("downstream", 0.0))

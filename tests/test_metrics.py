@@ -168,6 +168,9 @@ def test_windowed_tokens_per_s_and_eta():
     saves = sum(1 for s in range(step + 1, max_steps + 1) if s % 25 == 0 or s == max_steps)
     expect = np.mean(times[-4:]) * (max_steps - step) + 7.0 * evals + 3.0 * saves
     assert sc.eta_s(step, max_steps, 10, 25) == pytest.approx(expect)
+    # At a save step (25) its own save is still ahead of the line: counted. At the last step too.
+    assert sc.eta_s(25, 100, 10, 25) - sc.eta_s(26, 100, 10, 25) == pytest.approx(np.mean(times[-4:]) + 3.0)
+    assert sc.eta_s(100, 100, 10, 25) == pytest.approx(3.0)
     clock.advance(2.0)
     assert sc.step_done(10)["perf/step_time_s"] == pytest.approx(2.0)   # eval and save not billed
     # downstream evaluations every 20 steps add theirs; a resumed clock, seeded with the durations
@@ -178,7 +181,9 @@ def test_windowed_tokens_per_s_and_eta():
     assert sc.eta_s(10, 100, 10, 25, 20) == pytest.approx(sc.eta_s(10, 100, 10, 25) + 11.0 * downstream)
     resumed = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, window=4, clock=clock)
     resumed.last.update({"eval": 7.0, "save": 3.0})
-    run_steps(resumed, clock, [2.0, 2.0])
+    run_steps(resumed, clock, [50.0])   # the compiling step alone: no ETA from it
+    assert math.isnan(resumed.eta_s(9, 100, 10, 25))
+    run_steps(resumed, clock, [2.0])
     assert resumed.eta_s(9, 100, 10, 25) == pytest.approx(2.0 * 91 + 7.0 * evals + 3.0 * saves)
 
 
