@@ -552,3 +552,17 @@ def test_safetensors_format_dcp_is_named_not_called_damaged(tmp_path):
     reader = olmo_core.DistCheckpointReader(str(tmp_path / "safetensors"))
     with pytest.raises(olmo_core.UserError, match="safetensors-format.*save it again with the default"):
         reader.read("model.embeddings.weight")
+
+
+@pytest.mark.parametrize("seq_len", [4096, 8192, 65536])
+def test_sliding_flops_are_olmo_core_s_num_flops_per_token(seq_len):
+    """perf/mfu_sliding's count is OLMo-core 3.0's own TransformerModel.num_flops_per_token (exact
+    causal and sliding-window (query, key) pairs, lm_head included) plus the two block norms'
+    6 x params, which OLMo-core leaves out: the 7B built on the meta device."""
+    from olmo_core.nn.transformer import TransformerConfig
+
+    from olmo3.config import Config
+    theirs = TransformerConfig.olmo3_7B(vocab_size=100278).build(init_device="meta").num_flops_per_token(seq_len)
+    c = Config.olmo3_7b()
+    norms = 6 * 2 * c.d_model * c.n_layers
+    assert c.train_flops_per_token(seq_len, "sliding") - norms == pytest.approx(theirs, rel=1e-12)
