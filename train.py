@@ -524,7 +524,7 @@ def main(argv):
     step = start
     # A preemption notice (SIGTERM; on any process of a multi-process run) ends the loop after the
     # step in progress, with a checkpoint of it: olmo3/preemption.py.
-    notice = preemption.Notice()
+    notice = preemption.Notice(start)
     stopped = False
     hang = watchdog.Watchdog(F.hang_timeout_s)   # a step that never finishes: exit 1, rerun (not a lost allocation)
     # Out of memory in an evaluation's first run is final too (its shapes never fitted, and every

@@ -15,7 +15,11 @@ waits for it to be written and exits with status 143.
   any one process to all of them (a preempted TPU VM or GPU node is signalled alone) and answers
   True on every process at the same step: the largest step any of them had reported, plus one
   (`multihost_utils.reached_preemption_sync_point`). A Python handler here would replace JAX's,
-  so none is installed.
+  so none is installed. The manager counts from 0 when it starts, and a notice before the first
+  question is answered at its step 1: it is asked about the steps of this attempt, 1, 2, ...
+  (step - start), so that a resumed run's notice during its restore or first compile stops it
+  after its first step, as it does a fresh run (asked about its global steps, a run resumed at
+  1000 never met step 1 and trained on until SIGKILL).
 
 143 is 128 + SIGTERM, what a shell reports for a process that SIGTERM ended. It is not 0, so a
 Kubernetes Job does not count the pod as completed, and it is retryable: `--resume_until_done`
@@ -35,8 +39,10 @@ class Notice:
     """Whether this process (or, across processes, any process) was told to stop; install once
     the processes have joined (olmo3.cluster.start), before the first step."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
+        """`start`: the step this attempt starts after (the restored checkpoint's)."""
         import jax
+        self._start = start
         self._received = False   # a plain bool: the handler must take no lock (below)
         self._previous = None
         self._mode = "jax" if jax.process_count() > 1 else "signal"
@@ -61,7 +67,7 @@ class Notice:
             return False
         from jax.experimental import multihost_utils
         try:
-            return multihost_utils.reached_preemption_sync_point(step)
+            return multihost_utils.reached_preemption_sync_point(step - self._start)
         except RuntimeError as e:   # jax_enable_preemption_service turned off by the user
             logging.warning("preemption notices are off (%s): SIGTERM ends the run without a checkpoint",
                             " ".join(str(e).split()))

@@ -36,3 +36,38 @@ def test_sigterm_flood_never_deadlocks_the_handler():
     p = subprocess.run([sys.executable, "-c", FLOOD, "200000", "4"], env=env, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0 and "reached True" in p.stdout, (p.stdout + p.stderr)[-3000:]
+
+
+EARLY = r"""
+import os, signal, sys, time
+import jax
+start, rank, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=rank)
+from olmo3.preemption import Notice
+if rank == 0:
+    os.kill(os.getpid(), signal.SIGTERM)   # during the restore or the first compile, before any step
+    time.sleep(2)                          # the notice reaches the other process first
+notice = Notice(start)
+stop = next((s for s in range(start + 1, start + 40) if notice.reached(s) or time.sleep(0.1)), None)
+print("stopped at", stop, flush=True)
+"""
+
+
+def test_a_notice_before_a_resumed_run_s_first_step_stops_every_process_after_it():
+    """Two processes resumed at step 1000, one signalled before the first step: both stop after
+    step 1001. JAX's sync manager counts from 0 and answered the early notice at its step 1, which a
+    run asking about steps 1001, 1002, ... never met: it trained on until SIGKILL."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", EARLY, "1000", str(rank), port], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(2)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "stopped at 1001" in out, (out + err)[-3000:]
