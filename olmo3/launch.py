@@ -45,7 +45,7 @@ def backoff_delay(failures: int, base_delay_s: float, max_delay_s: float,
                   rng: random.Random) -> float:
     """Delay before the rerun after `failures` consecutive failures (>= 1): a cap that doubles
     per failure, base * 2^(failures-1) up to max_delay_s, and a uniform draw in [cap/2, cap]."""
-    cap = min(max_delay_s, base_delay_s * 2.0 ** (failures - 1))
+    cap = min(max_delay_s, base_delay_s * 2.0 ** min(failures - 1, 64))   # 2.0 ** 1024 overflows
     return cap / 2.0 + rng.uniform(0.0, cap / 2.0)
 
 
@@ -120,12 +120,12 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
             progressed = after is not None and (before is None or after > before)
             since = (f", checkpoint {after} new" if progressed else
                      f", no checkpoint newer than {before}" if before is not None else ", no checkpoint yet")
-        failures = 1 if progressed else failures + 1
+        failures = 0 if progressed else failures + 1   # attempts in a row that failed without progress
         if max_attempts is not None and failures >= max_attempts:
             log(f"[launch] giving up after {failures} consecutive failed attempts without progress "
                 f"(last rc {rc}{since})")
             return rc
-        delay = backoff_delay(failures, base_delay_s, max_delay_s, rng)
+        delay = backoff_delay(max(failures, 1), base_delay_s, max_delay_s, rng)
         log(f"[launch] attempt {attempt} exited with {rc} after {ran:.0f}s{since}; "
             f"rerunning in {delay:.1f}s (consecutive failures without progress: {failures})")
         sleep(delay)
@@ -138,17 +138,21 @@ def _run_forwarding_sigterm(argv: Sequence[str]) -> tuple[int, str | None]:
     """Run `argv` to its end; SIGTERM, SIGINT or SIGHUP to this process meanwhile is passed on
     to it as SIGTERM (its checkpoint-and-stop; a Ctrl-C at a terminal has sent the child its own
     SIGINT already). Returns (its exit code, the name of the signal this process was sent, or None)."""
-    told = []
-    proc = subprocess.Popen(list(argv))
+    told, child = [], []
 
     def forward(signum, frame):
         told.append(signal.Signals(signum).name)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        if child and child[0].poll() is None:
+            child[0].send_signal(signal.SIGTERM)
 
+    # Handlers first: a signal between the start of the child and their installation killed the
+    # launcher and left the child training on, unseen (7 in 10 tries of a signal sent at once).
     previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
-        rc = proc.wait()
+        child.append(subprocess.Popen(list(argv)))
+        if told:   # signalled while the child was being started: it is told now
+            child[0].send_signal(signal.SIGTERM)
+        rc = child[0].wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

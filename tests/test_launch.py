@@ -81,9 +81,14 @@ def test_a_new_checkpoint_is_progress_and_time_is_not(tmp_path):
     lines = []
     rc, runs, _ = _run(second, "1,1+,1~,1,1", max_attempts=3, reset_after_s=0.0, log=lines.append,
                        progress=lambda: newest_checkpoint(f"{second}/checkpoints"))
-    assert (rc, runs) == (1, 4)             # a failure that saved checkpoint 2 starts a new count, two more end it
+    assert (rc, runs) == (1, 5)             # a failure that saved checkpoint 2 starts a new count, three more end it
     assert "checkpoint 2 new" in lines[1] and "no checkpoint newer than 2" in lines[2]
     assert lines[-1].startswith("[launch] giving up after 3 consecutive failed attempts without progress")
+    # --max_restarts=1: one failure without a new checkpoint ends it, one with a new checkpoint does
+    # not (the saving attempt counted as the first of a new run of failures, so nothing was rerun).
+    third = tmp_path / "third"
+    third.mkdir()
+    assert _run(third, "1+,1,0", max_attempts=1, progress=lambda: newest_checkpoint(f"{third}/checkpoints"))[:2] == (1, 2)
 
 
 def test_newest_checkpoint_lists_finished_saves_only(tmp_path):
@@ -117,6 +122,7 @@ def test_backoff_is_exponential_jittered_and_capped():
         assert all(cap / 2 <= x <= cap for x in d)
         assert len(set(d)) > 1                                  # jittered
     assert backoff_delay(30, 1.0, 100.0, rng) <= 100.0          # capped, no overflow
+    assert backoff_delay(5000, 30.0, 1800.0, rng) <= 1800.0     # never gives up: failure 1025 overflowed
     with pytest.raises(ValueError):
         run_until_done(["true"], max_attempts=0)
 
@@ -183,3 +189,22 @@ def test_sigterm_is_passed_to_the_child_and_ends_the_loop(tmp_path, name):
     assert p.returncode == 143, err
     assert log.read_text().split() == ["started", "saved"]    # one attempt, which saved
     assert f"{name}: attempt 1 stopped with exit code 143; not rerunning" in err
+
+
+def test_a_signal_while_the_child_starts_reaches_it(tmp_path, monkeypatch):
+    """SIGTERM to the launcher while it is starting the child (in Popen): the child is told once
+    it exists and the launcher stops with its status. The handlers used to be installed after
+    Popen returned, so such a signal killed the launcher and left the child training on."""
+    import os
+    import signal
+    import subprocess
+    from olmo3 import launch
+    real = subprocess.Popen
+
+    def popen_signalled_meanwhile(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)   # lands before Popen returns
+        return real(*args, **kwargs)
+    monkeypatch.setattr(launch.subprocess, "Popen", popen_signalled_meanwhile)
+    lines = []
+    rc = run_until_done([sys.executable, "-c", "import time; time.sleep(60)"], base_delay_s=0.01, log=lines.append)
+    assert rc == 143 and lines == ["[launch] SIGTERM: attempt 1 stopped with exit code 143; not rerunning"]
