@@ -134,6 +134,22 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def _told_when_the_launcher_dies(launcher: int) -> Optional[Callable[[], None]]:
+    """The child's start on Linux: SIGTERM (its checkpoint-and-stop) when the launcher dies, as
+    if the launcher had passed one on. A launcher killed outright (SIGKILL by pid, the OOM
+    killer) used to leave its child training on, unseen, into the run directory a resubmission
+    would then share."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def start():
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:   # it died before the call
+            os.kill(os.getpid(), signal.SIGTERM)
+    return start
+
+
 def _run_forwarding_sigterm(argv: Sequence[str]) -> tuple[int, str | None]:
     """Run `argv` to its end; SIGTERM, SIGINT or SIGHUP to this process meanwhile is passed on
     to it as SIGTERM (its checkpoint-and-stop; a Ctrl-C at a terminal has sent the child its own
@@ -149,7 +165,7 @@ def _run_forwarding_sigterm(argv: Sequence[str]) -> tuple[int, str | None]:
     # launcher and left the child training on, unseen (7 in 10 tries of a signal sent at once).
     previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
-        child.append(subprocess.Popen(list(argv)))
+        child.append(subprocess.Popen(list(argv), preexec_fn=_told_when_the_launcher_dies(os.getpid())))
         if told:   # signalled while the child was being started: it is told now
             child[0].send_signal(signal.SIGTERM)
         rc = child[0].wait()

@@ -208,3 +208,26 @@ def test_a_signal_while_the_child_starts_reaches_it(tmp_path, monkeypatch):
     lines = []
     rc = run_until_done([sys.executable, "-c", "import time; time.sleep(60)"], base_delay_s=0.01, log=lines.append)
     assert rc == 143 and lines == ["[launch] SIGTERM: attempt 1 stopped with exit code 143; not rerunning"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launcher_killed_outright_tells_its_child_to_stop(tmp_path):
+    """SIGKILL to the launcher alone (by pid, or the OOM killer): the child gets SIGTERM, saves and
+    exits, instead of training on, unseen, into a run directory a resubmission shares."""
+    import os
+    import signal
+    import subprocess
+    import time
+    log = tmp_path / "child.txt"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    launcher = (f"import sys; from olmo3.launch import run_until_done; "
+                f"sys.exit(run_until_done([sys.executable, '-c', {TRAPPING!r}, {str(log)!r}], base_delay_s=0.01))")
+    p = subprocess.Popen([sys.executable, "-c", launcher], cwd=root, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not (log.exists() and "started" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    while "saved" not in log.read_text() and time.time() < deadline:
+        time.sleep(0.05)
+    assert log.read_text().split() == ["started", "saved"]
