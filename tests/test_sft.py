@@ -161,7 +161,7 @@ def test_prepare_sft_bad_input_names_file_and_line(tmp_path, line, why):
                        timeout=120)
     assert p.returncode == 2, p.stderr
     err = p.stderr.strip().splitlines()
-    assert len(err) == 1 and f"in.jsonl:2: " in err[0] and why in err[0], p.stderr
+    assert len(err) == 1 and "in.jsonl:2: " in err[0] and why in err[0], p.stderr
     assert not (tmp_path / "out").exists() and [n for n in os.listdir(tmp_path) if n.startswith(".tmp")] == []
 
 
