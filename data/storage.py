@@ -27,6 +27,7 @@ Public API: `open_token_files(paths)` -> LocalTokenFile or RemoteTokenFile reade
 (the interface data/dataset.py uses), `RemoteTokenFile.read_tokens(start, count)`, `is_remote`.
 """
 import concurrent.futures
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -541,13 +542,14 @@ def open_token_files(
             sizes[first] = fetch_size(first, FAST_FAIL, UnreachableError)
             todo.remove(first)
         missing = []
-        for u, size in _sizes_as_they_come(todo, policy, threads):
-            if isinstance(size, FileNotFoundError):
-                missing.append(u)
-            elif isinstance(size, BaseException):
-                raise size   # the first hard error, at once
-            else:
-                sizes[u] = size
+        with contextlib.closing(_sizes_as_they_come(todo, policy, threads)) as coming:   # closed: none start after
+            for u, size in coming:
+                if isinstance(size, FileNotFoundError):
+                    missing.append(u)
+                elif isinstance(size, BaseException):
+                    raise size   # the first hard error, at once
+                else:
+                    sizes[u] = size
         if missing:
             raise MissingRemoteFileError(
                 f"{len(missing)} of {len(remote)} token files are not on the server, e.g. "
