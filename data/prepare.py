@@ -27,6 +27,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -86,15 +87,11 @@ def _chunks(docs: Iterable[corpus_lib.Document]) -> Iterator[list[corpus_lib.Doc
 
 
 def _exit_with_parent(parent: int) -> None:
-    """Worker start: Linux sends SIGKILL when the process that started it dies. Without it, a
-    SIGKILLed prepare (a job's time limit, the OOM killer) left its workers blocked on the task
-    queue forever, each holding the tokenizer."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-        if os.getppid() != parent:   # it died before the call
-            os._exit(1)
+    """Worker start: SIGKILL when the process that started it dies. Without it, a SIGKILLed
+    prepare (a job's time limit, the OOM killer) left its workers blocked on the task queue
+    forever, each holding the tokenizer."""
+    from olmo3.launch import signal_when_parent_dies
+    signal_when_parent_dies(signal.SIGKILL, parent)
 
 
 def encode_documents(docs: Iterable[corpus_lib.Document], workers: int) -> Iterator[tuple[list[corpus_lib.Document], np.ndarray, np.ndarray]]:

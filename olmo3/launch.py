@@ -134,20 +134,22 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def _told_when_the_launcher_dies(launcher: int) -> Optional[Callable[[], None]]:
-    """The child's start on Linux: SIGTERM (its checkpoint-and-stop) when the launcher dies, as
-    if the launcher had passed one on. A launcher killed outright (SIGKILL by pid, the OOM
-    killer) used to leave its child training on, unseen, into the run directory a resubmission
-    would then share."""
-    if not sys.platform.startswith("linux"):
-        return None
-
-    def start():
+def signal_when_parent_dies(sig: int, parent: int) -> None:
+    """Called in a child process (a worker's initializer, a preexec_fn): Linux sends it `sig` when
+    `parent`, the process that started it, dies; if that has happened already, at once. Elsewhere
+    a no-op."""
+    if sys.platform.startswith("linux"):
         import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-        if os.getppid() != launcher:   # it died before the call
-            os.kill(os.getpid(), signal.SIGTERM)
-    return start
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)   # PR_SET_PDEATHSIG
+        if os.getppid() != parent:   # it died before the call
+            os.kill(os.getpid(), sig)
+
+
+def _told_when_the_launcher_dies(launcher: int) -> Callable[[], None]:
+    """The child's start: SIGTERM (its checkpoint-and-stop) when the launcher dies, as if the
+    launcher had passed one on. A launcher killed outright (SIGKILL by pid, the OOM killer) used
+    to leave its child training on, unseen, into the run directory a resubmission would then share."""
+    return lambda: signal_when_parent_dies(signal.SIGTERM, launcher)
 
 
 def _run_forwarding_sigterm(argv: Sequence[str]) -> tuple[int, str | None]:
