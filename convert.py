@@ -183,16 +183,11 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
         raise ValueError(f"{src}: tensors do not match config.json (n_layers={config.n_layers}): missing "
                          f"{missing[:4]}{' ...' if len(missing) > 4 else ''}, unexpected {extra_names[:4]}")
 
-    for name in sorted(expected):   # integer (quantized) tensors would be cast to floats without a word
-        if not jax.numpy.issubdtype(sd.dtype(name), jax.numpy.floating):
-            raise ValueError(f"{src}: tensor {name!r} has dtype {sd.dtype(name)}; weights are floating point (a "
-                             "quantized or damaged checkpoint?)")
+    for name in sorted(expected):
+        hf.require_float(name, sd.dtype(name), src)
 
-    def finite(name, a):   # checked as each block streams through: no checkpoint of non-finite weights
-        if not np.isfinite(a).all():
-            raise ValueError(f"{src}: tensor {name!r} holds NaN or infinite values; the checkpoint is damaged "
-                             "(download or convert it again)")
-        return a
+    def finite(name, a):   # checked as each block streams through
+        return hf.require_finite(name, a, src)
 
     def hf_tensor(name, want_shape, transpose):
         _check_shape(src, sd, name, want_shape, transpose)

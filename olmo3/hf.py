@@ -312,17 +312,28 @@ def _take(sd: Mapping, name: str, shape: tuple, transpose: bool) -> np.ndarray:
     if name not in sd:   # ValueError: a user's input error (one line, exit 2)
         raise ValueError(f"HF checkpoint has no tensor {name!r}; is the download complete?")
     a = _to_numpy(sd[name])
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-        raise ValueError(f"HF tensor {name!r} has dtype {a.dtype}; weights are floating point (is this a quantized "
-                         "or damaged checkpoint?)")
+    require_float(name, a.dtype)
     want = shape[::-1] if transpose else shape
     if tuple(a.shape) != tuple(want):
         raise ValueError(f"HF tensor {name!r} has shape {tuple(a.shape)}, but the config expects "
                          f"{tuple(want)}; check that config.json matches the weights")
-    if not np.isfinite(a).all():
-        raise ValueError(f"HF tensor {name!r} holds NaN or infinite values; the checkpoint is damaged (download "
-                         "or convert it again)")
+    require_finite(name, a)
     return a.T if transpose else a
+
+
+def require_float(name: str, dtype, where: str = "HF checkpoint") -> None:
+    """Integer (quantized) weights would be cast to floats without a word: an error naming them."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"{where}: tensor {name!r} has dtype {dtype}; weights are floating point (a quantized "
+                         "or damaged checkpoint?)")
+
+
+def require_finite(name: str, a: np.ndarray, where: str = "HF checkpoint") -> np.ndarray:
+    """`a`, unless it holds a NaN or inf (no checkpoint of non-finite weights is made from it)."""
+    if not np.isfinite(a).all():
+        raise ValueError(f"{where}: tensor {name!r} holds NaN or infinite values; the checkpoint is damaged "
+                         "(download or convert it again)")
+    return a
 
 
 def from_hf(path_or_state_dict: Union[str, os.PathLike, Mapping[str, Any]], config: Optional[Config] = None,
