@@ -717,6 +717,10 @@ def set_horizon(num_instances: int) -> None:
         if not 0 <= F.warmup_fraction <= 1:
             raise app.UsageError(f"--warmup_fraction={F.warmup_fraction} must be in [0, 1]")
         F.warmup_steps = round(F.warmup_fraction * F.total_steps)
+    if F.warmup_steps > F.total_steps:   # check_flags left this to the derived horizon
+        raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon ({F.total_steps} steps "
+                             f"= --epochs={F.epochs} over {num_instances} instances): the lr would never reach "
+                             "--lr nor decay; give --warmup_fraction (SFT: 0.03) or fewer --warmup_steps")
     if F.max_steps is not None and F.max_steps > F.total_steps:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon ({F.total_steps} steps "
                              f"= --epochs={F.epochs} over {num_instances} instances)")

@@ -289,6 +289,47 @@ def test_stage_flag_values(tmp_path):
     assert p.returncode == 2 and "both named 'heldout'" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
 
 
+_HORIZON = """
+import sys, train
+from absl import app
+train.F(["train.py", *sys.argv[2:]])
+try:
+    train.set_horizon(int(sys.argv[1]))
+except app.UsageError as e:
+    print("UsageError:", e)
+else:
+    print(train.F.total_steps, train.F.warmup_steps)
+"""
+
+
+@pytest.mark.parametrize("instances,batch,epochs,fraction", [(75, 1, 2, 0.03), (25, 1, 2, 0.03), (26, 4, 2, 0.03),
+                                                             (1000, 8, 3, 0.03), (250, 1, 1, 0.03)])
+def test_horizon_from_epochs_as_olmo_core(instances, batch, epochs, fraction):
+    """--epochs / --warmup_fraction: total steps = epochs x whole global batches of one epoch (OLMo-core's
+    trainer.max_steps for Duration.epochs), warmup where OLMo-core's LinearWithWarmup first reaches the peak
+    (Python's round: 150 x 0.03 = 4.5 -> 4, 50 x 0.03 = 1.5 -> 2), the lr 0 on the last step."""
+    optim = pytest.importorskip("olmo_core.optim", reason="needs ai2-olmo-core")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-c", _HORIZON, str(instances), f"--global_batch={batch}", f"--epochs={epochs}",
+                        f"--warmup_fraction={fraction}"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    total, warmup = (int(x) for x in p.stdout.split())
+    assert total == epochs * (instances // batch)
+    ref = optim.LinearWithWarmup(warmup_fraction=fraction, alpha_f=0.0)
+    lrs = [ref.get_lr(1.0, n, total) for n in range(total + 1)]
+    assert warmup == next(n for n, lr in enumerate(lrs) if lr == 1.0) and lrs[total] == 0.0
+
+
+def test_epochs_without_warmup_fraction_is_refused_past_the_horizon():
+    """--epochs alone kept the default --warmup_steps=2000 over a 12-step horizon: an lr that never reached
+    --lr nor decayed (0.6% of it at the end). As --total_steps=12 is refused, so is this."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run = lambda *flags: subprocess.run([sys.executable, "-c", _HORIZON, "26", "--global_batch=4", *flags],  # noqa: E731
+                                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120).stdout
+    assert "UsageError: --warmup_steps=2000 is past the schedule horizon (12 steps" in run("--epochs=2")
+    assert run("--epochs=2", "--warmup_steps=3").split() == ["12", "3"]
+    assert run("--epochs=2", "--warmup_fraction=0.03").split() == ["12", "0"]
+
+
 # ---- train.py --stage=sft end to end (slow: several train.py runs) -------------------------
 SMALL_MODEL = ["--d_model=32", "--n_heads=2",
                "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--seq_len=64", "--global_batch=4",
