@@ -164,6 +164,54 @@ def test_packed_exactly_once_per_epoch(tmp_path, num_ranks):
     assert sorted(seen) == want  # every instance of the truncated permutation exactly once
 
 
+@pytest.mark.parametrize("num_ranks", [1, 5])
+def test_two_epochs_equal_olmo_core_data_loader(tmp_path, monkeypatch, num_ranks):
+    """SFT's data order against OLMo-core's own loader (`NumpyDataLoaderConfig` over its
+    `NumpyPackedFSLDataset`, the SFT script's pair): every rank's rows of every batch of epochs 1
+    and 2 (reshuffled with seed + epoch, the partial global batch at the end dropped: 24 instances,
+    4 batches of 5), and a loader restored in the middle of epoch 2 as OLMo-core restores its own."""
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    from olmo_core.data.data_loader import NumpyDataLoaderBase
+    paths, masks = write_files(tmp_path, 5)
+    seq_len, gb, seed = 64, 5, 34521
+    theirs = olmo_data.NumpyPackedFSLDatasetConfig(
+        tokenizer=tokenizer(), paths=paths, sequence_length=seq_len, generate_doc_lengths=True,
+        label_mask_paths=masks, dtype=olmo_data.NumpyDatasetDType.uint32, work_dir=str(tmp_path / "work")).build()
+    theirs.prepare()
+    ours = PackedFSLDataset(paths, seq_len, label_mask_paths=masks)
+    spe = data.steps_per_epoch(len(ours), gb)
+    assert (len(ours), spe) == (24, 4)
+
+    def loader(rank, work):
+        return NumpyDataLoaderBase.wrap_numpy_dataset(
+            theirs, global_batch_size=gb * seq_len, collator=olmo_data.DataCollator(pad_token_id=PAD),
+            work_dir=str(tmp_path / work), seed=seed, dp_world_size=num_ranks, dp_rank=rank, fs_local_rank=0)
+
+    for r in range(num_ranks):
+        dl, step = loader(r, "dl"), 0
+        for epoch in (1, 2):
+            dl.reshuffle(epoch=epoch)
+            for b in dl:
+                mine = data.get_batch(ours, gb, seed, step, r, num_ranks)
+                np.testing.assert_array_equal(mine["tokens"], b["input_ids"].numpy(), err_msg=f"step {step}")
+                np.testing.assert_array_equal(mine["label_mask"], b["label_mask"].numpy(), err_msg=f"step {step}")
+                step += 1
+            assert dl.total_batches == spe
+            dl.reset()
+        assert step == 2 * spe
+    dl = loader(0, "dl2")   # OLMo-core's state after 2 batches of epoch 2, and ours after spe + 2 steps
+    dl.load_state_dict({"dataset_fingerprint_version": theirs.fingerprint_version, "dataset_type": "fsl",
+                        "dataset_fingerprint": theirs.fingerprint, "batches_processed": 2,
+                        "tokens_processed": 2 * gb * seq_len, "seed": seed, "epoch": 2,
+                        "sequence_length": seq_len, "max_target_sequence_length": None})
+    dl.reshuffle(epoch=2)
+    state = data.Loader(ours, gb, seed, num_ranks=num_ranks, workers=0).state() | {"step": spe + 2}
+    with data.Loader.from_state(ours, state, num_ranks=num_ranks, workers=0) as resumed:
+        for b in dl:
+            np.testing.assert_array_equal(next(resumed)["tokens"], b["input_ids"].numpy())
+        assert resumed.step == 2 * spe
+
+
 def test_packed_loader_state_and_fingerprint(tmp_path):
     paths, masks = write_files(tmp_path, 8)
     ds = PackedFSLDataset(paths, 64, source_group_size=2)
