@@ -270,6 +270,66 @@ def test_label_masked_loss_equals_transformers():
     assert float(ce) / float(n) == pytest.approx(want, rel=1e-5)
 
 
+@pytest.fixture(scope="module")
+def per_document_reference():
+    """A packed, label-masked batch and transformers' float64 loss over it, each document run alone
+    (what attention within documents computes): CE of tokens[t + 1] at every t with mask[t + 1], over
+    their count. Rows: a mask whose first token is 1 (never a target: nothing precedes it), all
+    padding, only the first token marked (no target), every token marked, random masks; documents
+    crossing sliding windows. Returns (our model, batch, loss, d loss / d lm_head, d loss / d embed)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from olmo3 import hf
+    from data.packing import segments_from_lengths
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_model import hf_config, random_hf_model
+    cfg = hf_config(sliding_window=5)
+    ref = random_hf_model(cfg, seed=3).double()
+    rng = np.random.default_rng(0)
+    B, T = 8, 24
+    tokens = rng.integers(0, cfg.vocab_size, (B, T))
+    mask = rng.random((B, T)) < 0.5
+    mask[0, 0] = True
+    mask[1] = False
+    mask[2] = False
+    mask[2, 0] = True
+    mask[3] = True
+    doc_lens = [[10, 8, 6], [T], [T], [5, 19], [T], [3, 3, 18], [12, 12], [1, 23]]
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for b, lens in enumerate(doc_lens):
+        for s, L in zip(np.cumsum([0] + lens[:-1]), lens):
+            logp = torch.log_softmax(ref(torch.tensor(tokens[b:b + 1, s:s + L])).logits[0], -1)
+            for t in range(s, min(s + L, T - 1)):
+                if mask[b, t + 1]:
+                    total, count = total - logp[t - s, tokens[b, t + 1]], count + 1
+    loss = total / count
+    loss.backward()
+    model = hf.from_hf({k: v.float() for k, v in ref.state_dict().items()}, hf.config_from_hf(cfg.to_dict()))
+    batch = {"tokens": tokens.astype(np.int32), "label_mask": mask, "instance_mask": np.ones(B, bool),
+             "segment_ids": np.stack([segments_from_lengths(np.array(d)) for d in doc_lens])}
+    return (model, batch, float(loss), ref.lm_head.weight.grad.numpy().T,
+            ref.model.embed_tokens.weight.grad.numpy())
+
+
+@pytest.mark.parametrize("mesh,microbatches", [(None, 4), ("fsdp:2", 4), ("data:2,fsdp:2", 1), ("fsdp:1,context:2", 2)])
+def test_sft_loss_and_gradient_on_any_mesh_equal_per_document_transformers(per_document_reference, mesh, microbatches):
+    """The training gradient (olmo3.sharding, z-loss 0, --doc_lengths) on 1, 2 and 4 devices, in
+    microbatches (some with no target at all), with context parallelism: the same mean over the
+    global batch's targets as transformers' per-document loss, and its gradient."""
+    import jax
+
+    from olmo3 import sharding as sh
+    model, batch, want, d_lm_head, d_embed = per_document_reference
+    size = int(np.prod([int(axis.split(":")[1]) for axis in mesh.split(",")])) if mesh else 1
+    m = sh.make_mesh(mesh, devices=jax.devices()[:size])
+    grad_fn = sh.make_grad_fn(m, sh.param_specs(model, m), microbatches=microbatches, chunk=16, z_loss=0.0,
+                              use_segments=True)
+    grads, ce, _ = jax.jit(grad_fn)(model, sh.global_batch(batch, m))
+    assert float(ce) == pytest.approx(want, rel=1e-6)
+    for got, ref in ((grads.lm_head, d_lm_head), (grads.embed, d_embed)):
+        assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
+
+
 def test_stage_flag_values(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     base = [sys.executable, os.path.join(ROOT, "train.py"), f"--run_dir={tmp_path / 'r'}"]
