@@ -32,8 +32,9 @@ never JAX's private classes, and let JAX do the bootstrapping:
 
 On SLURM and Open MPI, JAX on GPUs restricts each process to ONE GPU (number = its local rank),
 made for one task per GPU. With one task per node (launch/slurm.sbatch) that would silently
-train on one GPU of eight; `initialize` then hands JAX all the GPUs the task was given
-(`local_gpu_ids`). A Kubernetes pod whose JAX cannot read the API is refused, not run alone.
+train on one GPU of eight (two tasks per node: two of eight); `initialize` then hands JAX all
+the GPUs the task was given, or its share of those its node's tasks share (`local_gpu_ids`).
+A Kubernetes pod whose JAX cannot read the API is refused, not run alone.
 """
 from __future__ import annotations
 
@@ -159,6 +160,14 @@ def job_id(env: Mapping[str, str] = os.environ) -> Optional[str]:
     return None
 
 
+def _cuda_device_count(visible: str) -> Optional[int]:
+    """How many GPUs a CUDA_VISIBLE_DEVICES value names (None: it names none). CUDA reads the
+    list up to its first empty entry: "0,1," is two GPUs, not three."""
+    names = [d.strip() for d in visible.split(",")] if visible and visible != "NoDevFiles" else []
+    n = names.index("") if "" in names else len(names)
+    return n or None
+
+
 def local_gpu_ids(launch: Launch, env: Mapping[str, str] = os.environ) -> Optional[list[int]]:
     """The GPUs of this SLURM / Open MPI task for jax.distributed.initialize, where JAX's default
     (one GPU per task, number = the task's local rank, right for one task per GPU) is wrong:
@@ -167,25 +176,44 @@ def local_gpu_ids(launch: Launch, env: Mapping[str, str] = os.environ) -> Option
       as SLURM's GPU binding sets it, else SLURM_GPUS_ON_NODE), or [] (no restriction: every GPU
       the process sees) where nothing names them (mpirun -npernode 1, SLURM without gres);
     - several tasks, each bound to ONE GPU (a one-entry CUDA_VISIBLE_DEVICES, e.g. srun
-      --gpus-per-task=1): [0], its only device (local rank 5 would name a device that is masked).
+      --gpus-per-task=1): [0], its only device (local rank 5 would name a device that is masked);
+    - SLURM tasks given GPUs of their own (srun --gpus-per-task=4, --gpu-bind): all of them;
+    - K SLURM tasks on every node sharing the node's N GPUs (srun --ntasks-per-node=2 on 8-GPU
+      nodes, no per-task GPUs): N // K each, task i the i-th block. JAX's default gave each task
+      one GPU, 6 of 8 idle with nothing in the logs; more tasks than GPUs is a ClusterError.
 
     jax_cuda_visible_devices counts after CUDA_VISIBLE_DEVICES masking. None: JAX's default."""
     if launch.engine not in ("slurm", "open-mpi") or env.get("JAX_LOCAL_DEVICE_IDS"):
         return None
-    if launch.engine == "slurm":   # e.g. "1(x8)", "2,1": every node must run one task
-        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
-        counts = re.findall(r"(\d+)(?:\(x\d+\))?", per_node)
-        one_task = bool(counts) and all(c == "1" for c in counts)
-    else:
-        one_task = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1"
     visible = (env.get("CUDA_VISIBLE_DEVICES") or "").strip()
-    n_visible = len(visible.split(",")) if visible and visible != "NoDevFiles" else None
-    if not one_task:
-        return [0] if n_visible == 1 else None
-    if n_visible:
+    n_visible = _cuda_device_count(visible)
+    if launch.engine == "slurm":   # e.g. "1(x8)", "2,1": one count on every node, else None
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+        counts = set(re.findall(r"(\d+)(?:\(x\d+\))?", per_node))
+        tasks = int(counts.pop()) if len(counts) == 1 else None
+    else:
+        tasks = _int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE"))
+    if tasks == 1:
+        if n_visible:
+            return list(range(n_visible))
+        n = _int(env.get("SLURM_GPUS_ON_NODE"))
+        return list(range(n)) if n else []
+    if n_visible == 1:
+        return [0]
+    if launch.engine != "slurm" or not tasks or not n_visible or _int(env.get("SLURM_LOCALID")) is None:
+        return None
+    if env.get("SLURM_GPUS_PER_TASK") or env.get("SLURM_GPU_BIND"):   # the task's own GPUs
         return list(range(n_visible))
-    n = _int(env.get("SLURM_GPUS_ON_NODE"))
-    return list(range(n)) if n else []
+    rank = _int(env["SLURM_LOCALID"])
+    if tasks > n_visible:
+        raise ClusterError(f"SLURM_STEP_TASKS_PER_NODE={per_node}: {tasks} tasks on this node share its "
+                           f"{n_visible} GPUs (CUDA_VISIBLE_DEVICES={visible}), so task {rank} has none. Fix: at "
+                           "most one task per GPU, or one per node as launch/slurm.sbatch does")
+    each = n_visible // tasks
+    if n_visible % tasks and rank == 0:
+        logging.warning("SLURM_STEP_TASKS_PER_NODE=%s: %d tasks on %d GPUs get %d each; %d GPU(s) of every "
+                        "node stay idle", per_node, tasks, n_visible, each, n_visible - each * tasks)
+    return list(range(rank * each, (rank + 1) * each))
 
 
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,

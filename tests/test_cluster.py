@@ -109,7 +109,8 @@ def test_one_task_per_node_gets_all_its_gpus():
     assert cluster.local_gpu_ids(one_per_node, {**SLURM_STEP, "CUDA_VISIBLE_DEVICES": "0,1",
                                                 "JAX_LOCAL_DEVICE_IDS": "0"}) is None   # the user's choice
     per_gpu = fake_srun.srun_env(job_id=1, rank=3, ntasks=16, nodes=2)           # 8 tasks per node
-    assert cluster.local_gpu_ids(cluster.detect(per_gpu), {**per_gpu, "CUDA_VISIBLE_DEVICES": "0,1"}) is None
+    mpi_2pernode = {**fake_srun.mpirun_env(1, 2, 61500), "CUDA_VISIBLE_DEVICES": "0,1"}   # JAX's default
+    assert cluster.local_gpu_ids(cluster.detect(mpi_2pernode), mpi_2pernode) is None
     # srun --gpus-per-task=1 binds each task to its GPU: the only one it sees is 0, not <local rank>
     assert cluster.local_gpu_ids(cluster.detect(per_gpu), {**per_gpu, "CUDA_VISIBLE_DEVICES": "5"}) == [0]
     # a node with 2 tasks among nodes with one: not one task per node
@@ -120,6 +121,28 @@ def test_one_task_per_node_gets_all_its_gpus():
     tpu = {"TPU_WORKER_HOSTNAMES": "a,b", "CUDA_VISIBLE_DEVICES": "0"}
     assert cluster.local_gpu_ids(cluster.detect(tpu), tpu) is None
 
+
+
+def test_tasks_sharing_a_nodes_gpus_split_them():
+    """srun --ntasks-per-node=K on nodes whose N GPUs every task sees (no per-task GPUs): JAX's
+    default pinned task i to GPU i, so 2 tasks used 2 of 8 GPUs and passed every check. Each task
+    gets its block of N // K; tasks given GPUs of their own keep them all; more tasks than GPUs
+    stop before JAX starts."""
+    def ids(k, rank, **extra):
+        env = {**fake_srun.srun_env(job_id=1, rank=rank, ntasks=2 * k, nodes=2), **extra}
+        return cluster.local_gpu_ids(cluster.detect(env), env)
+    eight = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert [ids(2, r, **eight) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [ids(4, r, **eight) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert ids(8, 5, **eight) == [5]                          # one task per GPU: JAX's own choice
+    assert [ids(3, r, **eight) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]   # 2 idle, said in the log
+    # srun --gpus-per-task=4: each task sees its own four (masked to 0-3)
+    assert ids(2, 1, CUDA_VISIBLE_DEVICES="4,5,6,7", SLURM_GPUS_PER_TASK="4") == [0, 1, 2, 3]
+    with pytest.raises(ClusterError, match=r"16 tasks on this node share its 8 GPUs.*task 9 has none"):
+        ids(16, 9, **eight)
+    # CUDA stops at the first empty entry: "0,1," is two GPUs
+    assert ids(1, 0, CUDA_VISIBLE_DEVICES="0,1,") == [0, 1]
+    assert ids(1, 0, CUDA_VISIBLE_DEVICES=" 0, 1 ") == [0, 1]
 
 def test_guard():
     slurm = Launch("slurm", 2, "SLURM_NTASKS=2", True)
