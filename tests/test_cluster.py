@@ -275,6 +275,24 @@ def test_sbatch_srun_line(tmp_path):
         assert t["env"]["SLURM_NTASKS"] == "3" and t["env"]["SLURM_STEP_NUM_NODES"] == "3"
 
 
+
+def test_sbatch_srun_gets_the_cpus_per_task(tmp_path):
+    """srun of Slurm >= 22.05 does not inherit --cpus-per-task from the batch job (sbatch(1)):
+    without it on the srun line each task ran confined to one core of the node's 96. The
+    stand-in srun records its options; the job's value must reach srun, and none when unset."""
+    log = tmp_path / "srun.args"
+    for cpus in ("96", None):
+        env = _sbatch_env(tmp_path, nodes=1, PYTHON=str(_executable(tmp_path / "python", "exit 0")))
+        _executable(tmp_path / "bin" / "srun", f'echo "$@" > "{log}"')   # records, runs nothing
+        if cpus:
+            env["SLURM_CPUS_PER_TASK"] = cpus
+        p = subprocess.run(["bash", SBATCH, "stage1.flags", "/shared/runs/s1"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        options = log.read_text().split(" train.py")[0].split()
+        assert [o for o in options if o.startswith("--cpus-per-task")] == (
+            [f"--cpus-per-task={cpus}"] if cpus else []), options
+
 def _executable(path, body):
     path.write_text("#!/bin/sh\n" + body + "\n")
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
