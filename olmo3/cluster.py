@@ -177,7 +177,7 @@ def local_gpu_ids(launch: Launch, env: Mapping[str, str] = os.environ) -> Option
       the process sees) where nothing names them (mpirun -npernode 1, SLURM without gres);
     - several tasks, each bound to ONE GPU (a one-entry CUDA_VISIBLE_DEVICES, e.g. srun
       --gpus-per-task=1): [0], its only device (local rank 5 would name a device that is masked);
-    - SLURM tasks given GPUs of their own (srun --gpus-per-task=4, --gpu-bind): all of them;
+    - SLURM tasks given GPUs of their own (srun --gpus-per-task=4): all of them;
     - K SLURM tasks on every node sharing the node's N GPUs (srun --ntasks-per-node=2 on 8-GPU
       nodes, no per-task GPUs): N // K each, task i the i-th block. JAX's default gave each task
       one GPU, 6 of 8 idle with nothing in the logs; more tasks than GPUs is a ClusterError.
@@ -202,8 +202,10 @@ def local_gpu_ids(launch: Launch, env: Mapping[str, str] = os.environ) -> Option
         return [0]
     if launch.engine != "slurm" or not tasks or not n_visible or _int(env.get("SLURM_LOCALID")) is None:
         return None
-    if env.get("SLURM_GPUS_PER_TASK") or env.get("SLURM_GPU_BIND"):   # the task's own GPUs
+    if env.get("SLURM_GPUS_PER_TASK"):   # GPUs of its own (implies --gpu-bind=per_task)
         return list(range(n_visible))
+    if env.get("SLURM_GPU_BIND"):   # --gpu-bind=closest / map_gpu:...: tasks may overlap; JAX's default
+        return None
     rank = _int(env["SLURM_LOCALID"])
     if tasks > n_visible:
         raise ClusterError(f"SLURM_STEP_TASKS_PER_NODE={per_node}: {tasks} tasks on this node share its "

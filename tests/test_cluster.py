@@ -138,6 +138,7 @@ def test_tasks_sharing_a_nodes_gpus_split_them():
     assert [ids(3, r, **eight) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]   # 2 idle, said in the log
     # srun --gpus-per-task=4: each task sees its own four (masked to 0-3)
     assert ids(2, 1, CUDA_VISIBLE_DEVICES="4,5,6,7", SLURM_GPUS_PER_TASK="4") == [0, 1, 2, 3]
+    assert ids(2, 1, SLURM_GPU_BIND="closest", **eight) is None   # may overlap: JAX default
     with pytest.raises(ClusterError, match=r"16 tasks on this node share its 8 GPUs.*task 9 has none"):
         ids(16, 9, **eight)
     # CUDA stops at the first empty entry: "0,1," is two GPUs
