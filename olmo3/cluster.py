@@ -185,6 +185,9 @@ def local_gpu_ids(launch: Launch, env: Mapping[str, str] = os.environ) -> Option
     jax_cuda_visible_devices counts after CUDA_VISIBLE_DEVICES masking. None: JAX's default."""
     if launch.engine not in ("slurm", "open-mpi") or env.get("JAX_LOCAL_DEVICE_IDS"):
         return None
+    platforms = env.get("JAX_PLATFORMS", "").strip()
+    if platforms and not {"cuda", "gpu"} & {p.strip() for p in platforms.split(",")}:
+        return None   # JAX will not compute on a GPU (JAX_PLATFORMS=cpu): no GPUs to share out
     visible = (env.get("CUDA_VISIBLE_DEVICES") or "").strip()
     n_visible = _cuda_device_count(visible)
     if launch.engine == "slurm":   # e.g. "1(x8)", "2,1": one count on every node, else None

@@ -141,9 +141,12 @@ def test_tasks_sharing_a_nodes_gpus_split_them():
     assert ids(2, 1, SLURM_GPU_BIND="closest", **eight) is None   # may overlap: JAX default
     with pytest.raises(ClusterError, match=r"16 tasks on this node share its 8 GPUs.*task 9 has none"):
         ids(16, 9, **eight)
+    assert ids(16, 9, JAX_PLATFORMS="cpu", **eight) is None   # no GPU computing: nothing to share out
+    assert ids(2, 1, JAX_PLATFORMS="cuda", **eight) == [4, 5, 6, 7]
     # CUDA stops at the first empty entry: "0,1," is two GPUs
     assert ids(1, 0, CUDA_VISIBLE_DEVICES="0,1,") == [0, 1]
     assert ids(1, 0, CUDA_VISIBLE_DEVICES=" 0, 1 ") == [0, 1]
+
 
 def test_guard():
     slurm = Launch("slurm", 2, "SLURM_NTASKS=2", True)
