@@ -259,8 +259,11 @@ def child_rows(part: str, rows: list) -> None:
         rows.append((part, "FAILED", f"{failure or 'no rows'}; the rows before it finished (its log is above)", False))
 
 
-class Terminated(Exception):
-    """gpu_check.sh's timeout sent SIGTERM (to the whole process group: bench.py's child too)."""
+class Terminated(BaseException):
+    """gpu_check.sh's timeout sent SIGTERM (to the whole process group: bench.py's child too).
+    A BaseException, so that `guarded` (which turns any Exception into its row's failure) lets
+    it through: the run stops at once instead of starting the next bench.py after the timeout,
+    which sends its SIGTERM only once."""
 
 
 def main(argv):

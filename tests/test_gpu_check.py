@@ -37,3 +37,35 @@ def test_gpu_check_smoke_every_row():
     assert {k: v[0] for k, v in rows.items()} == {
         "kernel window+docs": "ok", "kernel docs fp32": "ok", "cudnn": "skipped",
         "bench splash": "ok", "bench cudnn": "skipped", "stage3": "ok"}
+
+
+# Stands in for bench.py: the first row "runs" until gpu_check.sh's timeout sends SIGTERM, as a
+# long stage-3 or bench row does; every later row would run too if the parent went on.
+SIGTERM_DRIVER = """
+import os, signal, sys, time
+from absl import app
+import benchmarks.gpu_check as g
+started = []
+def run_bench(args, timeout):
+    started.append(args)
+    print("started bench.py", len(started), file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)   # the timeout fires while this row runs
+    time.sleep(30)
+    raise AssertionError("SIGTERM did not interrupt the row")
+g.run_bench = run_bench
+sys.argv = ["gpu_check.py", "--smoke", "--only=stage3,bench"]
+app.run(g.main)
+"""
+
+
+def test_sigterm_stops_the_run_instead_of_starting_the_next_row():
+    # gpu_check.sh's `timeout 475` sends SIGTERM once: a row that turned it into its own failure
+    # and went on to the next bench.py would overrun the device's time by up to 2 x row_timeout.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", SIGTERM_DRIVER], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stderr.count("started bench.py") == 1, out.stderr[-3000:]
+    table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[:2] for line in table[1:]] == [["| gpu_check", "STOPPED"]], table
