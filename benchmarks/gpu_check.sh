@@ -17,7 +17,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # Every module the rows import, before any GPU time is spent: one line naming what is missing.
-"$PY" -c "import olmo3.attention, olmo3.model, olmo3.splash_gpu, benchmarks.bench" || {
+# bench.py imports most of them inside its functions (the optimizer's optax among them), so
+# they are named here one by one (tests/test_gpu_check.py checks the list against both scripts).
+"$PY" -c "import olmo3.attention, olmo3.model, olmo3.splash_gpu, olmo3.splash, olmo3.optim, olmo3.schedules, \
+olmo3.sharding, olmo3.metrics, olmo3.logs, olmo3.cluster, olmo3.runtime, olmo3.cli, benchmarks.bench, benchmarks.gpu_check" || {
     echo "gpu_check: the imports above failed; install the package's dependencies (pip install -e .) or put their wheels in .whl/" >&2
     exit 2; }
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

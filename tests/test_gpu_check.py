@@ -3,7 +3,10 @@ shapes; the kernel rows in Pallas interpret mode against the dense oracle), so i
 between the rare runs on a GPU. The default test runs the kernel rows and one bench.py row
 (the stage-3 one: --doc_len, --layer_pattern and the parsing of bench.py's output); the slow
 one runs every row."""
+import ast
+import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -69,3 +72,43 @@ def test_sigterm_stops_the_run_instead_of_starting_the_next_row():
     assert out.stderr.count("started bench.py") == 1, out.stderr[-3000:]
     table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[:2] for line in table[1:]] == [["| gpu_check", "STOPPED"]], table
+
+
+def imported_modules(path):
+    """Every module a script imports, at its top or inside a function (`from pkg import mod`
+    names pkg.mod where that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names
+                      if importlib.util.find_spec(node.module).submodule_search_locations is not None
+                      and importlib.util.find_spec(f"{node.module}.{a.name}") is not None}
+    return found
+
+
+def test_gpu_check_sh_imports_every_module_the_rows_import():
+    # gpu_check.sh's import check runs before any GPU time is spent; a module the rows import
+    # later (bench.py imports olmo3.optim, hence optax, inside build_ours) and the check does
+    # not would fail its rows after minutes of device time instead.
+    with open(os.path.join(ROOT, "benchmarks", "gpu_check.sh")) as f:
+        script = f.read().replace("\\\n", "")
+    checked = set(re.search(r'-c "import ([^"]+)"', script).group(1).replace(" ", "").split(","))
+    torch_only = ("torch", "transformers", "torchao")   # bench.py --compare_torch, never run by gpu_check
+    ours = {m for script in ("bench.py", "gpu_check.py")
+            for m in imported_modules(os.path.join(ROOT, "benchmarks", script))
+            if m.split(".")[0] in ("olmo3", "benchmarks") and m not in ("olmo3",)}
+    ours |= {"benchmarks.bench", "benchmarks.gpu_check"}
+    assert ours - checked == set(), f"gpu_check.sh's import check misses {sorted(ours - checked)}"
+    third_party = {m.split(".")[0] for s in ("bench.py", "gpu_check.py")
+                   for m in imported_modules(os.path.join(ROOT, "benchmarks", s))} - set(sys.stdlib_module_names)
+    third_party -= {"olmo3", "benchmarks", "__future__", *torch_only}
+    # and the line itself runs, loading each third-party package the scripts name
+    code = f"import sys; import {', '.join(sorted(checked))}; print(sorted(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
+    assert {"optax", *third_party} <= loaded, sorted({"optax", *third_party} - loaded)
