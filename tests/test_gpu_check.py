@@ -112,3 +112,31 @@ def test_gpu_check_sh_imports_every_module_the_rows_import():
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = set(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
     assert {"optax", *third_party} <= loaded, sorted({"optax", *third_party} - loaded)
+
+
+def test_bench_row_reports_the_sliding_aware_mfu_too():
+    # The row's headline MFU is the write-up's count (full causal attention in every layer);
+    # OLMo-core's num_flops_per_token counts the (query, key) pairs a sliding window really
+    # keeps, so the row gives that one too (DESIGN §6: report both). Tiny model, window 16 of
+    # seq 64, 3 sliding + 1 full; a 1 GFLOP/s "nominal" peak so the percentages keep digits.
+    from benchmarks import gpu_check
+    D, L, H, HD, MLP, V, T, W = 64, 4, 2, 32, 128, 512, 64, 16
+    env = dict({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--model=tiny",
+                          f"--d_model={D}", f"--n_layers={L}", f"--n_heads={H}", f"--n_kv_heads={H}",
+                          f"--head_dim={HD}", f"--mlp_hidden={MLP}", f"--window={W}", f"--vocab_size={V}",
+                          "--batch=2", f"--seq_len={T}", "--loss_chunk=64", "--steps=1", "--warmup=1",
+                          "--matmul_n=128", "--peak_tflops=0.001"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = gpu_check.parse_bench(out.stdout, out.stdout + out.stderr)
+    # OLMo-core's count by hand: 6 x params but the input embedding, plus 12 x q_dim x the
+    # attended pairs per token (a window's triangle, then w per query; full: the causal triangle).
+    per_layer = 4 * D * H * HD + 2 * H * HD + 3 * D * MLP + 2 * D
+    dense = 6 * (L * per_layer + D + D * V)
+    pairs = {"sliding": W * (W + 1) / 2 + (T - W) * W, "full": T * (T + 1) / 2}
+    olmo_core = dense + sum(12 * H * HD * pairs[t] / T for t in ("sliding", "sliding", "sliding", "full"))
+    writeup = dense + 6 * T * H * HD * L
+    assert r["mfu_sliding_nominal"] / r["mfu_nominal"] == pytest.approx(olmo_core / writeup, rel=2e-3)
+    assert r["mfu_sliding_measured"] / r["mfu_measured"] == pytest.approx(olmo_core / writeup, rel=2e-3)
+    assert f"{r['mfu_sliding_nominal']:.1%} sliding-aware" in gpu_check.mfu_text(r)
