@@ -45,7 +45,7 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: the kernel r
                   "the bench rows with --attention=xla), ~1 minute.")
 flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, bench, stage3 (default: all).")
 flags.DEFINE_integer("row_timeout", 130, "Seconds each part's subprocess may run (kernel, cudnn, each bench.py run); "
-                     "whatever finished when gpu_check.sh's 475 s run out is still printed as the table.")
+                     "whatever finished when gpu_check.sh's 460 s run out is still printed as the table.")
 flags.DEFINE_bool("emit_rows", False, "Internal: this process is a part's child; print each row as a line for the parent.")
 ROW = "gpu_check-row "   # a child's row: this prefix, then the row as JSON
 ROWS_NOT_OK = 3           # a child's exit status when it finished but a row failed (1: it crashed)
@@ -309,18 +309,28 @@ def main(argv):
         raise Terminated
 
     signal.signal(signal.SIGTERM, terminated)
+    running = None
     try:
         for part, runs in parts.items():
             if F.only is None or part in F.only:
                 for name, fn in runs:
+                    running = name
                     if part in here:   # its own rows are guarded in the child
                         child_rows(part, rows)
                     else:
                         guarded(rows, name, fn)
+        running = None
     except Terminated:
         rows.append(("gpu_check", "STOPPED", f"SIGTERM after {time.perf_counter() - t0:.0f} s (gpu_check.sh's "
-                     "timeout): the parts after the rows above did not run", False))
-    print(f"\ngpu_check on {metrics_lib.device_description()}, jax {jax.__version__}"
+                     f"timeout) during '{running}': it and the parts after it did not finish", False))
+    # Every child has exited: name the device without preallocating 90% of it (GPU_ENV), and
+    # print the table whatever that costs.
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    try:
+        device = metrics_lib.device_description()
+    except Exception as e:   # noqa: BLE001 -- the table must print
+        device = f"a device JAX could not start ({type(e).__name__})"
+    print(f"\ngpu_check on {device}, jax {jax.__version__}"
           f"{' (--smoke)' if F.smoke else ''}, {time.perf_counter() - t0:.0f} s\n")
     print("| check | result | figures |\n|---|---|---|")
     for name, result, figures, _ in rows:

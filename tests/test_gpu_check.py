@@ -62,7 +62,7 @@ app.run(g.main)
 
 
 def test_sigterm_stops_the_run_instead_of_starting_the_next_row():
-    # gpu_check.sh's `timeout 475` sends SIGTERM once: a row that turned it into its own failure
+    # gpu_check.sh's `timeout 460` sends SIGTERM once: a row that turned it into its own failure
     # and went on to the next bench.py would overrun the device's time by up to 2 x row_timeout.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -72,6 +72,7 @@ def test_sigterm_stops_the_run_instead_of_starting_the_next_row():
     assert out.stderr.count("started bench.py") == 1, out.stderr[-3000:]
     table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[:2] for line in table[1:]] == [["| gpu_check", "STOPPED"]], table
+    assert "during 'stage3'" in table[1], table
 
 
 def imported_modules(path):
