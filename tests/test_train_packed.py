@@ -89,7 +89,7 @@ def test_small_heldout_domain_is_evaluated(tmp_path):
     four = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     for padded in (True, False):
         run_dir = tmp_path / f"run{padded}"
-        p = run(["--max_steps=1", "--save_interval=1", "--eval_padded" if padded else "--noeval_padded"], run_dir,
+        run(["--max_steps=1", "--save_interval=1", "--eval_padded" if padded else "--noeval_padded"], run_dir,
                 str(tmp_path / "docs"), tmp_path / "data", env_extra=four)
         m = metrics(run_dir)[1]
         if padded:
