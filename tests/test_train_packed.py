@@ -90,7 +90,7 @@ def test_small_heldout_domain_is_evaluated(tmp_path):
     for padded in (True, False):
         run_dir = tmp_path / f"run{padded}"
         run(["--max_steps=1", "--save_interval=1", "--eval_padded" if padded else "--noeval_padded"], run_dir,
-                str(tmp_path / "docs"), tmp_path / "data", env_extra=four)
+            str(tmp_path / "docs"), tmp_path / "data", env_extra=four)
         m = metrics(run_dir)[1]
         if padded:
             assert np.isfinite(m["eval/docs/loss"])
