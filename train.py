@@ -423,7 +423,7 @@ def main(argv):
     # §6 The step: gradients under shard_map (FSDP x DP), optimizer update on the sharded state.
     # -----------------------------------------------------------------------------------------
     specs = sharding.param_specs(model, mesh)
-    use_segments = F.doc_lengths if F.doc_lengths is not None else F.stage in ("3", "sft")
+    use_segments = doc_lengths()
     if F.stage == "dpo":  # mean dpo_norm loss over the global batch of pairs (olmo3/dpo.py)
         train_step = dpo.make_train_step(optimizer, mesh, specs, loss=F.dpo_loss, beta=F.dpo_beta,
                                          microbatches=microbatches, chunk=F.loss_chunk)
@@ -490,6 +490,7 @@ def main(argv):
     def save(step, owed=()):
         extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
                  "doc_lengths": bool(use_segments), "eval_padded": bool(F.eval_padded),
+                 "repetition_filter": bool(F.repetition_filter),
                  "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
         if F.stage == "dpo":   # the reference the cached log-probs belong to (checked on resume)
             extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}
@@ -632,6 +633,11 @@ def model_config():
     elif F.yarn is False:
         overrides["yarn"] = None
     return olmo3.Config.preset(F.model, **overrides)
+
+
+def doc_lengths() -> bool:
+    """Whether the run attends within documents: --doc_lengths, default on for stage 3 and SFT."""
+    return F.doc_lengths if F.doc_lengths is not None else F.stage in ("3", "sft")
 
 
 def report_saves(log, ckpt, paused: dict, hang=None) -> None:
@@ -859,6 +865,16 @@ def check_resume(extra: dict, config) -> None:
         if saved_value is not None and saved_value != getattr(F, name):
             raise app.UsageError(f"--resume: the checkpoint was trained with --{name}={saved_value}, the flags "
                                  f"say {getattr(F, name)}; a recipe constant cannot change mid-run")
+    # What a step trains on and attends to: flipped at a resume (a resubmitted command without the
+    # flag), the run went on silently unlike the uninterrupted one, and the checkpoint's record of
+    # doc_lengths, which eval.py scores with, changed mid-run. Checkpoints without the key: unchecked.
+    for name, now in (("doc_lengths", doc_lengths()), ("repetition_filter", F.repetition_filter)):
+        saved_value = extra.get(name)
+        if saved_value is not None and bool(saved_value) != bool(now):
+            spell = lambda on: f"--{'' if on else 'no'}{name}"  # noqa: E731
+            raise app.UsageError(f"--resume: the checkpoint was trained with {spell(saved_value)}, the flags say "
+                                 f"{spell(now)}; it cannot change mid-run: add {spell(saved_value)}, or start a new "
+                                 f"--run_dir with --init_from=<this checkpoint> to change it")
 
 
 if __name__ == "__main__":

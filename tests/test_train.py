@@ -241,6 +241,16 @@ def test_bad_inputs(uninterrupted, docs, tmp_path):
     assert m["optim/adam_count"] == 1.0 and m["train/loss"] == pytest.approx(np.log(100278), abs=0.5)
 
 
+def test_resume_keeps_doc_lengths_and_repetition_filter(uninterrupted, docs):
+    """Attention within documents and the repetition filter decide what a step trains on: a resume
+    that flips either (a resubmitted command without the flag) is refused with one line, exit 2,
+    before any array is read. Both went on silently, the checkpoint's doc_lengths record flipped."""
+    for flag, saved in (("--doc_lengths", "--nodoc_lengths"), ("--repetition_filter", "--norepetition_filter")):
+        p = run(["--max_steps=6", "--resume", flag], uninterrupted / "a", docs, uninterrupted / "data", check=False)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and f"trained with {saved}, the flags say {flag}" in last, p.stderr[-2000:]
+
+
 def test_tiny_flags_end_to_end(tmp_path):
     """The README's main command, shortened: tiny.flags on the embedded corpus, prepared on first run."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
