@@ -454,7 +454,8 @@ def chat_answer(model, messages: list, template: str = chat.INSTRUCT, max_new_to
                         max_length)
         max_new_tokens = max_length - len(prompt)
     out = scoring.Scorer(model, max_length=max_length).generate(
-        prompt, max_new_tokens, stop=lambda ids: ids[-1] in stops, temperature=temperature, seed=seed)
+        prompt, max_new_tokens, stop=lambda ids: ids[-1] in stops, temperature=temperature, seed=seed,
+        vocab_size=data.VOCAB_SIZE)   # never a padding row of a 100352-row model (no token to decode)
     return chat.decode(out[:-1] if out and out[-1] in stops else out)
 
 

@@ -136,11 +136,15 @@ class Scorer:
         return total
 
     def generate(self, prompt: Tokens, max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]] = None,
-                 eos_id: Optional[int] = None, temperature: float = 0.0, seed: int = 0) -> list[int]:
+                 eos_id: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
+                 vocab_size: Optional[int] = None) -> list[int]:
         """Decoding with a KV cache: one prefill, then one token per step. Greedy at temperature 0,
         else sampled from softmax(logits / temperature) (numpy's generator seeded with `seed`).
         The prompt and `max_new_tokens` must fit `max_length` together: nothing is cut here (a
-        caller that wants lm-eval's left truncation does it, knowing what it drops)."""
+        caller that wants lm-eval's left truncation does it, knowing what it drops).
+        `vocab_size`: only ids below it are generated, the tokenizer's tokens. OLMo-core pads
+        dolma2's 100278 rows to 100352; the padding rows are no token (the tokenizer cannot decode
+        them) and the model's HF export drops them, so generation picks from the real rows only."""
         rng = np.random.default_rng(seed)
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -150,7 +154,7 @@ class Scorer:
                              f"the context of {self.max_length} tokens (max_length)")
 
         def pick(logits) -> int:
-            x = np.asarray(logits, np.float64)
+            x = np.asarray(logits, np.float64)[:vocab_size]
             if temperature <= 0:
                 return int(np.argmax(x))
             p = np.exp((x - x.max()) / temperature)
@@ -336,7 +340,7 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                 # whole max_gen_toks can be generated
                 stop = lambda ids: any(u in tok.decode(ids) for u in until)  # noqa: E731
                 ids = self.scorer.generate(encode(tok, context)[-room:], n, stop=stop,
-                                           eos_id=tok.eot_token)
+                                           eos_id=tok.eot_token, vocab_size=getattr(tok, "n_vocab", None))
                 text = tok.decode(ids)
                 for u in until:
                     text = text.split(u)[0]

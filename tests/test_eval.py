@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+from types import SimpleNamespace
 
 import equinox as eqx
 import jax
@@ -312,18 +313,49 @@ def test_chat_prompt_that_does_not_fit_is_an_error_and_a_long_one_caps_the_answe
     assert f"leave room for 3 of --max_new_tokens=8 in --max_length={n + 3}" in caplog.text
 
 
-def test_lm_eval_generate_until_like_hflm(monkeypatch):
-    """generate_until as lm-eval's HFLM: EOS joins every stop list (a task's own `until` left
-    "<|endoftext|>" in the answer), and the context keeps its last max_length - max_gen_toks tokens
-    so that max_gen_toks can all be generated (the answer was cut short instead)."""
+def stub_lm_eval(monkeypatch):
+    """Without lm-eval installed, a stand-in for the adapter's base class, all the adapter needs."""
     import sys
     import types
-    if importlib.util.find_spec("lm_eval") is None:   # the adapter's base class is all it needs
+    if importlib.util.find_spec("lm_eval") is None:
         base = types.ModuleType("lm_eval.api.model")
         base.LM = type("LM", (), {"__init__": lambda self: None})
         for name, module in (("lm_eval", types.ModuleType("lm_eval")), ("lm_eval.api", types.ModuleType("lm_eval.api")),
                              ("lm_eval.api.model", base)):
             monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_generation_never_picks_a_padding_row_of_the_vocabulary(monkeypatch):
+    """Every recipe pads dolma2's 100278 rows to OLMo-core's 100352; the padding rows are no token
+    (the tokenizer cannot decode them; the HF export drops them). A padded model chats as its
+    100278-row export does, greedy and sampled, even where it favours a padding row (chat died on
+    `KeyError: Invalid token for decoding` at the end of the generation)."""
+    V = data.VOCAB_SIZE
+    trimmed = olmo3.OLMo3(CFG.replace(vocab_size=V), jax.random.key(4))
+    messages = [{"role": "user", "content": "Hello there"}]
+    prompt = data.chat.generation_prompt(messages)
+    first = scoring.Scorer(trimmed).generate(prompt, 1)[0]
+    pad = 100300
+    head = jnp.zeros((CFG.d_model, 100352 - V)).at[:, pad - V].set(10 * trimmed.lm_head[:, first])
+    padded = eqx.tree_at(lambda m: (m.embed, m.layers, m.norm, m.lm_head),
+                         olmo3.OLMo3(CFG.replace(vocab_size=100352), jax.random.key(0)),
+                         (jnp.concatenate([trimmed.embed, jnp.zeros((100352 - V, CFG.d_model))]), trimmed.layers,
+                          trimmed.norm, jnp.concatenate([trimmed.lm_head, head], axis=1)))
+    assert int(np.argmax(forward(padded, prompt)[-1])) == pad   # the model's own favourite is padding
+    for kw in ({}, {"temperature": 1.0, "seed": 3}):
+        want = eval_script.chat_answer(trimmed, messages, max_new_tokens=12, **kw)
+        assert eval_script.chat_answer(padded, messages, max_new_tokens=12, **kw) == want
+    stub_lm_eval(monkeypatch)
+    lm = scoring.lm_eval_adapter(padded, max_length=256)
+    request = SimpleNamespace(args=("Hello there", {"until": ["\n\n"], "max_gen_toks": 6}))
+    assert lm.generate_until([request]) == scoring.lm_eval_adapter(trimmed, max_length=256).generate_until([request])
+
+
+def test_lm_eval_generate_until_like_hflm(monkeypatch):
+    """generate_until as lm-eval's HFLM: EOS joins every stop list (a task's own `until` left
+    "<|endoftext|>" in the answer), and the context keeps its last max_length - max_gen_toks tokens
+    so that max_gen_toks can all be generated (the answer was cut short instead)."""
+    stub_lm_eval(monkeypatch)
     seen = []
 
     def fake_generate(self, prompt, n, stop=None, eos_id=None, **kw):   # a model that says x, or ends at once
@@ -338,7 +370,7 @@ def test_lm_eval_generate_until_like_hflm(monkeypatch):
     monkeypatch.setattr(scoring.Scorer, "generate", fake_generate)
     x = data.tokenizer.encode("x")[0]
     lm = scoring.lm_eval_adapter(olmo3.OLMo3(CFG, jax.random.key(0)), max_length=64)
-    request = lambda ctx, kw: types.SimpleNamespace(args=(ctx, kw))  # noqa: E731
+    request = lambda ctx, kw: SimpleNamespace(args=(ctx, kw))  # noqa: E731
     says = "eos"
     assert lm.generate_until([request("Question: 2+2?\nAnswer:", {"until": ["\n\n"], "max_gen_toks": 4}),
                               request("Question: 2+2?\nAnswer:", {"max_gen_toks": 4})]) == ["", ""]
@@ -559,7 +591,6 @@ def test_olmo_core_ce_equals_olmo_cores_lm_evaluator(tmp_path):
 def test_context_length_defaults_to_the_trained_context():
     """eval.py scores at the run's own --seq_len (as train.py's in-loop evaluation does), an HF
     model at OLMo 3's 8192 (OLMo-core's in-loop length), never past the model's positions."""
-    from types import SimpleNamespace
     info = lambda seq_len, positions: {"seq_len": seq_len, "config": SimpleNamespace(max_position_embeddings=positions)}  # noqa: E731
     assert eval_script.context_length(info(256, 4096), None) == 256
     assert eval_script.context_length(info(None, 65536), None) == 8192
