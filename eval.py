@@ -516,7 +516,7 @@ def main(argv):
     if F.compare:
         if len(F.compare) != 2:
             raise app.UsageError(f"--compare={','.join(F.compare)}: give exactly two run directories A,B")
-        for name in ("model", "model_b", "position_buckets", "chat_file", "lm_eval_tasks"):
+        for name in ("model", "model_b", "position_buckets", "chat", "chat_file", "lm_eval_tasks"):
             if F[name].present:
                 raise app.UsageError(f"--{name} does not apply with --compare (run directories A,B, step by "
                                      "step); evaluate one model, or two with --model_b, without --compare")
@@ -535,11 +535,18 @@ def main(argv):
         raise app.UsageError(f"--temperature={F.temperature} must be >= 0 (0: greedy)")
     if F.max_new_tokens < 1:
         raise app.UsageError(f"--max_new_tokens={F.max_new_tokens} must be >= 1")
+    if F.sample_seed < 0:   # numpy's generator takes none (it failed after the model loaded, unnamed)
+        raise app.UsageError(f"--sample_seed={F.sample_seed} must be >= 0")
     if F.olmo_tasks:
         oe_tasks.resolve(F.olmo_tasks)   # an unknown task stops here, before the model loads
     if F.chat is not None and (F.chat_file or not F.chat.strip()):
         raise app.UsageError("--chat takes one non-empty user message" + (", and not with --chat_file (one or the "
                              "other)" if F.chat_file else ""))
+    if F.chat is not None or F.chat_file:   # chat answers and returns: an evaluation asked beside it would not run
+        for name in ("model_b", "tasks", "olmo_tasks", "lm_eval_tasks", "position_buckets", "heldout", "data_mix"):
+            if F[name].present:
+                raise app.UsageError(f"--{name} does not apply with --{'chat' if F.chat is not None else 'chat_file'} "
+                                     "(chat only answers); run the evaluation without the chat flags")
     if F.chat_file and not os.path.isfile(F.chat_file):
         raise FileNotFoundError(f"--chat_file={F.chat_file!r} is not a file; pass a JSONL of {{\"messages\": [...]}} lines")
     if F.position_buckets:  # a bad flag stops before any work
