@@ -79,6 +79,12 @@ _extend_jit = eqx.filter_jit(_extend, donate="all-except-first")  # the caches a
 Tokens = Union[Sequence[int], np.ndarray]  # token ids: a list or a 1-D integer array
 
 
+# Prompt tokens per prefill call. _extend's attention scores are [heads, tokens, cache] fp32: a
+# whole 32k-token prompt of the 7B would hold 32 x 32k x 32k x 4 bytes = 137 GB of them (x2 with
+# the probabilities), in chunks of 512 it holds 2 GB at a 32k cache.
+PREFILL_CHUNK = 512
+
+
 def _bucket(n: int, size: int = 64) -> int:
     return max(size, -(-n // size) * size)
 
@@ -138,7 +144,7 @@ class Scorer:
     def generate(self, prompt: Tokens, max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]] = None,
                  eos_id: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
                  vocab_size: Optional[int] = None) -> list[int]:
-        """Decoding with a KV cache: one prefill, then one token per step. Greedy at temperature 0,
+        """Decoding with a KV cache: a prefill (in chunks of PREFILL_CHUNK tokens), then one token per step. Greedy at temperature 0,
         else sampled from softmax(logits / temperature) (numpy's generator seeded with `seed`).
         The prompt and `max_new_tokens` must fit `max_length` together: nothing is cut here (a
         caller that wants lm-eval's left truncation does it, knowing what it drops).
@@ -162,15 +168,16 @@ class Scorer:
 
         c = self.model.config
         self._check(prompt)
-        S = _bucket(len(prompt) + max_new_tokens)
+        n = len(prompt)
+        chunk = min(_bucket(n), PREFILL_CHUNK)
+        padded = np.zeros(-(-n // chunk) * chunk, np.int32)                 # whole chunks of the prompt
+        padded[:n] = prompt
+        S = max(_bucket(n + max_new_tokens), len(padded))   # a chunk never writes past the cache
         kc = jnp.zeros((c.n_layers, S, c.n_kv_heads, c.head_dim), c.dtype)
         vc = jnp.zeros_like(kc)
-        padded = np.zeros(_bucket(len(prompt)), np.int32)
-        padded[:len(prompt)] = prompt
-        if len(padded) > S:
-            padded = padded[:S]
-        logits, kc, vc = _extend_jit(self.model, kc, vc, jnp.asarray(padded), jnp.int32(0))
-        nxt = pick(logits[len(prompt) - 1])
+        for a in range(0, len(padded), chunk):   # prefill: scores [heads, chunk, S], never [heads, n, S]
+            logits, kc, vc = _extend_jit(self.model, kc, vc, jnp.asarray(padded[a:a + chunk]), jnp.int32(a))
+        nxt = pick(logits[n - 1 - (len(padded) - chunk)])
         out: list[int] = []
         pos = len(prompt)
         while len(out) < max_new_tokens:

@@ -181,6 +181,25 @@ def test_kv_cache_matches_full_forward_and_greedy_oracle():
     assert scoring.Scorer(model).generate(tokens[:9], 12) == seq[9:]
 
 
+def test_long_prompts_prefill_in_chunks(monkeypatch):
+    """A prompt is prefilled PREFILL_CHUNK tokens at a time: one call on a whole 32k-token prompt held
+    [heads, 32k, 32k] fp32 attention scores (137 GB for the 7B). Chunks that cut the sliding window
+    and a prompt that ends mid-chunk (the cache then outgrows prompt + answer) decode as the
+    full-forward greedy oracle does."""
+    monkeypatch.setattr(scoring, "PREFILL_CHUNK", 48)
+    calls = []
+    real = scoring._extend_jit
+    monkeypatch.setattr(scoring, "_extend_jit", lambda m, kc, vc, t, s: calls.append((t.shape[0], kc.shape[1]))
+                        or real(m, kc, vc, t, s))
+    model = olmo3.OLMo3(CFG.replace(yarn=olmo3.YaRN(factor=4.0, original_max_position=16)), jax.random.key(5))
+    tokens = [int(x) for x in np.random.default_rng(5).integers(0, 512, size=100)]
+    seq = list(tokens)
+    for _ in range(5):
+        seq.append(int(np.argmax(forward(model, seq, pad=128)[-1])))
+    assert scoring.Scorer(model).generate(tokens, 5) == seq[100:]
+    assert calls[:3] == [(48, 144)] * 3 and {t for t, _ in calls[3:]} == {1}   # 3 whole chunks outgrow 105 -> 128
+
+
 def test_loglikelihood_and_rolling_against_oracle():
     model = olmo3.OLMo3(CFG, jax.random.key(2))
     t = [int(x) for x in np.random.default_rng(2).integers(0, 256, size=21)]
