@@ -510,6 +510,12 @@ def main(argv):
             raise app.UsageError(f"--tasks: {path!r} is not a file; give JSONL files of {{context, choices, gold}} "
                                  "lines")
 
+    if F.chat is None and not F.chat_file:   # these shape a chat answer only; elsewhere they would do nothing
+        for name in ("chat_template", "chat_think", "max_new_tokens", "temperature", "sample_seed"):
+            if F[name].present:
+                raise app.UsageError(f"--{name} applies to --chat / --chat_file only; add one of them, or drop "
+                                     f"--{name}")
+
     def sets_fn(config, padded=bool(F.eval_padded)):
         return heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size, padded=padded, data_dir=F.eval_data_dir,
                             data_mix=F.data_mix, data_root=F.data_root)

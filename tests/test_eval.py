@@ -332,6 +332,21 @@ def test_chat_prompt_that_does_not_fit_is_an_error_and_a_long_one_caps_the_answe
     assert f"leave room for 3 of --max_new_tokens=8 in --max_length={n + 3}" in caplog.text
 
 
+@pytest.mark.parametrize("flag", ["--temperature=0.7", "--max_new_tokens=32", "--sample_seed=3",
+                                  "--chat_template=olmo_thinker", "--chat_think"])
+def test_chat_flags_without_a_chat_are_an_error(flag, tmp_path):
+    """--temperature and the other chat flags without --chat / --chat_file were ignored without a
+    word: the held-out evaluation ran and the user believed they had sampled."""
+    F = eval_script.F
+    F.unparse_flags()
+    F(["eval.py", f"--model={tmp_path / 'nowhere'}", flag])
+    try:
+        with pytest.raises(eval_script.app.UsageError, match=f"{flag.split('=')[0]} applies to --chat / --chat_file only"):
+            eval_script.main(["eval.py"])
+    finally:
+        F.unparse_flags()
+
+
 def stub_lm_eval(monkeypatch):
     """Without lm-eval installed, a stand-in for the adapter's base class, all the adapter needs."""
     import sys
