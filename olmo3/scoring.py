@@ -312,7 +312,8 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
     """An instance of `lm_eval.api.model.LM` driving our model (pip install lm-eval; 0.4.x).
 
     loglikelihood and loglikelihood_rolling score with `Scorer`; generate_until decodes greedily
-    with the KV cache and cuts the text at the first stop string."""
+    with the KV cache and cuts the text at the first stop string (HFLM is greedy too unless a task
+    sets do_sample; such a task is refused)."""
     from lm_eval.api.model import LM
 
     import data
@@ -339,6 +340,10 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                 eos = tok.decode([tok.eot_token])
                 until += [eos] * bool(eos and eos not in until)   # lm-eval's HFLM adds EOS to every stop list
                 n = int(kwargs.get("max_gen_toks", max_gen_toks))
+                if kwargs.get("do_sample"):   # HFLM samples then (temperature, HF's top_k 50 / top_p); greedy is not that
+                    raise ValueError(f"generate_until: the task asks for sampling (do_sample=True, temperature="
+                                     f"{kwargs.get('temperature')}); this adapter decodes greedily only, so its "
+                                     "answers would not be the samples the task scores; run the task with HFLM")
                 room = self.scorer.max_length - n
                 if room < 1:
                     raise ValueError(f"generate_until: max_gen_toks={n} leaves no room for a context in "

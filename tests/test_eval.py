@@ -414,6 +414,10 @@ def test_lm_eval_generate_until_like_hflm(monkeypatch):
     assert seen == [(56, 8)]                     # the context's last 64 - 8 tokens, all 8 new ones
     with pytest.raises(ValueError, match="max_gen_toks=64 leaves no room"):
         lm.generate_until([request(context, {"max_gen_toks": 64})])
+    # HFLM is greedy at temperature > 0 unless do_sample is set; with it, it samples: refused, not greedy unsaid
+    assert lm.generate_until([request(context, {"max_gen_toks": 2, "temperature": 0.8})]) == ["x" * 2]
+    with pytest.raises(ValueError, match="asks for sampling \\(do_sample=True, temperature=0.8\\)"):
+        lm.generate_until([request(context, {"max_gen_toks": 2, "do_sample": True, "temperature": 0.8})])
 
 
 # ---- step-aligned run comparison ----------------------------------------------------------------
