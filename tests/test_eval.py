@@ -200,6 +200,40 @@ def test_long_prompts_prefill_in_chunks(monkeypatch):
     assert calls[:3] == [(48, 144)] * 3 and {t for t, _ in calls[3:]} == {1}   # 3 whole chunks outgrow 105 -> 128
 
 
+def test_generate_equals_transformers_generate():
+    """Greedy decoding against transformers' own `generate` (its KV cache, its sliding-window
+    cache layers) on a random Olmo3ForCausalLM: a window of 3 far shorter than prompt + answer,
+    YaRN on the full layers, prompts shorter and longer than the window, and stopping at an id."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
+            "beta_slow": 1, "attention_factor": 1.2}
+    cfg = transformers.Olmo3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rms_norm_eps=1e-6, sliding_window=3, pad_token_id=None, eos_token_id=None,
+                                   bos_token_id=None, tie_word_embeddings=False, rope_scaling=yarn)
+    torch.manual_seed(0)
+    ref = transformers.Olmo3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model = hf.from_hf({k: v.detach() for k, v in ref.state_dict().items()}, hf.config_from_hf(cfg.to_dict()))
+    assert model.config.window == 3 and model.config.yarn is not None
+
+    def hf_generate(prompt, n, eos=None):
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                           pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        return out[0, len(prompt):].tolist()
+
+    rng = np.random.default_rng(0)
+    for n_prompt in (2, 30):
+        prompt = rng.integers(0, 97, size=n_prompt).tolist()
+        ours = scoring.Scorer(model, max_length=128).generate(prompt, 24)
+        assert ours == hf_generate(prompt, 24)
+        stop = ours[9]
+        assert scoring.Scorer(model, max_length=128).generate(prompt, 24, eos_id=stop) == hf_generate(prompt, 24, stop)
+
+
 def test_loglikelihood_and_rolling_against_oracle():
     model = olmo3.OLMo3(CFG, jax.random.key(2))
     t = [int(x) for x in np.random.default_rng(2).integers(0, 256, size=21)]
