@@ -340,7 +340,7 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                 eos = tok.decode([tok.eot_token])
                 until += [eos] * bool(eos and eos not in until)   # lm-eval's HFLM adds EOS to every stop list
                 n = int(kwargs.get("max_gen_toks", max_gen_toks))
-                if kwargs.get("do_sample"):   # HFLM samples then (temperature, HF's top_k 50 / top_p); greedy is not that
+                if kwargs.get("do_sample"):   # HFLM samples then (temperature, top_k, top_p)
                     raise ValueError(f"generate_until: the task asks for sampling (do_sample=True, temperature="
                                      f"{kwargs.get('temperature')}); this adapter decodes greedily only, so its "
                                      "answers would not be the samples the task scores; run the task with HFLM")

@@ -375,7 +375,8 @@ def test_chat_flags_without_a_chat_are_an_error(flag, tmp_path):
     F.unparse_flags()
     F(["eval.py", f"--model={tmp_path / 'nowhere'}", flag])
     try:
-        with pytest.raises(eval_script.app.UsageError, match=f"{flag.split('=')[0]} applies to --chat / --chat_file only"):
+        name = flag.split("=")[0]
+        with pytest.raises(eval_script.app.UsageError, match=f"{name} applies to --chat / --chat_file only"):
             eval_script.main(["eval.py"])
     finally:
         F.unparse_flags()
