@@ -146,6 +146,28 @@ def test_eval_bad_long_context_flags(tmp_path, args, message):
     assert message in p.stderr.strip().splitlines()[-1]
 
 
+def test_eval_attention_flag_scores_as_xla(tmp_path):
+    """eval.py --attention=splash (what the xla kernel's refusal above 16,384 tokens of full
+    attention asks for: stage 3 evaluates at 65,536) loads the model with that kernel, and its
+    held-out loss equals the default xla one on a YaRN model (the Splash kernel interpreted)."""
+    from olmo3 import hf
+    model = olmo3.OLMo3(CFG.replace(yarn=olmo3.YaRN(factor=4.0, original_max_position=8)), jax.random.key(5))
+    hf.to_hf(model, str(tmp_path / "hf"))
+    path, _ = _documents(tmp_path, [40, 5, 32, 17, 9, 70, 25], seed=5)
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    losses = {}
+    for kernel in ("xla", "splash"):
+        out = tmp_path / kernel
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), f"--model={tmp_path / 'hf'}",
+                            f"--heldout=docs={path}", f"--eval_data_dir={tmp_path / 'data'}", "--eval_seq_len=32",
+                            "--eval_batch_size=2", "--max_eval_batches=1", f"--attention={kernel}", f"--out={out}"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        with open(out / "eval.json") as f:
+            losses[kernel] = json.load(f)["eval/all/loss"]
+    assert losses["splash"] == pytest.approx(losses["xla"], rel=1e-5)
+
+
 def _log_softmax64(x):
     x = np.asarray(x, np.float64)
     x = x - x.max(-1, keepdims=True)
