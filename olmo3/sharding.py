@@ -89,6 +89,12 @@ TOKENS = P((DATA, FSDP), CONTEXT)  # [rows, seq] fields under context parallelis
 HEAD_STRIDE = 4
 
 
+def kv_group(head_stride: int, n_kv_heads: int) -> int:
+    """K/V heads gathered at a time: the largest divisor of n_kv_heads not above head_stride, so
+    that every --n_kv_heads runs under context parallelism (6 heads at stride 4: 3 at a time)."""
+    return max(d for d in range(1, min(head_stride, n_kv_heads) + 1) if n_kv_heads % d == 0)
+
+
 # --------------------------------------------------------------------------------------------
 # Mesh
 # --------------------------------------------------------------------------------------------
@@ -362,9 +368,7 @@ def _context_attention(cfg: Config, segment_ids: Optional[jax.Array], head_strid
     def attend(q, k, v, *, window):
         H, Tc, hd = q.shape
         KV = k.shape[0]
-        s = min(head_stride, KV)
-        if KV % s:
-            raise ValueError(f"head_stride={head_stride} must divide n_kv_heads={KV}")
+        s = kv_group(head_stride, KV)
         if KV == s:
             return one_group(q, k, v, window)
         groups = lambda x: x.reshape(KV // s, -1, Tc, hd)                   # (KV/s, s[*G], T/C, hd)
@@ -814,7 +818,7 @@ def memory_report(config: Config, n_devices: int, data: int = 1, context: int = 
         c, act = config, jnp.dtype(config.dtype).itemsize
         saved = c.q_dim + 2 * c.kv_dim + 2 * c.mlp_hidden + 3 * c.d_model   # q k v gate up, o down x
         out["activation_bytes"] = (seq_len // context) * c.n_layers * saved * act
-        out["kv_gathered_bytes"] = 2 * min(head_stride, c.n_kv_heads) * seq_len * c.head_dim * act
+        out["kv_gathered_bytes"] = 2 * kv_group(head_stride, c.n_kv_heads) * seq_len * c.head_dim * act
     return out
 
 

@@ -132,6 +132,18 @@ def test_context_grads_equal_single_device(single_device, spec, head_stride, mic
     assert got.layers.gate_proj.addressable_shards[0].data.shape == (2, 64, 128 // shards)
 
 
+def test_context_grads_with_kv_heads_the_stride_does_not_divide():
+    """6 K/V heads at the recipe's head_stride 4 (--n_kv_heads is a flag; the stride is not):
+    gathered 3 at a time, the gradient equals the single-device one."""
+    model, batch = olmo3.OLMo3(CFG.replace(n_heads=6, n_kv_heads=6, head_dim=8), jax.random.key(1)), rows(32, seed=5)
+    want_ce, want = reference(model, batch)
+    got_ce, got, _ = context_grads(model, batch, "fsdp:4,context:2", sh.HEAD_STRIDE)
+    np.testing.assert_allclose(got_ce, want_ce, rtol=2e-6)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(g, r) < 1e-5
+    assert [sh.kv_group(4, kv) for kv in (1, 2, 3, 4, 6, 8, 32)] == [1, 2, 3, 4, 3, 4, 4]
+
+
 @pytest.mark.slow
 def test_context_grads_with_splash_equal_single_device(single_device):
     _, batch, want_ce, want = single_device
