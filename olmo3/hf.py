@@ -133,7 +133,15 @@ def config_to_hf(c: Config) -> dict:
     without a word). 4.x applies `rope_scaling` to the full-attention layers only, as 5 does."""
     full = {"rope_type": "default", "rope_theta": c.rope_theta}
     scaling = None
+    positions = c.max_position_embeddings
     if c.yarn is not None:
+        # transformers takes max_position_embeddings as the post-YaRN context: it warns when
+        # factor != max_position_embeddings / original_max_position_embeddings, and some of its
+        # versions use that ratio as the factor. A checkpoint's model_config does not hold
+        # max_position_embeddings (Config's default 65,536 comes back), so write the context
+        # YaRN extends to: 8 x 8192 = 65,536 for the 7B, 4 x 256 = 1,024 for tiny_stage3.flags.
+        extended = c.yarn.factor * c.yarn.original_max_position
+        positions = int(extended) if float(extended).is_integer() else positions
         scaling = {"rope_type": "yarn", "factor": c.yarn.factor,
                    "original_max_position_embeddings": c.yarn.original_max_position,
                    "beta_fast": c.yarn.beta_fast, "beta_slow": c.yarn.beta_slow,
@@ -144,7 +152,7 @@ def config_to_hf(c: Config) -> dict:
         "vocab_size": c.vocab_size, "hidden_size": c.d_model, "intermediate_size": c.mlp_hidden,
         "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.norm_eps,
+        "max_position_embeddings": positions, "rms_norm_eps": c.norm_eps,
         "sliding_window": c.window, "attention_bias": False, "attention_dropout": 0.0,
         "layer_types": [f"{t}_attention" for t in c.layer_types()],
         "rope_parameters": {"full_attention": full,

@@ -204,6 +204,33 @@ def test_train_py_checkpoint_to_hf(tmp_path):
     assert r["kl_max"] < 1e-6 and r["top1"] == 1.0
 
 
+def test_stage3_checkpoint_to_hf_states_the_yarn_context(tmp_path):
+    """A train.py stage-3 checkpoint (YaRN 4 x 16 on the full layers) converts to a config.json
+    whose max_position_embeddings is the context YaRN extends to (transformers' reading: factor =
+    max_position_embeddings / original_max_position_embeddings), though the checkpoint's
+    model_config does not hold it; transformers and from_hf give our logits past position 16."""
+    config = olmo3.Config(vocab_size=512, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
+                          mlp_hidden=96, window=7, yarn=olmo3.YaRN(factor=4.0, original_max_position=16),
+                          max_position_embeddings=64)
+    model = olmo3.OLMo3(config, jax.random.key(4))
+    mgr = checkpoint.CheckpointManager(str(tmp_path / "run"), async_save=False)
+    mgr.save(5, {"model": model}, {"model_config": config_to_dict(config), "stage": 3})
+    mgr.close()
+    convert.orbax_to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+    with open(tmp_path / "hf" / "config.json") as f:
+        written = json.load(f)
+    assert written["max_position_embeddings"] == 64 == 4 * written["rope_scaling"]["original_max_position_embeddings"]
+    x = np.arange(64)[None] * 7 % 512
+    ours = np.asarray(model(jax.numpy.asarray(x[0], jax.numpy.int32)))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        r = heldout.logit_agreement(ref(torch.tensor(x)).logits.numpy()[0], ours)
+    assert r["kl_max"] < 1e-6 and r["top1"] == 1.0
+    back = hf.from_hf(str(tmp_path / "hf"))
+    assert back.config.yarn.factor == 4.0 and back.config.max_position_embeddings == 64
+    np.testing.assert_array_equal(np.asarray(back(jax.numpy.asarray(x[0], jax.numpy.int32))), ours)
+
+
 def test_bad_inputs(tmp_path):
     random_hf_dir(tmp_path / "hf")
     f = tmp_path / "hf" / "model.safetensors"
