@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -73,11 +74,20 @@ def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
         return theta, None
     if kind != "yarn":
         raise ValueError(f"HF config rope_type={kind!r} for full layers: only 'default' and 'yarn' supported")
-    return theta, YaRN(factor=_field(full, "factor", float),
+    if full.get("truncate") is False:   # transformers 4.x then ramps over the unrounded range
+        raise ValueError("HF config has YaRN truncate=false; OLMo 3 (OLMo-core, transformers' default) rounds the "
+                         "correction range to whole dimensions, the only YaRN olmo3.rope computes")
+    factor = _field(full, "factor", float)
+    attention_factor = full.get("attention_factor")
+    mscale, mscale_all_dim = full.get("mscale"), full.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:   # transformers' _compute_yarn_parameters
+        m = lambda k: 0.1 * k * math.log(factor) + 1.0 if factor > 1 else 1.0   # noqa: E731
+        attention_factor = m(float(mscale)) / m(float(mscale_all_dim))
+    return theta, YaRN(factor=factor,
                        original_max_position=_field(full, "original_max_position_embeddings", int),
                        beta_fast=_field(full, "beta_fast", float, 32.0),
                        beta_slow=_field(full, "beta_slow", float, 1.0),
-                       attention_factor=full.get("attention_factor"))
+                       attention_factor=attention_factor)
 
 
 _REQUIRED = object()

@@ -23,6 +23,10 @@ CASES = [
         "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
                            "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}), 64),
+    ("yarn_mscale_ratio", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters={
+        "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0, "mscale": 1.0,
+                           "mscale_all_dim": 0.5, "original_max_position_embeddings": 16},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}), 64),
     ("odd_sizes", dict(hidden_size=40, intermediate_size=72, num_attention_heads=5, num_key_value_heads=1,
                        head_dim=12, sliding_window=5, num_hidden_layers=8), 23),
 ]
@@ -70,6 +74,16 @@ def test_parity_with_transformers_fp32(name, over, seq):
     assert kl.max() < 1e-6, f"{name}: max KL {kl.max():.3g}"
     assert top1 == 1.0
     np.testing.assert_allclose(ours, ref_logits, atol=2e-4, rtol=1e-4)
+
+
+def test_yarn_without_truncation_is_refused():
+    """truncate=false (an unrounded YaRN ramp, which transformers 4.x honours) is not what OLMo 3
+    computes: config_from_hf names it rather than load a model that disagrees with transformers."""
+    c = hf.config_to_hf(olmo3.Config.olmo3_7b_long())
+    c["rope_scaling"]["truncate"] = False
+    del c["rope_parameters"]   # the flat keys, as transformers 4.x reads them
+    with pytest.raises(ValueError, match="truncate=false"):
+        hf.config_from_hf(c)
 
 
 def test_parity_unrolled_layer_groups():
