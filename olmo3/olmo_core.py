@@ -338,6 +338,10 @@ def _bias(module: dict) -> bool:
     return True if module.get("bias") is None else bool(module["bias"])
 
 
+# OLMo-core 3.0.0 YaRNRoPEScalingConfig's fields (nn/rope.py).
+_YARN_FIELDS = {"factor", "beta_fast", "beta_slow", "old_context_len"}
+
+
 def _refuse_unlike_olmo3(model: dict, per_layer: list[int]) -> None:
     """Every setting of OLMo-core's TransformerConfig that changes the computation must be OLMo
     3's (`TransformerConfig.olmo3_7B`, OLMo-core 3.0.0), or the weights would convert bit for bit
@@ -386,6 +390,12 @@ def _refuse_unlike_olmo3(model: dict, per_layer: list[int]) -> None:
     for i, over in overrides.items():
         if _strip_scaling(over) != _strip_scaling(block):
             raise NotOLMo3(f"block_overrides[{i}] changes more than RoPE scaling")
+    for i, over in overrides.items():   # Stepwise (Llama 3) scaling has YaRN's factor and old_context_len
+        scaling = (_mixer(over).get("rope") or {}).get("scaling") or {}
+        kind = scaling.get("_CLASS_", "YaRNRoPEScalingConfig").rsplit(".", 1)[-1]
+        if scaling and (kind != "YaRNRoPEScalingConfig" or not set(scaling) - {"_CLASS_"} <= _YARN_FIELDS):
+            raise NotOLMo3(f"block_overrides[{i}].attention.rope.scaling is {kind} "
+                           f"({sorted(set(scaling) - {'_CLASS_'})}) where OLMo 3 has YaRNRoPEScalingConfig")
     scalings = [json.dumps((_mixer(over).get("rope") or {}).get("scaling"), sort_keys=True) for over in overrides.values()]
     if overrides and (set(overrides) != full or len(set(scalings)) > 1):
         raise NotOLMo3(f"block_overrides on layers {sorted(overrides)}: OLMo 3 scales RoPE alike on its "

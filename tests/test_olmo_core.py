@@ -132,7 +132,8 @@ def test_settings_olmo3_lacks_are_refused(tmp_path):
 
     from olmo_core.nn.feed_forward import ActivationFunction
     from olmo_core.nn.layer_norm import LayerNormType
-    from olmo_core.nn.rope import YaRNRoPEScalingConfig
+    from olmo_core.nn.rope import (ABFRoPEScalingConfig, PIRoPEScalingConfig, StepwiseRoPEScalingConfig,
+                                   YaRNRoPEScalingConfig)
     from olmo_core.nn.transformer import TransformerConfig
     as_json = lambda c: json.loads(json.dumps(c.as_config_dict()))   # noqa: E731
     base = TransformerConfig.olmo3_7B(vocab_size=100352)
@@ -156,6 +157,12 @@ def test_settings_olmo3_lacks_are_refused(tmp_path):
                                                                    ActivationFunction.gelu_tanh)),
         "block_overrides[3]": changed(long, lambda c: setattr(c.block_overrides[3].feed_forward, "hidden_size", 64)),
     }
+    # Other RoPE scalings on the full-attention layers: Stepwise (Llama 3's) has YaRN's factor and
+    # old_context_len and was read as YaRN; PI and ABF were a KeyError.
+    for scaling in (StepwiseRoPEScalingConfig(factor=8, old_context_len=8192), PIRoPEScalingConfig(factor=8),
+                    ABFRoPEScalingConfig(new_theta=8e6)):
+        cases[f"block_overrides[3].attention.rope.scaling is {type(scaling).__name__}"] = \
+            as_json(base.with_rope_scaling(scaling, full_attn_layers_only=True))
     for field, model in cases.items():
         with pytest.raises(olmo_core.NotOLMo3, match=re.escape(field)):
             olmo_core.config_from_olmo_core(model)
