@@ -232,5 +232,11 @@ def config_from_dict(d: Mapping[str, Any], **overrides) -> Config:
 
 
 def config_diff(a: Config, b: Config) -> dict:
-    da, db = config_to_dict(a), config_to_dict(b)
+    """The architecture fields in which `a` and `b` compute differently, {field: (a's, b's)}. YaRN's
+    attention factor compares by value: None (the paper's default) equals that default written out,
+    as a conversion from Hugging Face writes it."""
+    def resolved(c):
+        return c if c.yarn is None else dataclasses.replace(
+            c, yarn=dataclasses.replace(c.yarn, attention_factor=c.yarn.mscale))
+    da, db = config_to_dict(resolved(a)), config_to_dict(resolved(b))
     return {k: (da.get(k), db.get(k)) for k in ARCH_FIELDS if da.get(k) != db.get(k)}

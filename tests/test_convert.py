@@ -15,7 +15,7 @@ import pytest
 
 import olmo3
 from olmo3 import checkpoint, heldout, hf, load, optim, schedules
-from olmo3.config import config_to_dict
+from olmo3.config import config_diff, config_to_dict
 from test_model import hf_config, random_hf_model
 from test_train import source_corpus
 
@@ -228,6 +228,9 @@ def test_stage3_checkpoint_to_hf_states_the_yarn_context(tmp_path):
     assert r["kl_max"] < 1e-6 and r["top1"] == 1.0
     back = hf.from_hf(str(tmp_path / "hf"))
     assert back.config.yarn.factor == 4.0 and back.config.max_position_embeddings == 64
+    # The round trip writes YaRN's default attention factor out (0.1 ln 4 + 1 = 1.1386); it is the same model
+    # (eval.py --compare's architecture check used to refuse the pair).
+    assert back.config.yarn.attention_factor is not None and config_diff(config, back.config) == {}
     np.testing.assert_array_equal(np.asarray(back(jax.numpy.asarray(x[0], jax.numpy.int32))), ours)
 
 
