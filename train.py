@@ -865,10 +865,12 @@ def check_resume(extra: dict, config) -> None:
         if saved_value is not None and saved_value != getattr(F, name):
             raise app.UsageError(f"--resume: the checkpoint was trained with --{name}={saved_value}, the flags "
                                  f"say {getattr(F, name)}; a recipe constant cannot change mid-run")
-    # What a step trains on and attends to: flipped at a resume (a resubmitted command without the
-    # flag), the run went on silently unlike the uninterrupted one, and the checkpoint's record of
-    # doc_lengths, which eval.py scores with, changed mid-run. Checkpoints without the key: unchecked.
-    for name, now in (("doc_lengths", doc_lengths()), ("repetition_filter", F.repetition_filter)):
+    # What a step trains on and attends to, and what its held-out loss means: flipped at a resume
+    # (a resubmitted command without the flag), the run went on silently unlike the uninterrupted
+    # one, the eval/ series changed meaning mid-run, and the checkpoint's records, which eval.py
+    # scores with, changed. Checkpoints without the key: unchecked.
+    for name, now in (("doc_lengths", doc_lengths()), ("repetition_filter", F.repetition_filter),
+                      ("eval_padded", F.eval_padded)):
         saved_value = extra.get(name)
         if saved_value is not None and bool(saved_value) != bool(now):
             spell = lambda on: f"--{'' if on else 'no'}{name}"  # noqa: E731

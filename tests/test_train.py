@@ -242,10 +242,12 @@ def test_bad_inputs(uninterrupted, docs, tmp_path):
 
 
 def test_resume_keeps_doc_lengths_and_repetition_filter(uninterrupted, docs):
-    """Attention within documents and the repetition filter decide what a step trains on: a resume
-    that flips either (a resubmitted command without the flag) is refused with one line, exit 2,
-    before any array is read. Both went on silently, the checkpoint's doc_lengths record flipped."""
-    for flag, saved in (("--doc_lengths", "--nodoc_lengths"), ("--repetition_filter", "--norepetition_filter")):
+    """Attention within documents and the repetition filter decide what a step trains on, and
+    --eval_padded what its held-out loss means: a resume that flips one (a resubmitted command
+    without the flag) is refused with one line, exit 2, before any array is read. All three went
+    on silently, the checkpoint's doc_lengths and eval_padded records flipped."""
+    for flag, saved in (("--doc_lengths", "--nodoc_lengths"), ("--repetition_filter", "--norepetition_filter"),
+                        ("--eval_padded", "--noeval_padded")):
         p = run(["--max_steps=6", "--resume", flag], uninterrupted / "a", docs, uninterrupted / "data", check=False)
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode == 2 and f"trained with {saved}, the flags say {flag}" in last, p.stderr[-2000:]
