@@ -390,7 +390,7 @@ def _refuse_unlike_olmo3(model: dict, per_layer: list[int]) -> None:
     for i, over in overrides.items():
         if _strip_scaling(over) != _strip_scaling(block):
             raise NotOLMo3(f"block_overrides[{i}] changes more than RoPE scaling")
-    for i, over in overrides.items():   # Stepwise (Llama 3) scaling has YaRN's factor and old_context_len
+        # ... and to YaRN: Stepwise (Llama 3) scaling has YaRN's factor and old_context_len
         scaling = (_mixer(over).get("rope") or {}).get("scaling") or {}
         kind = scaling.get("_CLASS_", "YaRNRoPEScalingConfig").rsplit(".", 1)[-1]
         if scaling and (kind != "YaRNRoPEScalingConfig" or not set(scaling) - {"_CLASS_"} <= _YARN_FIELDS):
