@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int, Integer
 
+from olmo3.config import matmul_precision
 from olmo3.loss import chunked_cross_entropy, labels_and_weights
 from olmo3.model import OLMo3
 from olmo3.step import eval_loss
@@ -205,14 +206,38 @@ def _per_bucket(num: Float[np.ndarray, " k"], den: Float[np.ndarray, " k"]) -> F
 
 
 # ---- two models on identical inputs -------------------------------------------------------------
+# Positions compared at a time. One position costs the float64 log-probabilities of both models over
+# the whole vocabulary and their temporaries, ~6.5x both models' float32 logits: a whole 65,536-token
+# row of the 7B (vocab 100,352; 26 GB of float32 logits per model) needed ~320 GB of host memory
+# above them (5.0 GB for 1,024 positions, measured, x 64), and each model's logits of the row
+# 26 GB of device memory beside the weights. 512 positions: 0.2 GB of logits per model on the device
+# and ~2 GB of host temporaries (measured: 2.3 GB at 1,024 positions, 1.9 GB at 2,048).
+AGREEMENT_CHUNK = 512
+
+
 def logit_agreement(ref_logits: Float[np.ndarray, "*tokens vocab"], logits: Float[np.ndarray, "*tokens vocab_b"],
-                    top_k: int = 10) -> dict:
+                    top_k: int = 10, chunk: int = AGREEMENT_CHUNK) -> dict:
     """Per-token KL(ref || other) in float64, top-1 agreement and top-k overlap (fraction of the
-    reference's top k found in the other's top k). Inputs [..., vocab]."""
-    a = np.asarray(ref_logits, np.float64).reshape(-1, ref_logits.shape[-1])
-    b = np.asarray(logits, np.float64).reshape(-1, logits.shape[-1])
+    reference's top k found in the other's top k). Inputs [..., vocab], compared `chunk`
+    positions at a time (AGREEMENT_CHUNK), so the float64 temporaries do not grow with the input."""
+    a, b = np.asarray(ref_logits), np.asarray(logits)
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
     if a.shape != b.shape:
         raise ValueError(f"logit shapes differ: {a.shape} vs {b.shape} (different vocab sizes?)")
+    kl_sum, kl_max, top1, overlap = 0.0, -math.inf, 0, 0.0
+    for s in range(0, len(a), chunk):
+        kl, same, common = _agreement_block(a[s:s + chunk], b[s:s + chunk], top_k)
+        kl_sum, kl_max = kl_sum + float(kl.sum()), max(kl_max, float(kl.max()))
+        top1, overlap = top1 + int(same), overlap + common
+    n = len(a)
+    return {"kl_mean": kl_sum / n, "kl_max": kl_max, "kl_sum": kl_sum, "top1": top1 / n,
+            f"top{top_k}": overlap / (top_k * n), "tokens": n}
+
+
+def _agreement_block(a: Float[np.ndarray, "n vocab"], b: Float[np.ndarray, "n vocab"], top_k: int
+                     ) -> tuple[Float[np.ndarray, " n"], int, int]:
+    """(per-token KL(a || b) in float64, tokens whose top-1 agree, top-k ids in common) of a block."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
     la = a - a.max(-1, keepdims=True)
     la -= np.log(np.exp(la).sum(-1, keepdims=True))
     lb = b - b.max(-1, keepdims=True)
@@ -220,26 +245,42 @@ def logit_agreement(ref_logits: Float[np.ndarray, "*tokens vocab"], logits: Floa
     kl = np.maximum((np.exp(la) * (la - lb)).sum(-1), 0.0)
     ta = np.argpartition(-a, top_k - 1, axis=-1)[:, :top_k]
     tb = np.argpartition(-b, top_k - 1, axis=-1)[:, :top_k]
-    overlap = np.mean([len(np.intersect1d(x, y)) / top_k for x, y in zip(ta, tb)])
-    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()), "kl_sum": float(kl.sum()),
-            "top1": float(np.mean(a.argmax(-1) == b.argmax(-1))), f"top{top_k}": float(overlap),
-            "tokens": int(kl.size)}
+    common = sum(len(np.intersect1d(x, y)) for x, y in zip(ta, tb))
+    return kl, int(np.sum(a.argmax(-1) == b.argmax(-1))), common
 
 
-def model_agreement(model_a: OLMo3, model_b: OLMo3, token_rows: Integer[np.ndarray, "batch seq"]) -> dict:
-    """KL(a || b), top-1, top-10 of two models over [B, T] token rows (means over all tokens)."""
+def model_agreement(model_a: OLMo3, model_b: OLMo3, token_rows: Integer[np.ndarray, "batch seq"],
+                    chunk: int = AGREEMENT_CHUNK) -> dict:
+    """KL(a || b), top-1, top-10 of two models over [B, T] token rows (means over all tokens).
+    Each row's hidden states are computed whole; its logits `chunk` positions at a time."""
     if model_a.config.vocab_size != model_b.config.vocab_size:
         raise ValueError(f"models have different vocab sizes ({model_a.config.vocab_size} vs "
                          f"{model_b.config.vocab_size}); token-level KL needs the same vocabulary")
-    fa, fb = logits_fn(), logits_fn()
+    hidden, head = _hidden_fn(), _head_fn()
     parts = []
     for row in np.asarray(token_rows):
         t = jnp.asarray(row, jnp.int32)
-        parts.append(logit_agreement(np.asarray(fa(model_a, t)), np.asarray(fb(model_b, t))))
+        ha, hb = hidden(model_a, t), hidden(model_b, t)
+        for s in range(0, len(row), chunk):
+            parts.append(logit_agreement(np.asarray(head(model_a, ha[s:s + chunk])),
+                                         np.asarray(head(model_b, hb[s:s + chunk]))))
     n = sum(p["tokens"] for p in parts)
     return {"kl_mean": sum(p["kl_sum"] for p in parts) / n, "kl_max": max(p["kl_max"] for p in parts),
             "top1": sum(p["top1"] * p["tokens"] for p in parts) / n,
             "top10": sum(p["top10"] * p["tokens"] for p in parts) / n, "tokens": n}
+
+
+@functools.lru_cache(maxsize=1)
+def _hidden_fn():
+    """The jitted `f(model, tokens[T]) -> final-normed hidden states [T, d_model]`."""
+    return eqx.filter_jit(lambda m, t: m.hidden(t))
+
+
+@functools.lru_cache(maxsize=1)
+def _head_fn():
+    """The jitted LM head `f(model, h[n, d_model]) -> logits[n, V]`, as OLMo3.__call__ applies it."""
+    return eqx.filter_jit(lambda m, h: jnp.dot(h, m.lm_head.astype(h.dtype), preferred_element_type=jnp.float32,
+                                               precision=matmul_precision(h.dtype)))
 
 
 @functools.lru_cache(maxsize=1)

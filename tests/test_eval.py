@@ -160,6 +160,45 @@ def test_logit_agreement_against_direct_formulas():
     assert same["kl_max"] < 1e-12 and same["top1"] == 1.0 and same["top10"] == 1.0
 
 
+
+def test_logit_agreement_memory_does_not_grow_with_tokens():
+    """The float64 log-probabilities are built a block of positions at a time: 4x the positions
+    must not take 4x the memory (a whole 65,536-token row of the 7B took ~320 GB of host memory)."""
+    import tracemalloc
+    rng = np.random.default_rng(0)
+    peaks = {}
+    for tokens in (1024, 4096):
+        a = rng.normal(size=(tokens, 1024)).astype(np.float32)
+        b = a + 0.1 * rng.normal(size=a.shape).astype(np.float32)
+        tracemalloc.start()
+        heldout.logit_agreement(a, b)   # AGREEMENT_CHUNK: 512 positions a block
+        peaks[tokens] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[4096] < 1.3 * peaks[1024], peaks
+    a, b = rng.normal(size=(7, 3, 40)), rng.normal(size=(7, 3, 40))   # blocks give the one-block numbers
+    whole, blocks = heldout.logit_agreement(a, b, chunk=1000), heldout.logit_agreement(a, b, chunk=4)
+    assert whole.keys() == blocks.keys() and whole["tokens"] == blocks["tokens"] == 21
+    np.testing.assert_allclose([blocks[k] for k in whole], [whole[k] for k in whole], rtol=1e-12)
+
+
+def test_model_agreement_never_builds_a_rows_whole_logits(monkeypatch):
+    """The logits of a row are computed `chunk` positions at a time (a 65,536-token row of the 7B:
+    26 GB per model otherwise) and give the numbers of the whole row's logits."""
+    cfg = CFG.replace(max_position_embeddings=2048)
+    ma, mb = olmo3.OLMo3(cfg, jax.random.key(0)), olmo3.OLMo3(cfg, jax.random.key(1))
+    rows = np.random.default_rng(0).integers(0, 512, size=(2, 1100)).astype(np.int32)
+    want = heldout.logit_agreement(np.stack([forward(ma, r) for r in rows]), np.stack([forward(mb, r) for r in rows]))
+    monkeypatch.setattr(heldout, "logits_fn", lambda: pytest.fail("a whole row's logits were computed"))
+    got = heldout.model_agreement(ma, mb, rows)   # AGREEMENT_CHUNK: 512 positions a block
+    assert got["tokens"] == 2200
+    np.testing.assert_allclose([got[k] for k in ("kl_mean", "kl_max", "top1", "top10")],
+                               [want[k] for k in ("kl_mean", "kl_max", "top1", "top10")], rtol=1e-5)
+    seen, head = [], heldout._head_fn()
+    monkeypatch.setattr(heldout, "_head_fn", lambda: lambda m, h: seen.append(h.shape[0]) or head(m, h))
+    assert heldout.model_agreement(ma, mb, rows) == got
+    assert seen == [512, 512, 512, 512, 76, 76] * 2   # rows of 1,100: blocks of 512, 512, 76, for A and B
+
+
 # ---- scoring and generation ---------------------------------------------------------------------
 def test_kv_cache_matches_full_forward_and_greedy_oracle():
     model = olmo3.OLMo3(CFG.replace(yarn=olmo3.YaRN(factor=4.0, original_max_position=16)), jax.random.key(1))
