@@ -490,7 +490,7 @@ def main(argv):
     def save(step, owed=()):
         extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
                  "doc_lengths": bool(use_segments), "eval_padded": bool(F.eval_padded),
-                 "repetition_filter": bool(F.repetition_filter),
+                 "repetition_filter": bool(F.repetition_filter), "precision": precision(config),
                  "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
         if F.stage == "dpo":   # the reference the cached log-probs belong to (checked on resume)
             extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}
@@ -877,6 +877,23 @@ def check_resume(extra: dict, config) -> None:
             raise app.UsageError(f"--resume: the checkpoint was trained with {spell(saved_value)}, the flags say "
                                  f"{spell(now)}; it cannot change mid-run: add {spell(saved_value)}, or start a new "
                                  f"--run_dir with --init_from=<this checkpoint> to change it")
+    # The precision decides every number a step computes (bf16 rounding, float8 casts): resumed
+    # under another one (a resubmitted command with another flagfile), the run went on silently
+    # unlike the uninterrupted one, and a DPO run kept the reference log-probs its checkpoint's
+    # precision cached (olmo3/reference.py: they must be the policy's). Checkpoints without the key: unchecked.
+    saved_precision = extra.get("precision")
+    if saved_precision is not None and saved_precision != precision(config):
+        spell = lambda p: f"--compute_dtype={p['compute_dtype']} --{'' if p['float8'] else 'no'}float8"  # noqa: E731
+        raise app.UsageError(f"--resume: the checkpoint was trained with {spell(saved_precision)}, the flags say "
+                             f"{spell(precision(config))}; the precision cannot change mid-run: add "
+                             f"{spell(saved_precision)}, or start a new --run_dir with --init_from=<this checkpoint> "
+                             "to change it")
+
+
+def precision(config) -> dict:
+    """What a run computes in (kept in every checkpoint's extra JSON; not its architecture:
+    olmo3/config.py ARCH_FIELDS): the compute dtype and whether the projections run in float8."""
+    return {"compute_dtype": config.compute_dtype, "float8": bool(config.float8)}
 
 
 if __name__ == "__main__":

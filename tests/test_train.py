@@ -253,6 +253,18 @@ def test_resume_keeps_doc_lengths_and_repetition_filter(uninterrupted, docs):
         assert p.returncode == 2 and f"trained with {saved}, the flags say {flag}" in last, p.stderr[-2000:]
 
 
+def test_resume_keeps_the_precision(uninterrupted, docs):
+    """--compute_dtype and --float8 change every number a step computes: a resume under another
+    precision (a resubmitted command with another flagfile) is refused with one line, exit 2,
+    naming what the checkpoint was trained with. It went on silently in the new precision."""
+    for flags, now in ((["--float8"], "--compute_dtype=float32 --float8"),
+                       (["--compute_dtype=bfloat16"], "--compute_dtype=bfloat16 --nofloat8")):
+        p = run(["--max_steps=6", "--resume", *flags], uninterrupted / "a", docs, uninterrupted / "data", check=False)
+        last = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert f"trained with --compute_dtype=float32 --nofloat8, the flags say {now}" in last, last
+
+
 def test_tiny_flags_end_to_end(tmp_path):
     """The README's main command, shortened: tiny.flags on the embedded corpus, prepared on first run."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
