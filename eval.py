@@ -18,8 +18,9 @@
 
 Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed instances,
 windows or padded documents as the run scored its own (--eval_padded, --doc_lengths), so with the
-run's --seq_len as --eval_seq_len and as many instances as it evaluated a number here equals the
-run's own eval/<domain>/loss at that step. Bits per byte divide by the
+run's --seq_len as --eval_seq_len, its precision (--compute_dtype, and --float8 for a stage-3 run)
+and as many instances as it evaluated a number here equals the run's own eval/<domain>/loss at
+that step. Bits per byte divide by the
 UTF-8 bytes of the predicted tokens (dolma2 decoding), which makes tokenizers comparable.
 """
 from __future__ import annotations
@@ -88,6 +89,9 @@ flags.DEFINE_float("tol", 0.0, "--compare: a floor (nats) under the noise bands 
                    "(training-loss spread in the window, held-out spread across batches).")
 flags.DEFINE_float("z", 3.0, "--compare: the noise band is this many standard errors.")
 flags.DEFINE_enum("compute_dtype", "float32", ["float32", "bfloat16"], "Activations for evaluation.")
+flags.DEFINE_bool("float8", False, "Every layer's seven projections through float8 (olmo3/float8.py), as a train.py "
+                  "run with --float8 (stage 3) computes, its in-loop evaluations included; default: the weights as "
+                  "they are (as convert.py exports them).")
 flags.DEFINE_enum("attention", "xla", ["xla", "splash", "cudnn"], "Attention kernel (olmo3/attention.py), as train.py's "
                   "--attention: xla refuses full-attention rows above 16,384 tokens (dense scores), so stage 3's "
                   "65,536-token evaluation needs splash (TPU/GPU, interpreted elsewhere) or cudnn (GPU).")
@@ -347,7 +351,7 @@ def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
 def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train_loss_window=20, tol=0.0,
                  z=comparison.Z, kl_instances=8, batch_size=8, max_batches=4, num_fewshot=0, limit=None,
                  tokenizer=None, out_dir=None, compute_dtype="float32", attention="xla", olmo_tasks=(),
-                 max_length: Optional[int] = None, doc_lengths: Optional[bool] = None) -> dict:
+                 max_length: Optional[int] = None, doc_lengths: Optional[bool] = None, float8: bool = False) -> dict:
     """Rows per common step, the overall verdict, and the report paths. `sets_fn(config)` gives
     the held-out sets (built once, identical for both runs).
 
@@ -363,11 +367,11 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
     for step in steps:
         check_same_architecture(run_a, run_b, step, step)
         ma, info = load.load_model(os.path.join(run_a, "checkpoints", str(step)), compute_dtype=compute_dtype,
-                                   attention=attention)
+                                   attention=attention, float8=float8)
         context = context_length(info, max_length)
         segments = segments_for(info, doc_lengths)   # as run A scored
         mb, _ = load.load_model(os.path.join(run_b, "checkpoints", str(step)), compute_dtype=compute_dtype,
-                                attention=attention)
+                                attention=attention, float8=float8)
         ta, tb = (comparison.train_loss_at(m, step, train_loss_window) for m in metrics)
         train_se = math.hypot(*(comparison.train_loss_se(m, step, train_loss_window) for m in metrics))
         la, lb = [], []
@@ -536,7 +540,7 @@ def main(argv):
                          olmo_tasks=F.olmo_tasks, max_length=F.max_length, doc_lengths=F.doc_lengths,
                          batch_size=F.eval_batch_size, max_batches=F.max_eval_batches, num_fewshot=F.num_fewshot,
                          limit=F.limit, out_dir=F.out or "eval_report", compute_dtype=F.compute_dtype,
-                         attention=F.attention)
+                         attention=F.attention, float8=F.float8)
         with open(r["paths"]["md"]) as f:
             print(f.read())
         print(r["verdict"])
@@ -567,9 +571,10 @@ def main(argv):
         except ValueError as e:
             raise app.UsageError(f"--position_buckets: {e}") from None
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, attention=F.attention,
-                                  **yarn_override())
+                                  float8=F.float8, **yarn_override())
     if F.model_b:   # loaded and checked before A's evaluation, which can take minutes
-        model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype, attention=F.attention)
+        model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype, attention=F.attention,
+                                           float8=F.float8)
         # YaRN rescales positions only: a stage-3 model and its stage-2 start share inputs and vocabulary
         diff = {k: v for k, v in config_diff(info["config"], info_b["config"]).items() if k != "yarn"}
         if diff:
