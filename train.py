@@ -147,7 +147,8 @@ flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun
                   "process train alone instead of joining the others: deliberate replicas, each with its own "
                   "--run_dir. Without it such a launch either joins or stops (olmo3/cluster.py).")
 flags.DEFINE_float("peak_tflops", None, "Per-device peak TFLOP/s for MFU (default: a known device's, or measured).")
-flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only and keep freed memory in "
+flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only (float32 compute: its bf16 dots "
+                  "differ between programs) and keep freed memory in "
                   "the process (olmo3/runtime.py; CPU benchmark step with remat save_proj: 8.76 s -> 7.10 s). "
                   "No effect on GPU/TPU hosts.")
 flags.DEFINE_string("compilation_cache", "run_dir", "Where compiled programs are kept so that a resumed run "
@@ -226,7 +227,7 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
-    tuned = ((runtime.tune_cpu() if F.tune_cpu else [])   # before JAX starts its backend
+    tuned = ((runtime.tune_cpu(dots=F.compute_dtype != "bfloat16") if F.tune_cpu else [])   # before JAX starts its backend
              + (runtime.tune_gpu() if F.tune_gpu else [])
              + runtime.compilation_cache(compilation_cache_dir()))
     import equinox as eqx

@@ -243,7 +243,7 @@ def main(argv):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
-    tuned = ((runtime.tune_cpu() if F.tune_cpu else [])
+    tuned = ((runtime.tune_cpu(dots=F.compute_dtype != "bfloat16") if F.tune_cpu else [])
              + (runtime.tune_gpu() if F.tune_gpu else []))
     from olmo3 import cluster   # one process: under srun / mpirun with N > 1 tasks, stop (or --independent_runs)
     cluster.start("bench.py", multi_process=False, independent_runs=F.independent_runs)

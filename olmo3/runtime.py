@@ -25,6 +25,13 @@ d_model 512, 8 layers, vocab 100278, batch 4 x 512, fp32, 2 cores) with jax 0.10
    XNNPACK 3.87 / 4.02 s, oneDNN 3.89 / 4.57 s, none of them (`ynn_fusion_type=`) 4.05 /
    4.20 s. So one setting for every CPU; a user's own pick of any dot library
    (DOT_LIBRARY_FLAGS) wins whole.
+   Float32 compute only (`dots=False` for bf16): with YNNPACK, bf16 dots are not computed alike
+   in every program (jax 0.10.2, AMD EPYC: the same weights gave other bf16 log-probs in a
+   forward-only program than inside a training step, olmo3.dpo.sequence_logps up to 0.008 nats).
+   A bf16 DPO run's first loss was 0.69372, not log 2 (0.69431 with --float8: float8 casts
+   amplify the difference), its reference scored apart from its policy; eval.py's held-out loss
+   of a bf16 run differed from the run's own in the 5th digit. Without YNNPACK both are exact;
+   float32 dots were the same in every program either way.
 2. Keep freed memory in the process. XLA:CPU mallocs each step's temporaries; glibc hands any
    block over 32 MB straight back to the kernel on free (mmap/munmap), so every step faulted its
    ~3.9 GB of temporaries in again: 986k minor page faults and 1.9 s of system time per 8 s
@@ -239,9 +246,9 @@ def trims() -> int | None:
     return None if _watcher is None else _watcher.trims
 
 
-def tune_cpu(held_limit: int | None = None, reserve: int | None = None) -> list[str]:
+def tune_cpu(held_limit: int | None = None, reserve: int | None = None, dots: bool = True) -> list[str]:
     """Apply (1)-(3) above when the backend will be the CPU; returns what was applied (empty on
-    accelerator hosts). The heap's resident free memory goes back to the kernel when less than
+    accelerator hosts). `dots=False` leaves (1) out: a run that computes in bf16. The heap's resident free memory goes back to the kernel when less than
     `reserve` bytes are available (default: a quarter of `memory_budget()`) or, if `held_limit`
     is given, when more than that many bytes of it are held. Raises if JAX already started a
     backend: too late then."""
@@ -253,7 +260,7 @@ def tune_cpu(held_limit: int | None = None, reserve: int | None = None) -> list[
                            "(before the first jax.devices() or array op)")
     user = {flag_name(t) for t in user_xla_flags()}
     # The dot library is one choice: a user who picks any of these libraries picks it whole.
-    applied = [] if user & set(DOT_LIBRARY_FLAGS) else add_xla_flags([YNN_DOTS_ONLY])
+    applied = [] if user & set(DOT_LIBRARY_FLAGS) or not dots else add_xla_flags([YNN_DOTS_ONLY])
     libc = _glibc() if sys.platform.startswith("linux") else None
     if libc is not None and _watcher is None:
         # -1 as size_t: never trim the heap top back to the kernel (the watcher bounds it).

@@ -58,6 +58,17 @@ def metrics(run_dir):
             for step, m in metrics_by_step(run_dir).items()}
 
 
+def test_bf16_and_float8_first_step_is_log_2(pairs, tmp_path):
+    """The DPO recipe computes in bf16 (dpo_*.flags): at step 1 the policy is its reference, so
+    the loss is log 2 and the margin 0, with float8 linears too. On a CPU train.py handed bf16
+    dots to YNNPACK (olmo3/runtime.py), whose results differ between the reference's forward-only
+    program and the training step: the loss was 0.69431 and the margin -0.0023."""
+    run(["--max_steps=1", "--save_interval=1", "--compute_dtype=bfloat16", "--float8",
+         f"--reference_cache={tmp_path / 'ref.npz'}"], tmp_path / "run", pairs)
+    m = metrics(tmp_path / "run")
+    assert m[1]["train/loss"] == pytest.approx(0.6931472, abs=1e-6) and m[1]["train/rewards/margin"] == 0.0, m[1]
+
+
 def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
     a = tmp_path / "a"
     run(["--max_steps=3", "--save_interval=1", "--keep_checkpoints=5"], a, pairs)
