@@ -22,7 +22,7 @@ which is how OLMo-core always trains, torchao casts a weight in its all-gather h
 `precompute_float8_dynamic_scale_for_fsdp` computes after each optimizer step (OLMo-core's
 `Transformer.post_optim_step`), max_f8 / amax in fp64 then fp32, never rounded: the rounding flag
 reaches only the casts inside `Float8Linear`, which a gathered weight, already float8, skips
-(torchao 0.18.0 float8/fsdp_utils.py). A weight of amax 0.078 gets 5744.4 where a rounded
+(torchao 0.18.0 float8/fsdp_utils.py). A weight of amax 0.078 gets 448 / 0.078 = 5743.6 where a rounded
 scale is 4096: every dequantized value moves, by up to 6% of the amax, and the layer's output by
 as much as float8 itself moves it (tests/test_float8.py).
 
