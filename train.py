@@ -403,11 +403,20 @@ def main(argv):
         pair_rows = 2 * -(-min(F.global_batch, 16) // n_devices) * n_devices   # held-out / reference batches
         ref_identity = extra["dpo"]["reference"] if loader_state is not None else reference.weights_identity(model)
 
-        def ref_logps(ds, path):
+        def ref_logps(ds, path, elsewhere):
             return reference_logps(ds, path, ref_identity, model if loader_state is None else None,
-                                   lambda: dpo.score_pairs(logps_fn, model, ds, pair_rows))
-        train_set.attach_reference(ref_logps(train_set, F.reference_cache or reference.default_path(F.data)))
-        ref_sums = {name: ref_logps(ds, reference.default_path(ds.directory)) for name, ds in dpo_heldout.items()}
+                                   lambda: dpo.score_pairs(logps_fn, model, ds, pair_rows), elsewhere)
+        caches = [(train_set, F.reference_cache or reference.default_path(F.data), "pass --reference_cache=<another "
+                   "file> (it moves the training pairs' cache)")]
+        caches += [(ds, reference.default_path(ds.directory), f"give this reference its own copy of the held-out pairs "
+                    f"(--dpo_heldout=<a copy of {ds.directory}>; --reference_cache moves only the training pairs' "
+                    "cache)") for ds in dpo_heldout.values()]
+        # Every cache is checked before any is computed: a stale held-out one would otherwise stop the
+        # run only after the whole reference pass over the training pairs.
+        for ds, path, elsewhere in caches:
+            reference.load(path, reference.fingerprint(ref_identity, ds.fingerprint, ds.seq_len), elsewhere=elsewhere)
+        train_set.attach_reference(ref_logps(*caches[0]))
+        ref_sums = {name: ref_logps(*cache) for name, cache in zip(dpo_heldout, caches[1:])}
 
     if loader_state is not None:
         loader = data.Loader.from_state(train_set, loader_state, rank=rank, num_ranks=num_ranks,
@@ -829,15 +838,16 @@ def compilation_cache_dir() -> str | None:
     return F.compilation_cache
 
 
-def reference_logps(ds, path: str, identity: str, model, compute):
+def reference_logps(ds, path: str, identity: str, model, compute, elsewhere: str):
     """A pair set's cached reference log-probs [pairs, 2]. A fresh run (model given) computes a
-    missing cache on every process and process 0 writes it; a resumed run (model None) only reads."""
+    missing cache on every process and process 0 writes it; a resumed run (model None) only reads.
+    `elsewhere`: how to give this run a cache file of its own (olmo3/reference.py load)."""
     import jax
     from jax.experimental import multihost_utils
 
     from olmo3 import reference
     fp = reference.fingerprint(identity, ds.fingerprint, ds.seq_len)
-    sums = reference.load(path, fp)
+    sums = reference.load(path, fp, elsewhere=elsewhere)
     if jax.process_count() > 1:   # every process has looked before any computes (a collective)
         multihost_utils.sync_global_devices("olmo3: reference cache checked")
     if sums is not None:

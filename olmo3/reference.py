@@ -65,9 +65,11 @@ def default_path(pairs_dir: str) -> str:
     return os.path.join(os.fspath(pairs_dir), CACHE_NAME)
 
 
-def load(path: str, expected: str) -> np.ndarray | None:
+def load(path: str, expected: str, *, elsewhere: str = "pass --reference_cache=<another file>") -> np.ndarray | None:
     """The cached sums float32 [pairs, 2], None if `path` does not exist; a cache made for another
-    reference, data set or seq_len is a user error naming the file and the fix."""
+    reference, data set or seq_len is a user error naming the file and the fix: delete it, or
+    `elsewhere` (how this run's cache goes to another file: --reference_cache moves only the
+    training set's; a held-out set's cache lives beside its pairs)."""
     if not os.path.exists(path):
         return None
     try:
@@ -80,7 +82,7 @@ def load(path: str, expected: str) -> np.ndarray | None:
             f"reference log-probs cache {path} was computed for another reference model (weights or "
             "--compute_dtype / --float8), data set or seq_len "
             f"(fingerprint {found[:12]}..., this run needs {expected[:12]}...); delete it to recompute it with this "
-            "reference, or pass --reference_cache=<another file>")
+            f"reference, or {elsewhere}")
     return sums
 
 

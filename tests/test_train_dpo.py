@@ -122,6 +122,30 @@ def test_dpo_heldout_names(pairs, tmp_path):
     assert p.returncode == 2 and "both named 'train'" in last and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
+def test_stale_heldout_reference_cache_stops_before_any_reference_pass(pairs, tmp_path):
+    """A held-out set's cache made for another reference (README: the pairs copied once per
+    reference) stops the run before the reference pass over the training pairs, and its line names
+    the fix that applies to it: --reference_cache moves only the training pairs' cache, so advising
+    it sent a user through a whole training-set reference pass into the same error."""
+    import numpy as np
+
+    from data.prepare_dpo import prepare_dpo
+    from olmo3 import reference
+    other = tmp_path / "other"
+    other.mkdir()
+    pair_jsonl(other / "pairs.jsonl", 8, seed=7)
+    prepare_dpo(str(other / "pairs.jsonl"), str(other / "heldout"), "olmo_thinker", max_seq_length=64)
+    stale = reference.default_path(str(other / "heldout"))
+    reference.write(stale, "0" * 64, np.zeros((8, 2)), np.ones((8, 2)))   # another reference's cache
+    moved = tmp_path / "train_ref.npz"
+    p = run(["--max_steps=1", f"--dpo_heldout={other / 'heldout'}", f"--reference_cache={moved}"],
+            tmp_path / "a", pairs, check=False)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert stale in last and "--dpo_heldout" in last and "pass --reference_cache" not in last, last
+    assert not moved.exists()   # no reference pass over the training pairs before the refusal
+
+
 _PARSE = """
 import json, sys
 import train
