@@ -273,6 +273,11 @@ def main(argv):
         + f"use --remat=full (now {config.remat}), a smaller --loss_chunk (now {F.loss_chunk} tokens of fp32 "
         f"logits), or more devices (--mesh, now {','.join(f'{k}:{v}' for k, v in mesh.shape.items())}"
         + ("" if F.stage == "dpo" else "; a context axis cuts every sequence") + ")"))
+    # A mistyped --init_from stops here, not after §3 has listed the remote mix or packed it (stage 3
+    # scans every token of its files for eos before the first run's packing cache exists).
+    from olmo3.launch import newest_checkpoint
+    if F.init_from and not (F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None):
+        checkpoint.locate(F.init_from)
 
     # -----------------------------------------------------------------------------------------
     # §3 Data: OLMo-core fixed-length or packed instances, one seeded permutation per epoch,

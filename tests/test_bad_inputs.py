@@ -542,3 +542,18 @@ def test_sigkill_anywhere(world, tmp_path):
             at.append(steps[-1] if steps else None)
     print(f"\n{kills} SIGKILLs, {damaged} damaged newest checkpoints, {finished} killed sequences run to "
           f"the end with the uninterrupted losses; newest checkpoint at each kill: {at}")
+
+
+def test_init_from_missing_stops_before_the_data_are_prepared_or_packed(tmp_path):
+    """A mistyped --init_from (the README's stage-2/3 commands name a step directory) stops before
+    the data section prepares the corpus, lists a remote mix or packs it: stage 3 packs by scanning
+    every token for eos, hours for the 7B's mix, and the error only came after it."""
+    os.makedirs(tmp_path / "docs")
+    for f in ("model.py", "rope.py", "loss.py"):
+        shutil.copy(os.path.join(ROOT, "olmo3", f), tmp_path / "docs" / f"{f}.txt")
+    p = script("train.py", *TINY, f"--data={tmp_path / 'docs'}", "--stage=3", "--packed", "--doc_lengths",
+               f"--run_dir={tmp_path / 'run'}", f"--init_from={tmp_path / 'run2' / 'checkpoints' / '40'}")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert f"checkpoint {tmp_path / 'run2' / 'checkpoints' / '40'} does not exist" in last, last
+    assert not (tmp_path / "data").exists()   # <run_dir>/../data: nothing prepared, nothing packed
