@@ -254,6 +254,11 @@ def main(argv):
     from olmo3 import metrics as metrics_lib
 
     config = config_from_flags()
+    # As train.py: cuDNN's fused attention exists on NVIDIA GPUs only (elsewhere the first step
+    # died in jax.nn.dot_product_attention: "cuDNN is not detected.", a traceback, exit 1).
+    if config.attention == "cudnn" and jax.devices()[0].platform != "gpu":
+        raise app.UsageError(f"--attention=cudnn is cuDNN's fused attention, for NVIDIA GPUs; this run's devices "
+                             f"are {jax.devices()[0].platform}: use --attention=xla (or splash)")
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds max_position_embeddings="
                              f"{config.max_position_embeddings} of --model={F.model}")

@@ -271,6 +271,22 @@ def test_bad_input(world, outcomes, case):
     assert not (os.path.isdir(ckpts) and os.listdir(ckpts)) and not os.path.exists(world / f"out_{case}")
 
 
+@pytest.mark.parametrize("name,args", [
+    ("eval.py", ["--model=/nowhere/run", "--attention=cudnn"]),
+    ("benchmarks/bench.py", ["--model=tiny", "--seq_len=64", "--steps=1", "--attention=cudnn"]),
+])
+def test_cudnn_on_a_cpu_is_refused_by_name(name, args):
+    # As train.py's case above. Before, eval.py and bench.py ran on and died at the first attention
+    # (after the model loaded) in jax.nn.dot_product_attention: "cuDNN is not detected.", a
+    # traceback and exit status 1, naming no flag.
+    p = script(name, *args)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert lines[-1] == (f"{os.path.basename(name)}: error: --attention=cudnn is cuDNN's fused attention, for NVIDIA "
+                         "GPUs; this run's devices are cpu: use --attention=xla (or splash)"), lines[-1]
+    assert "Traceback" not in p.stderr
+
+
 def test_exit_status_before_and_after_the_first_step(monkeypatch):
     """Before the first step a missing file is the user's (2); after it, a file vanishing on a
     flaky mount is retried (1). Bad values (2) and a non-finite state (3) stay final."""
