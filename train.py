@@ -62,7 +62,8 @@ flags.DEFINE_enum("model", "olmo3_7b", ["olmo3_7b", "olmo3_7b_16x256", "olmo3_7b
 for _name, _help in [("vocab_size", "embedding rows (HF 100278, OLMo-core pads to 100352)"),
                      ("d_model", ""), ("n_layers", ""), ("n_heads", ""), ("n_kv_heads", ""),
                      ("head_dim", ""), ("mlp_hidden", ""), ("window", "sliding window"),
-                     ("splash_block_q", ""), ("splash_block_kv", "")]:
+                     ("splash_block_q", "TPU (Mosaic) Splash tile."),
+                     ("splash_block_kv", "TPU (Mosaic) Splash tile.")]:
     flags.DEFINE_integer(_name, None, f"Override the preset's {_name}. {_help}")
 flags.DEFINE_enum("attention", None, ["xla", "splash", "cudnn"], "Attention kernel (default: preset's).")
 flags.DEFINE_enum("remat", None, ["none", "full", "save_proj", "save_dots"], "Rematerialization policy.")
@@ -261,6 +262,15 @@ def main(argv):
     if config.attention == "cudnn" and jax.devices()[0].platform != "gpu":
         raise app.UsageError(f"--attention=cudnn is cuDNN's fused attention, for NVIDIA GPUs; this run's devices are "
                              f"{jax.devices()[0].platform}: use --attention=xla (or splash)")
+    # Config.splash_block_* are the Mosaic (TPU) kernel's tiles; the GPU kernel, and the CPU's
+    # interpret mode of it, pick their own (olmo3/attention.py _splash, splash_gpu.block_sizes).
+    # Elsewhere the flags were accepted and silently did nothing.
+    for name in ("splash_block_q", "splash_block_kv"):
+        if F[name].present and (jax.devices()[0].platform != "tpu" or config.attention != "splash"):
+            raise app.UsageError(f"--{name} sets the tiles of the TPU (Mosaic) Splash kernel, which this run does "
+                                 f"not use (devices: {jax.devices()[0].platform}, --attention={config.attention}); "
+                                 "the GPU Splash kernel picks its own (olmo3/splash_gpu.py block_sizes): "
+                                 f"drop --{name}")
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds the model's max_position_embeddings="
                              f"{config.max_position_embeddings}")

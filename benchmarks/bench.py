@@ -37,7 +37,8 @@ flags.DEFINE_enum("model", "tiny", ["olmo3_7b", "olmo3_7b_16x256", "olmo3_7b_lon
 for _name, _help in [("vocab_size", ""), ("d_model", ""), ("n_layers", ""), ("n_heads", ""),
                      ("n_kv_heads", ""), ("head_dim", ""), ("mlp_hidden", ""),
                      ("window", "Sliding window (tokens a query sees, itself included)."),
-                     ("max_position_embeddings", ""), ("splash_block_q", ""), ("splash_block_kv", "")]:
+                     ("max_position_embeddings", ""), ("splash_block_q", "TPU (Mosaic) Splash tile."),
+                     ("splash_block_kv", "TPU (Mosaic) Splash tile.")]:
     flags.DEFINE_integer(_name, None, f"Override the preset's {_name}. {_help}")
 flags.DEFINE_list("layer_pattern", None, "Override the repeating layer types, e.g. 'sliding,full' "
                   "(n_layers must be a multiple of its length; default: the preset's 3 sliding + 1 full).")
@@ -259,6 +260,15 @@ def main(argv):
     if config.attention == "cudnn" and jax.devices()[0].platform != "gpu":
         raise app.UsageError(f"--attention=cudnn is cuDNN's fused attention, for NVIDIA GPUs; this run's devices "
                              f"are {jax.devices()[0].platform}: use --attention=xla (or splash)")
+    # Config.splash_block_* are the Mosaic (TPU) kernel's tiles; the GPU kernel, and the CPU's
+    # interpret mode of it, pick their own (olmo3/attention.py _splash, splash_gpu.block_sizes).
+    # Elsewhere the flags were accepted and silently did nothing.
+    for name in ("splash_block_q", "splash_block_kv"):
+        if F[name].present and (jax.devices()[0].platform != "tpu" or config.attention != "splash"):
+            raise app.UsageError(f"--{name} sets the tiles of the TPU (Mosaic) Splash kernel, which this run does "
+                                 f"not use (devices: {jax.devices()[0].platform}, --attention={config.attention}); "
+                                 "the GPU Splash kernel picks its own (olmo3/splash_gpu.py block_sizes): "
+                                 f"drop --{name}")
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds max_position_embeddings="
                              f"{config.max_position_embeddings} of --model={F.model}")

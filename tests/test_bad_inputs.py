@@ -287,6 +287,24 @@ def test_cudnn_on_a_cpu_is_refused_by_name(name, args):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("name,args", [
+    ("train.py", [*TINY, "--data=/nowhere", "--run_dir=/nowhere/run", "--attention=splash", "--splash_block_q=64"]),
+    ("benchmarks/bench.py", ["--model=tiny", "--seq_len=64", "--steps=1", "--attention=splash",
+                             "--splash_block_kv=64"]),
+])
+def test_splash_blocks_off_a_tpu_are_refused_by_name(name, args):
+    # Config.splash_block_* are the Mosaic (TPU) kernel's tiles; on a CPU or GPU the Splash kernel
+    # picks its own, and the flags were accepted and silently did nothing.
+    p = script(name, *args)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    flag = "--splash_block_q" if name == "train.py" else "--splash_block_kv"
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert lines[-1] == (f"{os.path.basename(name)}: error: {flag} sets the tiles of the TPU (Mosaic) Splash kernel, "
+                         "which this run does not use (devices: cpu, --attention=splash); the GPU Splash kernel "
+                         f"picks its own (olmo3/splash_gpu.py block_sizes): drop {flag}"), lines[-1]
+    assert "Traceback" not in p.stderr
+
+
 def test_exit_status_before_and_after_the_first_step(monkeypatch):
     """Before the first step a missing file is the user's (2); after it, a file vanishing on a
     flaky mount is retried (1). Bad values (2) and a non-finite state (3) stay final."""
