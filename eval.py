@@ -512,13 +512,11 @@ def main(argv):
                              f"tokens), --olmo_batch_rows (now {F.olmo_batch_rows}) or --max_length (now "
                              f"{F.max_length or 'the trained context'}), or evaluate in --compute_dtype=bfloat16",
                disk_full="free space where --out, --eval_data_dir or the prepared held-out data are written")
-    # As train.py: cuDNN's fused attention exists on NVIDIA GPUs only. Elsewhere the first scoring
-    # (after the model loaded) died in jax.nn.dot_product_attention with "cuDNN is not detected.",
-    # a traceback and exit status 1, without naming the flag.
     import jax
-    if F.attention == "cudnn" and jax.devices()[0].platform != "gpu":
-        raise app.UsageError(f"--attention=cudnn is cuDNN's fused attention, for NVIDIA GPUs; this run's devices "
-                             f"are {jax.devices()[0].platform}: use --attention=xla (or splash)")
+    from olmo3 import attention   # as train.py
+    problem = attention.unusable_here(F.attention, jax.devices()[0].platform)
+    if problem:
+        raise app.UsageError(problem)
     if F.out and os.path.exists(F.out) and not os.path.isdir(F.out):   # before the work it would hold
         raise app.UsageError(f"--out={F.out!r} is a file; give a directory for the results")
     for path in F.tasks:

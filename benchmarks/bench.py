@@ -252,23 +252,13 @@ def main(argv):
     import jax
     import numpy as np
 
-    from olmo3 import metrics as metrics_lib
+    from olmo3 import attention, metrics as metrics_lib
 
     config = config_from_flags()
-    # As train.py: cuDNN's fused attention exists on NVIDIA GPUs only (elsewhere the first step
-    # died in jax.nn.dot_product_attention: "cuDNN is not detected.", a traceback, exit 1).
-    if config.attention == "cudnn" and jax.devices()[0].platform != "gpu":
-        raise app.UsageError(f"--attention=cudnn is cuDNN's fused attention, for NVIDIA GPUs; this run's devices "
-                             f"are {jax.devices()[0].platform}: use --attention=xla (or splash)")
-    # Config.splash_block_* are the Mosaic (TPU) kernel's tiles; the GPU kernel, and the CPU's
-    # interpret mode of it, pick their own (olmo3/attention.py _splash, splash_gpu.block_sizes).
-    # Elsewhere the flags were accepted and silently did nothing.
-    for name in ("splash_block_q", "splash_block_kv"):
-        if F[name].present and (jax.devices()[0].platform != "tpu" or config.attention != "splash"):
-            raise app.UsageError(f"--{name} sets the tiles of the TPU (Mosaic) Splash kernel, which this run does "
-                                 f"not use (devices: {jax.devices()[0].platform}, --attention={config.attention}); "
-                                 "the GPU Splash kernel picks its own (olmo3/splash_gpu.py block_sizes): "
-                                 f"drop --{name}")
+    problem = attention.unusable_here(config.attention, jax.devices()[0].platform,
+                                      tuple(n for n in ("splash_block_q", "splash_block_kv") if F[n].present))
+    if problem:
+        raise app.UsageError(problem)
     if F.seq_len > config.max_position_embeddings:
         raise app.UsageError(f"--seq_len={F.seq_len} exceeds max_position_embeddings="
                              f"{config.max_position_embeddings} of --model={F.model}")

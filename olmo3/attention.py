@@ -31,6 +31,24 @@ from jaxtyping import Array, Float, Int, jaxtyped
 from olmo3.config import matmul_precision
 
 
+def unusable_here(impl: str, platform: str, tile_flags: tuple[str, ...] = ()) -> Optional[str]:
+    """Why attention `impl`, with the TPU Splash tile flags named in `tile_flags` given, cannot run
+    on devices of `platform` ("cpu", "gpu", "tpu"); None when it can. cuDNN's fused kernel exists on
+    NVIDIA GPUs only: elsewhere the first step died in jax.nn.dot_product_attention ("cuDNN is not
+    detected.", a traceback, exit 1). The splash_block_* tiles are the Mosaic (TPU) kernel's; the
+    GPU kernel and the CPU's interpret mode of it pick their own (splash_gpu.block_sizes), so
+    elsewhere the flags were accepted and silently did nothing."""
+    if impl == "cudnn" and platform != "gpu":
+        return (f"--attention=cudnn is cuDNN's fused attention, for NVIDIA GPUs; this run's devices are {platform}: "
+                "use --attention=xla (or splash)")
+    for name in tile_flags:
+        if platform != "tpu" or impl != "splash":
+            return (f"--{name} sets the tiles of the TPU (Mosaic) Splash kernel, which this run does not use "
+                    f"(devices: {platform}, --attention={impl}); the GPU Splash kernel picks its own "
+                    f"(olmo3/splash_gpu.py block_sizes): drop --{name}")
+    return None
+
+
 def dense_mask(seq: int, window: Optional[int], segment_ids=None) -> jax.Array:
     """Boolean [seq, seq] mask, True where query i may attend to key j."""
     i = jnp.arange(seq)[:, None]
