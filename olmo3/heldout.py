@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Float, Int, Integer
 
-from olmo3.config import matmul_precision
 from olmo3.loss import chunked_cross_entropy, labels_and_weights
 from olmo3.model import OLMo3
 from olmo3.step import eval_loss
@@ -279,8 +278,7 @@ def _hidden_fn():
 @functools.lru_cache(maxsize=1)
 def _head_fn():
     """The jitted LM head `f(model, h[n, d_model]) -> logits[n, V]`, as OLMo3.__call__ applies it."""
-    return eqx.filter_jit(lambda m, h: jnp.dot(h, m.lm_head.astype(h.dtype), preferred_element_type=jnp.float32,
-                                               precision=matmul_precision(h.dtype)))
+    return eqx.filter_jit(lambda m, h: m.head(h))
 
 
 @functools.lru_cache(maxsize=1)

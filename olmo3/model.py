@@ -221,7 +221,11 @@ class OLMo3(eqx.Module):
         segment_ids: Optional[Int[Array, " seq"]] = None,
         positions: Optional[Int[Array, " seq"]] = None,
     ) -> Float[Array, "seq vocab"]:
-        h = self.hidden(tokens, segment_ids=segment_ids, positions=positions)
+        return self.head(self.hidden(tokens, segment_ids=segment_ids, positions=positions))
+
+    @jaxtyped(typechecker=beartype)
+    def head(self, h: Float[Array, "*seq d_model"]) -> Float[Array, "*seq vocab"]:
+        """The untied LM head: final-normed hidden states to float32 logits."""
         return jnp.dot(h, self.lm_head.astype(h.dtype), preferred_element_type=jnp.float32,
                        precision=matmul_precision(h.dtype))
 

@@ -248,10 +248,10 @@ def trims() -> int | None:
 
 def tune_cpu(held_limit: int | None = None, reserve: int | None = None, dots: bool = True) -> list[str]:
     """Apply (1)-(3) above when the backend will be the CPU; returns what was applied (empty on
-    accelerator hosts). `dots=False` leaves (1) out: a run that computes in bf16. The heap's resident free memory goes back to the kernel when less than
-    `reserve` bytes are available (default: a quarter of `memory_budget()`) or, if `held_limit`
-    is given, when more than that many bytes of it are held. Raises if JAX already started a
-    backend: too late then."""
+    accelerator hosts); `dots=False` (a run that computes in bf16) leaves (1) out. The heap's
+    resident free memory goes back to the kernel when less than `reserve` bytes are available
+    (default: a quarter of `memory_budget()`) or, if `held_limit` is given, when more than that
+    many bytes of it are held. Raises if JAX already started a backend: too late then."""
     global _watcher
     if not cpu_backend_expected():
         return []

@@ -188,7 +188,6 @@ def test_logit_agreement_against_direct_formulas():
     assert same["kl_max"] < 1e-12 and same["top1"] == 1.0 and same["top10"] == 1.0
 
 
-
 def test_logit_agreement_memory_does_not_grow_with_tokens():
     """The float64 log-probabilities are built a block of positions at a time: 4x the positions
     must not take 4x the memory (a whole 65,536-token row of the 7B took ~320 GB of host memory)."""
