@@ -57,8 +57,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {"bfloat16": 3e-2, "float32": 2e-4}
 # A CPU-sized model for the smoke runs of bench.py: every flag path, seconds per step.
 SMOKE_MODEL = ["--d_model=64", "--n_heads=4", "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=128",
-               "--vocab_size=512", "--splash_block_q=64", "--splash_block_kv=64", "--matmul_n=256",
-               "--steps=1", "--warmup=1"]
+               "--vocab_size=512", "--matmul_n=256", "--steps=1", "--warmup=1"]
 
 
 def guarded(rows: list, name: str, fn) -> None:
