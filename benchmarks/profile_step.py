@@ -52,7 +52,8 @@ def phase(op_name: str) -> str:
 def main(argv):
     del argv
     from olmo3 import runtime
-    runtime.tune_cpu()
+    if F.tune_cpu:   # as bench.py: YNNPACK's dots in float32 compute only (olmo3/runtime.py)
+        runtime.tune_cpu(dots=F.compute_dtype != "bfloat16")
     import jax
     import numpy as np
 

@@ -189,3 +189,36 @@ def test_torch_reference_masks_documents():
     for impl in ("eager", "sdpa"):
         assert r[impl]["err"] < 1e-4, r
         assert r[impl]["err_unmasked"] > 1e-2, r   # the documents change the logits here
+
+
+_PROFILE_TUNING = """
+import json, sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+import profile_step
+from olmo3 import runtime
+seen = []
+def tune_cpu(*args, **kw):   # its arguments; then stop
+    seen.append(kw)
+    raise SystemExit
+def config_from_flags():   # reached untuned (--notune_cpu): stop before the step is built
+    raise SystemExit
+runtime.tune_cpu, profile_step.bench.config_from_flags = tune_cpu, config_from_flags
+profile_step.F(["profile_step.py", *sys.argv[2:]])
+try:
+    profile_step.main(["profile_step.py"])
+except SystemExit:
+    pass
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("flags,want", [([], [{"dots": True}]), (["--compute_dtype=bfloat16"], [{"dots": False}]),
+                                        (["--notune_cpu"], [])])
+def test_profile_step_tunes_the_cpu_as_bench_does(flags, want):
+    """profile_step.py traces "exactly the step bench.py times (same flags)": bench.py leaves
+    YNNPACK's dots out in bf16 compute (olmo3/runtime.py) and tunes nothing under --notune_cpu;
+    profile_step.py called tune_cpu() whatever the flags said."""
+    out = subprocess.run([sys.executable, "-c", _PROFILE_TUNING, ROOT, *flags], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
