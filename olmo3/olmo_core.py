@@ -338,8 +338,10 @@ def _bias(module: dict) -> bool:
     return True if module.get("bias") is None else bool(module["bias"])
 
 
-# OLMo-core 3.0.0 YaRNRoPEScalingConfig's fields (nn/rope.py).
-_YARN_FIELDS = {"factor", "beta_fast", "beta_slow", "old_context_len"}
+# OLMo-core 3.0.0 YaRNRoPEScalingConfig's fields (nn/rope.py), and attention_rescale_factor: configs
+# written before OLMo-core PR #456 (Nov 2025, OLMo 3's own) hold it, unused by YaRN, and OLMo-core
+# drops it when it reads them (YaRNRoPEScalingConfig._IGNORE_FIELDS).
+_YARN_FIELDS = {"factor", "beta_fast", "beta_slow", "old_context_len", "attention_rescale_factor"}
 
 
 def _refuse_unlike_olmo3(model: dict, per_layer: list[int]) -> None:

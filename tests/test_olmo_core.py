@@ -140,6 +140,13 @@ def test_settings_olmo3_lacks_are_refused(tmp_path):
     long = base.with_rope_scaling(YaRNRoPEScalingConfig(factor=8, old_context_len=8192), full_attn_layers_only=True)
     for ok in (base, long):
         olmo_core.config_from_olmo_core(as_json(ok))
+    # OLMo 3's own configs were written before OLMo-core 3.0.0 dropped YaRN's unused
+    # attention_rescale_factor (PR #456); OLMo-core still reads them (_IGNORE_FIELDS), and so do we.
+    written_before = as_json(long)
+    for over in written_before["block_overrides"].values():
+        over["sequence_mixer"]["rope"]["scaling"]["attention_rescale_factor"] = 1.0
+    assert TransformerConfig.from_dict(written_before) == long
+    assert olmo_core.config_from_olmo_core(written_before) == olmo_core.config_from_olmo_core(as_json(long))
 
     def changed(c, set_):
         c = copy.deepcopy(c)
