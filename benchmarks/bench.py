@@ -69,8 +69,8 @@ flags.DEFINE_enum("torch_attention", "auto", ["auto", "eager", "sdpa"],
 flags.DEFINE_integer("torch_threads", None, "torch.set_num_threads (default: the cores we may use).")
 flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), "
                   "benchmark each process on its own devices. Without it such a launch stops (olmo3/cluster.py).")
-flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only, keep freed memory in "
-                  "the process (olmo3/runtime.py; torch in this process shares the allocator).")
+flags.DEFINE_bool("tune_cpu", True, "On a CPU backend: YNNPACK for dots only (float32 compute: its bf16 "
+                  "dots differ between programs), keep freed memory in the process (olmo3/runtime.py; torch in this process shares the allocator).")
 flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: MaxText's / JAX-Toolbox's XLA flags "
                   "(olmo3/runtime.py); your own XLA_FLAGS entries win one by one.")
 cli.require([
