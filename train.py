@@ -902,10 +902,12 @@ def check_resume(extra: dict, config) -> None:
     saved_precision = extra.get("precision")
     if saved_precision is not None and saved_precision != precision(config):
         spell = lambda p: f"--compute_dtype={p['compute_dtype']} --{'' if p['float8'] else 'no'}float8"  # noqa: E731
+        # A DPO checkpoint as --init_from would be the new run's reference: DPO starts again from its own.
+        restart = ("start the DPO run again in a new --run_dir from the same --init_from (its reference)"
+                   if F.stage == "dpo" else "start a new --run_dir with --init_from=<this checkpoint>")
         raise app.UsageError(f"--resume: the checkpoint was trained with {spell(saved_precision)}, the flags say "
                              f"{spell(precision(config))}; the precision cannot change mid-run: add "
-                             f"{spell(saved_precision)}, or start a new --run_dir with --init_from=<this checkpoint> "
-                             "to change it")
+                             f"{spell(saved_precision)}, or {restart} to change it")
 
 
 def precision(config) -> dict:

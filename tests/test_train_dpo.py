@@ -90,6 +90,12 @@ def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
     for flag, saved in (("--dpo_beta=0.1", "--dpo_beta=5.0"), ("--dpo_loss=dpo", "--dpo_loss=dpo_norm")):
         p = run(["--max_steps=4", "--resume", flag], b, pairs, check=False)
         assert p.returncode == 2 and f"trained with {saved}" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
+    # So is its precision; the fix is a new DPO run from the same reference, not from this
+    # checkpoint (as --init_from it would be that run's reference).
+    p = run(["--max_steps=4", "--resume", "--compute_dtype=bfloat16"], b, pairs, check=False)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "trained with --compute_dtype=float32 --nofloat8" in last, p.stderr[-2000:]
+    assert "from the same --init_from" in last and "<this checkpoint>" not in last, last
 
     # The cache beside the pairs belongs to run a's reference; another reference is refused.
     p = run(["--max_steps=1", "--model_seed=1"], tmp_path / "c", pairs, check=False)
