@@ -433,10 +433,9 @@ def config_from_olmo_core(model: dict, **overrides) -> Config:
     yarn = None
     for over in (model.get("block_overrides") or {}).values():
         scaling = (_mixer(over).get("rope") or {}).get("scaling")
-        if scaling:  # OLMo-core YaRNRoPEScalingConfig
+        if scaling:  # OLMo-core YaRNRoPEScalingConfig: no attention-factor field, always m-scale's default
             yarn = YaRN(factor=float(scaling["factor"]), original_max_position=int(scaling["old_context_len"]),
-                        beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)),
-                        attention_factor=scaling.get("attention_factor"))
+                        beta_fast=float(scaling.get("beta_fast", 32)), beta_slow=float(scaling.get("beta_slow", 1)))
     kw = dict(vocab_size=int(model["vocab_size"]), d_model=d_model, n_layers=n_layers,
               n_heads=n_heads, n_kv_heads=int(att.get("n_kv_heads") or n_heads), head_dim=head_dim,
               mlp_hidden=int(block["feed_forward"]["hidden_size"]),
