@@ -43,9 +43,10 @@ def unusable_here(impl: str, platform: str, tile_flags: tuple[str, ...] = ()) ->
                 "use --attention=xla (or splash)")
     for name in tile_flags:
         if platform != "tpu" or impl != "splash":
+            fix = (f"add --attention=splash, or drop --{name}" if platform == "tpu" else
+                   f"the GPU Splash kernel picks its own (olmo3/splash_gpu.py block_sizes): drop --{name}")
             return (f"--{name} sets the tiles of the TPU (Mosaic) Splash kernel, which this run does not use "
-                    f"(devices: {platform}, --attention={impl}); the GPU Splash kernel picks its own "
-                    f"(olmo3/splash_gpu.py block_sizes): drop --{name}")
+                    f"(devices: {platform}, --attention={impl}); {fix}")
     return None
 
 

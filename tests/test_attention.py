@@ -40,3 +40,20 @@ def test_xla_dispatch_uses_blocks_only_past_two_windows(monkeypatch):
         out = attention.attention(q, k, v, window=window, segment_ids=None, impl="xla")
         assert bool(calls) == banded, window
         np.testing.assert_allclose(out, oracle(q, k, v, window), atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("impl,platform,tiles,refused,fix", [
+    ("cudnn", "gpu", (), False, None), ("cudnn", "cpu", (), True, "--attention=xla"),
+    ("cudnn", "tpu", (), True, "--attention=xla"), ("splash", "cpu", (), False, None),
+    ("splash", "tpu", ("splash_block_q",), False, None),
+    ("xla", "tpu", ("splash_block_q",), True, "add --attention=splash"),
+    ("splash", "gpu", ("splash_block_kv",), True, "drop --splash_block_kv"),
+    ("splash", "cpu", ("splash_block_q", "splash_block_kv"), True, "drop --splash_block_q"),
+])
+def test_unusable_here_names_the_flag_and_the_fix(impl, platform, tiles, refused, fix):
+    """The platform checks train.py, eval.py and bench.py make before building a model: cuDNN on
+    NVIDIA GPUs only, the Mosaic tiles only where the Mosaic kernel runs (a TPU with splash)."""
+    problem = attention.unusable_here(impl, platform, tiles)
+    assert (problem is not None) == refused, problem
+    if refused:
+        assert fix in problem and f"--attention={impl}" in problem, problem
