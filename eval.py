@@ -176,6 +176,18 @@ def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) ->
     return paths
 
 
+def warn_other_precision(info: dict) -> None:
+    """One warning line when the flags score a train.py checkpoint in another precision than its
+    run computed in (a stage-3 run: bf16 with float8 projections): its numbers then differ from
+    the run's own in-loop ones. Scoring in another precision is allowed (fp32 is the default)."""
+    run = info.get("precision")
+    if run and run != {"compute_dtype": F.compute_dtype, "float8": bool(F.float8)}:
+        spell = f"--compute_dtype={run['compute_dtype']}" + (" --float8" if run["float8"] else "")
+        logging.warning("%s was trained with %s; these flags score it in --compute_dtype=%s%s, so its numbers differ "
+                        "from the run's own in-loop ones (add %s to reproduce those)", info["path"], spell,
+                        F.compute_dtype, " --float8" if F.float8 else "", spell)
+
+
 def segments_for(info: dict, doc_lengths: Optional[bool]) -> bool:
     """Whether held-out windows attend within documents: `doc_lengths` (--doc_lengths) when given,
     else as the checkpoint's run scored its own (olmo3.load's info; off for an HF model)."""
@@ -584,6 +596,7 @@ def main(argv):
         diff = {k: v for k, v in config_diff(info["config"], info_b["config"]).items() if k != "yarn"}
         if diff:
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
+    warn_other_precision(info)
     max_length = context_length(info, F.max_length)
     use_segments = segments_for(info, F.doc_lengths)
     if F.chat is not None or F.chat_file:

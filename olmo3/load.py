@@ -24,13 +24,14 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
     directory, its checkpoints/ directory, or checkpoints/<N>). Returns (model, info), info holding
     "kind", "step", "config", "seq_len" (the run's training sequence length, when known) and
     "doc_lengths" (whether the run attended within documents; None when unknown), "eval_padded"
-    (whether it scored held-out loss on padded documents; None when unknown). `overrides`
+    (whether it scored held-out loss on padded documents; None when unknown), "precision" (the
+    run's {"compute_dtype", "float8"}, train.py's extra JSON; None when unknown). `overrides`
     change non-architecture fields (compute_dtype...)."""
     if hf.is_hf_dir(path):
         config = hf.read_hf_config(path, **overrides)
         model = hf.from_hf(hf.SafetensorsReader(path), config)
         return model, {"kind": "hf", "path": path, "step": None, "config": config, "seq_len": None,
-                       "doc_lengths": None, "eval_padded": None}
+                       "doc_lengths": None, "eval_padded": None, "precision": None}
     run, located = checkpoint.locate(path)
     step = located if step is None else step
     mgr = checkpoint.CheckpointManager(run, read_only=True)
@@ -45,7 +46,7 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
     mgr.close()
     return state["model"], {"kind": "orbax", "path": run, "step": step, "config": config,
                             "seq_len": (extra.get("loader") or {}).get("seq_len"), "doc_lengths": doc_lengths(extra),
-                            "eval_padded": extra.get("eval_padded")}
+                            "eval_padded": extra.get("eval_padded"), "precision": extra.get("precision")}
 
 
 def doc_lengths(extra: dict) -> Optional[bool]:

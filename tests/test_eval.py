@@ -100,7 +100,7 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
     np.testing.assert_allclose(report["eval/all/loss"], ce / n, rtol=1e-5)
 
 
-def test_cli_float8_scores_as_a_float8_run_does(tmp_path):
+def test_cli_float8_scores_as_a_float8_run_does(tmp_path, caplog):
     """A stage-3 run trains, and scores its held-out loss, with float8 projections in bf16: eval.py
     --compute_dtype=bfloat16 --float8 gives its number (here the training step's own loss on the
     batch, as above); without --float8 the number is another. eval.py had no --float8, so a
@@ -109,7 +109,8 @@ def test_cli_float8_scores_as_a_float8_run_does(tmp_path):
     ds = data.FSLDataset(token_file(tmp_path / "h.npy", rows), 33, vocab_size=512)
     run = str(tmp_path / "run")
     mgr = CheckpointManager(run, keep=None, async_save=False)
-    mgr.save(1, {"model": olmo3.OLMo3(CFG, jax.random.key(0))}, {"model_config": config_to_dict(CFG), "stage": 1})
+    mgr.save(1, {"model": olmo3.OLMo3(CFG, jax.random.key(0))}, {"model_config": config_to_dict(CFG), "stage": 1,
+                                                                 "precision": {"compute_dtype": "bfloat16", "float8": True}})
     mgr.close()
     m0 = olmo3.OLMo3(CFG.replace(compute_dtype="bfloat16", float8=True), jax.random.key(0))
     opt = optim.SkipStepAdamW(schedules.constant_schedule(1e-3))
@@ -117,15 +118,21 @@ def test_cli_float8_scores_as_a_float8_run_does(tmp_path):
     want = float(make_train_step(opt, chunk=64)(m0, opt.init(m0), batch)[2]["train/loss"])
     F = eval_script.F
     got = {}
+    warned = {}
     for name, extra in (("float8", ["--float8"]), ("plain", [])):
         F.unparse_flags()
         F(["eval.py", f"--model={run}", f"--heldout=a={ds.paths[0]}", "--eval_seq_len=33", "--eval_batch_size=8",
            "--max_eval_batches=1", "--compute_dtype=bfloat16", *extra, f"--out={tmp_path / name}"])
+        caplog.clear()
         eval_script.main(["eval.py"])
         got[name] = json.load(open(tmp_path / name / "eval.json"))["eval/a/loss"]
+        warned[name] = [r.getMessage() for r in caplog.records if "in-loop ones" in r.getMessage()]
     F.unparse_flags()
     assert got["float8"] == pytest.approx(want, rel=1e-6)
     assert abs(got["plain"] - want) > 1e-3, (got, want)
+    # The run's precision is in its checkpoint: scored in another, eval.py says so (one line) and how to match it.
+    assert warned["float8"] == [] and len(warned["plain"]) == 1, warned
+    assert "add --compute_dtype=bfloat16 --float8" in warned["plain"][0], warned
 
 
 def test_heldout_with_doc_lengths_equals_such_a_runs_training_loss(tmp_path):
