@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from data.filters import repetition_mask
+from data.filters import MAX_COUNT, MAX_PERIOD, MIN_PERIOD, repetition_mask
 
 
 def oracle_keep(x, max_period=13, min_period=1, max_count=32):
@@ -113,3 +113,36 @@ def test_uint32_input_and_bad_config():
     assert repetition_mask(x).tolist() == [False, True]
     with pytest.raises(ValueError, match="max_count"):
         repetition_mask(x, max_count=2)
+
+
+def test_matches_olmo_core_validate_instance():
+    """Against OLMo-core itself: `NumpyDatasetBase._validate_instance` with the default
+    `InstanceFilterConfig(13, 1, 32)` (the unbound method never reads self), on uint32 instances of
+    odd lengths with runs of every period 1..13 one token short of, at and past the threshold,
+    at the start, the end and in the middle, plus small-vocabulary noise; then the generic
+    `find_periodic_sequences` under other periods and counts."""
+    torch = pytest.importorskip("torch")
+    ds = pytest.importorskip("olmo_core.data.numpy_dataset")
+    from olmo_core.data.utils import find_periodic_sequences
+    cfg = ds.InstanceFilterConfig()
+    assert (cfg.repetition_max_period, cfg.repetition_min_period,
+            cfg.repetition_max_count) == (MAX_PERIOD, MIN_PERIOD, MAX_COUNT)
+    rng = np.random.default_rng(7)
+    rows = []
+    for p in range(1, 14):
+        for reps in (32 - 1 / p, 32, 32 + (p - 1) / p, 33):
+            span = int(round(reps * p))
+            for at in (0, 997 - span, int(rng.integers(0, 997 - span))):
+                rows.append(_planted(rng, 997, p, reps, at, vocab=2**32 - 1))
+    rows += [rng.integers(0, v, size=997) for v in (1, 2, 3, 4) for _ in range(10)]
+    batch = np.stack(rows).astype(np.uint32)
+    want = [ds.NumpyDatasetBase._validate_instance(None, torch.from_numpy(x.astype(np.int64)), cfg)
+            for x in batch]
+    np.testing.assert_array_equal(repetition_mask(batch), want)
+    assert 0 < sum(want) < len(want)
+    for _ in range(300):            # other configurations, short noisy instances
+        x = rng.integers(0, int(rng.integers(1, 4)), size=int(rng.integers(1, 120)))
+        lo = int(rng.integers(1, 6))
+        hi, count = int(rng.integers(lo, 14)), int(rng.integers(3, 10))
+        keep = all(m.times < count for m in find_periodic_sequences(x, hi, lo))
+        assert repetition_mask(x[None], hi, lo, count).tolist() == [keep], (x.tolist(), lo, hi, count)

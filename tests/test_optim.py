@@ -246,3 +246,54 @@ def test_threshold_uses_bessel_std_of_previous_values(z, skipped):
     for loss in losses:                 # constant grad norm: only the loss can trigger
         model, state, met = upd(g, state, model, jnp.float32(loss))
     assert bool(met["optim/step_skipped"]) == skipped
+
+
+def test_matches_olmo_core_skip_step_adamw():
+    """Against OLMo-core itself: `SkipStepAdamW` (foreach, as SkipStepAdamWConfig builds it) driven
+    the way its TransformerTrainModule drives it: latest_loss, total norm + clip_grads_with_norm_
+    at 1.0, latest_grad_norm, lr set on every group, step(). Embedding group at weight decay 0.
+    Same skip decision on every step (spikes before and after the window fills, a window that
+    wraps, a NaN loss at the end), then the same params, moments and Adam step counts."""
+    torch = pytest.importorskip("torch")
+    oc_optim = pytest.importorskip("olmo_core.optim")
+    loss, gnorm, rng = scripted()
+    loss[225] = np.nan              # skipped by both; the NaN then fills both windows' statistics
+    sched = linear_schedule(peak=1e-2, warmup=10, total=400)
+    model = tiny()
+    tp = {k: torch.nn.Parameter(torch.tensor(np.asarray(getattr(model, k)))) for k in NAMES}
+    ref = oc_optim.SkipStepAdamW([{"params": [tp["embed"]], "weight_decay": 0.0},
+                                  {"params": [tp["w"], tp["norm"]]}],
+                                 betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                 rolling_interval_length=128, sigma_factor=6, foreach=True)
+    opt = make_opt()
+    state = opt.init(model)
+    upd = eqx.filter_jit(opt.update)
+    skipped = []
+    for t in range(len(loss)):
+        d = {k: rng.standard_normal(getattr(model, k).shape) for k in NAMES}
+        scale = gnorm[t] / np.sqrt(sum(np.sum(x * x) for x in d.values()))
+        g = {k: (d[k] * scale).astype(np.float32) for k in NAMES}
+        for k in NAMES:
+            tp[k].grad = torch.tensor(g[k])
+        ref.latest_loss = torch.tensor(np.float32(loss[t]))
+        total = torch.nn.utils.get_total_norm([p.grad for p in tp.values()], 2.0)
+        torch.nn.utils.clip_grads_with_norm_(list(tp.values()), 1.0, total)
+        ref.latest_grad_norm = total
+        for group in ref.param_groups:
+            group["lr"] = float(sched(t))
+        ref.step()
+        grads = Tiny(**{k: jnp.asarray(g[k]) for k in NAMES}, buf=jnp.zeros(3, jnp.int32))
+        model, state, met = upd(grads, state, model, jnp.float32(loss[t]))
+        assert float(met["optim/step_skipped"]) == float(ref.step_skipped), t
+        assert float(met["optim/grad_norm"]) == pytest.approx(float(total), rel=1e-5)
+        skipped += [t] if float(ref.step_skipped) else []
+    assert skipped[:4] == [63, 100, 150, 220] and skipped[4:] == list(range(225, 230))
+    for k in NAMES:
+        st = ref.state[tp[k]]
+        assert float(st["step"]) == int(state.count) == len(loss) - len(skipped)
+        np.testing.assert_allclose(np.asarray(getattr(model, k)), tp[k].detach().numpy(),
+                                   rtol=1e-5, atol=5e-6)
+        np.testing.assert_allclose(np.asarray(getattr(state.mu, k)), st["exp_avg"].numpy(),
+                                   rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(getattr(state.nu, k)), st["exp_avg_sq"].numpy(),
+                                   rtol=1e-5, atol=1e-9)
