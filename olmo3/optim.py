@@ -11,7 +11,9 @@ What it does, per call of `SkipStepAdamW.update(grads, opt_state, model, loss)`:
    unless  loss - mean <= sigma * std  AND  gnorm - mean <= sigma * std  (sigma 6), with mean and
    Bessel std over the PREVIOUS values only (at most 128 of them). Written as "not <=", so a NaN
    loss or norm is skipped too, exactly like OLMo-core. Addition: a non-finite loss or grad norm
-   is also skipped during the first 63 steps (OLMo-core would write NaN into the weights there).
+   is also skipped during the first 63 steps, and a skipped step never touches the weights or
+   moments (OLMo-core, at any step, writes NaN into both from a NaN/inf gradient: its clip
+   factor is NaN or 0 * inf, and 0 * NaN is NaN in `adamw_step`).
 3. AdamW (optax `scale_by_adam`, moments in fp32 ALWAYS: gradients are cast to fp32 before they
    reach the moments and both mu AND nu are created fp32 — optax's `mu_dtype` covers mu only, and
    bf16 moments once cost +0.93 loss in 1000 steps, DESIGN §3), decoupled weight decay
