@@ -638,6 +638,22 @@ def test_compare_on_padded_documents(runs, tmp_path):
     assert r["rows"][0]["kl_AB"] > 0 and math.isfinite(r["rows"][0]["heldout_delta"])
 
 
+def test_compare_warns_once_per_run_scored_in_another_precision(runs, monkeypatch, caplog, tmp_path):
+    """Two bf16 runs compared in fp32 (the default): a warning line names each run once, not
+    once per step, with the flags that score it as it scored itself."""
+    real = load.load_model
+
+    def bf16_run(*args, **kw):   # as train.py records a --compute_dtype=bfloat16 run's checkpoints
+        model, info = real(*args, **kw)
+        return model, {**info, "precision": {"compute_dtype": "bfloat16", "float8": False}}
+    monkeypatch.setattr(load, "load_model", bf16_run)
+    eval_script.compare_runs(runs["clean0"], runs["clean1"], train_loss_window=10, max_batches=1, steps=[60, 90],
+                             kl_instances=1, sets_fn=runs["sets_fn"], out_dir=str(tmp_path / "r"))
+    warned = [r.getMessage() for r in caplog.records if "in-loop ones" in r.getMessage()]
+    assert len(warned) == 2 and runs["clean0"] in warned[0] and runs["clean1"] in warned[1], warned
+    assert all("add --compute_dtype=bfloat16 to reproduce" in w for w in warned), warned
+
+
 def test_compare_with_downstream_stderr_in_quadrature(runs, monkeypatch):
     calls = {}
 
