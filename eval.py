@@ -36,7 +36,7 @@ from absl import app, flags, logging
 import data
 from data import chat, prepare
 from olmo3 import atomic, cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
-from olmo3.config import config_diff, config_from_dict
+from olmo3.config import config_diff, config_from_dict, precision
 
 # ---------------------------------------------------------------------------------------------
 # §0 Flags.
@@ -176,16 +176,15 @@ def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) ->
     return paths
 
 
-def warn_other_precision(info: dict, compute_dtype: str, float8: bool) -> None:
-    """One warning line when a train.py checkpoint is scored in another precision than its run
-    computed in (a stage-3 run: bf16 with float8 projections): its numbers then differ from the
-    run's own in-loop ones. Scoring in another precision is allowed (fp32 is the default)."""
-    run = info.get("precision")
-    if run and run != {"compute_dtype": compute_dtype, "float8": bool(float8)}:
-        spell = f"--compute_dtype={run['compute_dtype']}" + (" --float8" if run["float8"] else "")
-        logging.warning("%s was trained with %s; these flags score it in --compute_dtype=%s%s, so its numbers differ "
-                        "from the run's own in-loop ones (add %s to reproduce those)", info["path"], spell,
-                        compute_dtype, " --float8" if float8 else "", spell)
+def warn_other_precision(info: dict) -> None:
+    """One warning line when a train.py checkpoint is scored (in info["config"]'s precision) in
+    another precision than its run computed in (a stage-3 run: bf16 with float8 projections): its
+    numbers then differ from the run's own in-loop ones. Allowed (fp32 is the default)."""
+    run, now = info.get("precision"), precision(info["config"])
+    if run and run != now:
+        spell = lambda p: f"--compute_dtype={p['compute_dtype']}" + (" --float8" if p["float8"] else "")  # noqa: E731
+        logging.warning("%s was trained with %s; these flags score it in %s, so its numbers differ from the run's own "
+                        "in-loop ones (add %s to reproduce those)", info["path"], spell(run), spell(now), spell(run))
 
 
 def segments_for(info: dict, doc_lengths: Optional[bool]) -> bool:
@@ -386,7 +385,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
                                      attention=attention, float8=float8)
         if step == steps[0]:   # once per run, not per step
             for i in (info, info_b):
-                warn_other_precision(i, compute_dtype, float8)
+                warn_other_precision(i)
         ta, tb = (comparison.train_loss_at(m, step, train_loss_window) for m in metrics)
         train_se = math.hypot(*(comparison.train_loss_se(m, step, train_loss_window) for m in metrics))
         la, lb = [], []
@@ -599,7 +598,7 @@ def main(argv):
         diff = {k: v for k, v in config_diff(info["config"], info_b["config"]).items() if k != "yarn"}
         if diff:
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
-    warn_other_precision(info, F.compute_dtype, F.float8)
+    warn_other_precision(info)
     max_length = context_length(info, F.max_length)
     use_segments = segments_for(info, F.doc_lengths)
     if F.chat is not None or F.chat_file:

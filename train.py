@@ -239,7 +239,7 @@ def main(argv):
     import olmo3
     from olmo3 import checkpoint, cluster, heldout as heldout_lib, metrics as metrics_lib, optim, preemption
     from olmo3 import attention, schedules, sharding, watchdog
-    from olmo3.config import config_to_dict
+    from olmo3.config import config_to_dict, precision
     from olmo3.model import decay_mask
 
     cluster.start("train.py", F.coordinator, F.num_processes, F.process_id, independent_runs=F.independent_runs)
@@ -868,7 +868,7 @@ def reference_logps(ds, path: str, identity: str, model, compute, elsewhere: str
 
 
 def check_resume(extra: dict, config) -> None:
-    from olmo3.config import config_to_dict
+    from olmo3.config import config_to_dict, precision
     saved = extra.get("model_config", {})
     if saved and saved != config_to_dict(config):
         diff = {k: (saved.get(k), v) for k, v in config_to_dict(config).items() if saved.get(k) != v}
@@ -908,12 +908,6 @@ def check_resume(extra: dict, config) -> None:
         raise app.UsageError(f"--resume: the checkpoint was trained with {spell(saved_precision)}, the flags say "
                              f"{spell(precision(config))}; the precision cannot change mid-run: add "
                              f"{spell(saved_precision)}, or {restart} to change it")
-
-
-def precision(config) -> dict:
-    """What a run computes in (kept in every checkpoint's extra JSON; not its architecture:
-    olmo3/config.py ARCH_FIELDS): the compute dtype and whether the projections run in float8."""
-    return {"compute_dtype": config.compute_dtype, "float8": bool(config.float8)}
 
 
 if __name__ == "__main__":

@@ -220,6 +220,12 @@ def config_to_dict(c: Config) -> dict:
     return json.loads(json.dumps(d, default=str))
 
 
+def precision(c: Config) -> dict:
+    """What a model computes in, not its architecture (ARCH_FIELDS): the compute dtype and whether
+    the projections run in float8. train.py keeps its run's in every checkpoint's extra JSON."""
+    return {"compute_dtype": c.compute_dtype, "float8": bool(c.float8)}
+
+
 def config_from_dict(d: Mapping[str, Any], **overrides) -> Config:
     """Inverse of `config_to_dict`."""
     kw = {k: v for k, v in d.items() if k in ARCH_FIELDS}
