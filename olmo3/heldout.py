@@ -279,9 +279,3 @@ def _hidden_fn():
 def _head_fn():
     """The jitted LM head `f(model, h[n, d_model]) -> logits[n, V]`, as OLMo3.__call__ applies it."""
     return eqx.filter_jit(lambda m, h: m.head(h))
-
-
-@functools.lru_cache(maxsize=1)
-def logits_fn():
-    """The jitted forward pass `f(model, tokens[T]) -> logits[T, V]`, one per process."""
-    return eqx.filter_jit(lambda m, t: m(t))

@@ -3,6 +3,7 @@
     Scorer(model).loglikelihood(context, continuation)   sum log p(continuation | context), greedy?
     Scorer(model).loglikelihood_rolling(tokens, prefix)  log p(tokens) in windows of max_length
     Scorer(model).generate(prompt, n)                    greedy / sampled decoding with a KV cache
+    token_scores(model, tokens, targets, chunk)          per position: log p(target), is it the argmax?
     multiple_choice(scorer, docs, ...)                   acc / acc_norm with few-shot prompts
     continuation_scores(model, batch)                    batched: per row, sum log p of the
                                                          continuation and log p of choice tokens
@@ -21,11 +22,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from olmo3 import rope
 from olmo3.config import matmul_precision
-from olmo3.heldout import logits_fn
 from olmo3.metrics import read_jsonl
 from olmo3.model import OLMo3, attention_inputs, layer_output, rms_norm
 
@@ -67,10 +67,7 @@ def _extend(model: OLMo3, k_cache: jax.Array, v_cache: jax.Array, tokens: jax.Ar
 
     x = model.embed[tokens].astype(c.dtype)
     x, (k_cache, v_cache) = jax.lax.scan(layer, x, (model.layers, is_full, k_cache, v_cache))
-    h = rms_norm(x, model.norm, c.norm_eps)
-    logits = jnp.dot(h, model.lm_head.astype(h.dtype), preferred_element_type=jnp.float32,
-                     precision=matmul_precision(h.dtype))
-    return logits, k_cache, v_cache
+    return model.head(rms_norm(x, model.norm, c.norm_eps)), k_cache, v_cache
 
 
 _extend_jit = eqx.filter_jit(_extend, donate="all-except-first")  # the caches are updated in place
@@ -89,12 +86,48 @@ def _bucket(n: int, size: int = 64) -> int:
     return max(size, -(-n // size) * size)
 
 
+# Positions per block of the LM head when scoring: a block's [SCORE_CHUNK, vocab] fp32 logits are
+# alive at a time. A whole 65,536-token window of the 7B (a vocabulary of ~100k; eval.py's
+# --max_length defaults to the context the model trained with) held 26 GB of them on the device,
+# and as much again on the host with its log-softmax temporaries; 512 positions hold 0.2 GB.
+SCORE_CHUNK = 512
+
+
+def token_scores(model: OLMo3, tokens: Int[Array, " seq"], targets: Int[Array, " seq"], chunk: int
+                 ) -> tuple[Float[Array, " seq"], Bool[Array, " seq"]]:
+    """Per position t: (log p(targets[t] | tokens[:t+1]), whether targets[t] is the argmax of the
+    logits). The hidden states are computed whole, the LM head `chunk` positions at a time (seq a
+    multiple of chunk), so no [seq, vocab] logits exist."""
+    h = model.hidden(tokens)
+    n = tokens.shape[0] // chunk
+
+    def block(xs):
+        hb, tb = xs
+        logits = model.head(hb)                                                        # (chunk, V)
+        lp = jnp.take_along_axis(logits, tb[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
+        return lp, jnp.argmax(logits, axis=-1) == tb
+
+    lp, greedy = jax.lax.map(block, (h.reshape(n, chunk, h.shape[-1]), targets.reshape(n, chunk)))
+    return lp.reshape(-1), greedy.reshape(-1)
+
+
+token_scores_jit = eqx.filter_jit(token_scores)
+
+
+def score_shape(n: int) -> tuple[int, int]:
+    """(padded length, head chunk) with which Scorer scores n positions: buckets of 64 up to
+    SCORE_CHUNK, whole chunks beyond it."""
+    if n <= SCORE_CHUNK:
+        return _bucket(n), _bucket(n)
+    return _bucket(n, SCORE_CHUNK), SCORE_CHUNK
+
+
 class Scorer:
     """Log-likelihoods and greedy generation for one model: what lm-eval-harness asks of an LM.
 
     Token lists in, numbers out; `tokenizer` (encode/decode/eot_token) is only used by the
-    string-level helpers. Sequences are right-padded to buckets of 64 so jit compiles a handful
-    of shapes; padding after the last real token cannot change causal logits."""
+    string-level helpers. Sequences are right-padded (score_shape) so jit compiles a handful of
+    shapes; padding after the last real token cannot change causal logits."""
 
     def __init__(self, model: OLMo3, tokenizer=None, max_length: int = 2048):
         self.model, self.tokenizer, self.max_length = model, tokenizer, max_length
@@ -105,14 +138,15 @@ class Scorer:
             raise ValueError(f"token id {top} is outside the model's vocabulary of {self.model.config.vocab_size}: "
                              "the tokenizer does not match the model")
 
-    def _logprobs(self, tokens: list) -> np.ndarray:
-        """log_softmax of the logits at every position of `tokens` (len <= max_length)."""
-        self._check(tokens)
-        n = len(tokens)
-        padded = np.zeros(_bucket(n), np.int32)
-        padded[:n] = tokens
-        logits = np.asarray(logits_fn()(self.model, jnp.asarray(padded)))[:n]
-        return logits - _logsumexp(logits)
+    def _scores(self, seq: list) -> tuple[np.ndarray, np.ndarray]:
+        """token_scores of `seq[:-1]` predicting `seq[1:]` (len(seq) - 1 <= max_length)."""
+        self._check(seq)
+        n = len(seq) - 1
+        length, chunk = score_shape(n)
+        tokens, targets = np.zeros(length, np.int32), np.zeros(length, np.int32)
+        tokens[:n], targets[:n] = seq[:-1], seq[1:]
+        lp, greedy = token_scores_jit(self.model, jnp.asarray(tokens), jnp.asarray(targets), chunk)
+        return np.asarray(lp)[:n], np.asarray(greedy)[:n]
 
     def loglikelihood(self, context: Tokens, continuation: Tokens) -> tuple[float, bool]:
         """(sum of log p(continuation | context), whether greedy decoding yields it)."""
@@ -122,11 +156,9 @@ class Scorer:
         seq = (context + continuation)[-(self.max_length + 1):]
         if len(seq) < 2:
             raise ValueError("loglikelihood: an empty context needs a prefix token (e.g. eos)")
-        lp = self._logprobs(seq[:-1])
-        targets = np.asarray(seq[1:])
+        lp, greedy = self._scores(seq)
         k = len(continuation)
-        rows, tg = lp[-k:], targets[-k:]
-        return float(rows[np.arange(k), tg].sum()), bool((rows.argmax(-1) == tg).all())
+        return float(lp[-k:].sum()), bool(greedy[-k:].all())
 
     def loglikelihood_rolling(self, tokens: Tokens, prefix: int) -> float:
         """log p(tokens) given a single prefix token, in windows of max_length predictions, each
@@ -136,9 +168,8 @@ class Scorer:
         for a in range(1, len(t), self.max_length):
             b = min(a + self.max_length, len(t))
             lo = max(0, b - 1 - self.max_length)
-            lp = self._logprobs(t[lo:b - 1])
-            idx = np.arange(a, b)
-            total += float(lp[idx - 1 - lo, np.asarray(t)[idx]].sum())
+            lp, _ = self._scores(t[lo:b])            # predicts t[lo + 1:b]; the last b - a are new
+            total += float(lp[a - 1 - lo:].sum())
         return total
 
     def generate(self, prompt: Tokens, max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]] = None,
@@ -220,11 +251,6 @@ def encode(tokenizer, text: str) -> list[int]:
         return tokenizer.encode(text)
 
 
-def _logsumexp(x: np.ndarray) -> np.ndarray:
-    m = x.max(-1, keepdims=True)
-    return m + np.log(np.exp(x - m).sum(-1, keepdims=True))
-
-
 # ---- batched continuation scores (OLMo's in-loop requests, olmo3/oe_tasks.py) --------------------
 def continuation_scores(model: OLMo3, batch: dict, gather: Optional[Callable] = None
                         ) -> tuple[Float[Array, " rows"], Float[Array, "rows choices"]]:
@@ -238,8 +264,7 @@ def continuation_scores(model: OLMo3, batch: dict, gather: Optional[Callable] = 
     def one(xs):
         tokens, targets, weights, pos, choices = xs
         h = model.hidden(tokens, gather=gather)                                        # (T, d)
-        logits = jnp.dot(h, model.lm_head.astype(h.dtype), preferred_element_type=jnp.float32,
-                         precision=matmul_precision(h.dtype))                             # (T, V)
+        logits = model.head(h)                                                         # (T, V)
         lse = jax.nn.logsumexp(logits, axis=-1)                                       # (T,)
         tok = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
         return jnp.sum(jnp.where(weights > 0, tok, 0.0)), logits[pos, choices] - lse[pos]

