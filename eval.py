@@ -2,7 +2,7 @@
 
     # one model (an Orbax run / checkpoints/<N> directory, or an HF directory)
     python eval.py --model=runs/tiny --tasks=tests/fixtures/tiny_mc.jsonl --num_fewshot=1
-    # two models on identical inputs: held-out deltas and token-level KL / top-1 / top-10
+    # two models on identical inputs: held-out (and any task) deltas, token-level KL / top-1 / top-10
     python eval.py --model=/models/Olmo-3-1025-7B --model_b=runs/converted
     # two runs, step-aligned: every common checkpoint, with the memorization verdict
     # (report.md / report.csv / report.png under --out; exit status 2 when flagged)
@@ -45,7 +45,8 @@ F = flags.FLAGS
 PRETRAIN_SEQ_LEN = 8192   # OLMo-3-1025-7B-pretrain-1.py: sequence_length, the in-loop evaluators' max length
 flags.DEFINE_string("model", None, "Checkpoint: an Orbax run dir, its checkpoints/<N>, or an HF directory.")
 flags.DEFINE_integer("model_step", None, "Orbax step of --model (default: the latest, or the step in the path).")
-flags.DEFINE_string("model_b", None, "A second checkpoint: deltas and token-level KL(model || model_b).")
+flags.DEFINE_string("model_b", None, "A second checkpoint: held-out and task deltas (B - A) and token-level "
+                    "KL(model || model_b).")
 flags.DEFINE_list("compare", None, "Two run directories (A,B): step-aligned comparison of B against A.")
 flags.DEFINE_list("steps", None, "With --compare: these steps (each must exist in both runs). Default: all common.")
 flags.DEFINE_string("heldout", "stdlib", "Held-out domains: 'stdlib' (the embedded corpus' heldout/* splits), "
@@ -339,6 +340,35 @@ def olmo_tasks_report(model, labels, *, limit=None, max_length=2048, batch_rows=
                              max_length=max_length, batch_rows=batch_rows)
 
 
+def tasks_report(model, max_length: int) -> dict:
+    """One model's scores on every task the flags ask for (--tasks, --olmo_tasks, --lm_eval_tasks)."""
+    out = {}
+    if F.tasks:
+        out.update(downstream_report(model, F.tasks, num_fewshot=F.num_fewshot, limit=F.limit,
+                                     max_length=max_length))
+    if F.olmo_tasks:
+        out.update(olmo_tasks_report(model, F.olmo_tasks, limit=F.limit, max_length=max_length,
+                                     batch_rows=F.olmo_batch_rows))
+    if F.lm_eval_tasks:
+        out.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot, limit=F.limit,
+                                  include=F.lm_eval_include, max_length=max_length))
+    return out
+
+
+def task_deltas(a: dict, b: dict) -> dict:
+    """--model_b's task scores against --model's: <metric>_delta = B - A, and for a metric with a
+    standard error <metric>_delta_stderr, the two in quadrature (as --compare's; both models answer
+    the same documents, so the paired error is smaller: the band is conservative)."""
+    out = {}
+    for k, v in b.items():
+        if k.endswith("/n") or k.endswith("_stderr"):
+            continue
+        out[f"{k}_delta"] = v - a[k]
+        if f"{k}_stderr" in b:
+            out[f"{k}_delta_stderr"] = math.hypot(a[f"{k}_stderr"], b[f"{k}_stderr"])
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # §4 Step-aligned comparison of two runs: checkpoint N of A against checkpoint N of B, identical
 # held-out batches; deltas are B - A; downstream stderr combined in quadrature; the memorization
@@ -613,16 +643,10 @@ def main(argv):
         sets = sets_fn(info["config"], padded=F.eval_padded if F.eval_padded is not None else bool(info["eval_padded"]))
         results.update(heldout_report(model, sets, batch_size=F.eval_batch_size, max_batches=F.max_eval_batches,
                                       use_segments=use_segments))
-    if F.tasks:
-        results.update(downstream_report(model, F.tasks, num_fewshot=F.num_fewshot, limit=F.limit,
-                                         max_length=max_length))
-    if F.olmo_tasks:
-        results.update(olmo_tasks_report(model, F.olmo_tasks, limit=F.limit, max_length=max_length,
-                                         batch_rows=F.olmo_batch_rows))
-    if F.lm_eval_tasks:
-        results.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot, limit=F.limit,
-                                      include=F.lm_eval_include, max_length=max_length))
+    tasks_a = tasks_report(model, max_length)
+    results.update(tasks_a)
     if F.model_b:
+        results.update(task_deltas(tasks_a, tasks_report(model_b, max_length)))
         if F.position_buckets:
             rows_b = {}
             position_report(model_b, sets, F.position_buckets, batch_size=F.eval_batch_size,
@@ -638,7 +662,8 @@ def main(argv):
         line = f"{k:40s} {v:.5g}" if isinstance(v, float) else f"{k:40s} {v}"
         if k.startswith("downstream/") and not k.endswith("/n"):  # OLMo-core's name for AI2's curves
             _, label, metric = k.split("/")
-            line += f"   # {icl_metrics.display_name(label, metric)}"
+            line += f"   # {icl_metrics.display_name(label, metric.removesuffix('_delta'))}"
+            line += ", B - A" * metric.endswith("_delta")
         print(line)
     if F.out:
         write_json(F.out, "eval.json", results, indent=2)

@@ -843,6 +843,34 @@ def test_cli_one_model_two_models_and_two_runs(runs, tmp_path):
     F.unparse_flags()
 
 
+def test_cli_model_b_scores_the_tasks_of_both_models(tmp_path):
+    """--model_b with --tasks: B's task scores beside A's, as deltas B - A with their standard
+    error in quadrature (before, B was scored on held-out data only and the tasks were A's)."""
+    F = eval_script.F
+    cfg = CFG.replace(vocab_size=data.VOCAB_SIZE)
+    for name, seed in (("a", 0), ("b", 1)):
+        mgr = CheckpointManager(str(tmp_path / name), keep=None, async_save=False)
+        mgr.save(1, {"model": olmo3.OLMo3(cfg, jax.random.key(seed))}, {"model_config": config_to_dict(cfg)})
+        mgr.close()
+    np.arange(64, dtype=np.uint32).tofile(tmp_path / "h.npy")
+    task = os.path.join(FIXTURES, "tiny_mc.jsonl")
+    F.unparse_flags()
+    F(["eval.py", f"--model={tmp_path / 'a'}", f"--model_b={tmp_path / 'b'}", f"--heldout=h={tmp_path / 'h.npy'}",
+       "--eval_seq_len=32", f"--tasks={task}", f"--out={tmp_path / 'out'}"])
+    try:
+        eval_script.main(["eval.py"])
+    finally:
+        F.unparse_flags()
+    got = json.load(open(tmp_path / "out" / "eval.json"))
+    ra, rb = (scoring.multiple_choice(scoring.Scorer(load.load_model(str(tmp_path / n))[0], data.dolma2(), 512),
+                                      *scoring.load_task(task)) for n in ("a", "b"))
+    for m in ("acc", "acc_norm"):
+        assert got[f"task/tiny_mc/{m}"] == pytest.approx(ra[m])
+        assert got[f"task/tiny_mc/{m}_delta"] == pytest.approx(rb[m] - ra[m])
+        assert got[f"task/tiny_mc/{m}_delta_stderr"] == pytest.approx(math.hypot(ra[f"{m}_stderr"], rb[f"{m}_stderr"]))
+    assert ra != rb and "task/tiny_mc/acc_stderr_delta" not in got
+
+
 def test_heldout_domains_from_a_data_mix(tmp_path, monkeypatch):
     """--data_mix: one held-out domain per label of a mix file (data/mixes.py), files under --data_root."""
     mixes = pytest.importorskip("data.mixes")
