@@ -403,7 +403,7 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
     config = check_same_architecture(run_a, run_b, steps[0], steps[0])
     sets = sets_fn(config)
     windows = fixed_length(sets, sets_fn, config)
-    metrics = [comparison.read_metrics(r) for r in (run_a, run_b)]
+    metrics = [comparison.read_metrics(r, keys=("train/loss",)) for r in (run_a, run_b)]
     rows = []
     for step in steps:
         check_same_architecture(run_a, run_b, step, step)

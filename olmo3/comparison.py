@@ -2,7 +2,7 @@
 checkpoint N of the other, never a curve against a curve).
 
     iter_steps(run_a, run_b)          the checkpoint steps both runs saved
-    read_metrics(run_dir)             metrics.jsonl -> {step: metrics}
+    read_metrics(run_dir, keys)       metrics.jsonl -> {step: metrics}
     train_loss_at(metrics, step, w)   mean training loss over the last w logged steps
     train_loss_se(metrics, step, w)   its noise: standard error of that mean about a linear trend
     paired_se(a, b)                   noise of a held-out delta: spread of per-batch differences
@@ -20,19 +20,23 @@ import numpy as np
 from jaxtyping import Float
 
 from olmo3 import atomic, checkpoint
-from olmo3.metrics import read_jsonl
+from olmo3.metrics import iter_jsonl
 
 
-def read_metrics(run_dir: str) -> dict[int, dict]:
+def read_metrics(run_dir: str, keys: Optional[Iterable[str]] = None) -> dict[int, dict]:
     """metrics.jsonl -> {step: metrics}; the lines of a step logged more than once (a resumed run)
-    are merged in order, a later value winning (olmo3/metrics.py)."""
+    are merged in order, a later value winning (olmo3/metrics.py). `keys`: keep only these
+    metrics; the file is streamed, so a stage-1 run's ~1 GB log costs memory for those alone
+    (all of it, parsed, was ~5 GB)."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: the run comparison needs each run's metrics.jsonl")
+    keep = None if keys is None else set(keys)
     out: dict[int, dict] = {}
-    for rec in read_jsonl(path, torn_tail_ok=True):
+    for rec in iter_jsonl(path, torn_tail_ok=True):
         if "step" in rec:
-            out.setdefault(int(rec["step"]), {}).update(rec)
+            out.setdefault(int(rec["step"]), {}).update(
+                rec if keep is None else {k: v for k, v in rec.items() if k in keep})
     return out
 
 

@@ -18,7 +18,7 @@ import resource
 import sys
 import time
 import types
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import jax
 from absl import logging
@@ -241,26 +241,31 @@ def perf(step_time_s: float, tokens_per_step: int, flops_per_step: dict, peak_fl
     return out
 
 
-def read_jsonl(path: str, torn_tail_ok: bool = False) -> list[dict]:
-    """The JSON objects of a JSON Lines file (metrics.jsonl, task files); blank lines skipped. A
-    malformed line is an error naming the file and line; with `torn_tail_ok` (a log a process
-    appends to), a malformed last line without its newline is what a killed writer leaves, and is
-    skipped with a warning."""
-    out = []
+def iter_jsonl(path: str, torn_tail_ok: bool = False) -> Iterator[dict]:
+    """The JSON objects of a JSON Lines file (metrics.jsonl, task files), one at a time; blank
+    lines skipped. A malformed line is an error naming the file and line; with `torn_tail_ok` (a
+    log a process appends to), a malformed last line without its newline is what a killed writer
+    leaves, and is skipped with a warning."""
     with open(path) as f:   # streamed: a stage-1 metrics.jsonl is ~1 GB
         for i, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    if torn_tail_ok and not line.endswith("\n"):   # only the last line can lack it
-                        logging.warning("%s:%d: a torn last line (%d bytes, a writer killed mid-line), skipped",
-                                        path, i, len(line))
-                        break
-                    raise ValueError(f"{path}:{i}: not JSON ({e})") from e
-                if not isinstance(out[-1], dict):
-                    raise ValueError(f"{path}:{i}: a JSON {type(out[-1]).__name__}, not an object")
-    return out
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                if torn_tail_ok and not line.endswith("\n"):   # only the last line can lack it
+                    logging.warning("%s:%d: a torn last line (%d bytes, a writer killed mid-line), skipped",
+                                    path, i, len(line))
+                    return
+                raise ValueError(f"{path}:{i}: not JSON ({e})") from e
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{i}: a JSON {type(rec).__name__}, not an object")
+            yield rec
+
+
+def read_jsonl(path: str, torn_tail_ok: bool = False) -> list[dict]:
+    """iter_jsonl's objects, as a list (a small file: tasks, chats)."""
+    return list(iter_jsonl(path, torn_tail_ok))
 
 
 def drop_torn_tail(path: str) -> int:

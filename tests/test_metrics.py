@@ -3,6 +3,7 @@
 A fake clock and a fake peak measurement stand in for time and the matmul, so every figure
 below is exact arithmetic on the scripted step times (the reference), never a timing.
 """
+import json
 import logging as std_logging
 import math
 import os
@@ -297,6 +298,29 @@ def test_a_torn_metrics_line_is_dropped_before_appending_and_skipped_when_read(t
     path.write_text('{"step": 1}\n{"step": 2, bad}\n{"step": 3}\n')   # not at the end: still an error
     with pytest.raises(ValueError, match="metrics.jsonl:2: not JSON"):
         read_metrics(str(tmp_path))
+
+
+def test_read_metrics_streams_and_keeps_only_the_asked_metrics(tmp_path):
+    """eval.py --compare reads train/loss alone: the log is streamed and the other metrics are never
+    held (a stage-1 run's ~1 GB metrics.jsonl parsed whole was ~5 GB of Python objects)."""
+    import tracemalloc
+
+    from olmo3.comparison import read_metrics
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(1, 4001):
+            rec = {"step": step, "train/loss": float(rng.random())}
+            rec.update({f"optim/layer{i}/grad_norm": float(rng.random()) for i in range(40)})
+            f.write(json.dumps(rec) + "\n")
+        f.write(json.dumps({"step": 4000, "train/loss": 9.0}) + "\n")   # a resumed run's line wins
+    size = os.path.getsize(tmp_path / "metrics.jsonl")
+    tracemalloc.start()
+    got = read_metrics(str(tmp_path), keys=("train/loss",))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(got) == 4000 and got[4000] == {"train/loss": 9.0} and set(got[1]) == {"train/loss"}
+    assert peak < size / 3, (peak, size)   # 0.17x here; parsed whole, 2.5x the file
+    assert read_metrics(str(tmp_path))[1]["optim/layer3/grad_norm"] > 0   # all metrics by default
 
 
 def test_tensorboard_points_are_on_disk_when_written(tmp_path):
