@@ -86,6 +86,10 @@ def _bucket(n: int, size: int = 64) -> int:
     return max(size, -(-n // size) * size)
 
 
+def _pow2(n: int, least: int = 64) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
 # Positions per block of the LM head when scoring: a block's [SCORE_CHUNK, vocab] fp32 logits are
 # alive at a time. A whole 65,536-token window of the 7B (a vocabulary of ~100k; eval.py's
 # --max_length defaults to the context the model trained with) held 26 GB of them on the device,
@@ -200,10 +204,15 @@ class Scorer:
         c = self.model.config
         self._check(prompt)
         n = len(prompt)
-        chunk = min(_bucket(n), PREFILL_CHUNK)
+        # A chat file's or a generation task's prompts of every length compile a few shapes of the
+        # prefill and the decode step (minutes each for the 7B on a GPU): prefill chunks of powers
+        # of two, caches of four sizes per octave (at most a quarter longer than needed, never
+        # past the context rounded up to 64). Buckets of 64 compiled both per 64 tokens.
+        chunk = min(_pow2(n), PREFILL_CHUNK)
         padded = np.zeros(-(-n // chunk) * chunk, np.int32)                 # whole chunks of the prompt
         padded[:n] = prompt
-        S = max(_bucket(n + max_new_tokens), len(padded))   # a chunk never writes past the cache
+        need = n + max_new_tokens
+        S = max(min(_bucket(need, max(64, _pow2(need) // 8)), _bucket(self.max_length)), len(padded))   # >= need
         kc = jnp.zeros((c.n_layers, S, c.n_kv_heads, c.head_dim), c.dtype)
         vc = jnp.zeros_like(kc)
         for a in range(0, len(padded), chunk):   # prefill: scores [heads, chunk, S], never [heads, n, S]

@@ -443,6 +443,32 @@ metric_list:
         assert sample["resps"][0][0] == tok.decode(out).split("\n")[0]
 
 
+def test_generate_compiles_few_shapes_for_prompts_of_every_length(monkeypatch):
+    """A chat file's or a generation task's prompts, 31 lengths from 5 to 1,775 tokens with room for
+    256 new ones, compile 22 shapes of the prefill and the decode step (each minutes for the 7B on
+    a GPU), not the 38 of buckets of 64. A cache is at most a quarter longer than the prompt and
+    its answer need, or than the prompt's whole prefill chunks, and never longer than the context
+    (rounded up to 64) but for those chunks. The answers are the full forward's."""
+    model = olmo3.OLMo3(CFG.replace(max_position_embeddings=2048), jax.random.key(4))
+    calls, extend = [], scoring._extend_jit
+    monkeypatch.setattr(scoring, "_extend_jit", lambda m, kc, vc, t, a: calls.append((t.shape[0], kc.shape[1]))
+                        or extend(m, kc, vc, t, a))
+    rng = np.random.default_rng(4)
+    scorer = scoring.Scorer(model, max_length=2040)
+    for n in range(5, 1800, 59):
+        prompt = rng.integers(0, 256, size=n).tolist()
+        out = scorer.generate(prompt, 256, stop=lambda ids: len(ids) == 2)
+        S, chunks = calls[-1][1], -(-n // 512) * 512
+        assert n + 256 <= S <= max(1.25 * (n + 256), chunks) and S <= max(2048, chunks), (n, S)
+        if n in (5, 1775):   # the oracle: greedy by full forwards
+            want = []
+            for _ in range(2):
+                want.append(int(np.argmax(forward(model, prompt + want)[-1])))
+            assert out == want
+    assert len(set(calls)) == 22 and {t for t, _ in calls} == {1, 64, 128, 256, 512}
+    scoring.Scorer(model, max_length=1100).generate(prompt[:774], 256, stop=lambda ids: True)
+    assert calls[-1][1] == 1152   # 1,030 tokens: a quarter octave gives 1,280, the context 1,152
+
 def test_generate_never_cuts_the_prompt_or_the_answer():
     """A prompt and max_new_tokens that do not fit the context are an error, not a prompt cut from
     the left (it lost the turns that open a chat) and an answer cut short, both unsaid."""
