@@ -211,8 +211,8 @@ class Scorer:
         chunk = min(_pow2(n), PREFILL_CHUNK)
         padded = np.zeros(-(-n // chunk) * chunk, np.int32)                 # whole chunks of the prompt
         padded[:n] = prompt
-        need = n + max_new_tokens
-        S = max(min(_bucket(need, max(64, _pow2(need) // 8)), _bucket(self.max_length)), len(padded))   # >= need
+        need = n + max_new_tokens   # <= max_length; S >= len(padded): no chunk writes past the cache
+        S = max(min(_bucket(need, max(64, _pow2(need) // 8)), _bucket(self.max_length)), len(padded))
         kc = jnp.zeros((c.n_layers, S, c.n_kv_heads, c.head_dim), c.dtype)
         vc = jnp.zeros_like(kc)
         for a in range(0, len(padded), chunk):   # prefill: scores [heads, chunk, S], never [heads, n, S]
