@@ -492,10 +492,11 @@ def _unmeasured(metrics: list, step: int, window: int, train_se: float, batches:
 # ---------------------------------------------------------------------------------------------
 def chat_answer(model, messages: list, template: str = chat.INSTRUCT, max_new_tokens: int = 256,
                 temperature: float = 0.0, seed: int = 0, max_length: int = 2048, think=None) -> str:
-    """The model's next assistant turn for `messages`, as text (the stop token removed). A prompt
-    that leaves no room in `max_length` is an error; one that leaves less than `max_new_tokens`
-    caps the answer, with a warning (never a prompt cut from the left: it would lose the turns
-    that open the conversation)."""
+    """The model's next assistant turn for `messages`, as text (the stop token removed), from the
+    "<think>" the prompt opened (olmo_thinker), as a reference turn reads. A prompt that leaves no
+    room in `max_length` is an error; one that leaves less than `max_new_tokens` caps the answer,
+    with a warning (never a prompt cut from the left: it would lose the turns that open the
+    conversation)."""
     stops = (data.EOS_ID, data.tokenizer.IM_END_ID)
     prompt = chat.generation_prompt(messages, template, think)
     if len(prompt) >= max_length:
@@ -509,7 +510,8 @@ def chat_answer(model, messages: list, template: str = chat.INSTRUCT, max_new_to
     out = scoring.Scorer(model, max_length=max_length).generate(
         prompt, max_new_tokens, stop=lambda ids: ids[-1] in stops, temperature=temperature, seed=seed,
         vocab_size=data.VOCAB_SIZE)   # never a padding row of a 100352-row model (no token to decode)
-    return chat.decode(out[:-1] if out and out[-1] in stops else out)
+    answer = chat.decode(out[:-1] if out and out[-1] in stops else out)
+    return chat.THINK + answer if chat.opens_think(template, think) else answer
 
 
 def chat_report(model, max_length: int) -> None:

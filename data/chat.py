@@ -171,7 +171,7 @@ def pieces(messages: Sequence[dict], template: str = INSTRUCT, add_generation_pr
     the generation prompt ends with "<think>" when `think`, by default when the template's does."""
     if template not in TEMPLATES:
         raise ValueError(f"unknown chat template {template!r}; choose one of {', '.join(TEMPLATES)}")
-    think = template in THINK_PROMPT if think is None else think
+    think = opens_think(template, think)
     tools = template == INSTRUCT
     out: list[Piece] = []
     if not any(m["role"] == "system" for m in messages):
@@ -237,6 +237,12 @@ def encode_with_mask(messages: Sequence[dict], template: str = INSTRUCT, last_tu
         end = len(encode(messages[:i + 1], template, add_generation_prompt=prompt_follows))
         mask[start:end] = False
     return np.asarray(ids, np.uint32), mask
+
+
+def opens_think(template: str, think: bool | None = None) -> bool:
+    """Whether the generation prompt ends with "<think>": as `think` says, by default as the
+    template's does (olmo_thinker)."""
+    return template in THINK_PROMPT if think is None else think
 
 
 def generation_prompt(messages: Sequence[dict], template: str = INSTRUCT, think: bool | None = None) -> list[int]:

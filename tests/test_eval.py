@@ -493,6 +493,22 @@ def test_chat_prompt_that_does_not_fit_is_an_error_and_a_long_one_caps_the_answe
     assert f"leave room for 3 of --max_new_tokens=8 in --max_length={n + 3}" in caplog.text
 
 
+def test_chat_answer_reads_from_the_think_its_prompt_opened():
+    """olmo_thinker's generation prompt ends with "<think>": the answer printed beside a reference
+    turn (which holds its "<think>") is the whole turn, "<think>" first. It printed from the first
+    generated token, so a thinking model's answer read as if it never opened its thoughts."""
+    model = olmo3.OLMo3(CFG.replace(vocab_size=data.VOCAB_SIZE), jax.random.key(0))
+    messages = [{"role": "user", "content": "Hello there"}]
+    for template, think in (("olmo_thinker", None), ("olmo_thinker", False), ("olmo3_instruct", True),
+                            ("olmo3_instruct", None)):
+        prompt = data.chat.generation_prompt(messages, template, think)
+        ids = scoring.Scorer(model).generate(prompt, 6, vocab_size=data.VOCAB_SIZE)
+        opened = data.chat.decode(prompt).endswith("<think>")
+        assert opened == (think if think is not None else template == "olmo_thinker")
+        answer = eval_script.chat_answer(model, messages, template, max_new_tokens=6, think=think)
+        assert answer == "<think>" * opened + data.chat.decode(ids)
+
+
 @pytest.mark.parametrize("flag", ["--temperature=0.7", "--max_new_tokens=32", "--sample_seed=3",
                                   "--chat_template=olmo_thinker", "--chat_think"])
 def test_chat_flags_without_a_chat_are_an_error(flag, tmp_path):
