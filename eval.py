@@ -106,6 +106,9 @@ flags.DEFINE_enum("chat_template", chat.INSTRUCT, list(chat.TEMPLATES), "Chat te
 flags.DEFINE_bool("chat_think", None, "Chat: open the answer with <think> (default: as the template does, olmo_thinker).")
 flags.DEFINE_integer("max_new_tokens", 256, "Chat: longest answer.")
 flags.DEFINE_float("temperature", 0.0, "Chat: 0 = greedy, else sample from softmax(logits / temperature).")
+# OLMo 3 Think's published sampling settings: temperature 0.6, top_p 0.95 (ollama.com/library/olmo-3 params)
+flags.DEFINE_float("top_p", 1.0, "Chat, sampling: only the most probable tokens that reach this probability "
+                   "(nucleus; 1 = all). OLMo 3 Think: --temperature=0.6 --top_p=0.95.")
 flags.DEFINE_integer("sample_seed", 0, "Chat: seed of the sampler.")
 flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
 cli.require([
@@ -491,7 +494,8 @@ def _unmeasured(metrics: list, step: int, window: int, train_se: float, batches:
 # ends its turn (EOS after a final answer, <|im_end|> after an intermediate one).
 # ---------------------------------------------------------------------------------------------
 def chat_answer(model, messages: list, template: str = chat.INSTRUCT, max_new_tokens: int = 256,
-                temperature: float = 0.0, seed: int = 0, max_length: int = 2048, think=None) -> str:
+                temperature: float = 0.0, seed: int = 0, max_length: int = 2048, think=None,
+                top_p: float = 1.0) -> str:
     """The model's next assistant turn for `messages`, as text (the stop token removed), from the
     "<think>" the prompt opened (olmo_thinker), as a reference turn reads. A prompt that leaves no
     room in `max_length` is an error; one that leaves less than `max_new_tokens` caps the answer,
@@ -508,7 +512,7 @@ def chat_answer(model, messages: list, template: str = chat.INSTRUCT, max_new_to
                         max_length)
         max_new_tokens = max_length - len(prompt)
     out = scoring.Scorer(model, max_length=max_length).generate(
-        prompt, max_new_tokens, stop=lambda ids: ids[-1] in stops, temperature=temperature, seed=seed,
+        prompt, max_new_tokens, stop=lambda ids: ids[-1] in stops, temperature=temperature, seed=seed, top_p=top_p,
         vocab_size=data.VOCAB_SIZE)   # never a padding row of a 100352-row model (no token to decode)
     answer = chat.decode(out[:-1] if out and out[-1] in stops else out)
     return chat.THINK + answer if chat.opens_think(template, think) else answer
@@ -532,7 +536,7 @@ def chat_report(model, max_length: int) -> None:
         prompt = messages[:-1] if reference is not None else messages
         try:
             answer = chat_answer(model, prompt, F.chat_template, F.max_new_tokens, F.temperature,
-                                 F.sample_seed + i, max_length, F.chat_think)
+                                 F.sample_seed + i, max_length, F.chat_think, F.top_p)
         except ValueError as e:
             where = "--chat" if F.chat is not None else f"--chat_file={F.chat_file!r}: conversation {i + 1}"
             raise ValueError(f"{where}: {e}") from None
@@ -571,7 +575,7 @@ def main(argv):
                                  "lines")
 
     if F.chat is None and not F.chat_file:   # these shape a chat answer only; elsewhere they would do nothing
-        for name in ("chat_template", "chat_think", "max_new_tokens", "temperature", "sample_seed"):
+        for name in ("chat_template", "chat_think", "max_new_tokens", "temperature", "top_p", "sample_seed"):
             if F[name].present:
                 raise app.UsageError(f"--{name} applies to --chat / --chat_file only; add one of them, or drop "
                                      f"--{name}")
@@ -600,6 +604,10 @@ def main(argv):
         raise app.UsageError("give --model (and optionally --model_b), or --compare=A,B")
     if F.temperature < 0 or not math.isfinite(F.temperature):
         raise app.UsageError(f"--temperature={F.temperature} must be >= 0 (0: greedy)")
+    if not 0 < F.top_p <= 1:
+        raise app.UsageError(f"--top_p={F.top_p} must be in (0, 1] (1: every token)")
+    if F.top_p < 1 and F.temperature == 0:
+        raise app.UsageError(f"--top_p={F.top_p} applies to sampling; give --temperature > 0 (0 is greedy)")
     if F.max_new_tokens < 1:
         raise app.UsageError(f"--max_new_tokens={F.max_new_tokens} must be >= 1")
     if F.sample_seed < 0:   # numpy's generator takes none (it failed after the model loaded, unnamed)

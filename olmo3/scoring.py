@@ -2,7 +2,7 @@
 
     Scorer(model).loglikelihood(context, continuation)   sum log p(continuation | context), greedy?
     Scorer(model).loglikelihood_rolling(tokens, prefix)  log p(tokens) in windows of max_length
-    Scorer(model).generate(prompt, n)                    greedy / sampled decoding with a KV cache
+    Scorer(model).generate(prompt, n)                    greedy / sampled (top-p) decoding with a KV cache
     token_scores(model, tokens, targets, chunk)          per position: log p(target), is it the argmax?
     multiple_choice(scorer, docs, ...)                   acc / acc_norm with few-shot prompts
     continuation_scores(model, batch)                    batched: per row, sum log p of the
@@ -126,6 +126,21 @@ def score_shape(n: int) -> tuple[int, int]:
     return _bucket(n, SCORE_CHUNK), SCORE_CHUNK
 
 
+def nucleus(weights: Float[np.ndarray, " vocab"], top_p: float) -> Float[np.ndarray, " vocab"]:
+    """Top-p (nucleus) sampling's distribution: the most probable tokens whose probability reaches
+    `top_p` (the one that crosses it kept), renormalised; zero elsewhere. A token is kept when
+    the tokens more probable than it hold less than top_p, as transformers' TopPLogitsWarper
+    decides (it removes a token whose ascending cumulative probability is <= 1 - top_p)."""
+    p = weights / weights.sum()
+    if top_p >= 1:
+        return p
+    order = np.argsort(-p, kind="stable")
+    above = np.cumsum(p[order]) - p[order]              # the probability of the tokens before each
+    keep = np.zeros_like(p)
+    keep[order[above < top_p]] = p[order[above < top_p]]
+    return keep / keep.sum()
+
+
 class Scorer:
     """Log-likelihoods and greedy generation for one model: what lm-eval-harness asks of an LM.
 
@@ -178,9 +193,10 @@ class Scorer:
 
     def generate(self, prompt: Tokens, max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]] = None,
                  eos_id: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
-                 vocab_size: Optional[int] = None) -> list[int]:
-        """Decoding with a KV cache: a prefill (in chunks of PREFILL_CHUNK tokens), then one token per step. Greedy at temperature 0,
-        else sampled from softmax(logits / temperature) (numpy's generator seeded with `seed`).
+                 vocab_size: Optional[int] = None, top_p: float = 1.0) -> list[int]:
+        """Decoding with a KV cache: a prefill (in chunks of PREFILL_CHUNK tokens), then one token
+        per step. Greedy at temperature 0, else sampled from softmax(logits / temperature), cut to
+        its `top_p` nucleus (numpy's generator seeded with `seed`).
         The prompt and `max_new_tokens` must fit `max_length` together: nothing is cut here (a
         caller that wants lm-eval's left truncation does it, knowing what it drops).
         `vocab_size`: only ids below it are generated, the tokenizer's tokens. OLMo-core pads
@@ -198,8 +214,8 @@ class Scorer:
             x = np.asarray(logits, np.float64)[:vocab_size]
             if temperature <= 0:
                 return int(np.argmax(x))
-            p = np.exp((x - x.max()) / temperature)
-            return int(rng.choice(len(p), p=p / p.sum()))
+            p = nucleus(np.exp((x - x.max()) / temperature), top_p)
+            return int(rng.choice(len(p), p=p))
 
         c = self.model.config
         self._check(prompt)

@@ -509,7 +509,32 @@ def test_chat_answer_reads_from_the_think_its_prompt_opened():
         assert answer == "<think>" * opened + data.chat.decode(ids)
 
 
-@pytest.mark.parametrize("flag", ["--temperature=0.7", "--max_new_tokens=32", "--sample_seed=3",
+def test_nucleus_keeps_the_tokens_transformers_top_p_keeps():
+    """Top-p against transformers' TopPLogitsWarper (HF generate's top_p) on random and peaked
+    logits; sampling with it draws only kept tokens, and top_p = 1 is plain sampling."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import TopPLogitsWarper
+    rng = np.random.default_rng(0)
+    for case in range(300):
+        logits = (rng.normal(size=200) * rng.choice([0.5, 2.0, 8.0])).astype(np.float32)
+        top_p = float(rng.choice([0.05, 0.3, 0.5, 0.9, 0.95, 0.999]))
+        hf = TopPLogitsWarper(top_p)(None, torch.tensor(logits)[None])[0].numpy()
+        ours = scoring.nucleus(np.exp(logits.astype(np.float64) - logits.max()), top_p)
+        assert np.array_equal(ours > 0, np.isfinite(hf)), (case, top_p)
+        np.testing.assert_allclose(ours[ours > 0], np.exp(hf[ours > 0] - np.logaddexp.reduce(hf[ours > 0])),
+                                   rtol=1e-5)
+    w = np.exp(rng.normal(size=50))
+    np.testing.assert_array_equal(scoring.nucleus(w, 1.0), w / w.sum())
+    model = olmo3.OLMo3(CFG, jax.random.key(6))
+    prompt = [1, 2, 3]
+    first = np.exp(log_softmax64(forward(model, prompt))[-1] / 0.7)
+    kept = set(np.flatnonzero(scoring.nucleus(first, 0.5)))
+    draws = {scoring.Scorer(model, max_length=64).generate(prompt, 1, temperature=0.7, top_p=0.5, seed=s)[0]
+             for s in range(40)}
+    assert draws <= kept and len(kept) < 512
+
+
+@pytest.mark.parametrize("flag", ["--temperature=0.7", "--top_p=0.9", "--max_new_tokens=32", "--sample_seed=3",
                                   "--chat_template=olmo_thinker", "--chat_think"])
 def test_chat_flags_without_a_chat_are_an_error(flag, tmp_path):
     """--temperature and the other chat flags without --chat / --chat_file were ignored without a
