@@ -225,6 +225,7 @@ def main(argv):
     # §1 Devices, mesh and processes. Under srun / mpirun / a TPU slice the processes join
     # through JAX's own cluster detection; an environment that says N > 1 processes while JAX
     # sees one stops here with exit status 2, before anything is written (olmo3/cluster.py).
+    # Once joined, processes other than 0 log warnings and errors only (OLMo-core's rank0_only).
     # -----------------------------------------------------------------------------------------
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs

@@ -7,7 +7,8 @@ against silent replicas.
     check(launch)                      # the environment says N > 1 but JAX sees 1 process, or the
                                        #   devices do not add up: stop before the first step
     start("train.py", ...)             # all three + the first log line; exit status 2, one line,
-                                       #   on a misconfigured cluster (the crash loop never retries 2)
+                                       #   on a misconfigured cluster (the crash loop never retries 2);
+                                       #   then INFO lines from process 0 only
 
 Why a guard: under `srun`, `mpirun` or on a multi-host TPU slice nobody sets `--coordinator`. If
 nothing joins the processes, each sees only its own devices, reports `process_count() == 1`,
@@ -327,10 +328,14 @@ def summary(launch: Launch) -> str:
 def start(program: str, coordinator: Optional[str] = None, num_processes: Optional[int] = None,
           process_id: Optional[int] = None, *, independent_runs: bool = False,
           multi_process: bool = True) -> Launch:
-    """For scripts: initialize + check + the first log line. On a ClusterError print one line
+    """For scripts: initialize + check + the first log line (on every process; after it, processes
+    other than 0 print warnings and errors only: olmo3/logs.py). On a ClusterError print one line
     to stderr and exit with status 2 (a user error; olmo3/launch.py never retries it) before
     anything is written. `multi_process=False` (eval.py, bench.py) joins nothing and refuses an
     environment that announces several processes."""
+    import jax
+
+    from olmo3 import logs
     try:
         if multi_process:
             launch = initialize(coordinator, num_processes, process_id, independent_runs=independent_runs)
@@ -351,7 +356,8 @@ def start(program: str, coordinator: Optional[str] = None, num_processes: Option
     except ClusterError as e:
         print(f"{program}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-    logging.info(summary(launch))
+    logging.info(summary(launch))   # every process: its own index and devices, the guard's evidence
+    logs.quiet_other_processes(jax.process_index())   # from here on, INFO from process 0 only
     return launch
 
 

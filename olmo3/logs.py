@@ -13,6 +13,9 @@ By default (`quiet_library_logs()` at the top of a script's main):
     - INFO lines from every other file (Orbax, JAX, ...) are dropped, and so are the few library
       warnings about what we asked for on purpose (BENIGN_WARNINGS);
     - XLA's C++ INFO logs are off (TF_CPP_MIN_LOG_LEVEL=1, unless the environment sets it).
+In a run of several processes (`cluster.start`), processes other than 0 print WARNING and above
+only (`quiet_other_processes`), after each one's own `cluster:` line: their INFO lines repeat
+process 0's, once per host.
 Passing absl's own `--verbosity` (`--verbosity=0` for every INFO line, `--verbosity=1` for
 absl's debug lines too; `-v` is its short name) turns all of this off: every library's lines
 come back with absl's usual prefix, for debugging.
@@ -75,4 +78,28 @@ def quiet_library_logs() -> bool:
         handler.addFilter(_FILTER)
     if flags.FLAGS.is_parsed() and not flags.FLAGS["showprefixforinfo"].present:
         flags.FLAGS.showprefixforinfo = False   # our INFO lines: the message alone
+    return True
+
+
+class _WarningsOnly(std_logging.Filter):
+    """Keeps WARNING and above: OLMo-core's default log filter, LogFilterType.rank0_only, on every
+    rank but 0 (olmo_core/utils.py setup_logging's rank0_filter: `record.levelno > logging.INFO`)."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return record.levelno > std_logging.INFO
+
+
+_WARNINGS_ONLY = _WarningsOnly()
+
+
+def quiet_other_processes(process_index: int) -> bool:
+    """On a process other than 0, drop INFO lines (a 64-host job's log would show each 64 times)
+    and keep warnings and errors: one host's warning still shows. Call once the processes have
+    joined (olmo3.cluster.start). Returns False, changing nothing, on process 0 and when
+    --verbosity was given."""
+    if process_index == 0 or library_logs_requested():
+        return False
+    handler = logging.get_absl_handler()
+    if _WARNINGS_ONLY not in handler.filters:
+        handler.addFilter(_WARNINGS_ONLY)
     return True

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 
 from olmo3 import logs, metrics
 
@@ -220,6 +221,22 @@ def test_log_filter_keeps_ours_and_warnings():
     assert f.filter(_record(ours, std_logging.INFO))
     assert not f.filter(_record(library, std_logging.INFO))
     assert f.filter(_record(library, std_logging.WARNING)) and f.filter(_record(library, std_logging.ERROR))
+
+
+def test_processes_other_than_0_log_warnings_only(monkeypatch):
+    """OLMo-core's default (LogFilterType.rank0_only): INFO from process 0 only, warnings and
+    errors from every process; nothing filtered under --verbosity."""
+    handler = absl_logging.get_absl_handler()
+    monkeypatch.setattr(handler, "filters", list(handler.filters))   # restored after the test
+    ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(metrics.__file__))), "train.py")
+    keeps = lambda level: all(f.filter(_record(ours, level)) for f in handler.filters)
+    assert not logs.quiet_other_processes(0) and keeps(std_logging.INFO)
+    monkeypatch.setattr(logs, "library_logs_requested", lambda: True)
+    assert not logs.quiet_other_processes(1) and keeps(std_logging.INFO)
+    monkeypatch.setattr(logs, "library_logs_requested", lambda: False)
+    assert logs.quiet_other_processes(1)
+    assert not keeps(std_logging.INFO) and not keeps(std_logging.DEBUG)
+    assert keeps(std_logging.WARNING) and keeps(std_logging.ERROR)
 
 
 def test_progress_line_of_an_evaluation_only_step(tmp_path, capsys):

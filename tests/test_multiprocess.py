@@ -223,6 +223,12 @@ def test_train_py_two_processes_match_one(tmp_path):
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["3"]
 
 
+def _not_warnings(out: str) -> list:
+    """A process's lines other than its cluster line, gloo's (C++) and absl's WARNING/ERROR/FATAL
+    lines: what a process other than 0 must not print (olmo3/logs.py quiet_other_processes)."""
+    return [line for line in out.splitlines() if not re.match(r"cluster: |\[Gloo\] |[WEF]\d{4} ", line)]
+
+
 @contextlib.contextmanager
 def _two_train_py(tmp_path, *extra, until=r"^step +2 \|", log="p"):
     """train.py as 2 processes x 2 CPU devices (fsdp:4) with SMALL's recipe, output in
@@ -272,6 +278,8 @@ def test_sigterm_to_one_process_checkpoints_both_at_one_step(tmp_path):
     out = [(tmp_path / f"r{i}.log").read_text() for i in range(2)]
     assert codes == [0, 0], out[0][-3000:] + out[1][-3000:]
     assert f"The held-out evaluation of step {saved[0]}, which the preemption stop skipped" in out[0]
+    assert f"Resumed {tmp_path / 'run'} at step {saved[0]}" in out[0] and re.search(r"^step +\d+ \|", out[0], re.M)
+    assert not _not_warnings(out[1]), out[1][-3000:]   # its "Resumed" line repeated process 0's
     from olmo3.comparison import read_metrics
     assert any(k.startswith("eval/") for k in read_metrics(str(tmp_path / "run"))[saved[0]])
 
@@ -331,6 +339,7 @@ def test_train_py_as_two_processes_trains_and_saves(tmp_path):
         "--save_interval=2"])
     assert codes == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert os.listdir(tmp_path / "run" / "checkpoints") == ["2"]
+    assert re.search(r"^step +2 \|", outs[0], re.M) and not _not_warnings(outs[1]), outs[1][-3000:]
 
 
 def test_run_dir_not_shared_by_every_process_is_refused(tmp_path):
