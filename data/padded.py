@@ -8,7 +8,8 @@ OLMo-core's `NumpyPaddedFSLDataset` (`data/numpy_dataset.py`), which its validat
 every held-out document is scored from its first token, none is split across instances, and
 padding is never counted in the loss. train.py evaluates held-out domains on it, so a domain
 with fewer documents than devices is still evaluated (its last batch is filled with rows whose
-label mask is all False). tests/test_data_packed.py checks ours equal OLMo-core's.
+label mask is all False). tests/test_data_packed.py checks ours equal OLMo-core's. A file with
+tokens but no eos is refused, as OLMo-core refuses it, instead of silently scoring the others.
 
 Why a subclass of the packed dataset: the files, label masks, reading, padding and fingerprint
 are the same; only the grouping differs (each document is its own instance, in file order).
@@ -33,6 +34,10 @@ class PaddedFSLDataset(PackedFSLDataset):
     def _group(self, files: range, cache_dir) -> dict:
         (k,) = files
         spans = packing.document_spans(self._files[k], self.eos_id, self.seq_len)
+        if self.file_sizes[k] and not len(spans):   # OLMo-core stops too; an empty file holds no token
+            raise ValueError(f"held-out token file {self.paths[k]!r} has {self.file_sizes[k] // storage.ITEMSIZE} "
+                             f"tokens but no eos (id {self.eos_id}), so no document to score; is it a file of "
+                             "this tokenizer, written with an eos after each document?")
         return {"files": np.array([k]), "file_starts": np.array([0, self.file_sizes[k] // storage.ITEMSIZE]),
                 "spans": spans, "offsets": np.arange(len(spans) + 1), "docs": np.arange(len(spans))}
 

@@ -106,6 +106,24 @@ def test_padded_equals_olmo_core(tmp_path, monkeypatch, seed, seq_len, masks):
         assert not x["label_mask"][x["doc_lens"][0]:].any()
 
 
+def test_padded_file_without_eos_is_refused_as_olmo_core(tmp_path, monkeypatch):
+    """A held-out file with tokens but no eos holds no document: OLMo-core's padded dataset stops
+    (`segment_documents_into_instances`: "Failed to produce any documents"); ours dropped the whole
+    file and scored the others. An empty file (a converter's last part) still holds no token."""
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    docs, no_eos = str(tmp_path / "token_ids_0.npy"), str(tmp_path / "token_ids_1.npy")
+    np.array([5, EOS, 6, 7, EOS], np.uint32).tofile(docs)
+    np.array([5, 6, 7, PAD, 8], np.uint32).tofile(no_eos)
+    with pytest.raises(RuntimeError, match="Failed to produce any documents"):
+        olmo_data.NumpyPaddedFSLDatasetConfig(
+            tokenizer=tokenizer(), paths=[docs, no_eos], sequence_length=8,
+            dtype=olmo_data.NumpyDatasetDType.uint32, work_dir=str(tmp_path / "work")).build().prepare()
+    with pytest.raises(ValueError, match="token_ids_1.npy.*no eos"):
+        PaddedFSLDataset([docs, no_eos], 8)
+    (tmp_path / "token_ids_2.npy").write_bytes(b"")
+    assert len(PaddedFSLDataset([docs, str(tmp_path / "token_ids_2.npy")], 8)) == 2
+
+
 def test_segment_ids_and_doc_lengths(tmp_path):
     paths, _ = write_files(tmp_path, 5)
     ds = PackedFSLDataset(paths, 64)
