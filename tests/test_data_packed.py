@@ -137,6 +137,59 @@ def test_segment_ids_and_doc_lengths(tmp_path):
         np.testing.assert_array_equal(ds[i]["doc_lens"], packing.document_lengths(ds[i]["tokens"], EOS))
 
 
+def test_document_boundaries_fuzz_equal_olmo_core(tmp_path, monkeypatch):
+    """Random token runs over 5 symbols with a frequent eos (none, all eos, eos first or last,
+    runs of eos, pad inside): where attention may look is what OLMo-core derives. Fixed-length
+    instances (--doc_lengths): our segment ids against its `get_document_lengths` per instance,
+    collated (`DataCollator` pads them with 0) into the `cu_doc_lens` its model attends with.
+    Document spans of a file, truncated to seq_len, against `iter_document_indices_with_max_sequence_length`.
+    Packed instances with pad == eos: one "document" per padding token, as its rescan gives."""
+    import torch
+    from olmo_core.data.collator import DataCollator
+    from olmo_core.data.utils import (get_cumulative_document_lengths, get_document_lengths,
+                                      iter_document_indices_with_max_sequence_length)
+    from data import storage
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    rng = np.random.default_rng(0)
+
+    def tokens(n):
+        x = rng.integers(1, 6, n).astype(np.uint32)
+        x[rng.random(n) < rng.choice([0.0, 0.1, 0.3, 0.7, 1.0])] = EOS
+        x[rng.random(n) < 0.1] = PAD
+        return x
+
+    collate = DataCollator(pad_token_id=PAD)
+    for _ in range(1000):
+        B, T = int(rng.integers(1, 5)), int(rng.integers(1, 24))
+        rows = np.stack([tokens(T) for _ in range(B)])
+        ours = data.segment_ids(rows, EOS)
+        for r in rows:
+            assert packing.document_lengths(r, EOS).tolist() == get_document_lengths(r, EOS).tolist(), r
+        batch = collate([{"input_ids": torch.tensor(r.astype(np.int64)), "doc_lens": get_document_lengths(r, EOS)}
+                         for r in rows])
+        cu = get_cumulative_document_lengths(batch["doc_lens"]).numpy()
+        theirs = np.searchsorted(cu, np.arange(B * T), side="right") - 1   # document of each token, batch flattened
+        first = np.concatenate([[0], np.cumsum(ours.max(axis=1) + 1)[:-1]])   # our rows' first document there
+        assert (ours + first[:, None]).ravel().tolist() == theirs.tolist(), rows
+    for c in range(300):
+        path = str(tmp_path / f"span_{c}.npy")
+        tokens(int(rng.integers(1, 40))).tofile(path)
+        seq_len = int(rng.integers(1, 12))
+        want = iter_document_indices_with_max_sequence_length(path, seq_len, eos_token_id=EOS, dtype=np.uint32)
+        ours = packing.document_spans(storage.open_token_files([path])[0], EOS, seq_len)
+        assert ours.tolist() == [list(s) for s in want], np.fromfile(path, np.uint32)
+    paths = [str(tmp_path / f"token_ids_{f}.npy") for f in range(3)]
+    for p in paths:
+        np.concatenate([tokens(int(rng.integers(1, 60))), [EOS]]).astype(np.uint32).tofile(p)
+    for seq_len in (4, 16):
+        theirs = olmo_data.NumpyPackedFSLDatasetConfig(
+            tokenizer=olmo_data.TokenizerConfig(vocab_size=VOCAB, eos_token_id=EOS, pad_token_id=EOS), paths=paths,
+            sequence_length=seq_len, generate_doc_lengths=True, source_group_size=2,
+            dtype=olmo_data.NumpyDatasetDType.uint32, work_dir=str(tmp_path / f"work{seq_len}")).build()
+        theirs.prepare()
+        assert_same(PackedFSLDataset(paths, seq_len, source_group_size=2, pad_id=EOS), theirs)
+
+
 def test_pack_is_best_fit_decreasing():
     """A hand-checked case: 5, 4, 3, 3, 2, 1 into 8: [5, 3], [4, 3, 1], [2]."""
     order, inst = packing.pack(np.array([3, 5, 1, 4, 3, 2]), 8)
