@@ -599,15 +599,45 @@ def kernels(heads: int, kv_heads: int, seq: int, head_dim: int, *, window: Optio
             segmented: bool, block_q: int = 2048, block_kv: int = 2048,
             interpret: Union[bool, pltpu.InterpretParams] = False,
             q_seq: Optional[int] = None, q_offset: int = 0):
-    """(forward, backward) for one static shape, raising ValueError if Mosaic cannot tile it.
+    """(forward, backward) for one static shape, on unpadded arrays; ValueError if Mosaic cannot
+    tile it (block sizes, head_dim).
 
     forward(q, k, v, segment_ids) -> (o, lse fp32 [heads, q_seq]); backward(q, k, v,
     segment_ids, o, lse, do) -> (dq, dk, dv): the contract of olmo3.splash_gpu.kernels, so
     olmo3.attention can pick the kernel per lowering platform inside one custom_vjp.
+    Any seq runs, as on the GPU kernel: queries are padded at the end to whole q tiles (a block
+    clipped to seq, rounded up to 128 lanes), keys to whole kv tiles covering every padded
+    query. Padded keys sit after every real query, so causality hides them; padded query rows
+    are zeros that see themselves (segment ids padded with the last id), are sliced off and
+    get zero cotangents. So the scorer's buckets of 64 tokens (olmo3/scoring.py) or OLMo's 128
+    (olmo3/oe_tasks.py) run on a TPU: Mosaic refused 192 (a 192-token block) and 2560
+    (not a multiple of 2048).
     """
-    plan = _plan(heads, kv_heads, seq, head_dim, window=window, segmented=segmented,
-                 block_q=block_q, block_kv=block_kv, interpret=interpret, q_seq=q_seq,
+    q_seq = seq if q_seq is None else q_seq
+    unit = LANES if interpret is not True else SUBLANES
+    up = lambda n, m: -(-n // m) * m   # noqa: E731  (n rounded up to a multiple of m)
+    bq, bkv = min(block_q, up(q_seq, unit)), min(block_kv, up(seq, unit))
+    q_pad = up(q_seq, bq)
+    seq_pad = up(max(seq, q_offset + q_pad), bkv)
+    plan = _plan(heads, kv_heads, seq_pad, head_dim, window=window, segmented=segmented,
+                 block_q=bq, block_kv=bkv, interpret=interpret, q_seq=q_pad,
                  q_offset=q_offset)
-    forward = lambda q, k, v, segment_ids: _forward(plan, q, k, v, segment_ids)
-    backward = lambda *args: _backward(plan, *args)
+
+    def pad(x, n):                       # rows (axis 1) of [heads, rows, ...] up to n, zeros
+        return jnp.pad(x, ((0, 0), (0, n - x.shape[1])) + ((0, 0),) * (x.ndim - 2))
+
+    def pad_segments(s):                 # padded keys keep the last id: they see themselves
+        return None if s is None else jnp.pad(s, (0, seq_pad - seq), mode="edge")
+
+    def forward(q, k, v, segment_ids):
+        o, lse = _forward(plan, pad(q, q_pad), pad(k, seq_pad), pad(v, seq_pad),
+                          pad_segments(segment_ids))
+        return o[:, :q_seq], lse[:, :q_seq]
+
+    def backward(q, k, v, segment_ids, o, lse, do):
+        dq, dk, dv = _backward(plan, pad(q, q_pad), pad(k, seq_pad), pad(v, seq_pad),
+                               pad_segments(segment_ids), pad(o, q_pad), pad(lse, q_pad),
+                               pad(do, q_pad))
+        return dq[:, :q_seq], dk[:, :seq], dv[:, :seq]
+
     return forward, backward

@@ -273,6 +273,51 @@ def test_lowers_for_tpu_with_default_blocks_at_7b_seq_under_vmap():
     assert exported.mlir_module().count("tpu_custom_call") == 3
 
 
+@pytest.mark.parametrize("seq", [192, 2176])
+def test_model_dispatch_lowers_for_tpu_at_evaluation_lengths(seq, monkeypatch):
+    # Lengths the evaluation code picks itself: Scorer's buckets of 64 (scoring.score_shape(150)
+    # is 192, a 192-token tile Mosaic refused) and OLMo's in-loop rows, multiples of 128 up to
+    # the context (a 2100-token query is 2176, not a multiple of 2048). On a TPU the dispatch
+    # raised instead of lowering; now the kernel pads to whole tiles (splash.kernels).
+    from olmo3 import attention, scoring
+    assert seq in (scoring.score_shape(150)[0], 128 * -(-2100 // 128))
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    q = jax.ShapeDtypeStruct((4, seq, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, seq, 128), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((seq,), jnp.int32)
+    attend = lambda q, k, v, s: attention.attention(q, k, v, window=100, segment_ids=s,
+                                                    impl="splash")
+    grad = jax.grad(lambda *a: attend(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    exported = jax.export.export(jax.jit(grad), platforms=["tpu"])(q, kv, kv, seg)
+    assert exported.mlir_module().count("tpu_custom_call") == 3
+
+
+def test_kernels_pad_any_seq_tpu_interpret():
+    # splash.kernels at seq 200 with 128-lane tiles: queries padded to 256 and keys to 256;
+    # forward and gradients equal the oracle on the real 200 rows (window, segments, GQA).
+    seq, window = 200, 60
+    seg = documents(seq, (70,))
+    q, k, v, ct = random_qkv(4, 2, seq, 128, jnp.float32, seed=5)
+
+    def kernel(q, k, v, *, window, segment_ids, block_q, block_kv, interpret):
+        fwd, bwd = splash.kernels(4, 2, seq, 128, window=window, segmented=True, block_q=block_q,
+                                  block_kv=block_kv, interpret=interpret)
+
+        @jax.custom_vjp
+        def attend(q, k, v):
+            return fwd(q, k, v, segment_ids)[0]
+
+        def attend_fwd(q, k, v):
+            o, lse = fwd(q, k, v, segment_ids)
+            return o, (q, k, v, o, lse)
+
+        attend.defvjp(attend_fwd, lambda res, do: bwd(*res[:3], segment_ids, *res[3:], do))
+        return attend(q, k, v)
+
+    check_against_oracle(q, k, v, ct, window=window, segment_ids=seg, bq=128, bkv=128,
+                         interpret=pltpu.InterpretParams(), kernel=kernel)
+
+
 @pytest.mark.parametrize("kwargs,shape,match", [
     (dict(block_q=192), (2, 512, 128), r"block_q=192 must be a positive multiple of 128"),
     (dict(block_kv=64), (2, 512, 128), r"block_kv=64 must be a positive multiple of 128"),
