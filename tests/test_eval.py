@@ -391,6 +391,24 @@ def test_fewshot_prompt_from_the_task_itself():
     assert all(s in {f"q{i} {'ab'[i % 2]}" for i in range(6)} for s in shots) and len(set(shots)) == 3
 
 
+def test_loglikelihood_rolling_scores_lm_evals_own_windows():
+    """loglikelihood_rolling against lm-eval's own windowing (lm_eval.utils.get_rolling_token_windows
+    with context_len 1 and make_disjoint_window, as HFLM.loglikelihood_rolling calls them), each
+    window scored by a full forward: documents shorter than, equal to and many times max_length."""
+    lm_utils = pytest.importorskip("lm_eval.utils")
+    model = olmo3.OLMo3(CFG, jax.random.key(7))
+    rng = np.random.default_rng(7)
+    for n, max_length in ((1, 8), (7, 8), (8, 8), (21, 8), (40, 13), (130, 64)):
+        t = [int(x) for x in rng.integers(0, 256, size=n)]
+        want = 0.0
+        for ctx, cont in map(lm_utils.make_disjoint_window, lm_utils.get_rolling_token_windows(t, 256, max_length, 1)):
+            seq = ctx + cont
+            lp = log_softmax64(forward(model, seq[:-1]))
+            want += sum(lp[len(seq) - len(cont) - 1 + i, c] for i, c in enumerate(cont))
+        got = scoring.Scorer(model, max_length=max_length).loglikelihood_rolling(t, 256)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{n} tokens, max_length {max_length}")
+
+
 def test_lm_eval_harness_drives_the_adapter(tmp_path):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
