@@ -246,6 +246,12 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         num_processes = int(env["JAX_NUM_PROCESSES"])
     if process_id is None and env.get("JAX_PROCESS_ID"):
         process_id = int(env["JAX_PROCESS_ID"])
+    if num_processes is not None and (detected.processes or 1) > 1 and num_processes != detected.processes:
+        # --num_processes=1 was ignored (JAX joined the launcher's processes anyway); another count
+        # makes processes the coordinator does not expect, which fail or wait for the rest
+        raise ClusterError(f"--num_processes / JAX_NUM_PROCESSES = {num_processes}, but {detected.source} says "
+                           f"this launch started {detected.processes} processes: drop it (the launcher's count is "
+                           f"joined), give {detected.processes}, or pass {INDEPENDENT_FLAG} for separate runs")
     explicit = coordinator is not None or (num_processes or 1) > 1 or process_id is not None
     if explicit or (detected.auto and detected.processes != 1):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices only (DESIGN §7)

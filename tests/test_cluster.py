@@ -161,12 +161,20 @@ def test_guard():
     assert "independent runs" in independent.engine
 
 
-def test_initialize_refuses_before_touching_jax():
+def test_initialize_refuses_before_touching_jax(monkeypatch):
     import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
     with pytest.raises(ClusterError, match="not started by srun"):
         cluster.initialize(env={"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2"})
     with pytest.raises(ClusterError, match="contradicts"):
         cluster.initialize(num_processes=2, independent_runs=True, env={})
+    # a count the launcher contradicts: --num_processes=1 was ignored (all 64 joined), 8 of 64 fail
+    for n in (1, 8):
+        with pytest.raises(ClusterError, match=f"--num_processes / JAX_NUM_PROCESSES = {n}, but SLURM_NTASKS=64 says "
+                                               "this launch started 64 processes: drop it.*--independent_runs"):
+            cluster.initialize(num_processes=n, env=SLURM_STEP)
+        with pytest.raises(ClusterError, match=f"= {n}, but OMPI_COMM_WORLD_SIZE=4"):
+            cluster.initialize(env={**fake_srun.mpirun_env(1, 4, 61500), "JAX_NUM_PROCESSES": str(n)})
     assert not jax.distributed.is_initialized()
 
 
