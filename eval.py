@@ -330,7 +330,10 @@ def lm_eval_report(model, task_names, *, num_fewshot=0, limit=None, include=None
     for task, metrics in results["results"].items():
         for k, v in metrics.items():
             if isinstance(v, (int, float)) and k != "alias":
-                out[f"lm_eval/{task}/{k.split(',')[0]}"] = float(v)
+                # "<metric>,<filter>": a task with several filters (gsm8k: strict-match,
+                # flexible-extract) scores each; one key per filter, its stderr beside it
+                metric, _, filt = k.partition(",")
+                out[f"lm_eval/{task}/{metric if filt in ('', 'none') else f'{filt}/{metric}'}"] = float(v)
     return out
 
 

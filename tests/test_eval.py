@@ -461,6 +461,48 @@ metric_list:
         assert sample["resps"][0][0] == tok.decode(out).split("\n")[0]
 
 
+def test_lm_eval_report_keeps_every_filters_score(tmp_path, monkeypatch):
+    """A task scored through several filters (gsm8k: strict-match and flexible-extract) reports
+    "exact_match,<filter>" once per filter; each is its own number under lm_eval/<task>/<filter>/
+    (with its stderr beside it, so --model_b's deltas pair them). Before, the filter name was cut
+    and the last filter's score overwrote the others under one key."""
+    lm_eval = pytest.importorskip("lm_eval")
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    (tmp_path / "gen.yaml").write_text(f"""task: tiny_gen_filters
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {os.path.join(FIXTURES, 'tiny_gen.jsonl')}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{context}}}}"
+doc_to_target: "x"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 2
+metric_list:
+  - metric: exact_match
+filter_list:
+  - name: raw
+    filter:
+      - function: take_first
+  - name: always_x
+    filter:
+      - function: map
+        default_value: "x"
+      - function: take_first
+""")
+    runs, evaluate = [], lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: runs.append(evaluate(**kw)) or runs[-1])
+    model = olmo3.OLMo3(CFG.replace(vocab_size=data.VOCAB_SIZE), jax.random.key(4))
+    got = eval_script.lm_eval_report(model, ["tiny_gen_filters"], include=str(tmp_path), max_length=256)
+    want = runs[0]["results"]["tiny_gen_filters"]
+    assert want["exact_match,always_x"] == 1.0 and want["exact_match,raw"] == 0.0
+    for f in ("raw", "always_x"):
+        assert got[f"lm_eval/tiny_gen_filters/{f}/exact_match"] == want[f"exact_match,{f}"]
+        assert got[f"lm_eval/tiny_gen_filters/{f}/exact_match_stderr"] == want[f"exact_match_stderr,{f}"]
+
+
 def test_generate_compiles_few_shapes_for_prompts_of_every_length(monkeypatch):
     """A chat file's or a generation task's prompts, 31 lengths from 5 to 1,775 tokens with room for
     256 new ones, compile 22 shapes of the prefill and the decode step (each minutes for the 7B on
