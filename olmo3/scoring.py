@@ -194,8 +194,8 @@ class Scorer:
     def generate(self, prompt: Tokens, max_new_tokens: int, stop: Optional[Callable[[list[int]], bool]] = None,
                  eos_id: Optional[int] = None, temperature: float = 0.0, seed: int = 0,
                  vocab_size: Optional[int] = None, top_p: float = 1.0) -> list[int]:
-        """Decoding with a KV cache: a prefill (in chunks of PREFILL_CHUNK tokens), then one token
-        per step. Greedy at temperature 0, else sampled from softmax(logits / temperature), cut to
+        """Decoding with a KV cache: a prefill (in chunks of up to PREFILL_CHUNK tokens), then one
+        token per step. Greedy at temperature 0, else sampled from softmax(logits / temperature), cut to
         its `top_p` nucleus (numpy's generator seeded with `seed`).
         The prompt and `max_new_tokens` must fit `max_length` together: nothing is cut here (a
         caller that wants lm-eval's left truncation does it, knowing what it drops).
