@@ -362,8 +362,10 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
     """An instance of `lm_eval.api.model.LM` driving our model (pip install lm-eval; 0.4.x).
 
     loglikelihood and loglikelihood_rolling score with `Scorer`; generate_until decodes greedily
-    with the KV cache and cuts the text at the first stop string (HFLM is greedy too unless a task
-    sets do_sample; such a task is refused)."""
+    with the KV cache and cuts the text at the first stop string. A task's generation kwargs read
+    as HFLM reads them (lm-eval 0.4.13's normalize_gen_kwargs): the answer's length under any of
+    its names, and sampling when do_sample is set or, unset, when temperature > 0; a task that
+    samples is refused (HFLM's samples are torch's random draws, not ours)."""
     from lm_eval.api.model import LM
 
     import data
@@ -389,11 +391,15 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                 until = [until] if isinstance(until, str) else list(until)
                 eos = tok.decode([tok.eot_token])
                 until += [eos] * bool(eos and eos not in until)   # lm-eval's HFLM adds EOS to every stop list
-                n = int(kwargs.get("max_gen_toks", max_gen_toks))
-                if kwargs.get("do_sample"):   # HFLM samples then (temperature, top_k, top_p)
-                    raise ValueError(f"generate_until: the task asks for sampling (do_sample=True, temperature="
-                                     f"{kwargs.get('temperature')}); this adapter decodes greedily only, so its "
-                                     "answers would not be the samples the task scores; run the task with HFLM")
+                # as lm-eval 0.4.13's normalize_gen_kwargs: the first length named, in HFLM's order of
+                # preference, and a temperature above 0 samples unless the task says do_sample: false
+                n = next((int(kwargs[k]) for k in ("max_gen_toks", "max_new_tokens", "max_tokens",
+                                                   "max_completion_tokens") if kwargs.get(k) is not None), max_gen_toks)
+                do_sample, temperature = kwargs.get("do_sample"), float(kwargs.get("temperature") or 0.0)
+                if do_sample or (do_sample is None and temperature > 0):   # HFLM samples (temperature, top_k, top_p)
+                    raise ValueError(f"generate_until: the task asks for sampling (do_sample={do_sample}, temperature="
+                                     f"{temperature}); this adapter decodes greedily only, so its answers would not "
+                                     "be the samples the task scores; run the task with HFLM")
                 room = self.scorer.max_length - n
                 if room < 1:
                     raise ValueError(f"generate_until: max_gen_toks={n} leaves no room for a context in "

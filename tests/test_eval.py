@@ -677,10 +677,117 @@ def test_lm_eval_generate_until_like_hflm(monkeypatch):
     assert seen == [(56, 8)]                     # the context's last 64 - 8 tokens, all 8 new ones
     with pytest.raises(ValueError, match="max_gen_toks=64 leaves no room"):
         lm.generate_until([request(context, {"max_gen_toks": 64})])
-    # HFLM is greedy at temperature > 0 unless do_sample is set; with it, it samples: refused, not greedy unsaid
-    assert lm.generate_until([request(context, {"max_gen_toks": 2, "temperature": 0.8})]) == ["x" * 2]
-    with pytest.raises(ValueError, match="asks for sampling \\(do_sample=True, temperature=0.8\\)"):
-        lm.generate_until([request(context, {"max_gen_toks": 2, "do_sample": True, "temperature": 0.8})])
+    # the answer's length under lm-eval's other names for it, max_gen_toks first (HFLM's order)
+    seen[:] = []
+    assert lm.generate_until([request(context, {"max_new_tokens": 3}), request(context, {"max_tokens": 5}),
+                              request(context, {"max_new_tokens": 3, "max_gen_toks": 2})]) == ["x" * 3, "x" * 5, "x" * 2]
+    assert [n for _, n in seen] == [3, 5, 2]
+    # lm-eval 0.4.13's HFLM samples when do_sample is set, or unset at a temperature above 0 (the
+    # adapter decoded that greedily); a sampled task is refused, not decoded greedily unsaid
+    assert lm.generate_until([request(context, {"max_gen_toks": 2, "temperature": 0.8, "do_sample": False})]) == ["x" * 2]
+    for kw in ({"do_sample": True, "temperature": 0.8}, {"temperature": 0.8}):
+        with pytest.raises(ValueError, match="asks for sampling \\(do_sample=(True|None), temperature=0.8\\)"):
+            lm.generate_until([request(context, {"max_gen_toks": 2, **kw})])
+    if importlib.util.find_spec("lm_eval") is not None:   # the rule as lm-eval itself states it
+        from lm_eval.models.utils import normalize_gen_kwargs
+        assert normalize_gen_kwargs({"temperature": 0.8})["do_sample"] is True
+
+
+class ByT5Ids:
+    """transformers' ByT5Tokenizer without the tokenizer: UTF-8 byte b is id b + 3, end of text
+    (its eos) 1, pad 0; decoding skips the special ids and drops bytes that are no UTF-8, as it does."""
+    eot_token, n_vocab = 1, 259
+
+    def encode(self, s):
+        return [b + 3 for b in s.encode()]
+
+    def decode(self, ids):
+        return bytes(i - 3 for i in ids if i >= 3).decode(errors="ignore")
+
+
+def test_adapter_scores_and_generates_as_lm_evals_hflm(tmp_path, request):
+    """Our adapter against lm-eval's reference LM, HFLM over transformers' Olmo3ForCausalLM with
+    the same weights (sliding window 5) and ByT5's byte tokenizer, through the same harness run:
+    every choice's log-likelihood and is_greedy, acc and acc_norm (contexts longer than max_length
+    32 cut on the left; an empty context scored after the prefix token), each document's rolling
+    log-likelihood (one document of 5 windows) and perplexities, and greedy answers cut at `until`
+    (one prompt cut to max_length - max_new_tokens).
+    HFLM's settings that make it comparable: max_length 32, add_bos_token=False (by default the ByT5 tokenizer
+    appends its eos to every string it encodes), batch_size 1, float32; its prefix token is then
+    eos = 1 (the tokenizer has no bos), our eot_token."""
+    lm_eval = pytest.importorskip("lm_eval")
+    huggingface = pytest.importorskip("lm_eval.models.huggingface")   # needs torch, transformers, accelerate
+    from lm_eval.tasks import TaskManager
+    import torch
+    import transformers
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    # one torch thread: beside XLA's threads, torch's two took 4 ms per tiny matmul (70x) on 2 cores
+    request.addfinalizer(lambda threads=torch.get_num_threads(): torch.set_num_threads(threads))
+    torch.set_num_threads(1)
+    cfg = transformers.Olmo3Config(vocab_size=259, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rms_norm_eps=1e-6, sliding_window=5, pad_token_id=0, eos_token_id=1,
+                                   bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref = transformers.Olmo3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    model = hf.from_hf({k: v.detach() for k, v in ref.state_dict().items()}, hf.config_from_hf(cfg.to_dict()))
+    tok = ByT5Ids()
+
+    # transformers' own greedy answer to a prompt: a choice made of its whole UTF-8 characters is
+    # greedy (is_greedy True somewhere), and it says "d", a stop string, within 8 tokens
+    prompt = "Count: 1 2 3 4"
+    ids = ref.generate(torch.tensor([tok.encode(prompt)]), max_new_tokens=8, do_sample=False, pad_token_id=0,
+                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+    answer = tok.decode(ids)
+    greedy = bytes(i - 3 for i in ids)
+    while greedy and not greedy.decode(errors="ignore").encode() == greedy:
+        greedy = greedy[:-1]
+    assert greedy and "d" in answer
+    mc = scoring.load_task(os.path.join(FIXTURES, "tiny_mc.jsonl"))[0]
+    mc += [{"context": prompt, "choices": ["5", greedy.decode(), "x"], "gold": 1},
+           {"context": "", "choices": ["A tree.", "Why?"], "gold": 0}]
+    ppl = [{"text": "The quick brown fox jumps over the lazy dog. " * 3}, {"text": "short one"}, {"text": "x"}]
+    gen = [{"context": "Count: 1 2 3 4", "answer": " 5"}, {"context": "Say hi:", "answer": " hi"},
+           {"context": "A preamble longer than the context window. Repeat: abc abc ab", "answer": "c"}]
+    for name, docs, spec in (
+            ("mc", mc, 'output_type: multiple_choice\ntarget_delimiter: ""\ndoc_to_text: "{{context}}"\n'
+                       'doc_to_choice: "{{choices}}"\ndoc_to_target: "{{gold}}"\n'
+                       'metric_list:\n  - metric: acc\n  - metric: acc_norm\n'),
+            ("ppl", ppl, 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+                         'metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n'),
+            ("gen", gen, 'output_type: generate_until\ndoc_to_text: "{{context}}"\ndoc_to_target: "{{answer}}"\n'
+                         'generation_kwargs:\n  until: ["d", "L"]\n  max_new_tokens: 8\n'
+                         'metric_list:\n  - metric: exact_match\n')):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+        (tmp_path / f"{name}.yaml").write_text(f"task: hflm_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                               f"    test: {tmp_path / f'{name}.jsonl'}\ntest_split: test\n{spec}")
+    tasks = ["hflm_mc", "hflm_ppl", "hflm_gen"]
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)   # not lm-eval's thousands
+    hflm = huggingface.HFLM(pretrained=ref, tokenizer=transformers.ByT5Tokenizer(), max_length=32, batch_size=1,
+                            device="cpu", dtype=torch.float32, add_bos_token=False)
+    want = lm_eval.simple_evaluate(model=hflm, tasks=tasks, log_samples=True, task_manager=manager)
+    got = lm_eval.simple_evaluate(model=scoring.lm_eval_adapter(model, tok, max_length=32), tasks=tasks,
+                                  log_samples=True, task_manager=manager)
+    for task in tasks:
+        for metric, v in want["results"][task].items():
+            if "," in metric and "stderr" not in metric:
+                assert got["results"][task][metric] == pytest.approx(v, rel=1e-4), (task, metric)
+        for a, b in zip(want["samples"][task], got["samples"][task], strict=True):
+            assert a["doc"] == b["doc"] and a["arguments"] == b["arguments"]
+            if task == "hflm_gen":
+                assert b["resps"] == a["resps"], a["doc"]
+                continue
+            for (want_r,), (got_r,) in zip(a["resps"], b["resps"], strict=True):
+                want_r, got_r = np.atleast_1d(want_r), np.atleast_1d(got_r)   # (ll, is_greedy) or ll
+                np.testing.assert_allclose(float(got_r[0]), float(want_r[0]), rtol=1e-4, err_msg=str(a["doc"]))
+                assert got_r[1:].tolist() == want_r[1:].tolist(), a["doc"]
+    # the cases are live: a greedy choice, a document of 5 windows, an answer cut at `until`
+    assert sum(r[0][1] for s in want["samples"]["hflm_mc"] for r in s["resps"]) == 1
+    assert len(tok.encode(ppl[0]["text"])) > 4 * 32
+    assert want["samples"]["hflm_gen"][0]["resps"] == [[answer.split("d")[0]]]
 
 
 # ---- step-aligned run comparison ----------------------------------------------------------------
