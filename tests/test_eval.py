@@ -391,6 +391,13 @@ def test_fewshot_prompt_from_the_task_itself():
     assert all(s in {f"q{i} {'ab'[i % 2]}" for i in range(6)} for s in shots) and len(set(shots)) == 3
 
 
+def lm_eval_task(directory, task: str, data_file: str, spec: str) -> None:
+    """An lm-eval task YAML `<directory>/<task>.yaml` over a local JSON Lines file; `spec` holds
+    its output_type, prompts, metrics and the rest."""
+    (directory / f"{task}.yaml").write_text(f"task: {task}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                                            f"    test: {data_file}\ntest_split: test\n{spec}")
+
+
 def test_loglikelihood_rolling_scores_lm_evals_own_windows():
     """loglikelihood_rolling against lm-eval's own windowing (lm_eval.utils.get_rolling_token_windows
     with context_len 1 and make_disjoint_window, as HFLM.loglikelihood_rolling calls them), each
@@ -415,29 +422,17 @@ def test_lm_eval_harness_drives_the_adapter(tmp_path):
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     model = olmo3.OLMo3(CFG, jax.random.key(4))
     tok = ByteTokenizer()
-    (tmp_path / "mc.yaml").write_text(f"""task: tiny_mc_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {os.path.join(FIXTURES, 'tiny_mc.jsonl')}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{context}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{gold}}}}"
+    lm_eval_task(tmp_path, "tiny_mc_local", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{gold}}"
 metric_list:
   - metric: acc
   - metric: acc_norm
 """)
-    (tmp_path / "gen.yaml").write_text(f"""task: tiny_gen_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {os.path.join(FIXTURES, 'tiny_gen.jsonl')}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{context}}}}"
-doc_to_target: "{{{{answer}}}}"
+    lm_eval_task(tmp_path, "tiny_gen_local", os.path.join(FIXTURES, "tiny_gen.jsonl"), """output_type: generate_until
+doc_to_text: "{{context}}"
+doc_to_target: "{{answer}}"
 generation_kwargs:
   until: ["\\n"]
   max_gen_toks: 6
@@ -468,14 +463,8 @@ def test_lm_eval_report_keeps_every_filters_score(tmp_path, monkeypatch):
     and the last filter's score overwrote the others under one key."""
     lm_eval = pytest.importorskip("lm_eval")
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    (tmp_path / "gen.yaml").write_text(f"""task: tiny_gen_filters
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {os.path.join(FIXTURES, 'tiny_gen.jsonl')}
-test_split: test
-output_type: generate_until
-doc_to_text: "{{{{context}}}}"
+    lm_eval_task(tmp_path, "tiny_gen_filters", os.path.join(FIXTURES, "tiny_gen.jsonl"), """output_type: generate_until
+doc_to_text: "{{context}}"
 doc_to_target: "x"
 generation_kwargs:
   until: ["\\n"]
@@ -762,8 +751,7 @@ def test_adapter_scores_and_generates_as_lm_evals_hflm(tmp_path, request):
                          'generation_kwargs:\n  until: ["d", "L"]\n  max_new_tokens: 8\n'
                          'metric_list:\n  - metric: exact_match\n')):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-        (tmp_path / f"{name}.yaml").write_text(f"task: hflm_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-                                               f"    test: {tmp_path / f'{name}.jsonl'}\ntest_split: test\n{spec}")
+        lm_eval_task(tmp_path, f"hflm_{name}", tmp_path / f"{name}.jsonl", spec)
     tasks = ["hflm_mc", "hflm_ppl", "hflm_gen"]
     manager = TaskManager(include_path=str(tmp_path), include_defaults=False)   # not lm-eval's thousands
     hflm = huggingface.HFLM(pretrained=ref, tokenizer=transformers.ByT5Tokenizer(), max_length=32, batch_size=1,
