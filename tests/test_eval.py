@@ -272,6 +272,22 @@ def test_long_prompts_prefill_in_chunks(monkeypatch):
     assert calls[:3] == [(48, 144)] * 3 and {t for t, _ in calls[3:]} == {1}   # 3 whole chunks outgrow 105 -> 128
 
 
+def hf_and_ours(**config):
+    """A random transformers Olmo3ForCausalLM (4 layers, width 32; `config` sets the rest) and our
+    model with its weights (olmo3.hf.from_hf)."""
+    import torch
+    import transformers
+    cfg = transformers.Olmo3Config(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+                                   bos_token_id=None, tie_word_embeddings=False, **config)
+    torch.manual_seed(0)
+    ref = transformers.Olmo3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    return ref, hf.from_hf({k: v.detach() for k, v in ref.state_dict().items()}, hf.config_from_hf(cfg.to_dict()))
+
+
 def test_generate_equals_transformers_generate():
     """Greedy decoding against transformers' own `generate` (its KV cache, its sliding-window
     cache layers) on a random Olmo3ForCausalLM: a window of 3 far shorter than prompt + answer,
@@ -280,16 +296,7 @@ def test_generate_equals_transformers_generate():
     transformers = pytest.importorskip("transformers")
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32,
             "beta_slow": 1, "attention_factor": 1.2}
-    cfg = transformers.Olmo3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   rms_norm_eps=1e-6, sliding_window=3, pad_token_id=None, eos_token_id=None,
-                                   bos_token_id=None, tie_word_embeddings=False, rope_scaling=yarn)
-    torch.manual_seed(0)
-    ref = transformers.Olmo3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model = hf.from_hf({k: v.detach() for k, v in ref.state_dict().items()}, hf.config_from_hf(cfg.to_dict()))
+    ref, model = hf_and_ours(vocab_size=97, sliding_window=3, pad_token_id=None, eos_token_id=None, rope_scaling=yarn)
     assert model.config.window == 3 and model.config.yarn is not None
 
     def hf_generate(prompt, n, eos=None):
@@ -713,16 +720,7 @@ def test_adapter_scores_and_generates_as_lm_evals_hflm(tmp_path, request):
     # one torch thread: beside XLA's threads, torch's two took 4 ms per tiny matmul (70x) on 2 cores
     request.addfinalizer(lambda threads=torch.get_num_threads(): torch.set_num_threads(threads))
     torch.set_num_threads(1)
-    cfg = transformers.Olmo3Config(vocab_size=259, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   rms_norm_eps=1e-6, sliding_window=5, pad_token_id=0, eos_token_id=1,
-                                   bos_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    ref = transformers.Olmo3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    model = hf.from_hf({k: v.detach() for k, v in ref.state_dict().items()}, hf.config_from_hf(cfg.to_dict()))
+    ref, model = hf_and_ours(vocab_size=259, sliding_window=5, pad_token_id=0, eos_token_id=1)
     tok = ByT5Ids()
 
     # transformers' own greedy answer to a prompt: a choice made of its whole UTF-8 characters is
