@@ -100,10 +100,19 @@ SCORE_CHUNK = 512
 def token_scores(model: OLMo3, tokens: Int[Array, " seq"], targets: Int[Array, " seq"], chunk: int
                  ) -> tuple[Float[Array, " seq"], Bool[Array, " seq"]]:
     """Per position t: (log p(targets[t] | tokens[:t+1]), whether targets[t] is the argmax of the
-    logits). The hidden states are computed whole, the LM head `chunk` positions at a time (seq a
-    multiple of chunk), so no [seq, vocab] logits exist."""
-    h = model.hidden(tokens)
-    n = tokens.shape[0] // chunk
+    logits). The hidden states are computed whole, the LM head `chunk` positions at a time, so no
+    [seq, vocab] logits exist."""
+    return head_scores(model, model.hidden(tokens), targets, chunk)
+
+
+def head_scores(model: OLMo3, h: Float[Array, "seq d_model"], targets: Int[Array, " seq"], chunk: int
+                ) -> tuple[Float[Array, " seq"], Bool[Array, " seq"]]:
+    """token_scores from the final hidden states `h`: the LM head runs `chunk` positions at a time
+    (a last partial block is padded, and its padding dropped)."""
+    seq = h.shape[0]
+    pad = -seq % chunk
+    h, targets = jnp.pad(h, ((0, pad), (0, 0))), jnp.pad(targets, (0, pad))
+    n = h.shape[0] // chunk
 
     def block(xs):
         hb, tb = xs
@@ -112,7 +121,7 @@ def token_scores(model: OLMo3, tokens: Int[Array, " seq"], targets: Int[Array, "
         return lp, jnp.argmax(logits, axis=-1) == tb
 
     lp, greedy = jax.lax.map(block, (h.reshape(n, chunk, h.shape[-1]), targets.reshape(n, chunk)))
-    return lp.reshape(-1), greedy.reshape(-1)
+    return lp.reshape(-1)[:seq], greedy.reshape(-1)[:seq]
 
 
 token_scores_jit = eqx.filter_jit(token_scores)
@@ -277,6 +286,9 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 # ---- batched continuation scores (OLMo's in-loop requests, olmo3/oe_tasks.py) --------------------
+CONTINUATION_CHUNK = 128   # LM-head positions per block; oe_tasks pads rows to multiples of 128 too
+
+
 def continuation_scores(model: OLMo3, batch: dict, gather: Optional[Callable] = None
                         ) -> tuple[Float[Array, " rows"], Float[Array, "rows choices"]]:
     """Per row of a right-padded [B, T] batch: (sum of weights[t] * log p(targets[t] | tokens[:t+1]),
@@ -284,15 +296,15 @@ def continuation_scores(model: OLMo3, batch: dict, gather: Optional[Callable] = 
     (targets = the continuation, weighted 1 at the positions that predict it); the second is OLMo's
     "fast MC": every one-token answer scored at the last context position by one forward pass.
 
-    Rows run one at a time (`lax.map`), so only one row's [T, vocab] fp32 logits are alive.
+    Rows run one at a time (`lax.map`) and the LM head 128 positions at a time (`head_scores`), so
+    only [128, vocab] fp32 logits are alive, not a row's [T, vocab].
     `gather` is olmo3/sharding.py's per-layer FSDP all-gather, as in held-out evaluation."""
     def one(xs):
         tokens, targets, weights, pos, choices = xs
         h = model.hidden(tokens, gather=gather)                                        # (T, d)
-        logits = model.head(h)                                                         # (T, V)
-        lse = jax.nn.logsumexp(logits, axis=-1)                                       # (T,)
-        tok = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
-        return jnp.sum(jnp.where(weights > 0, tok, 0.0)), logits[pos, choices] - lse[pos]
+        tok, _ = head_scores(model, h, targets, CONTINUATION_CHUNK)
+        last = model.head(h[pos])                                                      # (V,)
+        return jnp.sum(jnp.where(weights > 0, tok, 0.0)), last[choices] - jax.nn.logsumexp(last)
 
     return jax.lax.map(one, (batch["tokens"], batch["targets"], batch["weights"], batch["pos"],
                              batch["choices"]))

@@ -365,6 +365,36 @@ def test_scorer_scores_long_windows_in_head_chunks(monkeypatch):
     assert {"512", vocab} in shapes   # the head's block of logits
 
 
+def test_continuation_scores_run_the_head_in_blocks():
+    """OLMo in-loop requests: the LM head runs 128 positions at a time, so a row of the 7B at
+    2,048 tokens holds no [2048, vocab] fp32 logits (0.8 GB a row before), with the numbers of
+    a full forward at a length that is no multiple of 128."""
+    model = olmo3.OLMo3(CFG, jax.random.key(6))
+    rng = np.random.default_rng(6)
+    R, T = 2, 200
+    b = {"tokens": rng.integers(0, 256, (R, T)).astype(np.int32),
+         "targets": rng.integers(0, 256, (R, T)).astype(np.int32),
+         "weights": (rng.random((R, T)) > 0.5).astype(np.float32),
+         "pos": np.array([7, 199], np.int32), "choices": rng.integers(0, 256, (R, 3)).astype(np.int32)}
+    ll, choice = scoring.continuation_scores_jit(model, {k: jnp.asarray(v) for k, v in b.items()})
+    for r in range(R):
+        lp = log_softmax64(forward(model, list(b["tokens"][r])))
+        want = lp[np.arange(T), b["targets"][r]][b["weights"][r] > 0].sum()
+        np.testing.assert_allclose(ll[r], want, rtol=1e-5)
+        np.testing.assert_allclose(choice[r], lp[b["pos"][r], b["choices"][r]], rtol=1e-5, atol=1e-5)
+
+    big = olmo3.Config.olmo3_7b().replace(n_layers=4)
+    abstract = eqx.filter_eval_shape(olmo3.OLMo3, big, jax.random.key(0))
+    params, static = eqx.partition(abstract, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    rows = {"tokens": (2, 2048), "targets": (2, 2048), "weights": (2, 2048), "pos": (2,), "choices": (2, 4)}
+    batch = {k: jax.ShapeDtypeStruct(v, jnp.float32 if k == "weights" else jnp.int32) for k, v in rows.items()}
+    fn = jax.jit(lambda p, bt: scoring.continuation_scores(eqx.combine(p, static), bt))
+    shapes = [set(s.split("x")) for s in re.findall(r"tensor<([0-9x]+)x[a-z]", fn.lower(params, batch).as_text())]
+    vocab = str(big.vocab_size)
+    assert not [s for s in shapes if {"2048", vocab} <= s]
+    assert {"128", vocab} in shapes   # the head's block of logits
+
+
 def test_local_multiple_choice_task_end_to_end():
     """acc / acc_norm from hand-built prompts and per-choice log-likelihoods of full forwards."""
     model = olmo3.OLMo3(CFG, jax.random.key(3))
