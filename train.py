@@ -52,7 +52,8 @@ flags.DEFINE_float("hang_timeout_s", 1800, "End the process (exit status 1, reru
                   "step finishes for this long, compiling aside (the first step included): a hung collective or read "
                   "(olmo3/watchdog.py). "
                   "An evaluation or save may take 3 x its longest earlier run (its first is not timed). 0: never.")
-flags.DEFINE_string("init_from", None, "Stage 2/3: checkpoint dir (a run_dir or one step dir) to warm-start from.")
+flags.DEFINE_string("init_from", None, "Stages 2, 3, sft, dpo: checkpoint dir (a run_dir or one step dir) "
+                    "to warm-start from.")
 flags.DEFINE_bool("init_weights_only", False, "With --init_from: take the weights only and start Adam fresh "
                   "(e.g. stage 1 from AI2's step-0 weights converted by convert.py).")
 flags.DEFINE_integer("seed", 34521, "Data-order seed (stage 1: 34521, stage 2: 1337).")
@@ -74,7 +75,7 @@ flags.DEFINE_bool("float8", None, "Every layer's seven projections through float
                   "float8 values multiplied at the compute dtype's speed, plus the casts.")
 flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16"], "Parameter dtype (moments are fp32 always).")
 flags.DEFINE_enum("compute_dtype", None, ["float32", "bfloat16"], "Activation/matmul dtype.")
-flags.DEFINE_bool("yarn", None, "YaRN on full-attention layers (default: on for stage 3).")
+flags.DEFINE_bool("yarn", None, "YaRN on full-attention layers (default: on for stages 3, sft and dpo).")
 flags.DEFINE_float("yarn_factor", 8.0, "YaRN: context extension factor (OLMo-core's long-context script: 8).")
 flags.DEFINE_integer("yarn_original_max_position", 8192, "YaRN: the context the model was trained at before "
                      "(OLMo-core's old_context_len: 8192).")
@@ -111,7 +112,8 @@ flags.DEFINE_string("packing_cache", None, "With --packed: directory for the pac
                     "<--data_dir>/packing, else <--run_dir>/../data/packing; a restart reads them instead of "
                     "rescanning every token).")
 flags.DEFINE_bool("doc_lengths", None, "Attention within documents (OLMo-core generate_doc_lengths); default on for "
-                  "stage 3. Documents: the packed document lengths, or eos-delimited runs of a fixed-length instance.")
+                  "stage 3 and sft. Documents: the packed document lengths, or eos-delimited runs of a fixed-length "
+                  "instance.")
 flags.DEFINE_bool("eval_padded", False, "Held-out loss on padded instances, one whole document each (OLMo-core "
                   "NumpyPaddedFSLDataset; the stage flagfiles), so no domain is skipped; default: fixed-length "
                   "windows, the batches eval.py scores, so its number equals the run's own eval/<domain>/loss.")
@@ -120,7 +122,7 @@ flags.DEFINE_integer("loader_workers", 2, "Background data workers (never change
 flags.DEFINE_bool("allow_data_change", False, "Resume even if the data fingerprint differs (deliberate data swap).")
 # Optimizer and schedule (OLMo-core SkipStepAdamW).
 flags.DEFINE_float("lr", 3e-4, "Peak learning rate.")
-flags.DEFINE_enum("schedule", None, ["cosine", "linear", "constant"], "Default: cosine (stage 1), linear (2, 3). "
+flags.DEFINE_enum("schedule", None, ["cosine", "linear", "constant"], "Default: cosine (stage 1), linear (the others). "
                   "constant: --warmup_steps of linear warmup, then --lr (OLMo-core ConstantWithWarmup).")
 flags.DEFINE_integer("warmup_steps", 2000, "Linear warmup steps.")
 flags.DEFINE_integer("total_steps", 1_413_814, "Schedule horizon in steps.")
@@ -257,7 +259,7 @@ def main(argv):
     is_main = rank == 0
 
     # -----------------------------------------------------------------------------------------
-    # §2 Model. Stage 3 switches the full-attention layers to YaRN (factor 8 over 8192).
+    # §2 Model. Stage 3 (and SFT, DPO after it) switches the full-attention layers to YaRN (factor 8 over 8192).
     # -----------------------------------------------------------------------------------------
     config = model_config()
     problem = attention.unusable_here(config.attention, jax.devices()[0].platform,
