@@ -17,8 +17,9 @@
 The Orbax side is exactly what train.py's CheckpointManager reads: `<dir>/checkpoints/<step>/`
 with the model's tensors under "model.*", and extra = {"model_config": ..., "stage": 0, ...}.
 train.py --init_from restores {"model", "opt"} (the stage-2/3 warm start keeps Adam's moments),
-so a starting point for it needs --with_optimizer_state: zero fp32 moments and Adam count 0,
-exactly what a fresh optimizer.init gives, so step 1 is a cold Adam step on AI2's weights.
+so a starting point for it needs --with_optimizer_state (or train.py --init_weights_only; SFT
+and DPO take a weights-only checkpoint as it is): zero fp32 moments and Adam count 0, exactly
+what a fresh optimizer.init gives, so step 1 is a cold Adam step on AI2's weights.
 eval.py reads either kind.
 
 Memory: nothing holds the whole model. HF -> Orbax writes tensor after tensor, each in parts

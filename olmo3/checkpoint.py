@@ -2,7 +2,7 @@
 
 Layout: `<run_dir>/checkpoints/<N>/` holds
     state/   every array of the state PyTree (model, optimizer state, ...) as one flat dict keyed
-             by its dotted path ("model.blocks.attn.q_proj.weight", "opt.mu.embed.weight"), so the
+             by its dotted path ("model.layers.q_proj", "opt.mu.embed"), so the
              checkpoint is readable without our classes and errors can name the tensor;
     extra/   a JSON dict chosen by the caller (data-loader state, data fingerprint, config, stage),
              and under "tensor_checksums" a checksum of every tensor's bits, taken when it was saved

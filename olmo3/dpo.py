@@ -78,7 +78,7 @@ def sequence_logps(model: OLMo3, tokens: Int[Array, "rows seq"], label_mask: Boo
                    chunk: int = 1024, gather: Optional[Callable] = None
                    ) -> tuple[Float[Array, " rows"], Float[Array, " rows"]]:
     """(sum of log p(target), number of targets) per row. Position t predicts token t + 1 and
-    counts when label_mask[t + 1] is set (open-instruct `_get_batch_logps`; our `get_labels`)."""
+    counts when label_mask[t + 1] is set (open-instruct `_get_batch_logps`; our `labels_and_weights`)."""
     B, T = tokens.shape
     labels, weights, _ = labels_and_weights(tokens, jnp.ones((B,), bool), label_mask)
     h = jax.vmap(lambda t: model.hidden(t, gather=gather))(tokens)                # (B, T, d)

@@ -70,7 +70,7 @@ class OptState(eqx.Module):
 def no_decay_on(where: Callable[[PyTree], Any]) -> Callable[[PyTree], PyTree]:
     """Decay mask: every float array decayed except the leaves `where(model)` selects.
 
-    OLMo-3 recipe: `no_decay_on(lambda m: m.embed.weight)` (OLMo-core's
+    OLMo-3 recipe: `no_decay_on(lambda m: m.embed)`, i.e. olmo3.model.decay_mask (OLMo-core's
     `OptimGroupOverride(params=["embeddings.weight"], opts=dict(weight_decay=0.0))`; norm weights
     ARE decayed)."""
     def mask(model):

@@ -31,8 +31,9 @@ Mosaic tiling (checked before lowering, see `_check_shapes`): a vreg is 8 sublan
 Both block sizes end up on the lane axis of some tile (s is [bq, bkv] in forward/dq, [bkv, bq]
 in dk/dv and the lse/D rows are [1, bq]), so both must be multiples of 128; head_dim is the lane
 axis of q/k/v tiles: a multiple of 128, or 64 (padded in-register, as JAX's flash kernel allows).
-Plain interpret mode (`interpret=True`, the CPU path of the model) emulates generic Pallas and
-only needs blocks that divide seq and are multiples of 8, so tiny CPU models can use it.
+Plain interpret mode (`interpret=True`) emulates generic Pallas and only needs blocks that
+divide seq and are multiples of 8, so tiny CPU models can use it. (The model's CPU path
+interprets the GPU kernel instead: olmo3/attention.py INTERPRETED_KERNEL.)
 """
 from __future__ import annotations
 

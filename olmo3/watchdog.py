@@ -23,7 +23,7 @@ misconfigured network between hosts: a common way for a multi-host job to hang) 
 any later one does. A host that compiles longer holds its peers' first step, so the timeout must
 cover the spread of compile times between hosts; the worst case is a fresh host with a cold
 compilation cache among warm ones. Until a start has been announced, the first step is not timed:
-the clock starts at its beat. jax 0.10.2 announces starts; jax 0.6.0 (setup.cfg's oldest) records
+the clock starts at its beat. jax 0.10.2 announces starts; older jax (0.6.0) records
 only the ends, so there the first step goes untimed, as before.
 
 When no step has finished for `timeout_s` seconds outside a phase, a daemon thread prints every
