@@ -110,7 +110,8 @@ flags.DEFINE_float("temperature", 0.0, "Chat: 0 = greedy, else sample from softm
 flags.DEFINE_float("top_p", 1.0, "Chat, sampling: only the most probable tokens that reach this probability "
                    "(nucleus; 1 = all). OLMo 3 Think: --temperature=0.6 --top_p=0.95.")
 flags.DEFINE_integer("sample_seed", 0, "Chat: seed of the sampler.")
-flags.DEFINE_string("out", None, "Write results here: eval.json, or report.{md,csv,png} with --compare.")
+flags.DEFINE_string("out", None, "Write results here: eval.json, chat.json with --chat / --chat_file, or "
+                    "report.{md,csv,png} with --compare (default there: eval_report).")
 cli.require([
     ("eval_seq_len", lambda v: v >= 2, ">= 2 (an input token and its target)"),
     ("eval_batch_size", lambda v: v >= 1, ">= 1"),
