@@ -51,7 +51,8 @@ flags.DEFINE_integer("max_restarts", 20, "Launcher: give up after this many cras
 flags.DEFINE_float("hang_timeout_s", 1800, "End the process (exit status 1, rerun by --resume_until_done) when no "
                   "step finishes for this long, compiling aside (the first step included): a hung collective or read "
                   "(olmo3/watchdog.py). "
-                  "An evaluation or save may take 3 x its longest earlier run (its first is not timed). 0: never.")
+                  "An evaluation or save may take 3 x its longest earlier run, at least this long (its first is not "
+                  "timed). 0: never.")
 flags.DEFINE_string("init_from", None, "Stages 2, 3, sft, dpo: checkpoint dir (a run_dir or one step dir) "
                     "to warm-start from.")
 flags.DEFINE_bool("init_weights_only", False, "With --init_from: take the weights only and start Adam fresh "

@@ -151,7 +151,8 @@ def nucleus(weights: Float[np.ndarray, " vocab"], top_p: float) -> Float[np.ndar
 
 
 class Scorer:
-    """Log-likelihoods and greedy generation for one model: what lm-eval-harness asks of an LM.
+    """Log-likelihoods and generation (greedy or sampled) for one model: what lm-eval-harness
+    asks of an LM.
 
     Token lists in, numbers out; `tokenizer` (encode/decode/eot_token) is only used by the
     string-level helpers. Sequences are right-padded (score_shape) so jit compiles a handful of
