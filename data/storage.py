@@ -18,9 +18,10 @@ Three things make that safe at scale:
 - Retries we control. TensorStore's own retries are switched off (max_retries 0) and each
   request is retried here with capped exponential backoff and jitter on transient errors only
   (connection refused/dropped, timeouts, HTTP 408, 425, 429, 500, 502-504) — DESIGN §4 bug 5:
-  a fixed small budget dies in a long outage. Permanent errors (missing file, short file, permission, a redirect, any other
-  status a retry would get again) are raised at once as FinalRemoteError naming the URL: exit
-  status 2, also in the middle of a run, since a resubmission would only meet them again.
+  a fixed small budget dies in a long outage. Permanent errors (missing file, short file,
+  permission, a redirect, any other status a retry would get again) are raised at once as
+  FinalRemoteError naming the URL: exit status 2, also in the middle of a run, since a
+  resubmission would only meet them again.
 - Exact bytes. A read returns exactly `4 * count` bytes or raises; there is no partial result.
 
 Public API: `open_token_files(paths)` -> LocalTokenFile or RemoteTokenFile readers with `.path`, `.nbytes`, `.read(start, stop)`
