@@ -182,9 +182,12 @@ class Scorer:
         context, continuation = [int(t) for t in context], [int(t) for t in continuation]
         if not continuation:
             raise ValueError("loglikelihood: empty continuation")
-        seq = (context + continuation)[-(self.max_length + 1):]
-        if len(seq) < 2:
+        if not context:   # the first continuation token would have nothing to be predicted from
             raise ValueError("loglikelihood: an empty context needs a prefix token (e.g. eos)")
+        if len(continuation) > self.max_length:   # as lm-eval's HFLM asserts
+            raise ValueError(f"loglikelihood: a continuation of {len(continuation)} tokens does not fit "
+                             f"max_length={self.max_length}")
+        seq = (context + continuation)[-(self.max_length + 1):]
         lp, greedy = self._scores(seq)
         k = len(continuation)
         return float(lp[-k:].sum()), bool(greedy[-k:].all())

@@ -336,6 +336,21 @@ def test_loglikelihood_and_rolling_against_oracle():
                                    for j in range(1, len(seq))), rtol=1e-5)
 
 
+def test_loglikelihood_refuses_a_continuation_without_a_token_before_it():
+    """Every continuation token is scored from a preceding one, or the call is an error: an empty
+    context (no prefix token) or a continuation longer than max_length left its first tokens
+    unpredicted, and the sum of the rest came back as the continuation's log-likelihood (lm-eval's
+    HFLM asserts len(continuation) <= max_length)."""
+    scorer = scoring.Scorer(olmo3.OLMo3(CFG, jax.random.key(2)), max_length=8)
+    with pytest.raises(ValueError, match="an empty context needs a prefix token"):
+        scorer.loglikelihood([], [1, 2, 3])
+    with pytest.raises(ValueError, match="a continuation of 9 tokens does not fit max_length=8"):
+        scorer.loglikelihood([5], list(range(1, 10)))
+    ll, _ = scorer.loglikelihood([5], list(range(1, 9)))   # 8 tokens: each has the one before it
+    lp = log_softmax64(forward(scorer.model, [5] + list(range(1, 8))))
+    np.testing.assert_allclose(ll, sum(lp[j, j + 1] for j in range(8)), rtol=1e-5)
+
+
 def test_scorer_scores_long_windows_in_head_chunks(monkeypatch):
     """Past SCORE_CHUNK positions the LM head runs 512 positions at a time, with the numbers of a
     full forward; at the 7B's 65,536-token context no [seq, vocab] logits exist (26 GB before)."""
