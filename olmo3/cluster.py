@@ -246,7 +246,8 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         num_processes = int(env["JAX_NUM_PROCESSES"])
     if process_id is None and env.get("JAX_PROCESS_ID"):
         process_id = int(env["JAX_PROCESS_ID"])
-    if num_processes is not None and (detected.processes or 1) > 1 and num_processes != detected.processes:
+    announced = {c.processes for c in _candidates(env)}   # Open MPI 5 under srun: the ranks, not the step's
+    if num_processes is not None and (detected.processes or 1) > 1 and num_processes not in announced:
         # --num_processes=1 was ignored (JAX joined the launcher's processes anyway); another count
         # makes processes the coordinator does not expect, which fail or wait for the rest
         raise ClusterError(f"--num_processes / JAX_NUM_PROCESSES = {num_processes}, but {detected.source} says "

@@ -178,6 +178,25 @@ def test_initialize_refuses_before_touching_jax(monkeypatch):
     assert not jax.distributed.is_initialized()
 
 
+def test_explicit_count_of_an_mpi_launch_inside_a_slurm_step_is_joined(monkeypatch):
+    """Open MPI 5's mpirun inside an allocation starts its daemons with srun, one per node, and
+    its ranks inherit that step: SLURM_NTASKS counts the nodes, OMPI_COMM_WORLD_SIZE the ranks,
+    and detect() reports the SLURM step (test_detect_prefers_what_jax_can_join). The flags the
+    open-mpi fix asks for (--num_processes=$OMPI_COMM_WORLD_SIZE) are joined, as before the
+    launcher-count check; a count no launcher announces is still refused."""
+    import jax
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)   # no gloo for this test process
+    env = {**fake_srun.srun_env(job_id=7, rank=1, ntasks=2, nodes=2), "OMPI_COMM_WORLD_SIZE": "16",
+           "OMPI_COMM_WORLD_RANK": "9"}
+    assert cluster.detect(env).processes == 2
+    cluster.initialize("10.0.0.1:1234", 16, 9, env=env)
+    assert [(kw["num_processes"], kw["process_id"]) for kw in joined] == [(16, 9)]
+    with pytest.raises(ClusterError, match="= 8, but SLURM_NTASKS=2 says"):
+        cluster.initialize("10.0.0.1:1234", 8, 5, env=env)
+
+
 # ---------------------------------------------------------------------------------------------
 # The guard in every script: one line, exit status 2, nothing written
 # ---------------------------------------------------------------------------------------------
