@@ -235,8 +235,9 @@ class Scorer:
         n = len(prompt)
         # A chat file's or a generation task's prompts of every length compile a few shapes of the
         # prefill and the decode step (minutes each for the 7B on a GPU): prefill chunks of powers
-        # of two, caches of four sizes per octave (at most a quarter longer than needed, never
-        # past the context rounded up to 64). Buckets of 64 compiled both per 64 tokens.
+        # of two, caches of four sizes per octave past 256 tokens (at most a quarter longer than
+        # needed; buckets of 64 below), never past the context rounded up to 64. Buckets of 64
+        # compiled both per 64 tokens.
         chunk = min(_pow2(n), PREFILL_CHUNK)
         padded = np.zeros(-(-n // chunk) * chunk, np.int32)                 # whole chunks of the prompt
         padded[:n] = prompt
