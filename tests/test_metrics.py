@@ -319,7 +319,7 @@ def test_a_torn_metrics_line_is_dropped_before_appending_and_skipped_when_read(t
 
 def test_read_metrics_streams_and_keeps_only_the_asked_metrics(tmp_path):
     """eval.py --compare reads train/loss alone: the log is streamed and the other metrics are never
-    held (a stage-1 run's ~1 GB metrics.jsonl parsed whole was ~5 GB of Python objects)."""
+    held (a stage-1 run's ~1 GB metrics.jsonl parsed whole is ~2.5 GB of Python objects)."""
     import tracemalloc
 
     from olmo3.comparison import read_metrics
