@@ -215,6 +215,10 @@ class Scorer:
         `vocab_size`: only ids below it are generated, the tokenizer's tokens. OLMo-core pads
         dolma2's 100278 rows to 100352; the padding rows are no token (the tokenizer cannot decode
         them) and the model's HF export drops them, so generation picks from the real rows only."""
+        if not 0 < top_p <= 1:   # NaN too
+            raise ValueError(f"generate: top_p={top_p} must be in (0, 1] (1: no nucleus cut)")
+        if top_p < 1 and temperature <= 0:
+            raise ValueError(f"generate: top_p={top_p} samples; give a temperature > 0 (0 is greedy decoding)")
         rng = np.random.default_rng(seed)
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -410,8 +414,9 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                 until += [eos] * bool(eos and eos not in until)   # lm-eval's HFLM adds EOS to every stop list
                 # as lm-eval 0.4.13's normalize_gen_kwargs: the first length named, in HFLM's order of
                 # preference, and a temperature above 0 samples unless the task says do_sample: false
-                n = next((int(kwargs[k]) for k in ("max_gen_toks", "max_new_tokens", "max_tokens",
-                                                   "max_completion_tokens") if kwargs.get(k) is not None), max_gen_toks)
+                key = next((k for k in ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+                            if kwargs.get(k) is not None), None)
+                n = int(kwargs[key]) if key else max_gen_toks
                 do_sample, temperature = kwargs.get("do_sample"), float(kwargs.get("temperature") or 0.0)
                 if do_sample or (do_sample is None and temperature > 0):   # HFLM samples (temperature, top_k, top_p)
                     raise ValueError(f"generate_until: the task asks for sampling (do_sample={do_sample}, temperature="
@@ -419,7 +424,7 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                                      "be the samples the task scores; run the task with HFLM")
                 room = self.scorer.max_length - n
                 if room < 1:
-                    raise ValueError(f"generate_until: max_gen_toks={n} leaves no room for a context in "
+                    raise ValueError(f"generate_until: {key or 'max_gen_toks'}={n} leaves no room for a context in "
                                      f"--max_length={self.scorer.max_length}")
                 # HFLM keeps the last max_length - max_gen_toks tokens of the context, so that the
                 # whole max_gen_toks can be generated
@@ -427,7 +432,7 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                 ids = self.scorer.generate(encode(tok, context)[-room:], n, stop=stop,
                                            eos_id=tok.eot_token, vocab_size=getattr(tok, "n_vocab", None))
                 text = tok.decode(ids)
-                for u in until:
+                for u in filter(None, until):   # as HFLM: "" stops at the first token (every text holds it), cuts nothing
                     text = text.split(u)[0]
                 out.append(text)
             return out

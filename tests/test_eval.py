@@ -581,6 +581,11 @@ def test_generate_never_cuts_the_prompt_or_the_answer():
         scorer.generate(tokens[:10], 7)
     with pytest.raises(ValueError, match="the prompt is empty"):
         scorer.generate([], 3)
+    for top_p in (0.0, 1.5, float("nan")):   # numpy's "probabilities contain NaN" for 0 before
+        with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
+            scorer.generate(tokens[:4], 2, temperature=1.0, top_p=top_p)
+    with pytest.raises(ValueError, match="give a temperature > 0"):   # greedy ignored it before
+        scorer.generate(tokens[:4], 2, top_p=0.9)
 
 
 def test_chat_prompt_that_does_not_fit_is_an_error_and_a_long_one_caps_the_answer(caplog):
@@ -729,6 +734,10 @@ def test_lm_eval_generate_until_like_hflm(monkeypatch):
     for kw in ({"do_sample": True, "temperature": 0.8}, {"temperature": 0.8}):
         with pytest.raises(ValueError, match="asks for sampling \\(do_sample=(True|None), temperature=0.8\\)"):
             lm.generate_until([request(context, {"max_gen_toks": 2, **kw})])
+    # HFLM stops on "" at once (its stop criterion finds "" in every text) and never splits on it
+    assert lm.generate_until([request(context, {"until": ["", "\n\n"], "max_gen_toks": 4})]) == ["x"]
+    with pytest.raises(ValueError, match="max_new_tokens=64 leaves no room"):
+        lm.generate_until([request(context, {"max_new_tokens": 64})])
     if importlib.util.find_spec("lm_eval") is not None:   # the rule as lm-eval itself states it
         from lm_eval.models.utils import normalize_gen_kwargs
         assert normalize_gen_kwargs({"temperature": 0.8})["do_sample"] is True
