@@ -558,10 +558,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
     # One process: under srun / mpirun with N > 1 tasks every copy would do the same work.
-    from olmo3 import cluster
+    from olmo3 import cluster, logs
+    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's; before JAX starts
     cluster.start("eval.py", multi_process=False, independent_runs=F.independent_runs)
-    from olmo3 import logs
-    logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     cli.advise(out_of_memory=f"lower --eval_batch_size (now {F.eval_batch_size} instances of {F.eval_seq_len} "
                              f"tokens), --olmo_batch_rows (now {F.olmo_batch_rows}) or --max_length (now "
                              f"{F.max_length or 'the trained context'}), or evaluate in --compute_dtype=bfloat16",
@@ -643,6 +642,8 @@ def main(argv):
         if diff:
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
     warn_other_precision(info)
+    if F.model_b:
+        warn_other_precision(info_b)
     max_length = context_length(info, F.max_length)
     use_segments = segments_for(info, F.doc_lengths)
     if F.chat is not None or F.chat_file:

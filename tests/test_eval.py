@@ -1117,14 +1117,17 @@ def test_cli_one_model_two_models_and_two_runs(runs, tmp_path):
     F.unparse_flags()
 
 
-def test_cli_model_b_scores_the_tasks_of_both_models(tmp_path):
+def test_cli_model_b_scores_the_tasks_of_both_models(tmp_path, caplog):
     """--model_b with --tasks: B's task scores beside A's, as deltas B - A with their standard
-    error in quadrature (before, B was scored on held-out data only and the tasks were A's)."""
+    error in quadrature (before, B was scored on held-out data only and the tasks were A's). A B
+    trained in another precision than it is scored in gets A's warning (it had none)."""
     F = eval_script.F
     cfg = CFG.replace(vocab_size=data.VOCAB_SIZE)
     for name, seed in (("a", 0), ("b", 1)):
         mgr = CheckpointManager(str(tmp_path / name), keep=None, async_save=False)
-        mgr.save(1, {"model": olmo3.OLMo3(cfg, jax.random.key(seed))}, {"model_config": config_to_dict(cfg)})
+        run = {"compute_dtype": "bfloat16" if name == "b" else "float32", "float8": False}
+        mgr.save(1, {"model": olmo3.OLMo3(cfg, jax.random.key(seed))},
+                 {"model_config": config_to_dict(cfg), "precision": run})
         mgr.close()
     np.arange(64, dtype=np.uint32).tofile(tmp_path / "h.npy")
     task = os.path.join(FIXTURES, "tiny_mc.jsonl")
@@ -1132,9 +1135,12 @@ def test_cli_model_b_scores_the_tasks_of_both_models(tmp_path):
     F(["eval.py", f"--model={tmp_path / 'a'}", f"--model_b={tmp_path / 'b'}", f"--heldout=h={tmp_path / 'h.npy'}",
        "--eval_seq_len=32", f"--tasks={task}", f"--out={tmp_path / 'out'}"])
     try:
-        eval_script.main(["eval.py"])
+        with caplog.at_level("WARNING"):
+            eval_script.main(["eval.py"])
     finally:
         F.unparse_flags()
+    warned = [r.getMessage() for r in caplog.records if "was trained with" in r.getMessage()]
+    assert len(warned) == 1 and f"{tmp_path / 'b'}" in warned[0] and "--compute_dtype=bfloat16" in warned[0]
     got = json.load(open(tmp_path / "out" / "eval.json"))
     ra, rb = (scoring.multiple_choice(scoring.Scorer(load.load_model(str(tmp_path / n))[0], data.dolma2(), 512),
                                       *scoring.load_task(task)) for n in ("a", "b"))
@@ -1170,3 +1176,28 @@ def test_local_task_with_a_bad_document_names_it(tmp_path):
         (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
         with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 't.jsonl'}") + ":? ?" + re.escape(says)):
             scoring.load_task(str(tmp_path / "t.jsonl"))
+
+
+def test_cli_quiets_library_logs_before_jax_starts(monkeypatch):
+    """eval.py sets the libraries' log levels before cluster.start starts JAX's backend, whose C++
+    log level is read then (olmo3/logs.py quiet_library_logs), as train.py and bench.py do."""
+    from absl import logging as absl_logging
+    from olmo3 import cluster, logs
+
+    class Started(Exception):
+        pass
+
+    def start(*args, **kwargs):
+        assert logs._FILTER in absl_logging.get_absl_handler().filters
+        raise Started
+    F = eval_script.F
+    handler = absl_logging.get_absl_handler()
+    monkeypatch.setattr(cluster, "start", start)
+    monkeypatch.setattr(handler, "filters", [f for f in handler.filters if f is not logs._FILTER])
+    F.unparse_flags()
+    F(["eval.py", "--model=unused"])
+    try:
+        with pytest.raises(Started):
+            eval_script.main(["eval.py"])
+    finally:
+        F.unparse_flags()
