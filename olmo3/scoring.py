@@ -139,7 +139,9 @@ def nucleus(weights: Float[np.ndarray, " vocab"], top_p: float) -> Float[np.ndar
     """Top-p (nucleus) sampling's distribution: the most probable tokens whose probability reaches
     `top_p` (the one that crosses it kept), renormalised; zero elsewhere. A token is kept when
     the tokens more probable than it hold less than top_p, as transformers' TopPLogitsWarper
-    decides (it removes a token whose ascending cumulative probability is <= 1 - top_p)."""
+    decides (it removes a token whose ascending cumulative probability is <= 1 - top_p). Among
+    tokens tied at the cut-off the lower ids are kept; transformers keeps the same number of
+    them, in the order of torch's unstable sort."""
     p = weights / weights.sum()
     if top_p >= 1:
         return p

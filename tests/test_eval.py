@@ -629,6 +629,13 @@ def test_nucleus_keeps_the_tokens_transformers_top_p_keeps():
         assert np.array_equal(ours > 0, np.isfinite(hf)), (case, top_p)
         np.testing.assert_allclose(ours[ours > 0], np.exp(hf[ours > 0] - np.logaddexp.reduce(hf[ours > 0])),
                                    rtol=1e-5)
+    for case in range(100):   # logits on a coarse grid (bf16-like) tie: as many kept, ties in any order
+        logits = (np.round(rng.normal(size=200) * 4) / 4).astype(np.float32)
+        top_p = float(rng.choice([0.05, 0.3, 0.5, 0.9, 0.95]))
+        hf = TopPLogitsWarper(top_p)(None, torch.tensor(logits)[None])[0].numpy()
+        ours = scoring.nucleus(np.exp(logits.astype(np.float64) - logits.max()), top_p)
+        assert (ours > 0).sum() == np.isfinite(hf).sum(), (case, top_p)
+        assert np.array_equal(np.sort(logits[ours > 0]), np.sort(logits[np.isfinite(hf)]))
     w = np.exp(rng.normal(size=50))
     np.testing.assert_array_equal(scoring.nucleus(w, 1.0), w / w.sum())
     model = olmo3.OLMo3(CFG, jax.random.key(6))
