@@ -307,6 +307,32 @@ def test_sbatch_srun_line(tmp_path):
 
 
 
+def test_sbatch_leaves_the_gpu_tuning_to_train_py(tmp_path):
+    """train.py sets the XLA GPU flags itself (olmo3/runtime.py tune_gpu), and an XLA_FLAGS entry
+    of the environment replaces its flag of the same name. The script exported MaxText's 128 MiB
+    all-gather / all-reduce and 64 MiB reduce-scatter thresholds, so every task ran with those
+    instead of tune_gpu's (at least one 7B layer's 0.81 GB of fp32 weights). A user's own
+    XLA_FLAGS still reach the tasks unchanged."""
+    from olmo3 import runtime
+    record = tmp_path / "record.py"
+    record.write_text("import json, os, sys\n"
+                      "json.dump({k: os.environ.get(k) for k in ('XLA_FLAGS', 'CUDA_DEVICE_MAX_CONNECTIONS')}, "
+                      "open(sys.argv[0] + '.' + os.environ['SLURM_PROCID'], 'w'))\n")
+    python = _executable(tmp_path / "python", f'exec "{sys.executable}" "{record}" "$@"')
+    for user in (None, "--xla_dump_to=/tmp/hlo"):
+        env = _sbatch_env(tmp_path, nodes=1, PYTHON=str(python))
+        env.pop("XLA_FLAGS", None)
+        if user:
+            env["XLA_FLAGS"] = user
+        p = subprocess.run(["bash", SBATCH, "stage1.flags", "/shared/runs/s1"], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        task = json.load(open(f"{record}.0"))
+        assert task["XLA_FLAGS"] == user, task
+        ours = {runtime.flag_name(f) for f in runtime.GPU_XLA_FLAGS}
+        assert not ours & {runtime.flag_name(f) for f in (task["XLA_FLAGS"] or "").split()}
+
+
 def test_sbatch_srun_gets_the_cpus_per_task(tmp_path):
     """srun of Slurm >= 22.05 does not inherit --cpus-per-task from the batch job (sbatch(1)):
     without it on the srun line each task ran confined to one core of the node's 96. The
