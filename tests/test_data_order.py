@@ -43,6 +43,20 @@ def test_epochs_and_seeds_differ_and_function_is_pure():
     np.testing.assert_array_equal(data.batch_indices(n, gb, 1, 1, 3, 0, 1), data.batch_indices(n, gb, 1, 1, spe + 3, 0, 1))
 
 
+def test_a_global_step_on_an_epoch_boundary_is_that_epochs_first_batch():
+    """Global step spe * e opens epoch e: OLMo-core's permutation PCG64(seed + e + 1), batch 0 (not
+    the truncated tail of the permutation, which is what step spe of it would be)."""
+    n, gb, seed = 1000, 64, 7   # 15 steps per epoch, a tail of 40 instances
+    spe = n // gb
+    for epoch in (1, 2):
+        perm = np.arange(n, dtype=np.uint32)
+        np.random.Generator(np.random.PCG64(seed + epoch + 1)).shuffle(perm)
+        for step in (0, spe - 1):
+            want = perm[step * gb:(step + 1) * gb]
+            np.testing.assert_array_equal(data.batch_indices(n, gb, seed, epoch, epoch * spe + step, 0, 1), want)
+            np.testing.assert_array_equal(data.batch_indices(n, gb, seed, epoch, epoch * spe + step, 1, 4), want[1::4])
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="must divide global_batch"):
         data.batch_indices(1000, 96, 0, 0, 0, 0, 5)
@@ -50,5 +64,7 @@ def test_bad_arguments():
         data.batch_indices(1000, 96, 0, 0, 0, 4, 4)
     with pytest.raises(ValueError, match="fewer than one global batch"):
         data.batch_indices(10, 96, 0, 0, 0, 0, 1)
+    with pytest.raises(ValueError, match="must be >= 0"):   # seed -1, epoch 1 would alias seed 0, epoch 0
+        data.batch_indices(1000, 100, -1, 0, 0, 0, 1)
     with pytest.raises(ValueError, match="outside epoch"):
         data.batch_indices(1000, 100, 0, 0, 25, 0, 1)
