@@ -154,3 +154,43 @@ def test_bad_loader_arguments(ds):
         data.Loader(ds, 64, 0)
     with pytest.raises(ValueError, match="not a data.Loader.state"):
         data.Loader.from_state(ds, {"step": 3})
+
+
+def test_resume_keeps_the_repetition_filter(tmp_path):
+    """from_state with repetition_filter=True masks the repetitive instances as the run did
+    (DESIGN §4 filter); the state does not carry the flag, so the caller's value must reach it."""
+    rng = np.random.default_rng(4)
+    seq = 128
+    x = rng.integers(1000, 50_000, size=(16, seq)).astype(np.uint32)
+    x[5, 0:40] = 7                                    # 40 repeats of a 1-gram
+    p = tmp_path / "rep.npy"
+    x.tofile(p)
+    ds = data.FSLDataset([str(p)], seq)
+    loader = data.Loader(ds, 16, 0, workers=0, repetition_filter=True)
+    next(loader)
+    resumed = data.Loader.from_state(ds, loader.state(), workers=0, repetition_filter=True)
+    b = next(resumed)
+    assert b["step"] == 1 and b["instance_mask"].sum() == 15
+    row = int(np.flatnonzero(~b["instance_mask"])[0])
+    np.testing.assert_array_equal(b["tokens"][row].astype(np.uint32), x[5])
+
+
+def test_held_out_windows_in_olmo_core_first_epoch_order_with_masked_filler(tmp_path):
+    """get_eval_batch on fixed-length windows: positions of OLMo-core's seed-0, first-epoch
+    permutation (PCG64(0 + 1), as test_data_order's reference), read straight from the file; rows
+    past the last window are padding whose labels are all masked, every real window's all kept."""
+    n, seq, rows = 5, 8, 4
+    x = np.random.default_rng(1).integers(1, 1000, size=n * seq + 3).astype(np.uint32)
+    p = tmp_path / "val.npy"
+    x.tofile(p)
+    ds = data.FSLDataset([str(p)], seq)
+    windows = x[:n * seq].reshape(n, seq)
+    perm = np.arange(n, dtype=np.uint32)
+    np.random.Generator(np.random.PCG64(1)).shuffle(perm)
+    got = [data.get_eval_batch(ds, rows, b) for b in (0, 1)]
+    toks = np.concatenate([g["tokens"] for g in got]).astype(np.uint32)
+    lm = np.concatenate([g["label_mask"] for g in got])
+    np.testing.assert_array_equal(toks[:n], windows[perm])
+    assert (toks[n:] == data.PAD_ID).all()
+    assert lm.shape == (2 * rows, seq) and lm[:n].all() and not lm[n:].any()
+    assert [data.eval_batch_instances(n, rows, b) for b in (0, 1, 2)] == [4, 1, 0]
