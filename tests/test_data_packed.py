@@ -405,6 +405,19 @@ def test_cache_shared_between_file_orders(tmp_path):
         np.testing.assert_array_equal(cached[i]["tokens"], fresh[i]["tokens"])
 
 
+def test_cache_is_not_shared_between_sequence_lengths(tmp_path):
+    """One cache directory, two sequence lengths (stage 3 after a shorter run): each reads its own
+    packing, the one a fresh dataset packs (checked against OLMo-core above)."""
+    paths, _ = write_files(tmp_path, 11)
+    PackedFSLDataset(paths, 64, cache_dir=tmp_path / "cache")
+    cached = PackedFSLDataset(paths, 128, cache_dir=tmp_path / "cache")
+    fresh = PackedFSLDataset(paths, 128)
+    assert len(cached) == len(fresh)
+    for i in range(len(fresh)):
+        for k in ("tokens", "doc_lens"):
+            np.testing.assert_array_equal(cached[i][k], fresh[i][k])
+
+
 def test_an_empty_part_holds_no_document(tmp_path):
     """An empty token file and its empty label mask (a converter's last, empty part) pack to the
     same instances as the other files alone (numpy cannot memmap an empty file: it crashed)."""
