@@ -33,7 +33,8 @@ def oracle_dpo_norm(pol_sum, ref_sum, count, beta):
     cr, rr = beta * (pol[:, 0] - ref[:, 0]), beta * (pol[:, 1] - ref[:, 1])
     metrics = {"loss": losses.mean(), "rewards/chosen": cr.mean(), "rewards/rejected": rr.mean(),
                "rewards/accuracy": (cr > rr).mean(), "rewards/margin": (cr - rr).mean(),
-               "logps/chosen": pol[:, 0].mean(), "logps/rejected": pol[:, 1].mean()}
+               "logps/chosen": pol[:, 0].mean(), "logps/rejected": pol[:, 1].mean(),
+               "rewards/average": ((cr + rr) / 2).mean(), "logps/accuracy": (pol[:, 0] > pol[:, 1]).mean()}
     return losses.mean(), grad, metrics
 
 
@@ -60,6 +61,68 @@ def test_dpo_norm_loss_grad_and_metrics_equal_numpy_oracle():
                        jnp.asarray(ref.reshape(-1), jnp.float32))
     np.testing.assert_allclose(float(jnp.mean(t["loss"])), oracle_dpo_norm(pol, ref, np.ones_like(count), BETA)[0],
                                rtol=1e-5)
+
+
+def test_policy_equal_to_its_reference_is_log_2_with_no_reward_accuracy():
+    """Before any DPO step the policy is its reference: every reward is 0, so the loss is log 2,
+    the margin 0 and open-instruct's accuracy (chosen_rewards > rejected_rewards, strict) 0."""
+    rng = np.random.default_rng(1)
+    count = rng.integers(1, 50, size=8).astype(np.float32)
+    sums = jnp.asarray(-rng.uniform(0.5, 3.0, size=8) * count, jnp.float32)
+    for loss in ("dpo", "dpo_norm"):
+        t = dpo.pair_terms(loss, BETA, sums, jnp.asarray(count), sums)
+        np.testing.assert_allclose(np.asarray(t["loss"]), np.log(2.0), rtol=1e-6)
+        for k in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"):
+            assert not np.asarray(t[k]).any(), (loss, k)
+
+
+def test_evaluate_pairs_means_every_pair_once_and_no_filler(tmp_path):
+    """Held-out pairs: 7 pairs in batches of 2 pairs (the last one half filler) give the oracle's
+    means over exactly the 7 pairs. logps_fn is a stand-in whose per-row (sum, count) are known:
+    sum = -(sum of the trained target ids) / 1000, count = trained targets (label_mask[t + 1])."""
+    write_pairs(tmp_path, synthetic_pairs(7, seed=5), max_seq_length=32)
+    ds = PairDataset(tmp_path, seq_len=32)
+
+    def row_stats(tokens, mask):
+        target = mask[:, 1:]
+        return -(tokens[:, 1:] * target).sum(1) / 1000.0, target.sum(1).astype(np.float64)
+
+    def logps_fn(model, batch):
+        assert batch["tokens"].shape == (4, 32)
+        return row_stats(np.asarray(batch["tokens"], np.int64), np.asarray(batch["label_mask"]))
+
+    pol, count = (np.stack([row_stats(ds[i]["tokens"].astype(np.int64), ds[i]["label_mask"])[k] for i in range(7)])
+                  for k in (0, 1))                                    # [pairs, 2] each
+    ref = pol + np.random.default_rng(6).normal(0, 0.3, size=pol.shape) * count
+    import olmo3
+    model = olmo3.OLMo3(olmo3.Config.tiny(vocab_size=64, d_model=16, n_heads=2, n_kv_heads=2, head_dim=8,
+                                          mlp_hidden=32, n_layers=4), jax.random.key(0))   # never run
+    got = dpo.evaluate_pairs(logps_fn, model, ds, ref.reshape(-1), loss="dpo_norm", beta=BETA, rows=4)
+    want = oracle_dpo_norm(pol, ref, count, BETA)[2]
+    assert set(want) <= set(got)
+    for k, v in want.items():
+        np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5, err_msg=k)   # float32 sums
+
+
+def test_sequence_logps_count_targets_not_mask_positions():
+    """sequence_logps against a float64 numpy log-softmax of the model's own logits, with label
+    masks that are set on position 0 (no position predicts it) and on the last position: the sum
+    and count run over targets t + 1 with label_mask[t + 1] (open-instruct `_get_batch_logps`)."""
+    import olmo3
+    model = olmo3.OLMo3(olmo3.Config.tiny(vocab_size=64, d_model=16, n_heads=2, n_kv_heads=2, head_dim=8,
+                                          mlp_hidden=32, n_layers=4, window=4), jax.random.key(2))
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 64, size=(4, 12)).astype(np.int32)
+    mask = rng.random((4, 12)) < 0.6
+    mask[:, 0] = True
+    mask[0] = True
+    sums, counts = dpo.sequence_logps(model, jnp.asarray(tokens), jnp.asarray(mask), chunk=8)
+    logits = np.asarray(eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(model, jnp.asarray(tokens)), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    target = np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]        # (B, T - 1)
+    np.testing.assert_array_equal(np.asarray(counts), mask[:, 1:].sum(1))
+    np.testing.assert_allclose(np.asarray(sums), (target * mask[:, 1:]).sum(1), rtol=1e-5, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------
