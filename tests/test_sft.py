@@ -94,6 +94,23 @@ def test_template_system_and_generation_prompt():
     assert olmo_default[:3] == [IM_START] + text("system\nYou are OLMo")[:2]
 
 
+def test_a_system_turn_anywhere_replaces_the_default():
+    """The templates add their default system turn only when no message is a system one
+    (`has_system = messages|selectattr('role', 'equalto', 'system')|list|length > 0`), wherever it
+    stands; a later system turn is rendered in place. open-instruct's mask measures the prefix
+    [user], which does get the default turn and is longer than the whole conversation here: nothing
+    is trained (sft_tulu_filter_v1 then drops the example), as data.chat reproduces."""
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."},
+            {"role": "assistant", "content": "Ok"}]
+    prompt = ([IM_START] + text("user\nHi") + [IM_END, NL]
+              + [IM_START] + text("system\nBe brief. You do not currently have access to any functions. "
+                                  "<functions></functions>") + [IM_END, NL] + [IM_START, ASSISTANT, NL])
+    assert chat.encode(msgs, "olmo") == prompt + text("Ok") + [EOS]
+    assert len(chat.encode(msgs[:1], "olmo")) > len(prompt) + 2
+    ids, m = chat.encode_with_mask(msgs, "olmo")
+    assert ids.tolist() == prompt + text("Ok") + [EOS] and not m.any()
+
+
 FUNCS, FUNCS_END, CALLS, CALLS_END = 100266, 100267, 100268, 100269
 
 
