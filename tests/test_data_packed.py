@@ -206,9 +206,11 @@ def test_bad_inputs(tmp_path):
         PackedFSLDataset(paths, 64, label_mask_paths=masks[:2])
     with pytest.raises(FileNotFoundError, match="labels_mask"):
         PackedFSLDataset(paths, 64, label_mask_paths=[str(tmp_path / "nope.npy")] * len(paths))
-    np.ones(3, np.bool_).tofile(masks[0])
-    with pytest.raises(ValueError, match="written together"):
-        PackedFSLDataset(paths, 64, label_mask_paths=masks)
+    n = os.path.getsize(paths[0]) // 4
+    for wrong in (3, n + 1):   # shorter or longer than its token file: not the mask written with it
+        np.ones(wrong, np.bool_).tofile(masks[0])
+        with pytest.raises(ValueError, match="written together"):
+            PackedFSLDataset(paths, 64, label_mask_paths=masks)
     no_eos = tmp_path / "no_eos.npy"
     np.arange(100, dtype=np.uint32).tofile(no_eos)
     with pytest.raises(ValueError, match="no document"):
