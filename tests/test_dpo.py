@@ -245,6 +245,20 @@ def test_truncation_that_leaves_nothing_to_train_is_refused(tmp_path):
         PairDataset(tmp_path, seq_len=16)
 
 
+def test_pairs_longer_than_seq_len_keep_their_first_seq_len_tokens(tmp_path):
+    """A side longer than --seq_len keeps exactly its first seq_len tokens and mask values (open-instruct
+    truncates to max_seq_length); a response whose first trained token is the last kept one still
+    trains it (position seq_len - 2 predicts it), so the pair is kept, not refused."""
+    ids = np.arange(100, 130)
+    edge = ((ids, np.arange(30) >= 15), (ids + 100, np.arange(30) >= 3))   # chosen trains from token 15 on
+    write_pairs(tmp_path, [edge], max_seq_length=64)
+    item = PairDataset(tmp_path, seq_len=16)[0]
+    for j, (t, m) in enumerate(edge):
+        np.testing.assert_array_equal(item["tokens"][j], t[:16])
+        np.testing.assert_array_equal(item["label_mask"][j], m[:16])
+    assert item["label_mask"][0].sum() == 1
+
+
 # --------------------------------------------------------------------------------------------
 # The reference cache: fingerprinted by the reference's weights, the data and seq_len
 # --------------------------------------------------------------------------------------------
