@@ -102,7 +102,9 @@ def _should_skip(value, window, n_seen, min_values, sigma):
     valid = jnp.arange(size) < prev
     nf = jnp.maximum(prev, 1).astype(jnp.float32)
     mean = jnp.sum(jnp.where(valid, window, 0.0)) / nf
-    var = jnp.sum(jnp.where(valid, jnp.square(window - mean), 0.0)) / jnp.maximum(nf - 1.0, 1.0)
+    # Bessel's divisor, unclamped: one previous value gives 0/0 = NaN, and the step is skipped,
+    # as OLMo-core's torch.std_mean of one value is NaN (windows 2 and 3 decide from 2 values on).
+    var = jnp.sum(jnp.where(valid, jnp.square(window - mean), 0.0)) / (nf - 1.0)
     ok = (value - mean) <= sigma * jnp.sqrt(var)          # "not <=": NaN is skipped
     active = n_seen + 1 >= min_values                     # len(_losses) incl. this one >= 64
     return active & ~ok

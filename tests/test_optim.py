@@ -297,3 +297,65 @@ def test_matches_olmo_core_skip_step_adamw():
                                    rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(np.asarray(getattr(state.nu, k)), st["exp_avg_sq"].numpy(),
                                    rtol=1e-5, atol=1e-9)
+
+
+def test_eps_is_added_to_sqrt_of_second_moment_as_torch_adamw():
+    """Gradients of 1e-9..1e-7, where sqrt(v) is of the order of eps: torch.optim.AdamW's
+    p -= lr * mhat / (sqrt(vhat) + eps) (eps outside the square root) over 3 steps, weight decay
+    on every leaf. eps inside the root (optax's eps_root) would move these updates ~1000x."""
+    torch = pytest.importorskip("torch")
+    model = tiny()
+    rng = np.random.default_rng(5)
+    opt = SkipStepAdamW(lambda s: jnp.float32(1e-2), weight_decay=0.1)
+    tp = {k: torch.nn.Parameter(torch.tensor(np.asarray(getattr(model, k)), dtype=torch.float64))
+          for k in NAMES}
+    ref = torch.optim.AdamW(list(tp.values()), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    state = opt.init(model)
+    for _ in range(3):
+        g = {k: rng.standard_normal(getattr(model, k).shape) * 10.0 ** rng.uniform(-9, -7)
+             for k in NAMES}
+        for k in NAMES:
+            tp[k].grad = torch.tensor(g[k].astype(np.float32), dtype=torch.float64)
+        ref.step()
+        grads = Tiny(**{k: jnp.asarray(g[k], jnp.float32) for k in NAMES}, buf=jnp.zeros(3, jnp.int32))
+        model, state, met = opt.update(grads, state, model, jnp.float32(1.0))
+        assert float(met["optim/step_skipped"]) == 0.0
+    for k in NAMES:
+        np.testing.assert_allclose(np.asarray(getattr(model, k)), tp[k].detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the oracle's std of one value: NaN
+@pytest.mark.parametrize("window", [2, 3, 4, 5])
+def test_small_window_skip_decisions_match_numpy_oracle(window):
+    """Tight windows and sigma 1, so that most decisions hinge on every previous value: the
+    statistics use exactly the last `window` values (OLMo-core's lists hold window + 1, the latest
+    excluded), decisions start at max(2, window // 2) values, and a window of identical values
+    keeps a step at the same value (loss - mean = 0 <= sigma * std = 0: not skipped). Windows 2
+    and 3 decide from the second value on, over ONE previous value, whose Bessel std is NaN:
+    OLMo-core (torch.std_mean) then skips the step whatever the loss."""
+    T = 30
+    rng = np.random.default_rng(window)
+    loss = 3.0 + 0.3 * rng.standard_normal(T)
+    gnorm = 0.5 + 0.1 * rng.standard_normal(T)
+    loss[-8:], gnorm[-8:] = 2.0, 0.5          # an exact tie: 2.0 and sqrt(0.5**2) = 0.5
+    model = tiny()
+    sched = lambda s: 1e-3  # noqa: E731
+    opt = SkipStepAdamW(lambda s: jnp.float32(1e-3), decay_mask=no_decay_on(lambda m: m.embed),
+                        window=window, sigma=1.0)
+    ref = NumpySkipStepAdamW(named(model), sched, interval=window, sigma=1.0)
+    state = opt.init(model)
+    upd = eqx.filter_jit(opt.update)
+    got, want = [], []
+    for t in range(T):
+        g = {k: np.zeros(getattr(model, k).shape, np.float32) for k in NAMES}
+        g["w"][0, 0] = gnorm[t]
+        if t < T - 8:                         # spread it out, same norm
+            g = {k: rng.standard_normal(getattr(model, k).shape) for k in NAMES}
+            scale = gnorm[t] / np.sqrt(sum(np.sum(x * x) for x in g.values()))
+            g = {k: (x * scale).astype(np.float32) for k, x in g.items()}
+        grads = Tiny(**{k: jnp.asarray(g[k]) for k in NAMES}, buf=jnp.zeros(3, jnp.int32))
+        model, state, met = upd(grads, state, model, jnp.float32(loss[t]))
+        got.append(bool(met["optim/step_skipped"]))
+        want.append(ref.step({k: np.asarray(g[k]) for k in NAMES}, float(np.float32(loss[t])))[0])
+    assert got == want
+    assert 0 < sum(want) < T - 8 and not any(want[-4:])      # both outcomes; ties kept
