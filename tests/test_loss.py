@@ -64,3 +64,48 @@ def test_sums_and_gradients(z_loss, c_ce, c_z, scale, chunk):
     np.testing.assert_allclose(float(z), z_ref, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(gh), gh_ref, rtol=1e-4, atol=1e-5 * np.abs(gh_ref).max())
     np.testing.assert_allclose(np.asarray(gw), gw_ref, rtol=1e-4, atol=1e-5 * np.abs(gw_ref).max())
+
+
+@pytest.mark.parametrize("z_loss", [None, 0.3])
+def test_gradient_wrt_weights(z_loss):
+    """d(c_ce * CE + c_z * z)/d weights[i] = c_ce * (lse_i - logit_i[label]) + c_z * lse_i^2, from
+    the float64 oracle's per-token terms (the fused custom_vjp returns it too; no caller of today
+    differentiates the weights, a per-token loss weighting would)."""
+    h, w, labels, weights = data()
+    c_ce, c_z = 0.7, 0.21
+
+    def f(wt):
+        ce, z = chunked_cross_entropy(jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels), wt,
+                                      chunk=8, z_loss=z_loss)
+        return c_ce * ce + c_z * z
+
+    got = np.asarray(jax.jit(jax.grad(f))(jnp.asarray(weights)))
+    logits = h.astype(np.float64) @ w.astype(np.float64)
+    lse = np.log(np.exp(logits).sum(1))
+    want = c_ce * (lse - logits[np.arange(N), np.maximum(labels, 0)]) + c_z * lse ** 2
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_large_row_takes_the_row_max():
+    """A chunk of tiny hidden states but one whose largest logit is 150 (exp overflows float32):
+    the logit bound uses the chunk's LARGEST |h_i|, so this chunk subtracts the row max and stays
+    finite; a bound from the rows' mean square |h|^2 would skip the max and overflow."""
+    h, w, labels, weights = data(scale=0.01)
+    j = np.argmax((w.astype(np.float64) ** 2).sum(0))
+    h[3] = w[:, j] * (150.0 / (w[:, j].astype(np.float64) ** 2).sum())   # logit 150 at label j
+    sq = (h[:8].astype(np.float64) ** 2).sum(1)                            # the first chunk's rows
+    cmax = float(column_norm_max(jnp.asarray(w)))
+    assert np.sqrt(sq.max()) * cmax + np.log(V) > EXP_SAFE > np.sqrt(sq.mean()) * cmax + np.log(V)
+    for z_loss in (None, 1e-5):
+        def f(h, w):
+            ce, z = chunked_cross_entropy(h, w, jnp.asarray(labels), jnp.asarray(weights), chunk=8,
+                                          z_loss=z_loss)
+            return ce + 1e-5 * z, (ce, z)
+
+        (_, (ce, z)), (gh, gw) = jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(
+            jnp.asarray(h), jnp.asarray(w))
+        ce_ref, z_ref, gh_ref, gw_ref = oracle(h, w, labels, weights, 1.0, 1e-5)
+        np.testing.assert_allclose(float(ce), ce_ref, rtol=1e-5)
+        np.testing.assert_allclose(float(z), z_ref, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(gh), gh_ref, rtol=1e-4, atol=1e-5 * np.abs(gh_ref).max())
+        np.testing.assert_allclose(np.asarray(gw), gw_ref, rtol=1e-4, atol=1e-5 * np.abs(gw_ref).max())
