@@ -126,3 +126,27 @@ def test_constant_matches_olmo_core_constant_with_warmup(warmup):
     for s in range(12):
         want = scheduler.ConstantWithWarmup(warmup=warmup).get_lr(3e-4, s + 1, 100) if warmup else 3e-4
         np.testing.assert_allclose(float(f(s)), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("final_ratio", [0.0, 0.25])
+def test_final_ratio_matches_olmo_core_alpha_f(final_ratio):
+    """--final_lr_ratio (cosine; the recipe's 0.1 is what the other tests pin) and the linear
+    schedule's floor, against OLMo-core's own CosWithWarmup / LinearWithWarmup(alpha_f)."""
+    scheduler = pytest.importorskip("olmo_core.optim.scheduler")
+    steps = [0, 4, 9, 10, 30, 60, 98, 99, 100, 120]
+    for ours, theirs in ((S.stage1_schedule(1e-3, 10, 100, final_ratio), scheduler.CosWithWarmup),
+                         (S.linear_schedule(1e-3, 10, 100, final_ratio), scheduler.LinearWithWarmup)):
+        want = [float(theirs(warmup=10, alpha_f=final_ratio).get_lr(1e-3, s + 1, 100)) for s in steps]
+        # atol 1e-8 * peak: at floor 0 the cosine's 1 + cos(pi * frac) cancels in float32 near the end
+        np.testing.assert_allclose(_vals(ours, steps), want, rtol=2e-6, atol=1e-11)
+
+
+def test_joined_with_an_unchanged_horizon_is_one_cosine():
+    """first_total == total (allowed): the second script's half cosine over [W, total], with
+    W = total // 2 + warmup // 2, is the second half of the first cosine, so after the join's
+    own warmup branch (steps joined_at..W-1, none here: joined_at > W) the joined schedule is the
+    plain cosine, OLMo-core's CosWithWarmup throughout."""
+    f = S.stage1_schedule(1e-3, 10, 100, 0.1, joined_at=60, first_total=100)
+    steps = list(range(0, 110, 3)) + [58, 59, 60, 61, 99]
+    np.testing.assert_allclose(_vals(f, steps), [cos_with_warmup(1e-3, s + 1, 10, 100) for s in steps],
+                               rtol=2e-6, atol=1e-12)
