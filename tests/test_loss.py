@@ -109,3 +109,18 @@ def test_one_large_row_takes_the_row_max():
         np.testing.assert_allclose(float(z), z_ref, rtol=1e-5)
         np.testing.assert_allclose(np.asarray(gh), gh_ref, rtol=1e-4, atol=1e-5 * np.abs(gh_ref).max())
         np.testing.assert_allclose(np.asarray(gw), gw_ref, rtol=1e-4, atol=1e-5 * np.abs(gw_ref).max())
+
+
+def test_labels_without_label_mask_match_olmo_core():
+    """Pretraining batches carry no label mask: labels are the next tokens and the last position
+    has none (OLMo-core `get_labels`); a masked instance trains nothing and counts T positions."""
+    torch = pytest.importorskip("torch")
+    get_labels = pytest.importorskip("olmo_core.data.utils").get_labels
+    from olmo3.loss import labels_and_weights
+    tokens = np.random.default_rng(2).integers(0, 50, (3, 9)).astype(np.int32)
+    keep = np.array([True, False, True])
+    labels, weights, counted = labels_and_weights(jnp.asarray(tokens), jnp.asarray(keep))
+    ref = get_labels({"input_ids": torch.tensor(tokens, dtype=torch.long)}).numpy()
+    np.testing.assert_array_equal(np.asarray(labels), ref)
+    np.testing.assert_array_equal(np.asarray(weights), (ref != IGNORE) & keep[:, None])
+    np.testing.assert_array_equal(np.asarray(counted), np.where(keep[:, None], ref != IGNORE, 1.0))
