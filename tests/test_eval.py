@@ -251,6 +251,11 @@ def test_kv_cache_matches_full_forward_and_greedy_oracle():
     for _ in range(12):  # oracle: a full forward per generated token, no cache
         seq.append(int(np.argmax(forward(model, seq)[-1])))
     assert scoring.Scorer(model).generate(tokens[:9], 12) == seq[9:]
+    # `stop` (chat's end-of-turn ids) ends the answer at the first token it accepts, that token kept
+    stop_at = seq[9 + 4]
+    want = seq[9:9 + seq[9:].index(stop_at) + 1]
+    assert scoring.Scorer(model).generate(tokens[:9], 12, stop=lambda ids: ids[-1] == stop_at) == want
+    assert len(want) < 12
 
 
 def test_long_prompts_prefill_in_chunks(monkeypatch):
@@ -433,6 +438,42 @@ def test_local_multiple_choice_task_end_to_end():
     assert got["task/tiny_mc/acc_stderr"] == pytest.approx(np.std(acc, ddof=1) / math.sqrt(len(acc)))
     with pytest.raises(ValueError, match="num_fewshot=2 but only 1"):
         eval_script.downstream_report(model, [path], num_fewshot=2, tokenizer=tok)
+
+
+def test_multiple_choice_scores_as_lm_evals_multiple_choice_task():
+    """acc / acc_norm and their stderr from given log-likelihoods, against lm-eval's own
+    MultipleChoiceTask.process_results and mean_stderr: acc_norm divides by the choice's
+    characters, not its UTF-8 bytes (non-ASCII choices where the two pick differently)."""
+    task = pytest.importorskip("lm_eval.api.task")
+    from lm_eval.api.metrics import mean_stderr
+    rng = np.random.default_rng(8)
+    words = ["été", "naïve", "abcd", "日本語", "x", "Ωμέγα", "tree"]
+    docs = [{"context": f"q{i}", "choices": list(rng.choice(words, size=3, replace=False)), "gold": int(rng.integers(3))}
+            for i in range(12)]
+    docs[0].update(choices=["ééé", "abcd"], gold=1)     # -3.3 / 3 chars < -4 / 4 chars; per byte the other way
+    lls = {(d["context"], " " + c): float(-len(c) * rng.uniform(0.8, 1.2)) for d in docs for c in d["choices"]}
+    lls[("q0", " ééé")], lls[("q0", " abcd")] = -3.3, -4.0
+
+    class Stub(scoring.Scorer):   # the two calls multiple_choice makes, with fixed log-likelihoods
+        def __init__(self):
+            pass
+
+        def split_encode(self, context, continuation):
+            return context, continuation
+
+        def loglikelihood(self, context, continuation):
+            return lls[(context, continuation)], False
+
+    got = scoring.multiple_choice(Stub(), docs)
+    want = [task.MultipleChoiceTask.process_results(None, d, [(lls[(d["context"], " " + c)], False) for c in d["choices"]])
+            for d in docs]
+    assert want[0]["acc_norm"] == 1.0 and got["n"] == 12
+    for d, w in zip(docs, want):   # document by document (in the means, flips either way could cancel)
+        one = scoring.multiple_choice(Stub(), [d])
+        assert (one["acc"], one["acc_norm"]) == (w["acc"], w["acc_norm"]), d
+    for m in ("acc", "acc_norm"):
+        values = [w[m] for w in want]
+        assert got[m] == pytest.approx(np.mean(values)) and got[f"{m}_stderr"] == pytest.approx(mean_stderr(values))
 
 
 def test_fewshot_prompt_from_the_task_itself():
@@ -636,6 +677,12 @@ def test_nucleus_keeps_the_tokens_transformers_top_p_keeps():
         ours = scoring.nucleus(np.exp(logits.astype(np.float64) - logits.max()), top_p)
         assert (ours > 0).sum() == np.isfinite(hf).sum(), (case, top_p)
         assert np.array_equal(np.sort(logits[ours > 0]), np.sort(logits[np.isfinite(hf)]))
+    for weights, top_p in (([4, 2, 1, 1], 0.75), ([4, 2, 1, 1], 0.5), ([8, 4, 2, 1, 1], 0.75)):
+        # the tokens before the cut-off hold exactly top_p (dyadic: exact in float32 too): it is not kept
+        logits = np.log(np.array(weights, np.float32))
+        hf = TopPLogitsWarper(top_p)(None, torch.tensor(logits)[None])[0].numpy()
+        ours = scoring.nucleus(np.array(weights, np.float64), top_p)
+        assert np.array_equal(ours > 0, np.isfinite(hf)) and (ours > 0).sum() == 1 + (top_p == 0.75), (weights, top_p)
     w = np.exp(rng.normal(size=50))
     np.testing.assert_array_equal(scoring.nucleus(w, 1.0), w / w.sum())
     model = olmo3.OLMo3(CFG, jax.random.key(6))
