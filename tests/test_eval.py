@@ -100,6 +100,17 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
     np.testing.assert_allclose(report["eval/all/loss"], ce / n, rtol=1e-5)
 
 
+def test_token_bytes_add_up_to_the_texts_bytes():
+    """bpb's denominator: the tokens of a text count its UTF-8 bytes, PII masks (added tokens matched
+    in text) included; eos, pad and the rows past the tokenizer (OLMo-core pads to 100352) count none."""
+    lengths = heldout.token_byte_lengths(100352)
+    text = "Héllo wörld, 日本語 |||EMAIL_ADDRESS||| and <|endoftext|> as text\n"
+    ids = data.tokenizer.encode(text)
+    assert data.tokenizer.ADDED_TOKENS["|||EMAIL_ADDRESS|||"] in ids
+    assert lengths[ids + [data.EOS_ID, data.PAD_ID, data.tokenizer.ADDED_TOKENS["<|im_end|>"], 100300]].sum() \
+        == len(text.encode())
+
+
 def test_cli_float8_scores_as_a_float8_run_does(tmp_path, caplog):
     """A stage-3 run trains, and scores its held-out loss, with float8 projections in bf16: eval.py
     --compute_dtype=bfloat16 --float8 gives its number (here the training step's own loss on the
@@ -158,7 +169,8 @@ def test_heldout_with_doc_lengths_equals_such_a_runs_training_loss(tmp_path):
 
 def test_heldout_on_padded_documents_scores_the_documents_only(tmp_path):
     """One whole document per row, padded (OLMo-core's NumpyPaddedFSLDataset): CE and bytes count
-    each document's own next-token targets, never the padding (numpy oracle: each document alone)."""
+    each document's own next-token targets, never the padding (numpy oracle: each document alone),
+    every document scored (8 in batches of 3: the last batch's filler rows count nothing)."""
     model = olmo3.OLMo3(CFG, jax.random.key(0))
     rng = np.random.default_rng(1)
     eos, pad = 510, 511   # within the tiny vocabulary
@@ -167,7 +179,8 @@ def test_heldout_on_padded_documents_scores_the_documents_only(tmp_path):
                                eos_id=eos, pad_id=pad)
     assert len(ds) == 8
     lengths = heldout.token_byte_lengths(512)
-    got = heldout.heldout(model, ds, batch_size=4, byte_lengths=lengths)
+    got = heldout.heldout(model, ds, batch_size=3, byte_lengths=lengths)   # a last batch of 2 documents + filler
+    assert got["batches"] == 3
     ce, n, nbytes = 0.0, 0, 0
     for row in np.concatenate([data.get_batch(ds, 4, 0, b)["tokens"] for b in range(2)]):
         doc = np.asarray(next(d for d in docs if list(row[:len(d)]) == d))   # the row's document
