@@ -98,6 +98,14 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
     report = eval_script.heldout_report(model, {"a": ds, "b": ds}, batch_size=8, max_batches=2)
     np.testing.assert_allclose(report["eval/a/loss"], ce / n, rtol=1e-5)
     np.testing.assert_allclose(report["eval/all/loss"], ce / n, rtol=1e-5)
+    # domains of different sizes pool token-weighted (not a mean of their losses), bpb in bits
+    small = data.FSLDataset(token_file(tmp_path / "s.npy", rows[:8] // 2), 33, vocab_size=512)
+    one = heldout.heldout(model, small, batch_size=8, byte_lengths=lengths)
+    report = eval_script.heldout_report(model, {"a": ds, "b": small}, batch_size=8, max_batches=2)
+    np.testing.assert_allclose(report["eval/b/bpb"], one["bpb"], rtol=1e-6)
+    np.testing.assert_allclose(report["eval/all/loss"], (ce + one["ce_sum"]) / (n + one["tokens"]), rtol=1e-5)
+    np.testing.assert_allclose(report["eval/all/bpb"], (ce + one["ce_sum"]) / (math.log(2) * (nbytes + one["bytes"])),
+                               rtol=1e-5)
 
 
 def test_token_bytes_add_up_to_the_texts_bytes():
@@ -977,6 +985,42 @@ def test_compare_flags_memorization_not_seed_noise(runs, tmp_path):
     assert "memorization signature" in open(bad["paths"]["md"]).read()
     with open(bad["paths"]["csv"]) as f:
         assert f.readline().startswith("step,train_A,train_B,train_delta")
+
+
+def test_compare_rows_against_direct_formulas(runs, monkeypatch):
+    """One row of --compare against its definitions: per-domain held-out deltas B - A and the
+    per-batch losses' paired standard error (statistics.stdev of the differences / sqrt(n)) from
+    heldout.heldout on each checkpoint; train_se = the two runs' residual std about a numpy lstsq
+    line (ddof 2) / sqrt(n), in quadrature; the verdict judged with exactly these two."""
+    import statistics
+
+    from olmo3 import comparison
+    judged = []
+    real = comparison.verdict
+    monkeypatch.setattr(comparison, "verdict", lambda *a, **kw: judged.append(kw) or real(*a, **kw))
+    row = eval_script.compare_runs(runs["clean0"], runs["repeat"], sets_fn=runs["sets_fn"], steps=[90],
+                                   train_loss_window=10, batch_size=8, max_batches=2)["rows"][0]
+    losses = {}
+    for name in ("clean0", "repeat"):
+        model = load.load_model(os.path.join(runs[name], "checkpoints", "90"))[0]
+        for d, ds in runs["sets_fn"](None).items():
+            losses[name, d] = heldout.heldout(model, ds, batch_size=8, max_batches=2)
+    diffs = []
+    for d in runs["sets_fn"](None):
+        a, b = losses["clean0", d], losses["repeat", d]
+        assert row[f"heldout/{d}_delta"] == pytest.approx(b["loss"] - a["loss"], rel=1e-6)
+        diffs += list(np.subtract(b["batch_losses"], a["batch_losses"]))
+    assert row["heldout_se"] == pytest.approx(statistics.stdev(diffs) / math.sqrt(len(diffs)), rel=1e-9)
+    se = []
+    for name in ("clean0", "repeat"):
+        logged = [json.loads(line) for line in open(os.path.join(runs[name], "metrics.jsonl"))]
+        y = np.array([m["train/loss"] for m in logged if 80 < m["step"] <= 90])
+        x = np.arange(81, 91, dtype=np.float64)
+        coef, *_ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), y, rcond=None)
+        r = y - (coef[0] * x + coef[1])
+        se.append(math.sqrt((r @ r) / 8) / math.sqrt(10))
+    assert row["train_se"] == pytest.approx(math.hypot(*se), rel=1e-6)
+    assert judged == [{"train_se": row["train_se"], "heldout_se": row["heldout_se"], "z": comparison.Z}]
 
 
 def test_unmeasurable_noise_flags_nothing_and_says_so(runs, tmp_path):

@@ -258,6 +258,12 @@ def test_eval_position_report_and_paired_deltas(tmp_path):
     n = np.concatenate([rows_a["x"]["tokens"], rows_a["y"]["tokens"]])
     assert ra["pos/all/16-32/loss"] == pytest.approx(ce[:, 1].sum() / n[:, 1].sum())
     assert ra["pos/x/0-16/loss"] == pytest.approx(rows_a["x"]["loss"][0])
+    for k, bucket in enumerate(("0-16", "16-32")):   # se over the documents that reach the bucket (7, then 5)
+        reach = n[:, k] > 0
+        c, t = ce[reach, k], n[reach, k]
+        z = (c - c.sum() / t.sum() * t) / t.mean()   # the ratio's linearisation: mean of z is 0
+        assert ra[f"pos/all/{bucket}/se"] == pytest.approx(np.std(z, ddof=1) / math.sqrt(reach.sum()), rel=1e-9)
+    assert (n[:, 1] > 0).sum() == 5
     d = ev.position_deltas(rows_a, rows_b)
     ce_b = np.concatenate([rows_b["x"]["ce"], rows_b["y"]["ce"]])
     diff = (ce_b[:, 0] - ce[:, 0])
