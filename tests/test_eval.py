@@ -362,6 +362,20 @@ def test_loglikelihood_and_rolling_against_oracle():
                                    for j in range(1, len(seq))), rtol=1e-5)
 
 
+def test_split_encode_is_lm_evals_encode_pair():
+    """Scorer.split_encode against lm-eval's own TemplateLM._encode_pair (causal) with the dolma2
+    tokenizer: a context's trailing spaces move to the continuation (so " 4" is one token, scored),
+    the pair is encoded whole and split; an empty context is the prefix token alone."""
+    model_api = pytest.importorskip("lm_eval.api.model")
+    tok = data.dolma2()
+    lm = SimpleNamespace(backend="causal", tok_encode=lambda s, **kw: data.tokenizer.encode(s))
+    scorer = scoring.Scorer(olmo3.OLMo3(CFG, jax.random.key(0)), tok)
+    for context, continuation in (("Question: 2+2? Answer: ", "4"), ("a b  ", "c d"), ("x", " y"), ("日本 ", "語"),
+                                  ("Answer:", " yes")):
+        assert scorer.split_encode(context, continuation) == model_api.TemplateLM._encode_pair(lm, context, continuation)
+    assert scorer.split_encode("", "Hello") == ([tok.eot_token], data.tokenizer.encode("Hello"))
+
+
 def test_loglikelihood_refuses_a_continuation_without_a_token_before_it():
     """Every continuation token is scored from a preceding one, or the call is an error: an empty
     context (no prefix token) or a continuation longer than max_length left its first tokens
