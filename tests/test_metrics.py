@@ -125,6 +125,24 @@ def test_mfu_never_above_100_percent_on_a_noisy_machine():
             assert 0 < m[k] <= 1.0 + 1e-12, (k, m[k])
 
 
+def test_mfu_of_several_devices_divides_by_all_their_peaks():
+    """MFU = a step's FLOPs / its time / (devices x per-device peak), raw and windowed; the rate
+    that may raise the peak is the per-device one (4 devices at 37.5 GFLOP/s each against a
+    50 GFLOP/s peak: 75%, and nothing raised), never the whole job's 150."""
+    clock = FakeClock()
+    peak = metrics.PeakFlops(0.05, device_kind="cpu", clock=clock)   # --peak_tflops: no measuring
+    sc = metrics.StepClock(TOKENS, FLOPS, 4, peak, window=4, clock=clock)
+    _, m = run_steps(sc, clock, [30.0, 1.0])   # the compiling step leaves the window
+    assert peak.value == 50e9 and peak.source == "--peak_tflops"
+    assert m["perf/peak_tflops_per_device"] == pytest.approx(0.05)
+    assert m["perf/tflops_per_s_writeup"] == pytest.approx(0.15)   # the job's, all devices
+    assert m["perf/total_tokens"] == 2 * TOKENS                     # after step 2: two steps' tokens
+    for convention, flops in FLOPS.items():
+        mfu = flops / 1.0 / (4 * 50e9)
+        assert m[f"perf/mfu_{convention}"] == pytest.approx(mfu)
+        assert m[f"perf/mfu_{convention}_smoothed"] == pytest.approx(mfu)
+
+
 @pytest.mark.parametrize("kind,tflops", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
                                          ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
                                          ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0),
