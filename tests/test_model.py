@@ -171,9 +171,24 @@ def test_7b_preset_numbers():
     assert olmo3.Config.olmo3_7b_long().yarn.mscale == pytest.approx(1.2079, abs=1e-4)
 
 
-def test_sliding_flops_match_dense_mask_count():
+@pytest.mark.parametrize("name", ["gqa", "odd_sizes"])
+def test_counts_of_gqa_and_odd_sizes(name):
+    """The 7B is MHA with q_dim = d_model; where they differ: num_params is transformers'
+    parameter count, and the write-up's attention term counts query heads (6 x seq x heads x
+    head_dim a layer): fewer K/V heads shrink the K/V projections, not QK^T or PV."""
+    cfg = hf_config(**dict((n, over) for n, over, _ in CASES)[name])
+    c = hf.config_from_hf(cfg.to_dict())
+    assert c.num_params() == sum(p.numel() for p in transformers.Olmo3ForCausalLM(cfg).parameters())
+    T = 40
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = 6 * T * cfg.num_attention_heads * head_dim * cfg.num_hidden_layers
+    embed = cfg.vocab_size * cfg.hidden_size
+    assert c.train_flops_per_token(T, "writeup") == 6 * (c.num_params() - embed) + attn
+
+
+@pytest.mark.parametrize("T", [12, 5, 3])   # longer than, as long as and shorter than the window
+def test_sliding_flops_match_dense_mask_count(T):
     c = olmo3.Config.tiny(window=5, n_layers=4)
-    T = 12
     i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
     sliding_keys = ((j <= i) & (i - j < 5)).sum() / T
     full_keys = (j <= i).sum() / T

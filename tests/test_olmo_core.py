@@ -580,3 +580,19 @@ def test_sliding_flops_are_olmo_core_s_num_flops_per_token(seq_len):
     c = Config.olmo3_7b()
     norms = 6 * 2 * c.d_model * c.n_layers
     assert c.train_flops_per_token(seq_len, "sliding") - norms == pytest.approx(theirs, rel=1e-12)
+
+
+@pytest.mark.parametrize("seq_len", [8, 32, 64])   # shorter than the window of 16, twice it, four times it
+def test_sliding_flops_of_a_gqa_model_are_olmo_core_s(seq_len):
+    """The same against OLMo-core's count for a model unlike the 7B: GQA (2 K/V heads of 4), q_dim
+    (64) above d_model (32), and sequences shorter than the window as well as longer."""
+    from olmo_core.nn.transformer import TransformerConfig
+
+    from olmo3.config import Config
+    c = Config.tiny(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=48,
+                    window=16)
+    cfg = TransformerConfig.from_dict(olmo_core.config_to_olmo_core(c))
+    assert c.num_params() == cfg.num_params
+    theirs = cfg.build(init_device="meta").num_flops_per_token(seq_len)   # exact: q_dim 64 is a multiple of seq_len
+    norms = 6 * 2 * c.d_model * c.n_layers
+    assert c.train_flops_per_token(seq_len, "sliding") - norms == pytest.approx(theirs, rel=1e-12)
