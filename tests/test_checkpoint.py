@@ -148,6 +148,53 @@ def test_a_flipped_bit_is_damage_and_the_resume_falls_back(tmp_path):
     leaves_equal(got, state)
 
 
+def test_moved_elements_are_damage_too(tmp_path):
+    """A block of elements read back at another place (the same bits, so the same plain sum) is
+    damage: the position-weighted sum is compared as well. Simulated by recording, as the saved
+    checksum, that of the tensor with its elements moved."""
+    w = jnp.arange(64, dtype=jnp.float32)
+    CheckpointManager(str(tmp_path), async_save=False).save(1, {"w": w})
+    saved = checkpoint.tensor_checksums({"w": w})["w"]
+    moved = checkpoint.tensor_checksums({"w": jnp.roll(w, 8)})["w"]
+    assert moved[0] == saved[0] and moved[1] != saved[1]
+    meta = tmp_path / "checkpoints" / "1" / "extra" / "metadata"
+    extra = json.loads(meta.read_text())
+    assert extra[checkpoint.CHECKSUMS]["w"] == saved
+    extra[checkpoint.CHECKSUMS]["w"] = moved
+    meta.write_text(json.dumps(extra))
+    with pytest.raises(checkpoint.ChangedBitsError, match="other bits"):
+        CheckpointManager(str(tmp_path), read_only=True).restore(1, {"w": w})
+
+
+def test_non_finite_state_is_refused_but_skipped_losses_are_kept(tmp_path):
+    """A NaN or inf in any float tensor: NonFiniteError naming it, and no checkpoint written. The
+    skip-step windows are exempt: a skipped step's NaN loss is their record, not damage."""
+    from olmo3.cli import NonFiniteError
+    mgr = CheckpointManager(str(tmp_path), async_save=False)
+    good = {"w": jnp.ones((8,)), "n": jnp.arange(3)}
+    for bad in (np.nan, np.inf, -np.inf):
+        with pytest.raises(NonFiniteError, match=r"step 1: 1 tensor.*'w'.*not written"):
+            mgr.save(1, {**good, "w": good["w"].at[5].set(bad)})
+    assert mgr.all_steps() == []
+    skipped = {"loss_window": jnp.full((4,), jnp.nan), "gnorm_window": jnp.array([1.0, jnp.inf, 0.0, 0.0])}
+    mgr.save(1, {**good, "opt": skipped})
+    got, _ = mgr.restore(1, {**good, "opt": skipped})
+    assert np.isnan(np.asarray(got["opt"]["loss_window"])).all() and mgr.all_steps() == [1]
+
+
+def test_restoring_into_another_dtype_casts_and_is_not_damage(tmp_path):
+    """Dtypes follow the abstract state (Orbax casts): an fp32 checkpoint read as bf16 has other
+    bits than were saved, by design, not by damage; the checksums are compared only where the
+    dtype is the saved one."""
+    w = jnp.arange(16, dtype=jnp.float32) / 3
+    CheckpointManager(str(tmp_path), async_save=False).save(1, {"w": w, "v": w})
+    mgr = CheckpointManager(str(tmp_path), read_only=True)
+    got, _ = mgr.restore(1, {"w": jax.ShapeDtypeStruct((16,), jnp.bfloat16), "v": w})
+    assert got["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(w).astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got["v"]), np.asarray(w))
+
+
 def test_keep_last_n_and_async_save_is_safe_to_donate(tmp_path):
     mgr = CheckpointManager(str(tmp_path), keep=2)
     for step in range(1, 6):
@@ -161,6 +208,20 @@ def test_keep_last_n_and_async_save_is_safe_to_donate(tmp_path):
         got, extra = mgr.restore(step, abstract)
         assert np.all(np.asarray(got["x"]) == step) and extra == {"step": step}
     assert mgr.read_extra(4) == {"step": 4}
+
+
+def test_steps_are_numbers_not_names(tmp_path):
+    """Step 10 is newer than step 9 (as a name it sorts first): keep-N drops 8, and the latest
+    step and the resume are 10."""
+    mgr = CheckpointManager(str(tmp_path), keep=2, async_save=False)
+    for step in (8, 9, 10):
+        mgr.save(step, {"x": jnp.full((4,), float(step))}, {"step": step})
+    assert mgr.all_steps() == [9, 10] and mgr.latest_step() == 10
+    assert mgr.verify() == 10 and mgr.read_extra() == {"step": 10}   # step None: the latest
+    assert np.all(np.asarray(mgr.restore(None, {"x": jax.ShapeDtypeStruct((4,), jnp.float32)})[0]["x"]) == 10)
+    mgr.close()
+    step, got, extra = CheckpointManager(str(tmp_path)).restore_intact({"x": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    assert step == 10 and extra == {"step": 10} and np.all(np.asarray(got["x"]) == 10)
 
 
 def test_transient_read_errors_keep_every_checkpoint(tmp_path, monkeypatch):
