@@ -23,6 +23,22 @@ def test_replacing_renames_a_whole_file_with_the_umask_permissions(tmp_path):
     assert path.read_text() == "second\n" and os.listdir(path.parent) == ["out.json"]
 
 
+def test_a_new_directory_is_renamed_whole_and_readable_as_mkdir_makes_it(tmp_path):
+    """checkpoint.new_directory (converted checkpoints): filled under a temporary sibling, renamed
+    into place, and as readable as a directory mkdir makes (the temporary of mkdtemp is 0700)."""
+    from olmo3.checkpoint import new_directory
+    old = os.umask(0o022)
+    try:
+        with new_directory(tmp_path / "ckpt") as tmp:
+            assert os.path.dirname(tmp) == str(tmp_path) and os.path.basename(tmp).startswith(".")
+            (tmp_path / os.path.basename(tmp) / "weights").write_text("w")
+        os.mkdir(tmp_path / "made")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "ckpt").st_mode) == stat.S_IMODE(os.stat(tmp_path / "made").st_mode) == 0o755
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "made"] and (tmp_path / "ckpt" / "weights").read_text() == "w"
+
+
 def test_an_error_leaves_the_old_file_and_no_temporary(tmp_path):
     path = tmp_path / "out.txt"
     path.write_text("old")
@@ -33,6 +49,19 @@ def test_an_error_leaves_the_old_file_and_no_temporary(tmp_path):
                 f.write("half of the new")
             raise RuntimeError("disk full")
     assert path.read_text() == "old" and os.listdir(tmp_path) == ["out.txt"]
+
+
+def test_the_data_is_fsynced_before_the_rename(tmp_path, monkeypatch):
+    """A machine crash right after the rename must not leave an empty file under the target's name:
+    the temporary's data reaches the disk (fsync of that file) before it is renamed."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_ino)) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", os.stat(a).st_ino)) or real_replace(a, b))
+    path = tmp_path / "out.txt"
+    atomic.write_text(path, "data")
+    inode = os.stat(path).st_ino
+    assert events == [("fsync", inode), ("replace", inode)]
 
 
 def test_suffix_keeps_np_savez_on_the_temporary_name(tmp_path):
