@@ -87,6 +87,23 @@ def test_yarn_ramp_edges_match_transformers(head_dim, theta, factor, original, b
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
 
 
+def test_yarn_without_betas_in_config_json_takes_transformers_defaults():
+    """A YaRN rope_parameters without beta_fast / beta_slow (OLMo 3's own config.json lists them;
+    a hand-written one may not): hf.config_from_hf's frequencies equal transformers' for it."""
+    pytest.importorskip("torch")
+    from transformers import Olmo3Config
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
+
+    from olmo3 import hf
+    yarn = {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0, "original_max_position_embeddings": 8192}
+    cfg = Olmo3Config(vocab_size=128, hidden_size=256, num_attention_heads=2, intermediate_size=64,
+                      max_position_embeddings=65536, rope_parameters={
+                          "full_attention": yarn, "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}})
+    c = hf.config_from_hf(cfg.to_dict())
+    got, scale = rope.inv_frequencies(c.head_dim, c.rope_theta, c.yarn)
+    np.testing.assert_allclose(got, Olmo3RotaryEmbedding(cfg).full_attention_inv_freq.numpy(), rtol=1e-6, atol=0)
+
+
 def _fusion_outputs_with(hlo: str, ops: tuple[str, ...]) -> list[int]:
     """Element counts of the fusions (and unfused instructions) of an optimized HLO module that
     compute any of `ops`."""
