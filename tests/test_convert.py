@@ -167,6 +167,28 @@ def test_exported_config_carries_the_transformers_4_rope_keys(tmp_path, preset):
     assert hf.config_from_hf(flat) == hf.config_from_hf(full)
 
 
+def test_exported_config_of_a_model_unlike_the_7b_reads_back_through_transformers(tmp_path):
+    """Every architecture field away from the 7B's (GQA, head_dim, window, pattern, theta, eps,
+    YaRN) survives config.json as transformers reads it; dolma2's eos / pad ids are written only
+    where the vocabulary holds them (transformers warns about ids outside it)."""
+    from transformers import AutoConfig
+
+    from olmo3.config import YaRN
+    c = olmo3.Config.tiny(vocab_size=300, d_model=48, n_layers=6, n_heads=3, n_kv_heads=1, head_dim=20, mlp_hidden=80,
+                          window=9, layer_pattern=("sliding", "full"), rope_theta=1e4, norm_eps=1e-5,
+                          yarn=YaRN(factor=2.0, original_max_position=64, beta_fast=8.0, beta_slow=2.0))
+    os.makedirs(tmp_path / "c")
+    with open(tmp_path / "c" / "config.json", "w") as f:
+        json.dump(hf.config_to_hf(c), f)
+    theirs = AutoConfig.from_pretrained(str(tmp_path / "c"))
+    assert theirs.rms_norm_eps == 1e-5 and theirs.num_key_value_heads == 1 and theirs.sliding_window == 9
+    assert theirs.layer_types == ["sliding_attention", "full_attention"] * 3
+    assert theirs.eos_token_id is None and theirs.pad_token_id is None
+    assert config_diff(c, hf.config_from_hf(theirs.to_dict())) == {}
+    seven = hf.config_to_hf(olmo3.Config.olmo3_7b())
+    assert (seven["eos_token_id"], seven["pad_token_id"]) == (100257, 100277)   # dolma2 (DESIGN §2)
+
+
 def test_cli_verify_fails_above_max_kl(tmp_path):
     random_hf_dir(tmp_path / "hf")
     cmd = [sys.executable, os.path.join(ROOT, "convert.py"), f"--from=hf:{tmp_path / 'hf'}",
