@@ -297,6 +297,7 @@ def test_back_to_olmo_core_loads_in_olmo_core_bit_exact(ref, tmp_path):
     cfg.block.sequence_mixer.backend = AttentionBackendName.torch  # the CPU backend; flash is OLMo-core's default
     assert cfg.num_params == R.olmo_core_config().num_params
     tm = R.train_module(cfg.build(init_device="cpu"), torch)
+    recipe = [(len(g["params"]), tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in tm.optim.param_groups]
     # The load_path README and convert.py name: a checkpoint to OLMo-core's Trainer (which
     # skips a directory dir_is_checkpoint refuses: "No checkpoint found", training from scratch).
     load_path = str(tmp_path / "back" / "model_and_optim")
@@ -304,6 +305,9 @@ def test_back_to_olmo_core_loads_in_olmo_core_bit_exact(ref, tmp_path):
     Checkpointer(work_dir=str(tmp_path / "work")).load(load_path, tm, load_trainer_state=False)
     got = R.numpy_state(tm)
     assert set(got) == set(ref["state"])
+    # The param groups loaded with the state (betas, eps, weight decay: no decay on the embedding)
+    # are those of OLMo-core's recipe (R.train_module's SkipStepAdamWConfig)
+    assert [(len(g["params"]), tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in tm.optim.param_groups] == recipe
     for k, v in ref["state"].items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
@@ -315,6 +319,19 @@ def test_weights_only_and_step_label(ref, tmp_path):
     assert mgr.all_steps() == [0] and not any(k.startswith("opt.") for k in mgr.stored_tensors(0))
     np.testing.assert_array_equal(np.asarray(convert.read_stored(mgr, 0, "model.embed", None)),
                                   ref["state"]["model.embeddings.weight"])
+
+
+def test_skipped_steps_keep_the_training_step_apart_from_the_adam_count(ref, tmp_path):
+    """SkipStepAdamW does not advance a parameter's `step` on a skipped step, so a checkpoint of
+    training step 5 may hold Adam step 2 (here: the step-2 checkpoint under the name step5).
+    OptState.step (the schedule position) is the training step, OptState.count (bias
+    correction) Adam's."""
+    import shutil
+    shutil.copytree(ref["dir"] / "run" / "step2", tmp_path / "run" / "step5")
+    convert.olmo_core_to_orbax(str(tmp_path / "run" / "step5"), str(tmp_path / "orbax"))
+    _, opt, extra, label = restore(str(tmp_path / "orbax"), ref["config"])
+    assert int(opt.step) == 5 and label == 5 and extra["olmo_core_step"] == 5
+    assert int(opt.count) == R.STEPS == 2 and extra["adam_count"] == 2
 
 
 def test_torch_missing_is_one_clear_line(monkeypatch):
