@@ -160,11 +160,31 @@ def test_to_hf_writes_bf16_as_bf16(tmp_path):
     with open(tmp_path / "hf" / "model.safetensors", "rb") as f:
         header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
     assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert ref.dtype == torch.bfloat16   # config.json's dtype: "auto" loads what it names
     theirs = {k: v.float().numpy() for k, v in ref.state_dict().items()}
     for name, ours in hf.state_dict(model).items():
         assert ours.dtype == jnp.bfloat16, name
         np.testing.assert_array_equal(ours.astype(np.float32), theirs[name], err_msg=name)
+
+def test_a_checkpoint_s_model_config_keeps_every_field_of_the_math():
+    """config_to_dict -> JSON (a checkpoint's extra) -> config_from_dict gives back every field
+    that changes what the model computes, each away from its default; the fields left out are
+    ways of computing (README: they may change between runs of one checkpoint)."""
+    import dataclasses
+
+    from olmo3.config import YaRN, config_from_dict, config_to_dict
+    math_fields = {"vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden", "window",
+                   "layer_pattern", "rope_theta", "yarn", "norm_eps", "param_dtype"}
+    ways = {"max_position_embeddings", "compute_dtype", "attention", "remat", "scan_layers", "float8", "init_std",
+            "splash_block_q", "splash_block_kv"}
+    assert {f.name for f in dataclasses.fields(olmo3.Config)} == math_fields | ways
+    c = olmo3.Config(vocab_size=300, d_model=48, n_layers=6, n_heads=3, n_kv_heads=1, head_dim=20, mlp_hidden=80,
+                     window=9, layer_pattern=("sliding", "full"), rope_theta=1e4, norm_eps=1e-5, param_dtype="bfloat16",
+                     yarn=YaRN(factor=2.0, original_max_position=64, beta_fast=8.0, beta_slow=2.0, attention_factor=1.5))
+    back = config_from_dict(json.loads(json.dumps(config_to_dict(c))))
+    assert {f: getattr(back, f) for f in math_fields} == {f: getattr(c, f) for f in math_fields}
+
 
 def test_7b_preset_numbers():
     c = olmo3.Config.olmo3_7b()
