@@ -93,6 +93,20 @@ def test_config_read_from_olmo_core_config_json(ref):
     assert c.rope_theta == 500_000 and c.yarn is None
 
 
+def test_a_model_unlike_the_7b_goes_through_olmo_core_s_config_and_back():
+    """Every architecture field away from the 7B's (GQA, head_dim, window, pattern, theta, eps,
+    YaRN) survives OLMo-core's own TransformerConfig (from_dict, as_config_dict) unchanged."""
+    from olmo_core.nn.transformer import TransformerConfig
+
+    from olmo3.config import Config, YaRN, config_diff
+    c = Config.tiny(vocab_size=128, d_model=32, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=16, mlp_hidden=48,
+                    window=9, layer_pattern=("sliding", "full"), rope_theta=1e4, norm_eps=1e-5,
+                    yarn=YaRN(factor=2.0, original_max_position=64, beta_fast=8.0, beta_slow=2.0))
+    theirs = TransformerConfig.from_dict(json.loads(json.dumps(olmo_core.config_to_olmo_core(c))))
+    assert theirs.num_params == c.num_params()
+    assert config_diff(c, olmo_core.config_from_olmo_core(json.loads(json.dumps(theirs.as_config_dict())))) == {}
+
+
 def test_stage3_config_from_hf_builds_in_olmo_core():
     """The long-context 7B read from an HF config (which carries YaRN's attention factor) and
     written as an OLMo-core config: OLMo-core's TransformerConfig.from_dict takes it, and its
