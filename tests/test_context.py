@@ -257,18 +257,23 @@ def test_memory_report_stage3_context():
 
 
 @pytest.mark.slow
+def random_score_batch(rng, rows: int, seq: int, choices: int) -> dict:
+    """A random batch for olmo3.scoring.continuation_scores (byte vocabulary): tokens, targets,
+    half the positions weighted, a random choice position per row and `choices` choice tokens."""
+    return {"tokens": rng.integers(0, 256, (rows, seq)).astype(np.int32),
+            "targets": rng.integers(0, 256, (rows, seq)).astype(np.int32),
+            "weights": (rng.random((rows, seq)) > 0.5).astype(np.float32),
+            "pos": rng.integers(0, seq, (rows,)).astype(np.int32),
+            "choices": rng.integers(0, 256, (rows, choices)).astype(np.int32)}
+
+
 def test_score_fn_on_a_context_mesh_scores_whole_rows():
     """Downstream scoring on a context mesh: every context rank scores whole rows (of any
     length, here 24, not a multiple of 2C), equal to the single-device scorer."""
     from olmo3 import scoring
     model = olmo3.OLMo3(CFG, jax.random.key(0))
     rng = np.random.default_rng(4)
-    R, T = 8, 24
-    b = {"tokens": rng.integers(0, 256, (R, T)).astype(np.int32),
-         "targets": rng.integers(0, 256, (R, T)).astype(np.int32),
-         "weights": (rng.random((R, T)) > 0.5).astype(np.float32),
-         "pos": rng.integers(0, T, (R,)).astype(np.int32),
-         "choices": rng.integers(0, 256, (R, 4)).astype(np.int32)}
+    b = random_score_batch(rng, rows=8, seq=24, choices=4)
     want = scoring.continuation_scores_jit(model, {k: jnp.asarray(v) for k, v in b.items()})
     mesh = sh.make_mesh("fsdp:4,context:2")
     m = sh.shard_state(model, SkipStepAdamW(lambda s: 1e-3).init(model), mesh)[0]

@@ -21,6 +21,7 @@ from olmo3 import heldout, hf, load, optim, schedules, scoring
 from olmo3.config import config_to_dict
 from olmo3.checkpoint import CheckpointManager
 from olmo3.step import make_train_step
+from test_context import random_score_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
@@ -427,10 +428,8 @@ def test_continuation_scores_run_the_head_in_blocks():
     model = olmo3.OLMo3(CFG, jax.random.key(6))
     rng = np.random.default_rng(6)
     R, T = 2, 200
-    b = {"tokens": rng.integers(0, 256, (R, T)).astype(np.int32),
-         "targets": rng.integers(0, 256, (R, T)).astype(np.int32),
-         "weights": (rng.random((R, T)) > 0.5).astype(np.float32),
-         "pos": np.array([7, 199], np.int32), "choices": rng.integers(0, 256, (R, 3)).astype(np.int32)}
+    b = random_score_batch(rng, rows=R, seq=T, choices=3)
+    b["pos"] = np.array([7, 199], np.int32)   # an early position and the last one
     ll, choice = scoring.continuation_scores_jit(model, {k: jnp.asarray(v) for k, v in b.items()})
     for r in range(R):
         lp = log_softmax64(forward(model, list(b["tokens"][r])))
