@@ -59,6 +59,8 @@ def test_bad_files(tmp_path):
     missing = str(tmp_path / "missing.npy")
     with pytest.raises(FileNotFoundError, match="missing.npy"):
         data.FSLDataset([good, missing], seq)
+    with pytest.raises(IsADirectoryError, match="pass the .npy token files inside it"):
+        data.FSLDataset([good, str(tmp_path)], seq)   # at open, not at the first read of it
     empty = tmp_path / "empty.npy"
     empty.write_bytes(b"")
     # An empty file holds no instance, as in OLMo-core (a published mix may list one).

@@ -206,7 +206,9 @@ def test_remote_equals_local_byte_for_byte(tmp_path):
         sizes = storage.load_manifest(storage.default_manifest_path())
         assert sizes == {u: os.path.getsize(p) for u, p in zip(urls, local)}
         before = dict(srv.requests)
+        stamp = os.stat(storage.default_manifest_path()).st_ino
         data.FSLDataset(urls, SEQ)
+        assert os.stat(storage.default_manifest_path()).st_ino == stamp   # nothing new: not rewritten
         assert srv.requests.get("HEAD", 0) == before.get("HEAD", 0)
         assert srv.requests["GET"] == before["GET"] + 1
 
@@ -247,6 +249,29 @@ def test_faults_beyond_the_retry_budget_raise_naming_the_url(tmp_path):
         srv.next_fault = lambda method: "503"  # never recovers
         with pytest.raises(storage.RemoteFileError, match=re.escape(url)):
             f.read_tokens(0, SEQ)
+
+
+def test_backoff_doubles_to_its_cap_and_every_attempt_is_made(tmp_path, monkeypatch):
+    """DESIGN §4 bug 5: try k waits U(0, min(max_delay, initial * 2^k)) (written out below), and a
+    budget of N attempts sends N requests with a wait between each two before it gives up."""
+    bounds = []
+    monkeypatch.setattr(storage.random, "uniform", lambda a, b: bounds.append((a, b)) or b)   # the jitter's bounds
+    p = storage.RetryPolicy(attempts=7, initial_delay=0.25, max_delay=3.0)
+    [p.delay(k) for k in range(7)]
+    assert bounds == [(0.0, b) for b in (0.25, 0.5, 1.0, 2.0, 3.0, 3.0, 3.0)]
+    monkeypatch.undo()
+    rel = _corpus(tmp_path, [4 * SEQ])
+    waits = []
+    monkeypatch.setattr(storage.time, "sleep", waits.append)
+    with RangeServer(tmp_path) as srv:
+        (f,) = storage.open_token_files([f"{srv.url}/{rel[0]}"])
+        f.policy = storage.RetryPolicy(attempts=5, initial_delay=0.001, max_delay=0.002)
+        before = srv.requests["GET"]
+        srv.next_fault = lambda method: "503"  # never recovers
+        with pytest.raises(storage.RemoteFileError, match="failed 5 times"):
+            f.read_tokens(0, SEQ)
+        assert srv.requests["GET"] - before == 5
+    assert len(waits) == 4 and all(0 <= w <= 0.002 for w in waits)
 
 
 def test_file_truncated_on_server(tmp_path):
@@ -397,9 +422,10 @@ def test_a_server_that_shortens_ranges_is_not_called_truncated(tmp_path):
         url = f"{srv.url}/{rel[0]}"
         ds = data.FSLDataset([url], SEQ)
         srv.max_range = 100
-        with pytest.raises(storage.FinalRemoteError, match="shorter byte range") as e:
-            ds[1]
-    assert not isinstance(e.value, storage.TruncatedFileError)
+        for i in (1, 3):   # 3: the file's last range, which ends at its size
+            with pytest.raises(storage.FinalRemoteError, match="shorter byte range") as e:
+                ds[i]
+            assert not isinstance(e.value, storage.TruncatedFileError)
 
 
 def test_file_urls(tmp_path):
@@ -419,6 +445,23 @@ def test_unreachable_root_fails_fast(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(storage.UnreachableError, match=re.escape(url)):
         data.FSLDataset([url, url.replace("00", "01")], SEQ)
+    assert time.perf_counter() - t0 < 5.0
+
+
+def test_unreachable_root_fails_fast_with_recorded_sizes(tmp_path, monkeypatch):
+    """Sizes in the manifest send no size request, but the open still reads one token of the
+    first file with the short budget: a root gone down fails in seconds, not after the run's
+    long retry budget (here ~24 s), as UnreachableError."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    urls = [f"http://127.0.0.1:{port}/mix/part-0{k}.npy" for k in range(2)]
+    storage.save_manifest(storage.default_manifest_path(), {u: 4 * SEQ for u in urls})
+    monkeypatch.setattr(storage, "DEFAULT_RETRY", storage.RetryPolicy(attempts=60, initial_delay=0.4, max_delay=0.4))
+    t0 = time.perf_counter()
+    with pytest.raises(storage.UnreachableError, match=re.escape(urls[0])):
+        data.FSLDataset(urls, SEQ)
     assert time.perf_counter() - t0 < 5.0
 
 
@@ -487,9 +530,10 @@ def test_manifest_errors(tmp_path):
     storage.save_manifest(str(path), {"http://a/x.npy": 8})
     storage.save_manifest(str(path), {"http://a/y.npy": 12})  # merges
     assert storage.load_manifest(str(path)) == {"http://a/x.npy": 8, "http://a/y.npy": 12}
-    path.write_text("{not json")
-    with pytest.raises(ValueError, match=re.escape(str(path)) + ".*delete it"):
-        storage.load_manifest(str(path))
+    for text in ("{not json", '{"format": "some other cache", "files": {"http://a/x.npy": {"bytes": 8}}}'):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(str(path)) + ".*delete it"):
+            storage.load_manifest(str(path))
 
 
 def test_s3_urls_through_an_s3_compatible_endpoint(tmp_path, monkeypatch):
