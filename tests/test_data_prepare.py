@@ -50,11 +50,12 @@ def _split_tokens(out_dir, manifest, split):
                            for f in manifest["splits"][split]["files"]])
 
 
-def test_format_split_and_byte_identical_builds(tmp_path):
+def test_format_split_and_byte_identical_builds(tmp_path, monkeypatch):
     src, docs = _make_corpus(tmp_path, "web", 240, 0)
     enc = data.dolma2()
     out1, out2 = str(tmp_path / "o1"), str(tmp_path / "o2")
     m1 = prep.prepare(src, out1, workers=1, progress=False)
+    monkeypatch.setattr(prep, "_CHUNK_CHARS", 2000)   # dozens of chunks in flight: written in input order
     m2 = prep.prepare(src, out2, workers=2, progress=False)
     assert m1 == m2
     assert sorted(m1["splits"]) == ["heldout/web", "train"]
@@ -88,6 +89,22 @@ def test_bounded_files(tmp_path):
                                   _split_tokens(str(tmp_path / "bounded"), bounded, "train"))
     ds = data.open_split(str(tmp_path / "bounded"), "train", 32)
     assert len(ds) == sum(f["tokens"] // 32 for f in files)
+    # The layout, written out: whole documents in order, a new file before one would pass the bound,
+    # so a file the bound fits exactly is full; a document longer than the bound alone in its file.
+    tokens = _split_tokens(str(tmp_path / "whole"), whole, "train")
+    lengths = np.diff(np.flatnonzero(tokens == data.EOS_ID) + 1, prepend=0)
+    bound = int(lengths[:3].sum())
+    want, cur = [], []
+    for n in lengths.tolist():
+        if cur and sum(cur) + n > bound:
+            want.append(cur)
+            cur = []
+        cur.append(n)
+    want.append(cur)
+    exact = prep.prepare(src, str(tmp_path / "exact"), workers=1, max_tokens_per_file=bound, progress=False)
+    got = exact["splits"]["train"]["files"]
+    assert [(f["documents"], f["tokens"]) for f in got] == [(len(c), sum(c)) for c in want]
+    assert got[0]["tokens"] == bound
 
 
 def test_mixture_weights_and_upsampling(tmp_path):
@@ -116,6 +133,28 @@ def test_mixture_weights_and_upsampling(tmp_path):
     assert tb_up["train_tokens_taken"] > 2 * tb_up["train_tokens_available"]
 
 
+def test_mixture_tokens_take_the_shortest_whole_document_prefix_of_each_share(tmp_path):
+    """--mixture_tokens=T: source i supplies T * w_i / sum(w) tokens, rounded up to whole documents
+    from the start of its train split (cycled when it has fewer): the oracle below, per source."""
+    a, _ = _make_corpus(tmp_path, "a", 60, 12)
+    b, _ = _make_corpus(tmp_path, "b", 30, 13)
+    prep.prepare(f"{a}:1,{b}:3", str(tmp_path / "m1"), workers=1, progress=False)
+    trains = [np.concatenate([np.fromfile(p, np.uint32) for p in sorted((tmp_path / "m1" / "sources" / str(i) / "train").iterdir())])
+              for i in range(2)]
+    ends = [np.flatnonzero(t == data.EOS_ID) + 1 for t in trains]
+    total = 4 * int(ends[0][len(ends[0]) // 3])   # a's share (1/4) ends exactly at a document's end
+    m = prep.prepare(f"{a}:1,{b}:3", str(tmp_path / "m2"), workers=1, mixture_tokens=total, progress=False)
+    want = []
+    for t, e, share in zip(trains, ends, (total // 4, 3 * total // 4)):
+        reps = -(-share // len(t)) + 1
+        cyc = np.tile(t, reps)
+        cyc_ends = np.concatenate([e + r * len(t) for r in range(reps)])
+        want.append(cyc[:int(cyc_ends[np.searchsorted(cyc_ends, share)])])
+    assert [x["train_tokens_taken"] for x in m["mixture"]] == [len(w) for w in want]
+    assert len(want[0]) == total // 4 and len(want[1]) > len(trains[1])   # exact for a; b repeated
+    np.testing.assert_array_equal(_split_tokens(str(tmp_path / "m2"), m, "train"), np.concatenate(want))
+
+
 def test_ensure_corpus_is_idempotent_and_repairs(tmp_path):
     src, _ = _make_corpus(tmp_path, "web", 90, 4)
     out = str(tmp_path / "out")
@@ -135,6 +174,16 @@ def test_ensure_corpus_is_idempotent_and_repairs(tmp_path):
         data.verify(out)
     data.ensure_corpus(out, src, workers=1, progress=False)
     assert open(f, "rb").read() == good
+    # One token changed in place (same size), or one appended: named by verify, repaired.
+    for edit, says in (("r+b", "sha256 differs"), ("ab", f"has {len(good) + 4} bytes")):
+        with open(f, edit) as fh:
+            if edit == "r+b":
+                fh.seek(len(good) - 8)
+            fh.write(np.uint32(7).tobytes())
+        with pytest.raises(ValueError, match=says):
+            data.verify(out)
+        data.ensure_corpus(out, src, workers=1, progress=False)
+        assert open(f, "rb").read() == good
     # An unreadable manifest: a clear error naming it, and ensure_corpus rebuilds.
     with open(os.path.join(out, "manifest.json"), "w") as fh:
         fh.write('{"format": "olmo-core-fsl-uint32/v1", "splits": {"train": {"files": [{"pa')
@@ -142,6 +191,24 @@ def test_ensure_corpus_is_idempotent_and_repairs(tmp_path):
         data.load_manifest(out)
     data.ensure_corpus(out, src, workers=1, progress=False)
     assert data.verify(out)["source"] == src
+    manifest = open(os.path.join(out, "manifest.json")).read()
+    with open(os.path.join(out, "manifest.json"), "w") as fh:   # another format version
+        fh.write(manifest.replace(prep.FORMAT, "olmo-core-fsl-uint32/v0"))
+    with pytest.raises(ValueError, match="manifest.json: unreadable manifest.*expected"):
+        data.load_manifest(out)
+    with open(os.path.join(out, "manifest.json"), "w") as fh:
+        fh.write(manifest)
+    # Other settings make the build stale: the held-out fraction (oracle: the split rule) and the file bound.
+    names = [n for n, _ in _make_corpus(tmp_path / "again", "web", 90, 4)[1]]
+    data.ensure_corpus(out, src, workers=1, progress=False, heldout_fraction=0.5)
+    assert data.load_manifest(out)["splits"]["heldout/web"]["documents"] == sum(_heldout(n, 0.5) for n in names)
+    data.ensure_corpus(out, src, workers=1, progress=False, heldout_fraction=0.5, max_tokens_per_file=200)
+    assert all(f["tokens"] <= 200 for f in data.verify(out)["splits"]["train"]["files"])
+    # A build killed before its manifest, its temporary file left behind: rebuilt over, not refused.
+    os.remove(os.path.join(out, "manifest.json"))
+    open(os.path.join(out, ".train-00000.npy.1.0.tmp"), "wb").close()
+    data.ensure_corpus(out, src, workers=1, progress=False)
+    assert data.verify(out)["max_tokens_per_file"] == prep.DEFAULT_MAX_TOKENS_PER_FILE
     # New inputs make the build stale.
     with open(os.path.join(src, "zzz.txt"), "w") as fh:
         fh.write("a new document")
@@ -212,17 +279,21 @@ def test_lone_surrogates_symlinked_folders_and_nothing_to_train_on(tmp_path):
         prep.prepare(f"stdlib-docs:1,{d}:1", str(tmp_path / "o3"), workers=1, progress=False, heldout_fraction=0.999999)
 
 
-def test_bad_corpus_leaves_nothing_half_written(tmp_path):
+def test_bad_corpus_leaves_nothing_half_written(tmp_path, monkeypatch):
     src, _ = _make_corpus(tmp_path, "web", 60, 5)
+    out = str(tmp_path / "out")
+    prep.prepare(src, out, workers=1, max_tokens_per_file=100, progress=False)   # an earlier build, rebuilt over
     with open(os.path.join(src, "sub", "d.jsonl"), "w") as f:
         f.write(json.dumps({"text": "fine"}) + "\n" + '{"txt": "no text field"}\n')
-    out = str(tmp_path / "out")
+    monkeypatch.setattr(prep, "_CHUNK_CHARS", 500)   # files written and renamed before the bad line is read
     with pytest.raises(ValueError, match=r"d\.jsonl:2.*'text'"):
-        prep.prepare(src, out, workers=1, progress=False)
+        prep.prepare(src, out, workers=1, max_tokens_per_file=100, progress=False)
     left = _all_files(out)
     assert not [p for p in left if ".tmp" in p] and "manifest.json" not in map(os.path.basename, left)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         prep.prepare(str(tmp_path / "nope"), out, workers=1, progress=False)
+    with pytest.raises(ValueError, match=r"heldout_fraction must be in \[0, 1\), got 1.0"):
+        prep.prepare(src, str(tmp_path / "new"), workers=1, progress=False, heldout_fraction=1.0)
     os.makedirs(tmp_path / "emptydir")
     with pytest.raises(ValueError, match="no .txt"):
         prep.prepare(str(tmp_path / "emptydir"), out, workers=1, progress=False)
