@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 import data
+from data import preference
 from data.preference import PairDataset, write_pairs
 from olmo3 import dpo, reference
 from olmo3.cli import UserError
@@ -238,6 +239,19 @@ def test_pairs_round_trip_and_loader_reads_each_pair_once(tmp_path):
         data.Loader.from_state(PairDataset(tmp_path / "other", seq_len=16), state)
 
 
+def test_a_rewrite_that_dies_before_its_manifest_leaves_no_old_manifest(tmp_path, monkeypatch):
+    """Over an existing pair set: the old pairs.json goes before the new files are renamed in, so
+    a crash before the new manifest leaves no set that reads as whole with the old one's counts."""
+    write_pairs(tmp_path, synthetic_pairs(6), max_seq_length=32)
+    def disk_full(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(preference.atomic, "write_json", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        write_pairs(tmp_path, synthetic_pairs(6, seed=2), max_seq_length=32)
+    with pytest.raises(FileNotFoundError, match="pairs.json does not exist"):
+        PairDataset(tmp_path, seq_len=16)
+
+
 def test_truncation_that_leaves_nothing_to_train_is_refused(tmp_path):
     long_prompt = ((np.arange(30), np.arange(30) >= 25), (np.arange(30), np.arange(30) >= 25))
     write_pairs(tmp_path, [long_prompt], max_seq_length=64)
@@ -414,6 +428,7 @@ def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path
         prepare_dpo(str(tmp_path / "bad.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=128)
     assert not (tmp_path / "out2").exists()
     for line, why in ((json.dumps({**rows[0], "rejected": []}), r'bad.jsonl:2: "rejected" must be a non-empty list'),
+                      (json.dumps({**rows[0], "chosen": [user]}), r"bad.jsonl:2: the last chosen message must be the assistant"),
                       (json.dumps({**rows[0], "chosen": "7"}), r'bad.jsonl:2: "chosen" must be a non-empty list')):
         (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0]) + "\n" + line + "\n")
         with pytest.raises(ValueError, match=why):

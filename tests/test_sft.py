@@ -236,6 +236,37 @@ def test_sft_files_load_in_olmo_core(tmp_path, monkeypatch):
     assert sorted(docs) == sorted((tuple(i.tolist()), tuple(m.tolist())) for i, m in want)
 
 
+def test_prepare_sft_parts_end_at_conversations_and_count_what_they_hold(tmp_path):
+    """Parts fill with whole conversations until the next would pass the bound (a part the bound
+    fits exactly is full); the manifest's counts are those of the files; a token file without its
+    mask file, and an unknown template, are refused by name."""
+    T = "olmo_thinker_no_think_sft_tokenization"
+    rows = chats(9, seed=3)
+    full = [chat.encode_with_mask(r["messages"], T) for r in rows]
+    lengths = [len(ids) for ids, _ in full]
+    bound = lengths[0] + lengths[1]
+    want, cur = [], []
+    for n in lengths:
+        if cur and sum(cur) + n > bound:
+            want.append(cur)
+            cur = []
+        cur.append(n)
+    want.append(cur)
+    m = prepare_sft.prepare_sft(str(write_chats(tmp_path / "c.jsonl", rows)), str(tmp_path / "sft"), T,
+                                max_tokens_per_part=bound)
+    ids = [np.fromfile(p, np.uint32) for p in prepare_sft.token_files(str(tmp_path / "sft"))]
+    masks = [np.fromfile(data.packed.label_mask_path(p), np.bool_) for p in prepare_sft.token_files(str(tmp_path / "sft"))]
+    assert [len(x) for x in ids] == [sum(c) for c in want] and len(ids[0]) == bound
+    np.testing.assert_array_equal(np.concatenate(ids), np.concatenate([i for i, _ in full]))
+    np.testing.assert_array_equal(np.concatenate(masks), np.concatenate([k for _, k in full]))
+    assert (m["tokens"], m["trained_tokens"]) == (sum(map(len, ids)), int(sum(k.sum() for k in masks)))
+    os.remove(tmp_path / "sft" / "labels_mask_part_0001.npy")
+    with pytest.raises(FileNotFoundError, match="token_ids_part_0001.npy has no labels_mask_part_0001.npy beside it"):
+        prepare_sft.token_files(str(tmp_path / "sft"))
+    with pytest.raises(ValueError, match="--template='olmo4': choose one of"):
+        prepare_sft.prepare_sft(str(tmp_path / "c.jsonl"), str(tmp_path / "sft2"), "olmo4")
+
+
 def test_prepare_sft_max_seq_length_cuts_then_drops(tmp_path):
     """--max_seq_length as open-instruct's converter: the rendered conversation and its mask cut to
     that many tokens (sft_tulu_tokenize_and_truncate_v1), then dropped when nothing trained is left
