@@ -85,6 +85,20 @@ def test_block_kinds_match_dense_mask(seq, bq, bkv, window):
     np.testing.assert_array_equal(seg, np.where(want == splash.FULL, splash.PARTIAL, want))
 
 
+@pytest.mark.parametrize("seq,q_seq,offset,bq,bkv,window", [
+    (256, 64, 33, 32, 32, None),   # offset 1 mod bkv: a q tile's last row is a kv tile's first key
+    (256, 64, 31, 32, 32, None),   # offset -1 mod bkv: a q tile's first row is a kv tile's last key
+    (256, 96, 97, 32, 64, 100), (256, 64, 95, 64, 32, 100), (256, 64, 192, 32, 32, None),
+])
+def test_chunk_block_kinds_match_dense_mask_rows(seq, q_seq, offset, bq, bkv, window):
+    # A query chunk (context parallelism) at an offset that is not a multiple of any block:
+    # the table must be the dense mask's rows [offset, offset + q_seq), tile by tile.
+    got = splash.block_kinds(seq, bq, bkv, window, q_seq=q_seq, q_offset=offset)
+    want = tile_kinds_from_dense(dense_mask(seq, window)[offset:offset + q_seq], bq, bkv)
+    assert {splash.PARTIAL, splash.FULL} <= set(np.unique(want).tolist())
+    np.testing.assert_array_equal(got, want)
+
+
 def test_visit_lists_cover_exactly_the_non_empty_tiles():
     kinds = splash.block_kinds(1024, 64, 128, 300)
     for table in (kinds, kinds.T):
