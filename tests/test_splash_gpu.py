@@ -17,7 +17,8 @@ import pytest
 import olmo3
 from olmo3 import attention, splash_gpu
 from olmo3.model import OLMo3
-from test_splash import TOL, check_against_oracle, dense_mask, documents, oracle, random_qkv
+from test_splash import (TOL, check_against_oracle, dense_mask, documents, far_below_zero,
+                         FAR_GRAD_TOL, oracle, random_qkv)
 
 TRITON = "__gpu$xla.gpu.triton"
 CUDA = dict(platforms=["cuda"],
@@ -156,6 +157,14 @@ def test_matches_oracle_interpret(case):
 @pytest.mark.parametrize("case", SLOW_CASES, ids=[c[0] for c in SLOW_CASES])
 def test_matches_oracle_interpret_slow(case):
     run_case(case)
+
+
+def test_scores_far_below_zero_interpret():
+    # softmax is shift-invariant: the oracle's answer does not depend on where the scores sit.
+    # A running max started at 0 rather than at the mask value gives exp2(s - 0) = 0, 0 / 0.
+    q, k, v, ct = far_below_zero(2, 1, 64, 16, seed=6)
+    check_against_oracle(q, k, v, ct, window=40, segment_ids=documents(64, (20,)), bq=0,
+                         bkv=0, interpret=True, kernel=gpu_kernel(SMALL), grad_tol=FAR_GRAD_TOL)
 
 
 @pytest.mark.slow
