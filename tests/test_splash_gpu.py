@@ -61,6 +61,7 @@ def visited_kinds(seq, bq, bkv, window, seg=None):
     reach, full = splash_gpu.tile_classes(seq, bq, bkv, window,
                                           None if seg is None else jnp.asarray(seg))
     lo, flo, fhi, hi = np.asarray(splash_gpu.visit_bounds(reach, full)).T[:, :, None]
+    assert ((lo <= flo) & (flo <= fhi) & (fhi <= hi)).all()   # the three loops, in order
     cols = np.arange(tiles.shape[1])[None, :]
     kind = np.where((cols >= lo) & (cols < hi), "P", "")
     kind = np.where((cols >= flo) & (cols < fhi), "F", kind)
@@ -71,11 +72,13 @@ def visited_kinds(seq, bq, bkv, window, seg=None):
     (256, 64, 32, None, None), (256, 32, 64, 100, None), (512, 128, 64, 200, None),
     (256, 32, 32, 32, None), (256, 32, 32, 33, None), (256, 64, 64, 1, None),
     (256, 64, 32, 100, (50, 130)), (256, 32, 64, None, (64, 64, 100)),
-    (256, 32, 32, 90, "unsorted"),
+    (256, 32, 32, 90, "unsorted"), (128, 32, 32, None, "mixed"),
 ])
 def test_visit_bounds_match_dense_mask(seq, bq, bkv, window, seg):
     if seg == "unsorted":      # ids repeat: tiles with overlapping id ranges but nothing shared
         seg = np.tile(np.repeat([0, 1], 32), seq // 64)
+    elif seg == "mixed":       # unsorted, kv block 0 holds ids 0 and 1, q blocks 2, 3 only 0:
+        seg = np.repeat([0, 1, 1, 0], [16, 16, 32, 64])   # same min id, yet not one id: masked
     elif seg is not None:
         seg = np.asarray(documents(seq, seg))
     kind, tiles = visited_kinds(seq, bq, bkv, window, seg)
@@ -270,6 +273,8 @@ def test_stage3_model_gradient_lowers_for_cuda_without_seq_squared(impl):
 @pytest.mark.parametrize("seq,q_seq,offset,bq,bkv,window,seg", [
     (256, 64, 96, 32, 32, None, None), (256, 96, 100, 32, 64, 50, None),
     (256, 128, 128, 64, 32, None, (50, 130)), (256, 64, 37, 32, 32, 40, (60, 20)),
+    (256, 64, 33, 32, 32, None, None),   # a q tile's last row is a kv tile's first key
+    (256, 64, 31, 32, 32, 100, None),    # a q tile's first row is a kv tile's last key
 ])
 def test_chunk_visit_bounds_match_dense_mask_rows(seq, q_seq, offset, bq, bkv, window, seg):
     seg = None if seg is None else np.asarray(documents(seq, seg))
@@ -279,6 +284,7 @@ def test_chunk_visit_bounds_match_dense_mask_rows(seq, q_seq, offset, bq, bkv, w
                                           None if seg is None else jnp.asarray(seg),
                                           q_seq=q_seq, q_offset=offset)
     lo, flo, fhi, hi = np.asarray(splash_gpu.visit_bounds(reach, full)).T[:, :, None]
+    assert ((lo <= flo) & (flo <= fhi) & (fhi <= hi)).all()
     cols = np.arange(tiles.shape[1])[None, :]
     visited, unmasked = (cols >= lo) & (cols < hi), (cols >= flo) & (cols < fhi)
     assert visited[tiles.any(-1)].all()                  # every visible tile is visited
