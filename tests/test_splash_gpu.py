@@ -325,6 +325,9 @@ def check_chunk(heads, kv_heads, seq, head_dim, dtype, q_seq, offset, window, sp
 CHUNK_CASES = [
     ("window_segments_gqa_f32", 4, 2, 256, 64, jnp.float32, 96, 70, 60, (50, 110)),
     ("causal_mqa_bf16_last_rows", 4, 1, 256, 64, jnp.bfloat16, 64, 192, None, None),
+    # the last rows, padded (40 -> 64 queries) past the last key (88 + 64 > 128), and a window
+    # (50) wider than the chunk but narrower than the sequence
+    ("padded_past_keys_window_segments_f32", 2, 1, 128, 16, jnp.float32, 40, 88, 50, (30, 70)),
 ]
 SLOW_CHUNK_CASES = [
     ("segments_causal_gqa_f32_first_rows", 4, 2, 256, 64, jnp.float32, 128, 0, None, (30, 90)),
