@@ -42,6 +42,19 @@ def test_xla_dispatch_uses_blocks_only_past_two_windows(monkeypatch):
         np.testing.assert_allclose(out, oracle(q, k, v, window), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 1, 16])
+def test_cudnn_call_means_our_mask(window, monkeypatch):
+    """impl="cudnn" without documents is jax.nn.dot_product_attention(implementation="cudnn"),
+    which needs a GPU; its arguments (causal, local_window_size) are held to the dense oracle
+    through JAX's own XLA implementation of the same call, which any backend runs."""
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation, **kw: real(*a, implementation="xla", **kw))
+    q, k, v, _ = random_qkv(4, 2, 48, 8, jnp.float32, seed=3)
+    out = attention.attention(q, k, v, window=window, segment_ids=None, impl="cudnn")
+    np.testing.assert_allclose(out, oracle(q, k, v, window), atol=2e-6, rtol=0)
+
+
 @pytest.mark.parametrize("impl,platform,tiles,refused,fix", [
     ("cudnn", "gpu", (), False, None), ("cudnn", "cpu", (), True, "--attention=xla"),
     ("cudnn", "tpu", (), True, "--attention=xla"), ("splash", "cpu", (), False, None),
