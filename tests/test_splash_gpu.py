@@ -220,7 +220,7 @@ def test_seq_squared_check_can_fail():
 @pytest.mark.parametrize("impl,platform,present,absent", [
     ("splash", "cuda", TRITON, "tpu_custom_call"),
     ("splash", "tpu", "tpu_custom_call", TRITON),
-    ("splash", "cpu", None, TRITON),             # interpret mode: plain HLO, no custom call
+    ("splash", "cpu", "splash_gpu_fwd", TRITON), # the GPU kernel interpreted: plain HLO
     ("cudnn", "cuda", TRITON, "__cudnn"),        # documents: cuDNN cannot, the GPU kernel does
 ])
 def test_dispatch_by_lowering_platform(impl, platform, present, absent):
@@ -370,7 +370,7 @@ def test_attention_chunk_dispatch_matches_chunk_attention():
 @pytest.mark.parametrize("impl,platform,present,absent", [
     ("splash", "cuda", TRITON, "tpu_custom_call"),
     ("splash", "tpu", "tpu_custom_call", TRITON),
-    ("splash", "cpu", None, TRITON),
+    ("splash", "cpu", "splash_gpu_fwd", TRITON),
     ("cudnn", "cuda", TRITON, "__cudnn"),        # cuDNN's causal mask cannot be offset
 ])
 def test_chunk_dispatch_by_lowering_platform(impl, platform, present, absent):
