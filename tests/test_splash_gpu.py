@@ -71,6 +71,7 @@ def visited_kinds(seq, bq, bkv, window, seg=None):
 @pytest.mark.parametrize("seq,bq,bkv,window,seg", [
     (256, 64, 32, None, None), (256, 32, 64, 100, None), (512, 128, 64, 200, None),
     (256, 32, 32, 32, None), (256, 32, 32, 33, None), (256, 64, 64, 1, None),
+    (256, 32, 32, 63, None), (256, 32, 32, 64, None),   # window = q1 - k0: full or not
     (256, 64, 32, 100, (50, 130)), (256, 32, 64, None, (64, 64, 100)),
     (256, 32, 32, 90, "unsorted"), (128, 32, 32, None, "mixed"),
 ])
