@@ -79,6 +79,12 @@ def test_cast_is_torchaos_bit_for_bit(dtype, fmt):
         assert float(float8.quantize(x, ours_dtype, pow2=False)[1]) == theirs, magnitude
     q, s = float8.quantize(jnp.zeros((4, 4), dtype), ours_dtype)
     assert not np.asarray(q, np.float32).any() and np.isfinite(float(s))
+    # An all-zero weight (unrounded scale): torchao clamps its amax at EPS = 1e-12, so the scale
+    # is max / 1e-12 and the weight casts to zeros, not 0 x inf = NaN.
+    q, s = float8.quantize(jnp.zeros((4, 4), dtype), ours_dtype, pow2=False)
+    eps = np.float64(np.float32(1e-12))     # torch.clamp(fp32 amax, EPS), then fp64
+    assert float(s) == np.float32(np.float64(torch.finfo(theirs_dtype).max) / eps)
+    assert not np.asarray(q, np.float32).any()
     for bad in (np.inf, np.nan):   # a non-finite entry: NaN where torchao has NaN, never saturated away
         x = jnp.asarray(rng.standard_normal((8, 8)), dtype).at[3, 5].set(bad)
         q, _ = float8.quantize(x, ours_dtype)
