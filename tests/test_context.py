@@ -167,6 +167,40 @@ def test_context_eval_equals_single_device():
     assert float(n) == float(want_n)
 
 
+@pytest.mark.parametrize("label_mask", [True, False])
+def test_context_rows_are_the_whole_rows_labels_in_context_order(label_mask):
+    """Host side (`global_batch`'s `_context_rows`): put back in position order, a row's labels
+    are olmo3.loss.labels_and_weights' (next token, -100 at the last position and where the label
+    mask refuses the target), its positions 0..T-1, its tokens and segment ids the row's own."""
+    T, C = 32, 4
+    batch = rows(T, seed=6)
+    if not label_mask:
+        del batch["label_mask"]
+    out = sh._context_rows(batch, C)
+    back = np.argsort(sh.context_order(T, C))
+    want = labels_and_weights(jnp.asarray(batch["tokens"]), jnp.asarray(batch["instance_mask"]),
+                              jnp.asarray(batch["label_mask"]) if label_mask else None)[0]
+    np.testing.assert_array_equal(out["labels"][:, back], np.asarray(want))
+    np.testing.assert_array_equal(out["positions"][:, back], np.broadcast_to(np.arange(T), (B, T)))
+    for key in ("tokens", "segment_ids"):
+        np.testing.assert_array_equal(out[key][:, back], batch[key])
+    np.testing.assert_array_equal(out["instance_mask"], batch["instance_mask"])
+    assert "label_mask" not in out
+
+
+def test_context_eval_equals_single_device_fast(single_device):
+    """Held-out CE sum and counted tokens on context:2 (2 devices): each rank's chunks summed
+    over data x fsdp x context equal the whole rows' on one device (rtol 1e-6, count exact)."""
+    model, batch = single_device[:2]
+    want_ce, want_n = eqx.filter_jit(eval_loss)(model, {k: jnp.asarray(v) for k, v in batch.items()},
+                                                chunk=64, use_segments=True)
+    mesh = sh.make_mesh("context:2", devices=jax.devices()[:2])
+    m = sh.shard_state(model, SkipStepAdamW(lambda s: 1e-3).init(model), mesh)[0]
+    ce, n = sh.make_eval_fn(mesh, sh.param_specs(m, mesh), chunk=64, use_segments=True)(m, sh.global_batch(batch, mesh))
+    np.testing.assert_allclose(float(ce), float(want_ce), rtol=1e-6)
+    assert float(n) == float(want_n)
+
+
 def test_bad_context_mesh():
     with pytest.raises(ValueError, match="'context:3': 3 does not divide the 8 global devices"):
         sh.make_mesh("context:3")
@@ -253,6 +287,8 @@ def test_memory_report_stage3_context():
     assert cp["param_bytes"] == plain["param_bytes"] == 4 * n // 8    # fp32 master weights / 8
     # save_proj keeps q, k, v, gate, up + o, down, layer input: 46,592 bf16 values per token-layer
     assert cp["activation_bytes"] == 8192 * 32 * 46592 * 2
+    # K and V of one head_stride=4 group, whole sequence, bf16: the 128 MiB of the module docstring
+    assert cp["kv_gathered_bytes"] == 2 * 4 * 65536 * 128 * 2 == 128 * 2**20
     assert sh.memory_report(cfg, 64, data=1, context=8)["param_bytes"] == 4 * n // 64
 
 
