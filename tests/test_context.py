@@ -98,6 +98,28 @@ def test_splash_query_chunk_matches_reference():
         np.testing.assert_allclose(g, r, atol=2e-6)
 
 
+def test_context_splash_attention_is_the_whole_sequences_in_context_order():
+    """Splash attention on context:2 (each rank attends its two query chunks to the gathered K/V
+    at their static global offsets, one lax.switch branch per rank): the rows of
+    reference_attention over the whole sequence, in context order. Forward only (xla and the
+    gradients: test_context_grads_*; splash gradients: the slow test below)."""
+    T, C = 32, 2
+    rng = np.random.default_rng(8)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((4, T, 16), (2, T, 16), (2, T, 16)))
+    seg = jnp.asarray(np.cumsum(rng.random(T) < 0.1), jnp.int32)
+    want = attn.reference_attention(q, k, v, window=8, segment_ids=seg)
+    order = sh.context_order(T, C)
+    mesh = sh.make_mesh("context:2", devices=jax.devices()[:2])
+
+    def attend(q, k, v):
+        return sh._context_attention(CFG.replace(attention="splash"), seg, head_stride=2)(q, k, v, window=8)
+
+    chunks = jax.P(None, "context")
+    got = jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=(chunks,) * 3, out_specs=chunks, check_vma=False))(
+        q[:, order], k[:, order], v[:, order])
+    np.testing.assert_allclose(got, want[:, order], atol=1e-5)
+
+
 def context_grads(model, batch, spec, head_stride, microbatches=1):
     mesh = sh.make_mesh(spec)
     m = sh.shard_state(model, SkipStepAdamW(lambda s: 1e-3).init(model), mesh)[0]
