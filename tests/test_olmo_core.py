@@ -278,6 +278,7 @@ def test_one_further_step_matches_olmo_core(ref):
     batch = {"tokens": jnp.asarray(ref["batch3"], jnp.int32), "instance_mask": jnp.ones((R.BATCH,), bool)}
     model, opt, metrics = train_step(model, opt, batch)
     assert float(metrics["train/loss"]) == pytest.approx(m3["train/CE loss"], rel=1e-6)
+    assert float(metrics["train/z_loss"]) == pytest.approx(m3["train/Z loss"], rel=1e-5)   # multiplier included
     assert float(metrics["optim/grad_norm"]) == pytest.approx(m3["optim/total grad norm"], rel=1e-5)
     assert float(metrics["optim/step_skipped"]) == m3["optim/step skipped"] == 0.0
     assert int(opt.count) == R.STEPS + 1
