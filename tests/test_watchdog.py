@@ -40,6 +40,11 @@ def test_not_armed_before_the_first_step_nor_inside_a_phases_first_run():
         time.sleep(0.1)
         w.beat(2)
         w.close()
+        armed = Watchdog(0.3)
+        armed.arm(0)
+        time.sleep(1.5)          # armed, and no compile start announced yet: the clock waits for one
+        armed.beat(1)
+        armed.close()
         Watchdog(0).beat(3)      # 0: no watchdog at all
         print("done")
     """)
@@ -138,3 +143,41 @@ def test_the_first_step_is_not_timed_when_compile_starts_are_not_announced():
     """)
     assert p.returncode == 1 and p.stdout.strip() == "done", (p.stdout, p.stderr)
     assert "no training step finished for " in p.stderr and "after step 2 (it took" in p.stderr
+
+
+def test_a_phase_is_bounded_by_its_longest_run_not_its_last():
+    """The bound is 3 x the LONGEST earlier run of the phase's name (the docstring's rule), however
+    short the runs since: a 1 s save, then a 0.1 s one, then a 0.8 s one is within 3 x 1 s. A bound
+    from the last run alone (3 x 0.1 s, below the 0.3 s timeout) ended a healthy run. The same for
+    commits reported through `observed`: a short report does not lower a longer one's bound."""
+    p = run("""
+        w = Watchdog(0.3)
+        w.beat(1)
+        for seconds in (1.0, 0.1, 0.8):   # the first is not timed; the third is within max(0.3, 3 x 1.0)
+            with w.phase("checkpoint save"):
+                time.sleep(seconds)
+            w.beat(2)
+        w.observed("checkpoint commit", 1.0)
+        w.observed("checkpoint commit", 0.1)
+        with w.phase("checkpoint commit"):
+            time.sleep(0.8)               # within max(0.3, 3 x 1.0), past max(0.3, 3 x 0.1)
+        print("bounded", flush=True)
+    """)
+    assert p.returncode == 0 and p.stdout.strip() == "bounded", (p.stdout, p.stderr)
+
+
+def test_an_unmatched_compile_end_does_not_unlearn_that_starts_are_announced():
+    """A compile that started before the watchdog listened ends without a start: that says nothing
+    about this JAX, which has announced a start already, so the first step stays timed."""
+    p = run("""
+        import jax
+        event = "/jax/core/compile/backend_compile_duration"
+        w = Watchdog(0.5)
+        jax.monitoring.record_scalar(event, time.time())           # a compile announced...
+        jax.monitoring.record_event_duration_secs(event, 0.1)      # ...and ended
+        jax.monitoring.record_event_duration_secs(event, 1.0)      # an end whose start came before the watchdog
+        w.arm(0)
+        time.sleep(20)           # the first step never finishes
+    """)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert "step 1, the first of this run, has not finished" in p.stderr.strip().splitlines()[-1], p.stderr
