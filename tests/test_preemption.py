@@ -1,5 +1,6 @@
 """olmo3/preemption.py's single-process SIGTERM handler under a flood of signals."""
 import os
+import signal
 import subprocess
 import sys
 
@@ -71,3 +72,25 @@ def test_a_notice_before_a_resumed_run_s_first_step_stops_every_process_after_it
             p.kill()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and "stopped at 1001" in out, (out + err)[-3000:]
+
+
+CLOSE = r"""
+import os, signal, time
+from olmo3.preemption import Notice
+notice = Notice(1000)
+os.kill(os.getpid(), signal.SIGTERM)   # held as a notice: the step that finishes next is saved
+time.sleep(0.2)
+print("notice", notice.reached(1001), flush=True)
+notice.close()                         # SIGTERM is the process's own again: it ends it
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(10)
+print("survived", flush=True)
+"""
+
+
+def test_close_gives_sigterm_back():
+    """One process: a SIGTERM before `close` is a notice, reached at the next step asked about; after
+    `close` (train.py's loop is over) SIGTERM ends the process as it would without a Notice."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", CLOSE], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGTERM and p.stdout.split() == ["notice", "True"], (p.returncode, p.stdout, p.stderr)
