@@ -76,8 +76,10 @@ def test_a_new_checkpoint_is_progress_and_time_is_not(tmp_path):
     a save that never finished. A run crashing before each next save ends instead of looping."""
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir(), second.mkdir()
-    rc, runs, _ = _run(first, "1+,1+,1+,0", max_attempts=2, progress=lambda: newest_checkpoint(f"{first}/checkpoints"))
+    rc, runs, delays = _run(first, "1+,1+,1+,0", max_attempts=2,
+                            progress=lambda: newest_checkpoint(f"{first}/checkpoints"))
     assert (rc, runs) == (0, 4)             # each failure saved first: never two in a row
+    assert len(delays) == 3 and all(0.005 <= d <= 0.01 for d in delays), delays   # each the first failure's delay
     lines = []
     rc, runs, _ = _run(second, "1,1+,1~,1,1", max_attempts=3, reset_after_s=0.0, log=lines.append,
                        progress=lambda: newest_checkpoint(f"{second}/checkpoints"))
@@ -144,6 +146,48 @@ def test_child_is_never_a_launcher(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, True, 2]
 
+
+
+# train.py --resume_until_done with the loop itself stubbed: what it hands run_until_done.
+WIRING = """
+import json, sys
+import train
+from olmo3 import launch
+seen = {}
+def loop(argv, **kw):
+    seen.update(argv=argv, max_attempts=kw["max_attempts"], progress=kw["progress"]())
+    return 7
+launch.run_until_done = loop
+sys.argv = ["train.py", *sys.argv[1:]]
+train.F(sys.argv)
+try:
+    train.main(["train.py"])
+except SystemExit as e:
+    seen["exit"] = e.code
+print(json.dumps(seen))
+"""
+
+
+def test_train_py_hands_the_loop_its_limit_and_its_progress_probe(tmp_path):
+    """train.py's launcher: --max_restarts is the loop's limit of attempts without progress, and
+    progress is the newest finished checkpoint under <--run_dir>/checkpoints (here 12: the
+    folders this test made, an unfinished save's aside). Without the probe any attempt that ran an
+    hour counted as progress, and a run crashing before each next save was rerun forever."""
+    import json
+    import os
+    import subprocess
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for name in ("3", "12", "40.orbax-checkpoint-tmp-7"):
+        (checkpoints / name).mkdir(parents=True)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", WIRING, f"--run_dir={tmp_path / 'run'}", "--resume_until_done",
+                        "--max_restarts=4", "--max_steps=9"], capture_output=True, text=True, cwd=root,
+                       env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    assert (seen["max_attempts"], seen["progress"], seen["exit"]) == (4, 12, 7), seen
+    assert seen["argv"] == [sys.executable, "train.py", f"--run_dir={tmp_path / 'run'}", "--max_restarts=4",
+                            "--max_steps=9", "--resume", "--noresume_until_done"], seen["argv"]
 
 def test_strip_flag():
     argv = ["--stage=1", "--resume_until_done", "--noresume_until_done", "--resume_until_done=true",
