@@ -57,6 +57,40 @@ def test_detect(env, engine, processes, auto, words):
         assert launch.source.split("=")[0].split(" ")[0] in env
 
 
+
+def _without(env, *names):
+    return {k: v for k, v in env.items() if k not in names}
+
+
+@pytest.mark.parametrize("env", [
+    SLURM_STEP,
+    _without(SLURM_STEP, "SLURM_NTASKS"),            # SLURM_NPROCS alone: JAX reads SLURM_NTASKS
+    _without(SLURM_STEP, "SLURM_LOCALID"),
+    _without(SLURM_STEP, "SLURM_STEP_NODELIST"),
+    {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "64"},     # the batch shell
+    fake_srun.mpirun_env(1, 4, 61500),
+    {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "1"},   # Open MPI 5: no URI
+    {**SLURM_STEP, "OMPI_COMM_WORLD_SIZE": "64", "OMPI_COMM_WORLD_RANK": "3"},
+    {**SLURM_STEP, **fake_srun.mpirun_env(1, 4, 61500)},   # both joinable: JAX takes Open MPI first
+], ids=["srun", "nprocs_only", "no_localid", "no_step_nodelist", "batch_shell", "mpirun4", "ompi5",
+        "srun_ompi5", "srun_mpirun4"])
+def test_detect_agrees_with_jax_s_own_detection(env, monkeypatch):
+    """The reference: JAX's Open MPI and SLURM detection itself (jax._src.clusters, what
+    jax.distributed.initialize() with no arguments runs), given the same variables. `detect` calls
+    a launch joinable exactly when JAX finds it, names the engine JAX picks (Open MPI before SLURM)
+    and the process count JAX would wait for."""
+    clusters = pytest.importorskip("jax._src.clusters")
+    for var in list(os.environ):
+        if var.startswith(fake_srun.LAUNCHER_PREFIXES):
+            monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    names = {clusters.OmpiCluster: "open-mpi", clusters.SlurmCluster: "slurm"}
+    found = next((c for c in clusters.ClusterEnv._cluster_types if c in names and c.is_env_present()), None)
+    jax_sees = None if found is None else (names[found], found.get_process_count())
+    launch = cluster.detect(env)
+    assert ((launch.engine, launch.processes) if launch.auto else None) == jax_sees, launch
+
 def test_srun_preserve_env_counts_the_step():
     """`srun -E -n1` inside a 16-task allocation keeps SLURM_NTASKS=16: one process, not a refused
     replica; a step of 2 under -E cannot be joined by JAX (it would wait for 16) and says so."""
@@ -175,6 +209,13 @@ def test_initialize_refuses_before_touching_jax(monkeypatch):
             cluster.initialize(num_processes=n, env=SLURM_STEP)
         with pytest.raises(ClusterError, match=f"= {n}, but OMPI_COMM_WORLD_SIZE=4"):
             cluster.initialize(env={**fake_srun.mpirun_env(1, 4, 61500), "JAX_NUM_PROCESSES": str(n)})
+    # A process id outside [0, count): the coordinator would wait for a process that never comes.
+    for pid in (2, -1):
+        with pytest.raises(ClusterError, match=rf"process_id={pid} must be in \[0, num_processes=2\)"):
+            cluster.initialize("10.0.0.1:1234", 2, pid, env={})
+    # `srun -n1` (no -E): a one-task step that JAX could "join" is one process; nothing is joined.
+    one = cluster.initialize(env=fake_srun.srun_env(job_id=5, rank=0, ntasks=1, nodes=1))
+    assert (one.engine, one.processes) == ("slurm", 1)
     assert not jax.distributed.is_initialized()
 
 
