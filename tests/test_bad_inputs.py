@@ -158,6 +158,8 @@ def _cases(w):
          "head_dim=15 must be even: RoPE rotates pairs of dimensions"),
         ("hang_timeout_nan", "train.py", [*T, f"--run_dir={new}", "--hang_timeout_s=nan"], 2,
          "--hang_timeout_s must be >= 1 second, or 0 (never)"),
+        ("hang_timeout_too_short", "train.py", [*T, f"--run_dir={new}", "--hang_timeout_s=0.5"], 2,
+         "--hang_timeout_s must be >= 1 second, or 0 (never)"),   # ended every attempt at its first step
         ("diverges", "train.py", [*T, f"--run_dir={new}", "--lr=1e30", "--max_grad_norm=1e30"], 3,
          "No checkpoint was written yet"),
         ("eval_no_model", "eval.py", [], 2, "give --model"),
@@ -337,6 +339,41 @@ def test_exit_status_before_and_after_the_first_step(monkeypatch):
     assert [cli.exit_status(e) for e in cases] == [1, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1]
     assert [cli.exit_status(e) for e in flaky] == [1, 1, 1, 1]
 
+
+
+FINITE = """
+import json, math
+import train
+from olmo3 import cli
+class Ckpt:
+    def what_to_resume(self):
+        return "Resume from checkpoint 4."
+out = []
+for m in ({"train/loss": 2.5, "eval/docs/loss": 3.0, "optim/grad_norm": 1.0},
+          {"train/loss": 2.5, "eval/docs/loss": math.nan}, {"train/loss": math.inf},
+          {"eval/code/loss": 3.0, "eval/docs/olmo_core_ce": 1.0, "eval/docs/loss": -math.inf}):
+    try:
+        train.check_finite(m, 6, Ckpt())
+        out.append(None)
+    except Exception as e:
+        out.append([cli.exit_status(e), cli.one_line(e)])
+print(json.dumps(out))
+"""
+
+
+def test_a_non_finite_held_out_loss_ends_the_run_as_non_finite():
+    """train.py's check after each step and evaluation: a NaN / inf loss of any name, the training
+    loss or a held-out domain's, ends the run with exit 3 before anything is saved, naming it and
+    the checkpoint to resume from. No other test reaches a held-out NaN before a training one
+    (a diverging run's training loss goes first), so a check of the training loss alone passed."""
+    p = subprocess.run([sys.executable, "-c", FINITE], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**ENV, "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [
+        None,
+        [3, "step 6: NaN or inf in eval/docs/loss=nan; nothing was saved. Resume from checkpoint 4."],
+        [3, "step 6: NaN or inf in train/loss=inf; nothing was saved. Resume from checkpoint 4."],
+        [3, "step 6: NaN or inf in eval/docs/loss=-inf; nothing was saved. Resume from checkpoint 4."]]
 
 def test_out_of_memory_in_a_programs_first_run_is_final_with_its_advice(monkeypatch):
     """After the first step, out of memory in an evaluation that never completed is final (2) with
