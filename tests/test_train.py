@@ -188,7 +188,8 @@ def test_output_is_our_lines_unless_verbosity(uninterrupted, docs, tmp_path):
 
 
 def test_stage2_warm_start(uninterrupted, docs, tmp_path):
-    """Stage 2 keeps params and Adam moments, restarts step and schedule (lr = stage-2 peak)."""
+    """Stage 2 keeps params and Adam moments, restarts step and schedule (lr = stage-2 peak);
+    resumed with its --init_from still given, it continues its own checkpoint."""
     base = uninterrupted
     run(["--stage=2", "--schedule=linear", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
          "--max_steps=1", "--save_interval=1", f"--init_from={base / 'a' / 'checkpoints' / '6'}"],
@@ -199,6 +200,15 @@ def test_stage2_warm_start(uninterrupted, docs, tmp_path):
     assert m[0]["optim/adam_count"] == 7.0  # warm Adam: 6 stage-1 updates + this one
     a = losses(base / "a")
     assert abs(m[0]["train/loss"] - a[6]) < 1.0  # no cold-start spike
+    # The same command rerun with --resume, as --resume_until_done reruns it after a crash: it
+    # continues this run at step 2 (Adam's 8th update), and --init_from no longer applies. Warm
+    # started again instead, it would train step 1 a second time from the stage-1 weights.
+    run(["--stage=2", "--schedule=linear", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
+         "--max_steps=2", "--save_interval=1", f"--init_from={base / 'a' / 'checkpoints' / '6'}", "--resume"],
+        tmp_path, docs, base / "data")
+    m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in m] == [1, 2] and m[1]["optim/adam_count"] == 8.0, m
+    assert m[1]["optim/lr"] == pytest.approx(2e-4 * (1 - 2 / 10), rel=1e-6)
 
 
 def test_bad_inputs(uninterrupted, docs, tmp_path):
