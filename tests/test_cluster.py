@@ -209,6 +209,9 @@ def test_initialize_refuses_before_touching_jax(monkeypatch):
             cluster.initialize(num_processes=n, env=SLURM_STEP)
         with pytest.raises(ClusterError, match=f"= {n}, but OMPI_COMM_WORLD_SIZE=4"):
             cluster.initialize(env={**fake_srun.mpirun_env(1, 4, 61500), "JAX_NUM_PROCESSES": str(n)})
+    # Explicit values with no engine to fill in the rest: all three, or the missing ones named.
+    with pytest.raises(ClusterError, match=r"needs all of: --process_id / JAX_PROCESS_ID missing"):
+        cluster.initialize("10.0.0.1:1234", 2, env={})
     # A process id outside [0, count): the coordinator would wait for a process that never comes.
     for pid in (2, -1):
         with pytest.raises(ClusterError, match=rf"process_id={pid} must be in \[0, num_processes=2\)"):
@@ -278,6 +281,15 @@ def test_one_process_tools(monkeypatch):
     assert e.value.code == 2
     launch = cluster.start("eval.py", multi_process=False, independent_runs=True)
     assert launch.engine == "slurm, independent runs (--independent_runs)"
+    # `mpiexec -n 2 python eval.py` (MPICH / Intel MPI: nothing JAX joins) starts two copies as well
+    for var in list(os.environ):
+        if var.startswith(fake_srun.LAUNCHER_PREFIXES):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("PMI_SIZE", "2")
+    monkeypatch.setenv("PMI_RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        cluster.start("eval.py", multi_process=False)
+    assert e.value.code == 2
 
 
 # ---------------------------------------------------------------------------------------------
