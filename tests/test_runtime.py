@@ -221,6 +221,21 @@ def test_xla_flags_naming_a_file(tmp_path):
     assert out["xla_flags"] == str(flagfile) and out["applied"][0].startswith("malloc")   # the user's choice wins
 
 
+
+def test_bf16_compute_leaves_the_dot_library_alone():
+    """tune_cpu(dots=False), train.py's call for --compute_dtype=bfloat16: no YNNPACK dots (its
+    bf16 dots differ between programs, see (1) in olmo3/runtime.py), the allocator settings still."""
+    code = ("import json, os; from olmo3 import runtime; "
+            "print(json.dumps([runtime.tune_cpu(reserve=0, dots=False), os.environ.get('XLA_FLAGS', '')]))")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    applied, xla_flags = json.loads(out.stdout.strip().splitlines()[-1])
+    assert xla_flags == "" and runtime.YNN_DOTS_ONLY not in applied, (applied, xla_flags)
+    if sys.platform.startswith("linux"):
+        assert [a for a in applied if a.startswith("malloc")], applied
+
 def test_user_dot_library_choice_wins_whole():
     # A user who hands dots to XNNPACK does not also get YNNPACK's dots added beside it.
     user = "--xla_cpu_experimental_xnn_fusion_type=dot"
