@@ -317,6 +317,8 @@ def test_gpu_flags_not_set_for_a_cpu(monkeypatch):
     assert runtime.tune_gpu() == []
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
     assert runtime.gpu_backend_expected()
+    monkeypatch.setenv("JAX_PLATFORMS", "gpu")   # JAX's alias for cuda (or rocm): a GPU all the same
+    assert runtime.gpu_backend_expected()
 
 
 def test_compilation_cache_never_stops_a_run(tmp_path, monkeypatch):
