@@ -112,6 +112,12 @@ def test_kubernetes_without_the_package_is_refused(monkeypatch):
     with pytest.raises(ClusterError, match=r"indexed Job.*jax\[k8s\].*--independent_runs"):
         cluster.initialize(env=env)
     assert "independent runs" in cluster.initialize(independent_runs=True, env=env).engine
+    # Cloud TPU variables on a host JAX finds no TPU VM on: the count they announce is refused here,
+    # naming what JAX said and the fix (not left for the guard after a backend has started).
+    tpu = {"TPU_WORKER_HOSTNAMES": "h0,h1", "TPU_WORKER_ID": "1"}
+    with pytest.raises(ClusterError, match=r"TPU_WORKER_HOSTNAMES \(2 hosts\) says 2 processes, but "
+                                           r"jax.distributed.initialize\(\) could not join them.*install jax\[tpu\]"):
+        cluster.initialize(env=tpu)
 
 
 def test_detect_prefers_what_jax_can_join():
