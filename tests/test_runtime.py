@@ -321,6 +321,19 @@ def test_gpu_flags_not_set_for_a_cpu(monkeypatch):
     assert runtime.gpu_backend_expected()
 
 
+
+def test_gpu_tuning_after_the_backend_started_is_refused():
+    """As tune_cpu: XLA reads XLA_FLAGS and the CUDA variables when the backend starts, so a
+    tune_gpu() after that would change nothing and say it did."""
+    code = ("import os, jax; jax.devices(); os.environ['JAX_PLATFORMS'] = 'cuda'\n"
+            "from olmo3 import runtime\ntry:\n    print(runtime.tune_gpu())\n"
+            "except RuntimeError as e:\n    print(e)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "tune_gpu() must run before JAX starts a backend" in out.stdout, out.stdout
+
 def test_compilation_cache_never_stops_a_run(tmp_path, monkeypatch):
     """An unusable directory turns the cache off with a note instead of failing the first compile;
     JAX_COMPILATION_CACHE_DIR wins over the flag. (The cache's use, a resumed run loading its step:
