@@ -340,7 +340,6 @@ def test_exit_status_before_and_after_the_first_step(monkeypatch):
     assert [cli.exit_status(e) for e in flaky] == [1, 1, 1, 1]
 
 
-
 FINITE = """
 import json, math
 import train
@@ -374,6 +373,7 @@ def test_a_non_finite_held_out_loss_ends_the_run_as_non_finite():
         [3, "step 6: NaN or inf in eval/docs/loss=nan; nothing was saved. Resume from checkpoint 4."],
         [3, "step 6: NaN or inf in train/loss=inf; nothing was saved. Resume from checkpoint 4."],
         [3, "step 6: NaN or inf in eval/docs/loss=-inf; nothing was saved. Resume from checkpoint 4."]]
+
 
 def test_out_of_memory_in_a_programs_first_run_is_final_with_its_advice(monkeypatch):
     """After the first step, out of memory in an evaluation that never completed is final (2) with

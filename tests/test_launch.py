@@ -147,7 +147,6 @@ def test_child_is_never_a_launcher(tmp_path):
     assert json.loads(p.stdout.strip().splitlines()[-1]) == [False, True, 2]
 
 
-
 # train.py --resume_until_done with the loop itself stubbed: what it hands run_until_done.
 WIRING = """
 import json, sys
@@ -188,6 +187,7 @@ def test_train_py_hands_the_loop_its_limit_and_its_progress_probe(tmp_path):
     assert (seen["max_attempts"], seen["progress"], seen["exit"]) == (4, 12, 7), seen
     assert seen["argv"] == [sys.executable, "train.py", f"--run_dir={tmp_path / 'run'}", "--max_restarts=4",
                             "--max_steps=9", "--resume", "--noresume_until_done"], seen["argv"]
+
 
 def test_strip_flag():
     argv = ["--stage=1", "--resume_until_done", "--noresume_until_done", "--resume_until_done=true",
