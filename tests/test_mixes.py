@@ -3,6 +3,7 @@
 Expected URLs are written out literally from OLMo-core's documented layout (DataMix.build:
 `{root}/{path with {TOKENIZER} replaced}`), not produced by the code under test.
 """
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ import data
 from data import mixes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIX_DIR = "src/olmo_core/data/mixes"   # where OLMo-core keeps its lists
 
 TOY = """# a comment, then a blank line
 
@@ -45,7 +47,8 @@ def test_tokenizer_expansion_and_root(tmp_path):
         ("code", "gs://ai2-llm/preprocessed/toy/allenai/dolma3-tokenizer/code/000000.npy")
     assert mixes.mix_paths("v3-small-ppl-validation", mixes_dir=d)[0] == \
         "https://olmo-data.org/preprocessed/toy/dolma2-tokenizer/web/000000.npy"
-    assert mixes.by_label(want) == {"web": [want[0][1], want[1][1]], "code": [want[2][1]]}
+    # first-seen order, not sorted: a validation mix's domains are reported in the list's order
+    assert list(mixes.by_label(want).items()) == [("web", [want[0][1], want[1][1]]), ("code", [want[2][1]])]
 
 
 def test_unknown_mix_lists_the_available_ones(tmp_path):
@@ -64,8 +67,34 @@ def test_unknown_tokenizer_and_bad_lines(tmp_path):
         mixes.resolve_mix("bad", mixes_dir=d)
     with pytest.raises(ValueError, match="lists no files"):
         mixes.resolve_mix("empty", mixes_dir=d)
+    d = _mix_dir(tmp_path, {"nolabel": ",preprocessed/toy/{TOKENIZER}/0.npy\n",
+                            "extra": "web,preprocessed/toy/{TOKENIZER}/0.npy,x\n"})
+    for name in ("nolabel", "extra"):
+        with pytest.raises(ValueError, match=re.escape(os.path.join(d, f"{name}.txt")) + ":1"):
+            mixes.resolve_mix(name, mixes_dir=d)
     with pytest.raises(ValueError, match="empty data root"):
         mixes.resolve_mix("toy", "", mixes_dir=d)
+
+
+def test_lists_searched_argument_then_environment_then_package_then_olmo_core(tmp_path, monkeypatch):
+    """The module docstring's order, first match wins: mixes_dir=, $OLMO3_MIXES_DIR, data/mixes/,
+    then the installed ai2-olmo-core's lists. Each directory holds a list of the same names whose
+    label says where it lies."""
+    names = ("toy", "v3-small-ppl-validation")   # the second is also one of OLMo-core's own lists
+    where = {}
+    for k in ("arg", "env", "pkg"):
+        os.makedirs(tmp_path / k)
+        where[k] = _mix_dir(tmp_path / k, {n: f"{k},preprocessed/{{TOKENIZER}}/0.npy\n" for n in names})
+    monkeypatch.setattr(mixes, "PACKAGE_DIR", where["pkg"])
+    monkeypatch.setenv("OLMO3_MIXES_DIR", where["env"])
+    label = lambda name, **kw: mixes.resolve_mix(name, "/r", **kw)[0][0]   # noqa: E731
+    for name in names:
+        assert label(name, mixes_dir=where["arg"]) == "arg"
+        assert label(name) == "env"
+    monkeypatch.delenv("OLMO3_MIXES_DIR")
+    for name in names:
+        assert label(name) == "pkg"
+    assert mixes.search_dirs(where["arg"])[:2] == [where["arg"], where["pkg"]]
 
 
 def test_mix_to_dataset_on_a_local_root(tmp_path):
@@ -125,6 +154,52 @@ def test_write_mixes_from_a_checkout(tmp_path):
     r = _write_mixes(f"--olmo_core={tmp_path}", "--mixes=toy", f"--out_dir={out}")
     assert r.returncode == 2 and "OLMo-core checkout" in r.stderr.strip().splitlines()[-1]
     assert "Traceback" not in r.stderr
+
+
+def _git(*args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True, capture_output=True)
+
+
+def test_write_mixes_reads_a_bare_git_directory_at_a_revision_and_refuses_bad_lists(tmp_path):
+    """--olmo_core as a bare git directory: the list as it was at --rev (`git show`), its commit in
+    the header; a list of comments only or a line with a third field is refused, not written. (In
+    one interpreter: write_mixes' flags would clash with other scripts' in the test process.)"""
+    work = tmp_path / "work"
+    src = work / "src" / "olmo_core" / "data" / "mixes"
+    src.mkdir(parents=True)
+    _git("init", "-q", str(work))
+    (src / "toy.txt").write_text(TOY)
+    (src / "comments.txt").write_text("# nothing\n\n# here\n")
+    (src / "extra.txt").write_text("web,preprocessed/toy/{TOKENIZER}/web/000000.npy,1.0\n")
+    _git("-C", str(work), "add", "-A")
+    _git("-C", str(work), "commit", "-qm", "one")
+    (src / "toy.txt").write_text("new,preprocessed/toy/{TOKENIZER}/new/000000.npy\n")
+    _git("-C", str(work), "commit", "-qam", "two")
+    bare = tmp_path / "OLMo-core.git"
+    _git("clone", "-q", "--bare", str(work), str(bare))
+    first = subprocess.run(["git", f"--git-dir={bare}", "rev-parse", "HEAD~1"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    script = f"""
+import json
+from data import write_mixes as w
+out = {{}}
+for name, rev in (("toy", "HEAD~1"), ("toy", "HEAD"), ("comments", "HEAD"), ("extra", "HEAD")):
+    try:
+        text, source = w.read_source({str(bare)!r}, name, rev)
+        out[name + "@" + rev] = w.normalize(name, text, source)
+    except ValueError as e:
+        out[name + "@" + rev] = "ValueError: " + str(e)
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    old = got["toy@HEAD~1"].splitlines()
+    assert old[0] == f"# toy: copied by data/write_mixes.py from allenai/OLMo-core @ {first}: {MIX_DIR}/toy.txt"
+    assert old[1:] == [ln for ln in TOY.splitlines() if ln and not ln.startswith("#")]
+    assert got["toy@HEAD"].splitlines()[1:] == ["new,preprocessed/toy/{TOKENIZER}/new/000000.npy"]
+    assert got["comments@HEAD"].startswith("ValueError: ") and "lists no files" in got["comments@HEAD"]
+    assert got["extra@HEAD"].startswith("ValueError: ") and "extra.txt line 1" in got["extra@HEAD"]
 
 
 def test_every_installed_olmo_core_mix_resolves_as_olmo_core_builds_it():
