@@ -118,3 +118,20 @@ def test_documents_equal_dolma_tokens():
     for c in cases:
         if c["ids"] is not None:
             assert tokenizer.encode(c["text"].strip()) == c["ids"][:-1]
+
+
+def test_cl100k_specials_keep_their_ids_and_chat_content_keeps_tool_markers_as_text(reference):
+    """cl100k_base's own special tokens (tiktoken_ext's table) are dolma2's at the same ids. In chat
+    content (encode_chat_text) "<|extra_id_1..4|>", the chat tokenizer's tool markers, are plain
+    text; every other in-text added token is one token there as in documents (encode)."""
+    enc = data.dolma2()
+    assert len(reference.special_tokens_set) == 5
+    for s in reference.special_tokens_set:
+        (i,) = reference.encode(s, allowed_special="all")
+        assert tokenizer.ADDED_TOKENS[s] == i and enc.encode(s, allowed_special="all") == [i], s
+    for s in sorted(tokenizer.IN_TEXT):
+        text = f"a {s} b"
+        as_token = reference.encode_ordinary("a ") + [tokenizer.ADDED_TOKENS[s]] + reference.encode_ordinary(" b")
+        assert tokenizer.encode(text) == as_token == tokenizer.encode_to_numpy(text).tolist(), s
+        marker = s in {f"<|extra_id_{i}|>" for i in range(1, 5)}
+        assert tokenizer.encode_chat_text(text) == (reference.encode_ordinary(text) if marker else as_token), s
