@@ -113,6 +113,9 @@ def test_uint32_input_and_bad_config():
     assert repetition_mask(x).tolist() == [False, True]
     with pytest.raises(ValueError, match="max_count"):
         repetition_mask(x, max_count=2)
+    for lo, hi in ((0, 13), (5, 4)):   # a period of 0 tokens, an empty range
+        with pytest.raises(ValueError, match="min_period"):
+            repetition_mask(x, hi, lo)
 
 
 def test_matches_olmo_core_validate_instance():
