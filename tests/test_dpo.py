@@ -1,6 +1,7 @@
 """DPO: the dpo_norm loss against a numpy transcription of open-instruct's formula, per-sequence
 log-probs and gradients against transformers' Olmo3ForCausalLM, the pair data set under the
 loader's exactly-once order, and the reference cache's fingerprint."""
+import os
 import re
 
 import numpy as np
@@ -317,6 +318,35 @@ def test_reference_cache_rejects_changed_reference_data_or_seq_len(tmp_path):
         open(path, "wb").write(damaged)
         with pytest.raises(UserError, match=re.escape(str(path)) + ".*unreadable.*delete it to recompute"):
             reference.load(path, fp)
+
+
+def test_reference_cache_is_written_whole_and_by_the_writing_process_only(tmp_path, monkeypatch):
+    """load_or_compute(write_file=False) (every process but the writer) computes and writes
+    nothing; a write that dies part-way (a full disk) leaves neither a cache nor a temporary file,
+    so the next run recomputes instead of stopping on a damaged one; a whole write holds the
+    fingerprint, the sums as float32 and the counts as int32."""
+    path = str(tmp_path / reference.CACHE_NAME)
+    sums, counts = np.array([[-1.5, -2.25], [-3.0, -4.0]]), np.array([[3, 4], [5, 6]])
+    got, fresh = reference.load_or_compute(path, "fp", lambda: (sums, counts), write_file=False)
+    assert fresh and got.dtype == np.float32 and os.listdir(tmp_path) == []
+    np.testing.assert_array_equal(got, sums)
+
+    def full_disk(file, **arrays):
+        with open(file, "wb") as f:
+            f.write(b"PK\x03\x04 the first bytes of a zip")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(np, "savez", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        reference.load_or_compute(path, "fp", lambda: (sums, counts))
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == [] and reference.load(path, "fp") is None
+    got, fresh = reference.load_or_compute(path, "fp", lambda: (sums, counts))
+    assert fresh and os.listdir(tmp_path) == [reference.CACHE_NAME]
+    with np.load(path) as z:
+        assert str(z["fingerprint"]) == "fp" and z["sums"].dtype == np.float32 and z["counts"].dtype == np.int32
+        np.testing.assert_array_equal(z["sums"], sums)
+        np.testing.assert_array_equal(z["counts"], counts)
+    assert reference.load_or_compute(path, "fp", lambda: pytest.fail("recomputed"))[1] is False
 
 
 # --------------------------------------------------------------------------------------------
