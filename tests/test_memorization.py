@@ -104,3 +104,39 @@ def test_noise_bands_against_direct_formulas():
     assert not comparison.verdict(0.10, 0.30, **kw)          # training loss worse beyond its band
     assert not comparison.verdict(-0.50, -0.45, **kw)        # both improved alike: a better run, not memorization
     assert not comparison.verdict(-0.10, 0.06, tol=0.2, **kw)  # --tol is a floor
+
+
+def test_window_mean_train_band_edge_and_steps_both_runs_saved(monkeypatch):
+    """train_loss_at: the plain mean over the logged steps in (step - window, step]; the verdict
+    still flags a training loss a little worse (inside its band) whose gap is beyond the gap's
+    band; iter_steps: the steps both runs saved, a note naming those only one saved, and explicit
+    steps one run lacks refused."""
+    from olmo3 import comparison
+    metrics = {s: {"train/loss": float(s * s)} for s in range(1, 31) if s != 25}
+    metrics[26]["other"] = 1.0
+    assert comparison.train_loss_at(metrics, 30, 10) == pytest.approx(np.mean([s * s for s in range(21, 31) if s != 25]))
+    assert comparison.train_loss_at(metrics, 20, 1) == 400.0
+    with pytest.raises(ValueError, match=r"no train/loss logged in steps \(24, 25\]"):
+        comparison.train_loss_at(metrics, 25, 1)
+    kw = dict(train_se=0.03, heldout_se=0.04)   # train band 0.09, gap band 0.15
+    assert comparison.verdict(0.05, 0.25, **kw)        # worse by 0.05 < 0.09, gap -0.20: flagged
+    assert not comparison.verdict(0.10, 0.30, **kw)    # worse beyond the train band: not memorization
+
+    class Manager:
+        steps = {"a": [10, 20, 30, 40], "b": [20, 40, 50]}
+
+        def __init__(self, run, read_only):
+            self.run = run
+
+        def all_steps(self):
+            return self.steps[self.run]
+
+        def close(self):
+            pass
+    monkeypatch.setattr(comparison.checkpoint, "CheckpointManager", Manager)
+    assert comparison.iter_steps("a", "b") == ([20, 40], ["Steps saved by only one run (not compared): [10, 30, 50]"])
+    assert comparison.iter_steps("a", "b", [40, 20, 20]) == ([20, 40], [])
+    with pytest.raises(FileNotFoundError, match=r"run b has no checkpoint for step\(s\) \[30\]"):
+        comparison.iter_steps("a", "b", [20, 30])
+    Manager.steps["b"] = [40]
+    assert comparison.iter_steps("a", "b") == ([40], ["Steps saved by only one run (not compared): [10, 20, 30]"])
