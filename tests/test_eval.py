@@ -1188,6 +1188,26 @@ def test_context_length_defaults_to_the_trained_context():
         eval_script.context_length(info(256, 4096), 0)
 
 
+def test_load_model_reads_the_step_asked_for(tmp_path):
+    """load_model(run, step) (eval.py --model_step) restores that step, not the latest; a
+    checkpoints/ directory alone gives the latest; the extra JSON's loader seq_len, doc_lengths,
+    eval_padded and precision come back in info."""
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run, keep=None, async_save=False)
+    models = {s: olmo3.OLMo3(CFG, jax.random.key(s)) for s in (3, 5)}
+    for s, m in models.items():
+        mgr.save(s, {"model": m}, {"model_config": config_to_dict(CFG), "loader": {"seq_len": 10 * s},
+                                   "stage": "1", "doc_lengths": s == 5, "eval_padded": s == 3,
+                                   "precision": {"compute_dtype": "float32", "float8": False}})
+    mgr.close()
+    for path, step, want in ((run, 3, 3), (os.path.join(run, "checkpoints"), None, 5)):
+        model, info = load.load_model(path, step)
+        assert (info["kind"], info["step"], info["seq_len"]) == ("orbax", want, 10 * want), (path, step)
+        assert (info["doc_lengths"], info["eval_padded"]) == (want == 5, want == 3)
+        assert info["precision"] == {"compute_dtype": "float32", "float8": False}
+        np.testing.assert_array_equal(np.asarray(model.embed), np.asarray(models[want].embed))
+
+
 def test_compare_bad_inputs(runs, tmp_path):
     kw = dict(sets_fn=runs["sets_fn"], train_loss_window=10, max_batches=1)
     with pytest.raises(FileNotFoundError, match=r"no checkpoint for step\(s\) \[45\]"):
