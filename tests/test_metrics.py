@@ -7,10 +7,12 @@ import json
 import logging as std_logging
 import math
 import os
+import sys
 import time
 
 import numpy as np
 import pytest
+from absl import flags
 from absl import logging as absl_logging
 
 from olmo3 import logs, metrics
@@ -412,3 +414,32 @@ def test_cpu_mfu_is_the_hosts():
     assert jax.device_count() == 8 and metrics.peak_units(jax.device_count()) == 1
     peak = metrics.PeakFlops(2.0, device_kind="cpu")
     assert peak.describe() == "peak 2 TFLOP/s per host (--peak_tflops)"
+
+
+def test_benign_warnings_top_level_scripts_and_the_cpp_log_level(monkeypatch):
+    """Library warnings in BENIGN_WARNINGS are dropped (others kept, ours always); a file beside
+    the __main__ script (train.py, eval.py) is ours, one elsewhere is not; quiet_library_logs
+    sets XLA's C++ level to WARNING unless the environment chose one, and changes nothing under
+    --verbosity."""
+    library = "/usr/lib/python3/site-packages/orbax/checkpoint/checkpoint_manager.py"
+    ours = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(metrics.__file__))), "olmo3", "checkpoint.py")
+    f = logs._OursOrWarnings()
+
+    def record(path, msg):
+        return std_logging.LogRecord("absl", std_logging.WARNING, path, 1, msg, None, None)
+    for benign in ("Given directory is read only=/runs/a/checkpoints", "Type handler registry overriding type x"):
+        assert not f.filter(record(library, benign)) and f.filter(record(ours, benign))
+    assert f.filter(record(library, "Given a directory that is not read only"))
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", "/work/scripts/train.py", raising=False)
+    assert logs.is_ours("/work/scripts/eval.py") and not logs.is_ours("/work/other/eval.py")
+    handler = absl_logging.get_absl_handler()
+    monkeypatch.setattr(handler, "filters", list(handler.filters))   # restored after the test
+    if flags.FLAGS.is_parsed():
+        monkeypatch.setattr(flags.FLAGS, "showprefixforinfo", flags.FLAGS.showprefixforinfo)
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    monkeypatch.setattr(logs, "library_logs_requested", lambda: True)
+    assert not logs.quiet_library_logs() and "TF_CPP_MIN_LOG_LEVEL" not in os.environ
+    monkeypatch.setattr(logs, "library_logs_requested", lambda: False)
+    assert logs.quiet_library_logs() and os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
+    assert logs.quiet_library_logs() and os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"
