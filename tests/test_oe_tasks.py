@@ -153,6 +153,13 @@ def test_metrics_equal_iclmetric_where_the_random_cases_do_not_reach():
     assert want["acc_v1"] == 0.5 and want["soft_log_v2"] < -70
     for k in want:
         assert ours[k] == pytest.approx(want[k], rel=2e-6, abs=1e-6), k
+    # a document whose requests disagree on the gold label: ICLMetric keeps the first one seen
+    reqs = [_one_token(0, 0, 0, " a", -1.0), _one_token(0, 1, 1, " b", -2.0), _one_token(1, 1, 1, " c", -1.0),
+            _one_token(1, 0, 0, " d", -2.0)]
+    want, ours = _iclmetric(reqs, "acc"), _ours(reqs, "acc")
+    assert want["acc_v1"] == 1.0
+    for k in want:
+        assert ours[k] == pytest.approx(want[k], rel=2e-6, abs=1e-6), k
 
 
 def test_rows_leave_out_documents_whose_continuation_exceeds_the_context():
