@@ -439,3 +439,48 @@ def test_damaged_corpus_files_are_named(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         docs = list(corpus.directory_documents(str(latin)))
     assert docs[0].text == "caf\ufffd" and "1 .txt file(s) hold bytes that are not UTF-8, read as U+FFFD (e.g. a.txt)" in caplog.text
+
+
+def test_stdlib_corpus_is_the_standard_librarys_own_files(tmp_path, monkeypatch):
+    """The embedded code corpus: every .py file under the stdlib root, named by its path there, in
+    sorted order; installed packages (site-packages, dist-packages: under the stdlib root on most
+    installs) and __pycache__ are not part of it."""
+    from data import corpus
+    root = tmp_path / "lib"
+    for rel in ("zz.py", "a.py", "json/__init__.py", "json/notes.txt", "site-packages/numpy/x.py",
+                "dist-packages/y.py", "__pycache__/z.py", "email/__pycache__/w.py"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(f"# {rel}\n")
+    monkeypatch.setattr(corpus, "stdlib_root", lambda: str(root))
+    assert [(d.name, d.text, d.domain) for d in corpus.documents("stdlib-code")] == [
+        (f"stdlib/{rel}", f"# {rel}\n", "code") for rel in ("a.py", "zz.py", "json/__init__.py")]
+    docs = list(corpus.documents("stdlib-docs"))   # pydoc_data.topics, one document per topic
+    assert len(docs) > 50 and all(d.domain == "docs" and d.name.startswith("pydoc_data.topics/") for d in docs)
+
+
+def test_user_corpus_skips_blank_jsonl_lines_and_hidden_folders(tmp_path):
+    """A blank line of a .jsonl file is no document, and the others keep their line numbers;
+    hidden folders (.git, .cache) are not read."""
+    from data import corpus
+    d = tmp_path / "web"
+    (d / ".git").mkdir(parents=True)
+    (d / ".git" / "x.txt").write_text("not a document")
+    (d / "a.jsonl").write_text('{"text": "one"}\n\n   \n{"text": "four"}\n')
+    assert [(x.name, x.text, x.key) for x in corpus.directory_documents(str(d))] == [
+        ("web/a.jsonl:1", "one", "a.jsonl:1"), ("web/a.jsonl:4", "four", "a.jsonl:4")]
+
+
+def test_mixture_specs(tmp_path):
+    """parse_mixture: weights default to 1, must be > 0; directories normalised (so two spellings
+    are the same mixture) and required to exist."""
+    from data import corpus
+    web = str(tmp_path / "web")
+    os.makedirs(web)
+    assert corpus.parse_mixture(f"stdlib-docs:0.5, {web}/:2") == [("stdlib-docs", 0.5), (web, 2.0)]
+    assert corpus.parse_mixture(web) == [(web, 1.0)]
+    assert corpus.same_mixture(f"{web}/:1,stdlib", f"{tmp_path}/web/../web,stdlib:1.0")
+    assert not corpus.same_mixture(f"{web}:1,stdlib", f"{web}:2,stdlib")
+    for bad, says in ((f"{web}:0", "must be > 0"), (f"{web}:-1", "must be > 0"), (" , ", "names no source"),
+                      (f"{tmp_path}/nope:1", "does not exist")):
+        with pytest.raises((ValueError, FileNotFoundError), match=says):
+            corpus.parse_mixture(bad)
