@@ -108,3 +108,19 @@ def test_readme_command_fits_every_side_in_the_tiny_sequence(tmp_path):
             assert pair["chosen"] == row["messages"]
             for side in ("chosen", "rejected"):
                 assert len(chat.encode(pair[side], TEMPLATE)) <= 256, (split, json.dumps(pair)[:200])
+
+
+def test_bad_counts_are_refused_before_anything_is_written(tmp_path):
+    """--max_tokens below 1 would keep no conversation (or, unchecked, write empty sets); a
+    negative --max_train / --max_heldout means nothing. Each is one line naming the flag, exit 2."""
+    import subprocess
+    import sys
+    for flag, line in (("--max_tokens=0", "--max_tokens=0 must be >= 1"),
+                       ("--max_train=-1", "--max_train=-1 must be >= 0"),
+                       ("--max_heldout=-2", "--max_heldout=-2 must be >= 0")):
+        out = tmp_path / flag.strip("-").split("=")[0]
+        p = subprocess.run([sys.executable, "-m", "data.docstring_chats", f"--out={out}", flag],
+                           capture_output=True, text=True)
+        assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+            f"docstring_chats.py: error: {line}" + p.stderr.split(line, 1)[-1].rstrip()], p.stderr
+        assert not out.exists()
