@@ -1,5 +1,6 @@
 """The stage flagfiles encode the OLMo 3 7B recipe of DESIGN §3 (OLMo-core's official scripts)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -19,18 +20,20 @@ out = {k: getattr(F, k) for k in ("stage", "model", "seq_len", "global_batch", "
        "total_steps", "final_lr_ratio", "b1", "b2", "eps", "weight_decay", "max_grad_norm", "z_loss",
        "schedule", "skip_steps", "repetition_filter", "vocab_size", "data", "downstream_tasks",
        "downstream_eval_interval", "packed", "doc_lengths", "source_group_size", "source_permutation_seed",
-       "eval_padded", "float8", "micro_batch")}
+       "eval_padded", "float8", "micro_batch", "label_masks", "warmup_fraction", "epochs", "yarn")}
 from data import mixes
-out["splits"] = {k: v for k, v in train.resolve_data().items()} if mixes.available_mixes() else None
+mix = F.data.startswith("mix:") and mixes.available_mixes()
+out["splits"] = {k: v for k, v in train.resolve_data().items()} if mix else None
 print(json.dumps(out))
 """
 
 
-def parse(stage: int):
-    """Parse a stage flagfile with train.py's own flags, in a fresh process (absl flags are global:
-    eval.py defines some of the same names)."""
+def parse(stage):
+    """Parse a stage flagfile (stage<N>.flags, or a name such as sft_think) with train.py's own flags,
+    in a fresh process (absl flags are global: eval.py defines some of the same names)."""
     env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", _PARSE, f"{ROOT}/stage{stage}.flags"], capture_output=True,
+    name = f"stage{stage}" if isinstance(stage, int) else stage
+    p = subprocess.run([sys.executable, "-c", _PARSE, f"{ROOT}/{name}.flags"], capture_output=True,
                        text=True, env=env, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     return types.SimpleNamespace(**json.loads(p.stdout.strip().splitlines()[-1]))
@@ -55,6 +58,9 @@ def test_stage2_flags():
     assert F.global_batch * F.seq_len == 2 ** 21
     assert (F.lr, F.warmup_steps, F.total_steps, F.schedule) == (2.0712352850360292e-4, 0, 47_684, "linear")
     assert F.data == "mix:OLMo-midtraining-mix-0625-100B"
+    # DESIGN §3: stage 2 keeps stage 1's optimizer (OLMo-3-1025-7B-midtrain.py), only lr and horizon change
+    assert (F.b1, F.b2, F.eps, F.weight_decay, F.max_grad_norm, F.z_loss) == (0.9, 0.95, 1e-8, 0.1, 1.0, 1e-5)
+    assert F.skip_steps and not F.repetition_filter and F.vocab_size == 100352 and not F.packed
     assert F.downstream_tasks == []  # OLMo-3-1025-7B-midtrain.py has no downstream evaluator
     assert F.eval_padded
 
@@ -65,6 +71,10 @@ def test_stage3_flags():
     assert (F.stage, F.model, F.seq_len, F.global_batch) == ("3", "olmo3_7b_long", 65536, 64)
     assert (F.warmup_steps, F.schedule) == (200, "linear")
     assert F.lr == pytest.approx(2.0712e-4, rel=1e-4)
+    # DESIGN §3: ~50B tokens at 64 x 65,536 per step; OLMo-core L66 NumpyDataLoaderConfig(seed=34521)
+    assert F.total_steps == math.ceil(50e9 / (64 * 65536)) and F.seed == 34521
+    assert (F.b1, F.b2, F.eps, F.weight_decay, F.max_grad_norm, F.z_loss) == (0.9, 0.95, 1e-8, 0.1, 1.0, 1e-5)
+    assert F.skip_steps and not F.repetition_filter and F.vocab_size == 100352
     assert olmo3.Config.preset(F.model).yarn.factor == 8.0
     assert F.data == "mix:OLMo-longmino-mix-0625"
     # NumpyPackedFSLDatasetConfig(generate_doc_lengths=True, source_group_size=8, source_permutation_seed=123)
@@ -75,6 +85,50 @@ def test_stage3_flags():
     # rank_microbatch_size=sequence_length: one instance per context group per microbatch, the
     # footprint `python -m olmo3.sharding` prints (8 instances at once would need ~8x the activations)
     assert F.micro_batch == 1
+
+
+@pytest.mark.parametrize("name,lr", [("sft_think", 5e-5), ("sft_instruct", 8e-5)])
+def test_sft_flags(name, lr):
+    """DESIGN §8 (OLMo-core Olmo-3-7B-SFT.py with open-instruct's 7b_{think,instruct}_sft.sh): LR 5e-5 Think /
+    8e-5 Instruct, 2 epochs, seq 32,768, 1,048,576 tokens per batch, linear with 3% warmup to 0, betas
+    (0.9, 0.95), weight decay 0, clip 1.0, no z-loss, YaRN factor 8 over 8192; packed chats on their label
+    masks, attention within each conversation."""
+    import olmo3
+    F = parse(name)
+    assert (F.stage, F.model, F.lr, F.epochs) == ("sft", "olmo3_7b_long", lr, 2)
+    assert F.seq_len == 32768 and F.global_batch * F.seq_len == 1_048_576
+    assert (F.schedule, F.warmup_fraction) == ("linear", 0.03)
+    assert (F.b1, F.b2, F.eps, F.weight_decay, F.max_grad_norm, F.z_loss) == (0.9, 0.95, 1e-8, 0.0, 1.0, 0.0)
+    assert F.yarn and olmo3.Config.preset(F.model).yarn.factor == 8.0 and F.vocab_size == 100352
+    assert F.packed and F.label_masks and F.doc_lengths and F.seed == 34521
+
+
+_DEFAULTS = """
+import json, sys
+import train
+out = []
+for args in json.loads(sys.argv[1]):
+    train.F.unparse_flags()
+    train.F(["train.py", "--model=tiny", *args])
+    yarn = train.model_config().yarn
+    out.append([train.doc_lengths(), None if yarn is None else [yarn.factor, yarn.original_max_position]])
+print(json.dumps(out))
+"""
+
+
+def test_stage_defaults_for_doc_lengths_and_yarn():
+    """Without --doc_lengths / --yarn each stage gets its recipe's: attention within documents for stage 3
+    (OLMo-core long-context L59 generate_doc_lengths=True) and SFT (Olmo-3-7B-SFT.py's packed chats), not for
+    stages 1-2 nor DPO's padded pairs; YaRN (factor 8 over 8192) from stage 3 on: SFT and DPO train stage 3's
+    model (DESIGN §8)."""
+    stages = ["1", "2", "3", "sft", "dpo"]
+    p = subprocess.run([sys.executable, "-c", _DEFAULTS, json.dumps([[f"--stage={s}"] for s in stages])],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = dict(zip(stages, json.loads(p.stdout.strip().splitlines()[-1])))
+    yarn = [8.0, 8192]
+    assert got == {"1": [False, None], "2": [False, None], "3": [True, yarn], "sft": [True, yarn],
+                   "dpo": [False, yarn]}, got
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

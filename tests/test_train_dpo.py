@@ -159,7 +159,7 @@ F = train.F
 F(["train.py", "--flagfile=" + sys.argv[1]])
 print(json.dumps({k: getattr(F, k) for k in ("stage", "model", "yarn", "seq_len", "global_batch", "micro_batch", "lr",
                   "schedule", "warmup_fraction", "epochs", "weight_decay", "b1", "b2", "eps", "max_grad_norm",
-                  "z_loss", "skip_steps", "dpo_loss", "dpo_beta")}))
+                  "z_loss", "skip_steps", "dpo_loss", "dpo_beta", "seed")}))
 """
 
 
@@ -177,3 +177,4 @@ def test_dpo_flagfiles_hold_the_recipe(name, lr):
     assert (F["seq_len"], F["global_batch"], F["micro_batch"]) == (16384, 128, 1)
     assert (F["b1"], F["b2"], F["eps"], F["max_grad_norm"]) == (0.9, 0.999, 1e-8, 1.0)   # torch AdamW defaults
     assert (F["z_loss"], F["skip_steps"], F["model"], F["yarn"]) == (0.0, False, "olmo3_7b_long", True)
+    assert F["seed"] == 42   # dpo_tune_cache.py's --seed default (the data order)
