@@ -187,28 +187,42 @@ def test_output_is_our_lines_unless_verbosity(uninterrupted, docs, tmp_path):
     assert {"checkpoint_manager.py", "async_checkpointer.py"} <= libraries, p.stderr[:3000]
 
 
+def test_stage1_lr_is_olmo_cores_cosine(uninterrupted):
+    """Stage 1's default schedule (tiny.flags names none) is OLMo-core's CosWithWarmup over --total_steps
+    (not --max_steps) to --final_lr_ratio x --lr, evaluated at the step's 1-based number."""
+    optim = pytest.importorskip("olmo_core.optim", reason="needs ai2-olmo-core")
+    ref = optim.CosWithWarmup(warmup_steps=2, alpha_f=0.1)   # SMALL: --warmup_steps=2 --total_steps=20
+    m = metrics_by_step(uninterrupted / "a")
+    for s in range(1, 7):
+        assert m[s]["optim/lr"] == pytest.approx(ref.get_lr(2e-3, s, 20), rel=1e-6), s   # tiny.flags: --lr=2e-3
+
+
 def test_stage2_warm_start(uninterrupted, docs, tmp_path):
-    """Stage 2 keeps params and Adam moments, restarts step and schedule (lr = stage-2 peak);
-    resumed with its --init_from still given, it continues its own checkpoint."""
+    """Stage 2 keeps params and Adam moments, restarts step and schedule (lr = stage-2 peak, the stage's
+    default linear decay to 0). The loop's cadence: held-out loss at every save and at the last step, not
+    between (--eval_interval=1000); a checkpoint every --save_interval steps and one at --max_steps.
+    Resumed with its --init_from still given, it continues its own checkpoint."""
     base = uninterrupted
-    run(["--stage=2", "--schedule=linear", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
-         "--max_steps=1", "--save_interval=1", f"--init_from={base / 'a' / 'checkpoints' / '6'}"],
+    run(["--stage=2", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
+         "--max_steps=3", "--save_interval=2", f"--init_from={base / 'a' / 'checkpoints' / '6'}"],
         tmp_path, docs, base / "data")
     m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert m[0]["step"] == 1
-    assert m[0]["optim/lr"] == pytest.approx(2e-4 * (1 - 1 / 10), rel=1e-6)
+    assert [r["step"] for r in m] == [1, 2, 3]
+    assert [r["optim/lr"] for r in m] == pytest.approx([2e-4 * (1 - n / 10) for n in (1, 2, 3)], rel=1e-6)
     assert m[0]["optim/adam_count"] == 7.0  # warm Adam: 6 stage-1 updates + this one
     a = losses(base / "a")
     assert abs(m[0]["train/loss"] - a[6]) < 1.0  # no cold-start spike
+    assert [any(k.startswith("eval/") for k in r) for r in m] == [False, True, True]
+    assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == [2, 3]
     # The same command rerun with --resume, as --resume_until_done reruns it after a crash: it
-    # continues this run at step 2 (Adam's 8th update), and --init_from no longer applies. Warm
+    # continues this run at step 4 (Adam's 10th update), and --init_from no longer applies. Warm
     # started again instead, it would train step 1 a second time from the stage-1 weights.
-    run(["--stage=2", "--schedule=linear", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
-         "--max_steps=2", "--save_interval=1", f"--init_from={base / 'a' / 'checkpoints' / '6'}", "--resume"],
+    run(["--stage=2", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
+         "--max_steps=4", "--save_interval=2", f"--init_from={base / 'a' / 'checkpoints' / '6'}", "--resume"],
         tmp_path, docs, base / "data")
     m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in m] == [1, 2] and m[1]["optim/adam_count"] == 8.0, m
-    assert m[1]["optim/lr"] == pytest.approx(2e-4 * (1 - 2 / 10), rel=1e-6)
+    assert [r["step"] for r in m] == [1, 2, 3, 4] and m[3]["optim/adam_count"] == 10.0, m
+    assert m[3]["optim/lr"] == pytest.approx(2e-4 * (1 - 4 / 10), rel=1e-6)
 
 
 def test_bad_inputs(uninterrupted, docs, tmp_path):
