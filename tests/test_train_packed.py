@@ -152,3 +152,39 @@ def test_packed_two_processes_match_one(tmp_path):
     assert sorted(one) == sorted(two) == [1, 2, 3]
     np.testing.assert_allclose([two[s]["train/loss"] for s in one], [one[s]["train/loss"] for s in one], rtol=2e-6)
     np.testing.assert_allclose(two[3]["eval/docs/loss"], one[3]["eval/docs/loss"], rtol=2e-6)
+
+
+def test_packed_step_attends_within_documents(tmp_path):
+    """--packed --doc_lengths (stage 3's data path): step 1's training loss, the initial model's, equals
+    a float64 cross entropy of every packed document run through the model alone, over the targets
+    the batch trains on (a document's last token predicts the next one's first; padding never). So
+    train.py hands the document boundaries to the step's attention: without them the loss differs."""
+    import jax
+
+    import olmo3
+    (tmp_path / "docs").mkdir()
+    docs = str(short_docs(tmp_path / "docs"))
+    run(["--max_steps=1", "--save_interval=1", "--eval_batches=1"], tmp_path / "a", docs, tmp_path / "data")
+    got = metrics(tmp_path / "a")[1]["train/loss"]
+    files = sorted(str(q) for q in (tmp_path / "data" / "train").glob("*.npy"))
+    ds = data.PackedFSLDataset(files, 64, source_group_size=2, source_permutation_seed=123)
+    batch = data.get_batch(ds, 4, 34521, 0)   # PACKED: --global_batch=4; tiny.flags: --seed=34521
+    cfg = olmo3.Config.preset("tiny", d_model=32, n_layers=4, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64,
+                              window=16)
+    model = olmo3.OLMo3(cfg, jax.random.key(0))   # --model_seed=0
+    ce, n, documents = 0.0, 0, 0
+    for tokens, mask, segs in zip(batch["tokens"], batch["label_mask"], batch["segment_ids"]):
+        T = len(tokens)
+        for s in np.unique(segs):
+            where = np.flatnonzero(segs == s)
+            targets = [t for t in where if t + 1 < T and mask[t + 1]]
+            if not targets:   # padding
+                continue
+            assert (np.diff(where) == 1).all()
+            logits = np.asarray(model(jax.numpy.asarray(tokens[where])), np.float64)
+            logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            ce -= sum(logp[t - where[0], tokens[t + 1]] for t in targets)
+            n += len(targets)
+            documents += 1
+    assert documents > len(batch["tokens"])   # rows holding several documents
+    assert got == pytest.approx(ce / n, rel=1e-5)
