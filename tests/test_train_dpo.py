@@ -86,6 +86,18 @@ def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
     for step in (2, 3):
         assert resumed[step] == full[step], step        # every train/eval metric, exactly
 
+    # --dpo_beta scales every reward (olmo3/dpo.py: beta x the log-ratio). Step 1's update is Adam's first,
+    # g / |g| whatever beta scales g by, so at step 2 a run with beta 10 has twice run a's margin.
+    run(["--max_steps=2", "--save_interval=2", "--dpo_beta=10"], tmp_path / "beta10", pairs)
+    assert metrics(tmp_path / "beta10")[2]["train/rewards/margin"] == pytest.approx(
+        2 * full[2]["train/rewards/margin"], rel=1e-3)
+    # DPO starts Adam fresh from --init_from (open-instruct loads weights only), even from a checkpoint that
+    # holds moments (this DPO one): count 1 at its first step, the policy its own reference (loss log 2).
+    run(["--max_steps=1", "--save_interval=1", f"--init_from={a / 'checkpoints' / '1'}",
+         f"--reference_cache={tmp_path / 'ref_from_1.npz'}"], tmp_path / "from1", pairs)
+    first = metrics(tmp_path / "from1")[1]
+    assert first["optim/adam_count"] == 1.0 and first["train/loss"] == pytest.approx(0.6931472, abs=1e-6), first
+
     # The objective is part of the run: a resume with another loss or beta stops, naming the flag.
     for flag, saved in (("--dpo_beta=0.1", "--dpo_beta=5.0"), ("--dpo_loss=dpo", "--dpo_loss=dpo_norm")):
         p = run(["--max_steps=4", "--resume", flag], b, pairs, check=False)
