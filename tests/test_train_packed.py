@@ -1,7 +1,8 @@
 """train.py --packed end to end: a save-and-resume run reproduces the uninterrupted run's losses
 exactly, the checkpoint's loader state names the packed dataset, and a resume over other data is
 refused; 2 processes train as 1; held-out domains are evaluated on padded instances however few
-documents they hold. All slow (several train.py runs each).
+documents they hold (slow: several train.py runs each); and, in the default run, one step's
+loss equals its documents run alone.
 
 The reference for a resumed run is the uninterrupted run (DESIGN §4, bug 2): equal bit for bit.
 """
