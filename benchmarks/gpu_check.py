@@ -74,6 +74,16 @@ def guarded(rows: list, name: str, fn) -> None:
             print(ROW + json.dumps(row), flush=True)
 
 
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b| in float32; NaN when `a` holds a NaN or an infinity. XLA's CPU max
+    reduction skips NaNs in large arrays (jnp.max of 65,536 zeros and one NaN is 0.0, jax 0.10.2),
+    so without the explicit check a kernel that output a NaN read as a small error in --smoke."""
+    import jax.numpy as jnp
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    err = float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+    return err if bool(jnp.all(jnp.isfinite(a))) else float("nan")
+
+
 # ---------------------------------------------------------------------------------------------
 # kernel: the GPU kernel against the dense fp32 oracle, forward and gradients.
 # ---------------------------------------------------------------------------------------------
@@ -120,8 +130,7 @@ def kernel_case(i: int, name: str, dtype: str, window, seg, shape: tuple, blocks
     with jax.default_matmul_precision("highest"):
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         (rq, rk, rv), ref = grad(oracle)(*f32)
-    errs = {n: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
-            for n, a, b in (("out", out, ref), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv))}
+    errs = {n: rel_err(a, b) for n, a, b in (("out", out, ref), ("dq", dq, rq), ("dk", dk, rk), ("dv", dv, rv))}
     ok = all(e <= TOL[dtype] for e in errs.values())   # a NaN error fails (max() would skip it)
     gqa = f"{H}/{KV} heads" if H != KV else f"{H} heads"
     return (f"kernel {name}", "ok" if ok else f"OVER {TOL[dtype]:g}",
@@ -155,7 +164,7 @@ def cudnn_rows(smoke: bool) -> list:
         for impl in ("xla", "cudnn"):
             model = olmo3.OLMo3(cfg.replace(attention=impl), jax.random.key(0))   # same weights
             logits[impl] = jax.jit(lambda m, t: m(t, segment_ids=seg))(model, tokens)
-        err = float(jnp.max(jnp.abs(logits["cudnn"] - logits["xla"])) / jnp.max(jnp.abs(logits["xla"])))
+        err = rel_err(logits["cudnn"], logits["xla"])
         ok = err <= TOL["bfloat16"]   # a NaN error fails
         return [(f"cudnn {name}", "ok" if ok else f"OVER {TOL['bfloat16']:g}",
                  f"logits {err:.1e} of max; bf16, 4 layers, seq {T}", ok)]

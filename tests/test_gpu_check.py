@@ -142,3 +142,57 @@ def test_bench_row_reports_the_sliding_aware_mfu_too():
     assert r["mfu_sliding_nominal"] / r["mfu_nominal"] == pytest.approx(olmo_core / writeup, rel=2e-3)
     assert r["mfu_sliding_measured"] / r["mfu_measured"] == pytest.approx(olmo_core / writeup, rel=2e-3)
     assert f"{r['mfu_sliding_nominal']:.1%} sliding-aware" in gpu_check.mfu_text(r)
+
+
+def _kernel(fault):
+    """A stand-in for the GPU kernel: the dense oracle, then `fault` (a kernel bug or a TF32 fallback)."""
+    import jax
+    import jax.numpy as jnp
+
+    from olmo3.attention import reference_attention
+
+    def kernel(q, k, v, *, window, segment_ids, impl, **blocks):
+        assert impl == "splash"
+        f = lambda q, k, v: reference_attention(q, k, v, window=window, segment_ids=segment_ids)  # noqa: E731
+
+        @jax.custom_vjp
+        def g(q, k, v):
+            return f(q, k, v)
+
+        def bwd(vjp, ct):
+            dq, dk, dv = vjp(ct)
+            return dq, dk, dv * (1.1 if fault == "dv" else 1.0)   # a backward bug in dV only
+
+        g.defvjp(lambda q, k, v: jax.vjp(f, q, k, v), bwd)
+        out = g(q, k, v)
+        if fault == "nan":
+            out = out + jnp.zeros_like(out).at[1, 7, 3].set(jnp.nan)   # one NaN; the gradients stay right
+        if fault == "1e-3":   # TF32's 10-bit mantissa: ~1e-3 relative
+            out = out * (1 + 1e-3)
+        return out
+    return kernel
+
+
+@pytest.mark.parametrize("fault,dtype,want", [(None, "bfloat16", "ok"), (None, "float32", "ok"),
+                                              ("nan", "bfloat16", "OVER 0.03"), ("dv", "bfloat16", "OVER 0.03"),
+                                              ("1e-3", "float32", "OVER 0.0002"), ("1e-3", "bfloat16", "ok")])
+def test_kernel_row_fails_a_wrong_kernel(monkeypatch, fault, dtype, want):
+    """The kernel rows are the check's point, and the smoke test only ever shows them a correct
+    kernel: here the "kernel" is the dense oracle with one fault (a NaN in the output, a 10%
+    error in dV alone, a TF32-sized 1e-3 everywhere), and the row must fail at its dtype's
+    tolerance (a NaN fails too) while the fault-free kernel passes."""
+    import jax.numpy as jnp
+
+    from benchmarks import gpu_check
+    from olmo3 import attention
+    monkeypatch.setattr(attention, "attention", _kernel(fault))
+    T = 256
+    docs = jnp.searchsorted(jnp.array([80, 197]), jnp.arange(T), side="right").astype(jnp.int32)
+    name, result, figures, ok = gpu_check.kernel_case(0, "case", dtype, 64, docs, (4, 2, T, 64), {})
+    assert (result, ok) == (want, want == "ok"), figures
+    errs = dict(re.findall(r"(out|dq|dk|dv) ([^\s;]+)", figures))
+    assert set(errs) == {"out", "dq", "dk", "dv"}
+    if fault == "dv":   # the error is in dV's figure, not the others'
+        assert float(errs["dv"]) > 0.05 and max(float(errs[n]) for n in ("out", "dq", "dk")) < 3e-2, figures
+    if fault == "nan":
+        assert errs["out"] == "nan" and max(float(errs[n]) for n in ("dq", "dk", "dv")) < 3e-2, figures
