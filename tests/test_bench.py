@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -67,6 +68,98 @@ def test_bench_smoke_with_torch():
     peak = float(re.search(r"^peak: median of \d+ interleaved measurements (\S+) TFLOP/s",
                            "\n".join(lines), re.M).group(1))
     assert mfu == pytest.approx(tflops / peak, rel=2e-3, abs=1e-4)
+
+
+# bench.py's main with its steps, the torch reference's and the matmul peaks scripted (no model is
+# built or timed): every figure it prints is then exact arithmetic on those seconds, checked below
+# against the same arithmetic written out from the definitions (tokens / median step, FLOPs by hand).
+SCRIPTED = textwrap.dedent(r"""
+    import json, sys, types
+    root, platform, scale, nan_step, argv = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+    sys.path[:0] = [root, root + "/benchmarks"]
+    import jax
+    import bench
+    from olmo3 import metrics
+    clock = types.SimpleNamespace(wall=0.0, cpu=0.0)   # only the scripted steps advance it
+    bench.time = types.SimpleNamespace(perf_counter=lambda: clock.wall, process_time=lambda: clock.cpu)
+    calls = []
+
+    def scripted(name, seconds):
+        it = iter(seconds)
+
+        def step():
+            dt = next(it) * scale
+            clock.wall, clock.cpu = clock.wall + dt, clock.cpu + dt / 2
+            calls.append(name)
+            return float("nan") if len(calls) == nan_step else 2.0
+        return step
+
+    peaks = iter([1.0, 3.0, 2.0, 5.0])   # the first, then one after each timed step
+    metrics.measure_matmul_peak = lambda n, dtype, repeats=5: next(peaks) / scale * 1e9
+    # Warmup steps that would wreck a median if timed (compiles), then the timed ones.
+    bench.build_ours = lambda config, tokens: (scripted("ours", [100.0, 50.0, 0.3, 0.1, 0.2]), 4)
+    torch_s = {"eager": [9.0, 9.0, 2.0, 0.5, 0.4, 0.6], "sdpa": [7.0, 7.0, 1.0, 0.5, 0.4, 0.6]}
+    bench.build_torch = lambda config, tokens, impl, device=None: scripted("torch " + impl, torch_s[impl])
+    if platform == "gpu":   # JAX on NVIDIA H100 SXMs; build_ours says the step ran on 4 of them
+        jax.devices = lambda *a: [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")]
+    bench.F(["bench", *argv])
+    bench.main([])
+    print(json.dumps(calls))
+""")
+
+
+def scripted_bench(platform, *flags, scale=1.0, nan_step=0):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", SCRIPTED, ROOT, platform, str(scale), str(nan_step), "--model=tiny",
+                           *TOY, "--steps=3", "--warmup=2", "--notune_cpu", "--notune_gpu", *flags],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_bench_figures_from_scripted_steps(platform):
+    """Ours: warmup 100 s and 50 s (untimed), then 0.3, 0.1, 0.2 s: median 0.2 s, not the best
+    0.1 or the mean. torch: eager's one probe step (2 s) loses to sdpa's (1 s), then 0.5, 0.4,
+    0.6: median 0.5. Matmul peaks 1, 3, 2, 5 (x 1e9 / scale): median 2.5. On a CPU the FLOP/s is
+    the host's; on a GPU per device (4 here) against the H100 SXM's dense bf16 989 TFLOP/s."""
+    scale = 1.0 if platform == "cpu" else 1e-7   # a GPU-sized step: MFU of the datasheet peak in percent
+    out = scripted_bench(platform, "--compare_torch", scale=scale)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    calls = json.loads(lines[-1])
+    assert calls == (["ours"] * 2 + ["torch eager"] * 3 + ["torch sdpa"] * 3 + ["ours", "torch sdpa"] * 3)
+    assert "torch: timing attn_implementation=sdpa" in lines
+    tokens = B * T
+    med, tmed, peak = 0.2 * scale, 0.5 * scale, 2.5e9 / scale
+    per_layer = 4 * D * H * HD + 2 * H * HD + 3 * D * MLP + 2 * D
+    dense = 6 * (L * per_layer + D + D * V)
+    i, j = np.meshgrid(np.arange(T), np.arange(T), indexing="ij")
+    keys = {"sliding": ((j <= i) & (i - j < 16)).sum() / T, "full": (j <= i).sum() / T}   # window 16
+    flops = {"writeup": dense + 6 * T * H * HD * L,
+             "sliding": dense + 12 * H * HD * (3 * keys["sliding"] + keys["full"])}   # 3 sliding + 1 full
+    devices = 1 if platform == "cpu" else 4
+    nominal = float("nan") if platform == "cpu" else 989e12
+    for c in ("writeup", "sliding"):
+        line = next(l for l in lines if l.startswith(f"ours  {c:>7s} FLOPs:"))
+        rate = flops[c] * tokens / med / devices
+        assert float(re.search(r"FLOPs: (\S+) TFLOP/s", line).group(1)) * 1e12 == pytest.approx(rate, rel=1e-3)
+        assert float(re.search(r"MFU ([\d.]+)% of measured", line).group(1)) == pytest.approx(100 * rate / peak, abs=0.05)
+        assert ("of nominal" in line) == (platform == "gpu")
+    m = LAST.match(lines[-2])
+    assert m, lines[-2]
+    tps, ttps, ratio, mfu, mfu_nominal = map(float, m.groups())
+    assert tps == pytest.approx(tokens / med, rel=1e-5) and ttps == pytest.approx(tokens / tmed, rel=1e-5)
+    assert ratio == pytest.approx(tmed / med, rel=1e-4)
+    assert mfu == pytest.approx(flops["writeup"] * tokens / med / devices / peak, abs=1e-4)
+    assert mfu_nominal == pytest.approx(flops["writeup"] * tokens / med / devices / nominal, abs=1e-4, nan_ok=True)
+    steps = next(l for l in lines if l.startswith("ours : step"))
+    per_cpu_s = float(re.search(r"\| ([\d,.]+) tokens/CPU-second", steps).group(1).replace(",", ""))
+    assert per_cpu_s == pytest.approx(tokens / (med / 2), rel=1e-5)   # CPU seconds: half the wall ones
+
+
+def test_bench_stops_on_a_non_finite_loss():
+    out = scripted_bench("cpu", nan_step=4)   # the second timed step (after 2 warmup steps)
+    assert out.returncode != 0 and "non-finite loss nan in the benchmark step" in out.stderr, out.stderr[-2000:]
+    assert not any(LAST.match(line) for line in out.stdout.splitlines())
 
 
 @pytest.mark.parametrize("flags,says", [
