@@ -315,3 +315,75 @@ def test_profile_step_tunes_the_cpu_as_bench_does(flags, want):
                          text=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
+def test_bench_splash_flop_report_against_a_dense_mask():
+    """benchmarks/bench_splash.py's FLOP table at 7B heads (32 x 128, 24 sliding + 8 full layers),
+    seq 2048, window 512: its shares against the dense mask counted tile by tile (1024-token
+    tiles, 512-token compute chunks inside them; 256-token tiles, where the chunk is the tile),
+    its TFLOP as 12 x pairs x heads x head_dim, and its exact-mask total against
+    Config.train_flops_per_token's sliding-aware attention term."""
+    import olmo3
+    seq, window = 2048, 512
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_splash.py"), "--time_seq=0",
+                          f"--seq={seq}", f"--window={window}", "--block=256", "--block=1024"],
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    i, j = np.meshgrid(np.arange(seq), np.arange(seq), indexing="ij")
+    masks = {"causal": j <= i, "window": (j <= i) & (i - j < window)}
+    share = {(m, b): masks[m].reshape(seq // b, b, seq // b, b).any(axis=(1, 3)).mean()
+             for m in masks for b in (256, 512, 1024)}
+    assert re.search(rf"causal {masks['causal'].mean():.4f}, window {masks['window'].mean():.4f}$", out.stdout, re.M)
+    per_pair, dense_pairs = 12 * 32 * 128 / 1e12, seq * seq          # TFLOP per (query, key) pair, 32 layers
+    for block, chunk in ((256, 256), (1024, 512)):
+        row = re.search(rf"^\s+{block}\s+(\d+) \|(.*)\|(.*)\|(.*)\|(.*)$", out.stdout, re.M)
+        assert row, out.stdout
+        tiles, tile_share, chunk_share, tflop, executed = row.groups()
+        assert int(tiles) == (seq // block) ** 2
+        assert list(map(float, tile_share.split())) == pytest.approx(
+            [share["causal", block], share["window", block]], abs=5e-5)
+        assert list(map(float, chunk_share.split())) == pytest.approx(
+            [share["causal", chunk], share["window", chunk]], abs=5e-5)
+        dense, causal_blk, splash_tiles, chunks, skip = tflop.split()
+        assert float(dense) == pytest.approx(32 * dense_pairs * per_pair, abs=0.006)
+        assert float(causal_blk) == pytest.approx(32 * share["causal", block] * dense_pairs * per_pair, abs=0.006)
+        model = {b: (24 * share["window", b] + 8 * share["causal", b]) * dense_pairs * per_pair for b in (block, chunk)}
+        assert float(splash_tiles) == pytest.approx(model[block], abs=0.006)
+        assert float(chunks) == pytest.approx(model[chunk], abs=0.006)
+        assert float(skip.rstrip("%")) == pytest.approx(100 * (1 - model[chunk] / (32 * dense_pairs * per_pair)), abs=0.6)
+        # executed: + the two QK^T recomputations of the backward, 18 FLOPs per pair, not 12
+        assert float(executed) == pytest.approx(model[chunk] * 18 / 12, abs=0.006)
+    c = olmo3.Config.olmo3_7b(window=window)
+    exact = seq * (c.train_flops_per_token(seq, "sliding") - 6 * c.num_params(False)) / 1e12
+    exact_dense = (24 * masks["window"].sum() + 8 * masks["causal"].sum()) * per_pair
+    assert exact == pytest.approx(exact_dense, rel=1e-9)
+    got = float(re.search(r"exact-mask model FLOPs \(no tile waste\): (\S+) TFLOP", out.stdout).group(1))
+    assert got == pytest.approx(exact, abs=0.006)
+
+
+def test_downstream_cost_shapes_are_oe_tasks_batches():
+    """benchmarks/downstream_cost.py costs the batches oe_tasks.score runs: a scorer that records
+    each batch's shape is the reference. Lengths straddle the 128 multiples (128 and 256 exactly,
+    129), with a last batch short of rows (padded to full rows, as _batch pads it)."""
+    code = textwrap.dedent(r"""
+        import json, sys
+        sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+        import numpy as np
+        import downstream_cost
+        from olmo3 import oe_tasks
+        lengths = [5, 300, 128, 129, 256, 40, 700, 127, 3, 260, 257]   # batches: 700..257, 256..127, 40..3
+        rows = [oe_tasks.Row(query=list(range(1, n + 1)), ctx_len=n - 1, continuation=[n], choices=None, requests=[{}])
+                for n in lengths]
+        seen = []
+        def score_fn(model, batch):
+            seen.append(list(batch["tokens"].shape))
+            return np.zeros(batch["tokens"].shape[0]), np.zeros((batch["tokens"].shape[0], 1))
+        oe_tasks.score(score_fn, None, rows, batch_rows=4, pad_id=0)
+        print(json.dumps([seen, [list(s) for s in downstream_cost.padded_shapes(rows, 4)]]))
+    """)
+    out = subprocess.run([sys.executable, "-c", code, ROOT], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen, costed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert costed == seen == [[4, 768], [4, 256], [4, 128]]

@@ -5,6 +5,7 @@ between the rare runs on a GPU. The default test runs the kernel rows and one be
 one runs every row."""
 import ast
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -196,3 +197,80 @@ def test_kernel_row_fails_a_wrong_kernel(monkeypatch, fault, dtype, want):
         assert float(errs["dv"]) > 0.05 and max(float(errs[n]) for n in ("out", "dq", "dk")) < 3e-2, figures
     if fault == "nan":
         assert errs["out"] == "nan" and max(float(errs[n]) for n in ("dq", "dk", "dv")) < 3e-2, figures
+
+
+FAKE_TIMEOUT = """#!/usr/bin/env bash
+echo "$@" > "$TIMEOUT_ARGS"
+while [[ $1 == -* ]]; do [[ $1 == -k || $1 == -s ]] && shift 2 || shift; done
+shift   # the duration
+exec "$@"
+"""
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [[ $1 == -c ]]; then exit "$IMPORT_RC"; fi   # gpu_check.sh's import check
+echo "| check | result | figures |"
+echo "ran: $*"
+echo "a row's log line" >&2
+exit 1   # a row failed
+"""
+
+
+@pytest.mark.parametrize("import_rc", [0, 1])
+def test_gpu_check_sh_exit_status_timeout_and_log(tmp_path, import_rc):
+    """gpu_check.sh passes its arguments on, under a `timeout` that leaves the promised 8 minutes
+    (its timeout + ~10 s of start-up + printing the table; the device's budget is planned on it),
+    copies stdout and stderr to $GPU_CHECK_LOG, and exits with the check's status, not tee's
+    (pipefail); a failed import check exits 2 before the check starts."""
+    for name, text in (("timeout", FAKE_TIMEOUT), ("python", FAKE_PYTHON)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    log, args = tmp_path / "gpu_check.log", tmp_path / "timeout_args"
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", PYTHON=str(tmp_path / "python"),
+               GPU_CHECK_LOG=str(log), TIMEOUT_ARGS=str(args), IMPORT_RC=str(import_rc))
+    out = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), "--only=kernel", "--smoke"],
+                         cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=60)
+    if import_rc:
+        assert out.returncode == 2 and "the imports above failed" in out.stderr, out.stderr
+        assert not args.exists() and not log.exists()
+        return
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert log.read_text().splitlines() == ["| check | result | figures |",
+                                            "ran: benchmarks/gpu_check.py --only=kernel --smoke", "a row's log line"]
+    timeout = args.read_text().split()
+    assert timeout[:2] == ["-k", "20"] and timeout[3:] == [str(tmp_path / "python"), "benchmarks/gpu_check.py",
+                                                          "--only=kernel", "--smoke"], timeout
+    assert int(timeout[2]) + 10 < 8 * 60, timeout   # SIGTERM: the table of the finished rows follows at once
+
+
+# Stands in for the kernel part's child process: prints the rows given as JSON, then exits with
+# the status given (as a crash after its first rows, or ROWS_NOT_OK, would).
+CHILD_DRIVER = """
+import json, subprocess, sys, types
+from absl import app
+import benchmarks.gpu_check as g
+rows, status = json.loads(sys.argv[1]), int(sys.argv[2])
+child = "import sys; print(sys.argv[1], flush=True); sys.exit(int(sys.argv[2]))"
+def popen(cmd, **kw):
+    assert "--emit_rows" in cmd and "--only=kernel" in cmd
+    text = "\\n".join(g.ROW + json.dumps(r) for r in rows)
+    return subprocess.Popen([sys.executable, "-c", child, text, str(status)], stdout=kw["stdout"], text=True)
+g.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+sys.argv = ["gpu_check.py", "--smoke", "--only=kernel"]
+app.run(g.main)
+"""
+OK_ROW, OVER_ROW = ["kernel a", "ok", "out 1e-3", True], ["kernel b", "OVER 0.03", "out 1e-1", False]
+
+
+@pytest.mark.parametrize("rows,status,want", [
+    ([OK_ROW], 1, [("kernel a", "ok"), ("kernel", "FAILED")]),   # crashed after its first row
+    ([OK_ROW, OVER_ROW], 3, [("kernel a", "ok"), ("kernel b", "OVER 0.03")]),   # ROWS_NOT_OK: a row said why
+    ([], 0, [("kernel", "FAILED")])])   # exited cleanly without a row
+def test_a_part_that_crashed_or_printed_nothing_fails_the_check(rows, status, want):
+    """A child that crashed after some rows keeps those rows and adds a FAILED row for the rest;
+    one that exits ROWS_NOT_OK has already said which row failed; either way the check exits 1."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", CHILD_DRIVER, json.dumps(rows), str(status)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    table = [line.split(" | ")[:2] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [(name[2:], result) for name, result in table] == want, out.stdout

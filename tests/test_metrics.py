@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -148,7 +149,11 @@ def test_mfu_of_several_devices_divides_by_all_their_peaks():
 @pytest.mark.parametrize("kind,tflops", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
                                          ("NVIDIA H200", 989.0), ("NVIDIA A100-SXM4-80GB", 312.0),
                                          ("TPU v5 lite", 197.0), ("TPU v5", 459.0), ("TPU v4", 275.0),
-                                         ("TPU v6 lite", 918.0), ("TPU7x", 1153.5)])
+                                         ("TPU v6 lite", 918.0), ("TPU7x", 1153.5),
+                                         # NVL parts: their own datasheet line (1,671 with sparsity),
+                                         # not the SXM part whose name they extend
+                                         ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200 NVL", 835.0),
+                                         ("NVIDIA H200 141GB HBM3e", 989.0), ("TPU v5p", 459.0)])
 def test_nominal_peak_of_known_devices(kind, tflops):
     """Datasheet figures (dense bf16) by JAX device_kind; no measurement on a known device."""
     def never(repeats):
@@ -157,6 +162,14 @@ def test_nominal_peak_of_known_devices(kind, tflops):
     assert peak.value == tflops * 1e12
     assert kind in peak.describe() and "dense bf16" in peak.describe()
     assert peak.update(1, 0.5 * tflops * 1e12) == 0.0
+
+
+def test_matmul_peak_is_2n3_over_the_fastest_repeat(monkeypatch):
+    """An n x n matmul is n^3 multiply-adds, 2 n^3 FLOPs; of several timed repeats the fastest
+    is the peak (load only slows one). Scripted clock: repeats of 0.5, 0.25 and 1.0 s."""
+    ticks = iter([0.0, 0.5, 0.5, 0.75, 0.75, 1.75])
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    assert metrics.measure_matmul_peak(16, np.float32, repeats=3) == 2 * 16 ** 3 / 0.25
 
 
 def test_unknown_and_flag_peaks():
