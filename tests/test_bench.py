@@ -111,7 +111,8 @@ SCRIPTED = textwrap.dedent(r"""
 def scripted_bench(platform, *flags, scale=1.0, nan_step=0):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-c", SCRIPTED, ROOT, platform, str(scale), str(nan_step), "--model=tiny",
-                           *TOY, "--steps=3", "--warmup=2", "--notune_cpu", "--notune_gpu", *flags],
+                           *TOY, "--steps=3", "--warmup=2", "--notune_cpu", "--notune_gpu",
+                           f"--max_position_embeddings={T}", *flags],   # seq_len may equal it
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
@@ -128,6 +129,9 @@ def test_bench_figures_from_scripted_steps(platform):
     calls = json.loads(lines[-1])
     assert calls == (["ours"] * 2 + ["torch eager"] * 3 + ["torch sdpa"] * 3 + ["ours", "torch sdpa"] * 3)
     assert "torch: timing attn_implementation=sdpa" in lines
+    from olmo3 import metrics   # DESIGN §7: a CPU figure names the CPU
+    assert (f"device: cpu cpu ({metrics.cpu_model()}) x2 |" if platform == "cpu"
+            else "device: gpu NVIDIA H100 80GB HBM3 x2 |") in lines[0], lines[0]
     tokens = B * T
     med, tmed, peak = 0.2 * scale, 0.5 * scale, 2.5e9 / scale
     per_layer = 4 * D * H * HD + 2 * H * HD + 3 * D * MLP + 2 * D
@@ -151,6 +155,14 @@ def test_bench_figures_from_scripted_steps(platform):
     assert ratio == pytest.approx(tmed / med, rel=1e-4)
     assert mfu == pytest.approx(flops["writeup"] * tokens / med / devices / peak, abs=1e-4)
     assert mfu_nominal == pytest.approx(flops["writeup"] * tokens / med / devices / nominal, abs=1e-4, nan_ok=True)
+    # gpu_check.py's bench rows read these figures back from bench.py's output
+    from benchmarks import gpu_check
+    text = "\n".join(lines[:-1])
+    r = gpu_check.parse_bench(text, text + out.stderr)
+    assert r["step_s"] == pytest.approx(med, abs=5e-4) and r["tokens_per_s"] == tps
+    assert r["mfu_sliding_measured"] == pytest.approx(flops["sliding"] * tokens / med / devices / peak, abs=5e-4)
+    assert r["mfu_sliding_nominal"] == pytest.approx(flops["sliding"] * tokens / med / devices / nominal, abs=5e-4,
+                                                     nan_ok=True)
     steps = next(l for l in lines if l.startswith("ours : step"))
     per_cpu_s = float(re.search(r"\| ([\d,.]+) tokens/CPU-second", steps).group(1).replace(",", ""))
     assert per_cpu_s == pytest.approx(tokens / (med / 2), rel=1e-5)   # CPU seconds: half the wall ones
@@ -167,6 +179,7 @@ def test_bench_stops_on_a_non_finite_loss():
     (["--warmup=0"], "--warmup must be >= 1"),
     # torch's autocast cannot compute wider than its parameters: no like-for-like reference.
     (["--peak_tflops=nan"], "--peak_tflops must be finite and > 0"),
+    (["--doc_len=0"], "--doc_len=0 must be >= 1"),   # not "one document per instance"
     (["--param_dtype=bfloat16", "--compute_dtype=float32"], "--compare_torch with --param_dtype=bfloat16 "
                                                             "--compute_dtype=float32")])
 def test_bench_refuses_unfair_comparisons(flags, says):
