@@ -45,7 +45,7 @@ flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: the kernel r
                   "the bench rows with --attention=xla), ~1 minute.")
 flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, bench, stage3 (default: all).")
 flags.DEFINE_integer("row_timeout", 130, "Seconds each part's subprocess may run (kernel, cudnn, each bench.py run); "
-                     "whatever finished when gpu_check.sh's 460 s run out is still printed as the table.")
+                     "whatever finished when gpu_check.sh's 455 s run out is still printed as the table.")
 flags.DEFINE_bool("emit_rows", False, "Internal: this process is a part's child; print each row as a line for the parent.")
 ROW = "gpu_check-row "   # a child's row: this prefix, then the row as JSON
 ROWS_NOT_OK = 3           # a child's exit status when it finished but a row failed (1: it crashed)
