@@ -462,7 +462,7 @@ def test_unreachable_root_fails_fast_with_recorded_sizes(tmp_path, monkeypatch):
     t0 = time.perf_counter()
     with pytest.raises(storage.UnreachableError, match=re.escape(urls[0])):
         data.FSLDataset(urls, SEQ)
-    assert time.perf_counter() - t0 < 5.0
+    assert time.perf_counter() - t0 < 12.0   # FAST_FAIL: ~1 s of waits; the run's budget here: ~24 s
 
 
 def test_root_without_files_and_bad_sizes(tmp_path):
