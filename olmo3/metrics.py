@@ -124,16 +124,6 @@ def _matmul(n: int, dtype) -> tuple:
     return f, a
 
 
-def peak_flops(flag_tflops: Optional[float]) -> float:
-    """Per-device peak FLOP/s for MFU: the flag, else the device's nominal peak, else a matmul
-    peak measured now (CPUs and unknown devices). One figure, fixed; a training run uses
-    `PeakFlops`, which keeps a measured peak honest while the run goes on."""
-    if flag_tflops:
-        return flag_tflops * 1e12
-    nominal = nominal_peak_tflops()
-    return nominal * 1e12 if nominal else measure_matmul_peak()
-
-
 def peak_units(n_devices: int) -> int:
     """How many peaks a run's FLOP/s is shared among: its devices on an accelerator; on a CPU
     its processes (hosts), whose host devices (--xla_force_host_platform_device_count) share
