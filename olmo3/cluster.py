@@ -116,9 +116,9 @@ def _candidates(env: Mapping[str, str]) -> list[Launch]:
         n = _int(env["PMI_SIZE"])
         found.append(Launch("mpi", n, f"PMI_SIZE={n}", False, "JAX does not detect MPICH / Intel MPI "
                             "launches. Fix: " + _flags_fix("PMI_SIZE", "PMI_RANK")))
-    hosts_var = next((v for v in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES") if env.get(v)), None)
+    hosts_var = _tpu_hosts_variable(env)
     if hosts_var:
-        hosts = len([h for h in env[hosts_var].split(",") if h.strip()])
+        hosts = len(env[hosts_var].split(","))   # as JAX counts them: every entry, empty ones too
         slices = _int(env.get("MEGASCALE_NUM_SLICES")) or 1
         n = hosts * slices
         source = f"{hosts_var} ({hosts} hosts)" + (f" x MEGASCALE_NUM_SLICES={slices}" if slices > 1 else "")
@@ -132,6 +132,33 @@ def _candidates(env: Mapping[str, str]) -> list[Launch]:
     if not hosts_var and _on_cloud_tpu_vm():   # GCE TPU VM: the worker list is in the metadata server
         found.append(Launch("cloud-tpu", None, "Cloud TPU VM (worker list in the GCE metadata)", True))
     return found
+
+
+def _tpu_hosts_variable(env: Mapping[str, str]) -> Optional[str]:
+    """The variable JAX's GKE TPU detection reads the worker list from: TPU_PROCESS_ADDRESSES
+    whenever it is set (even empty), else TPU_WORKER_HOSTNAMES; None if neither is set."""
+    return next((v for v in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES") if v in env), None)
+
+
+def _tpu_variables_problem(env: Mapping[str, str]) -> Optional[str]:
+    """Why JAX's Cloud TPU detection would count these variables wrong, or None. JAX splits the
+    worker list on commas and counts every entry, so an empty one (a trailing comma, an empty
+    TPU_PROCESS_ADDRESSES beside a good TPU_WORKER_HOSTNAMES) is a host that never starts and
+    whose place every process waits for; MEGASCALE_NUM_SLICES must be a count >= 1."""
+    var = _tpu_hosts_variable(env)
+    if var is None:
+        return None
+    value = env[var]
+    if any(not h.strip() for h in value.split(",")):
+        shadows = (" (JAX reads it instead of TPU_WORKER_HOSTNAMES whenever it is set)"
+                   if var == "TPU_PROCESS_ADDRESSES" and "TPU_WORKER_HOSTNAMES" in env else "")
+        return (f"{var}={value!r} has an empty entry{shadows}: JAX's detection counts it as a host "
+                f"({len(value.split(','))} in all) and every process would wait for it. Fix: list each "
+                f"host once, comma-separated, with no empty entries" + (", or unset it" if shadows else ""))
+    slices = env.get("MEGASCALE_NUM_SLICES")
+    if slices is not None and not (_int(slices) or 0) >= 1:
+        return f"MEGASCALE_NUM_SLICES={slices!r} is not a slice count >= 1. Fix: set it to the number of slices, or unset it for one"
+    return None
 
 
 def _on_cloud_tpu_vm() -> bool:
@@ -246,6 +273,10 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         num_processes = int(env["JAX_NUM_PROCESSES"])
     if process_id is None and env.get("JAX_PROCESS_ID"):
         process_id = int(env["JAX_PROCESS_ID"])
+    if not (coordinator and num_processes is not None and process_id is not None):   # JAX detects the rest
+        problem = _tpu_variables_problem(env)
+        if problem:
+            raise ClusterError(problem)
     announced = {c.processes for c in _candidates(env)}   # Open MPI 5 under srun: the ranks, not the step's
     if num_processes is not None and (detected.processes or 1) > 1 and num_processes not in announced:
         # --num_processes=1 was ignored (JAX joined the launcher's processes anyway); another count

@@ -91,6 +91,47 @@ def test_detect_agrees_with_jax_s_own_detection(env, monkeypatch):
     launch = cluster.detect(env)
     assert ((launch.engine, launch.processes) if launch.auto else None) == jax_sees, launch
 
+@pytest.mark.parametrize("env", [
+    {"TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"},
+    {"TPU_WORKER_HOSTNAMES": "h0,h1", "MEGASCALE_NUM_SLICES": "4", "MEGASCALE_SLICE_ID": "3"},
+    {"TPU_PROCESS_ADDRESSES": "10.0.0.1:8476,10.0.0.2:8476", "TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"},
+    {"TPU_WORKER_HOSTNAMES": "h0,h1,"},                                    # a trailing comma
+    {"TPU_PROCESS_ADDRESSES": "", "TPU_WORKER_HOSTNAMES": "h0,h1,h2,h3"},   # empty, but set
+], ids=["gke4", "multislice", "addresses_first", "trailing_comma", "empty_addresses"])
+def test_cloud_tpu_count_agrees_with_jax_s_own_detection(env, monkeypatch):
+    """The reference: JAX's GKE TPU detection (what jax.distributed.initialize() runs on a Cloud
+    TPU pod), told it runs on a TPU VM. `detect` counts the processes JAX would wait for; where
+    JAX would count a host that is not there, `initialize` refuses the variables, naming them."""
+    tpu = pytest.importorskip("jax._src.clusters.cloud_tpu_cluster")
+    for var in list(os.environ):
+        if var.startswith(fake_srun.LAUNCHER_PREFIXES):
+            monkeypatch.delenv(var)
+    env = {"TPU_WORKER_ID": "1", "MEGASCALE_NUM_SLICES": "1", **env}   # slices set: no metadata server
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(tpu, "running_in_cloud_tpu_vm", True)
+    assert tpu.GkeTpuCluster.is_env_present()
+    launch = cluster.detect(env)
+    assert (launch.engine, launch.processes) == ("cloud-tpu", tpu.GkeTpuCluster.get_process_count()), launch
+    hosts = tpu.GkeTpuCluster._get_worker_list_in_slice()
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: None)   # joined: nothing to start
+    if all(h.strip() for h in hosts):
+        assert cluster.initialize(env=env).processes == launch.processes
+    else:
+        var = "TPU_PROCESS_ADDRESSES" if "TPU_PROCESS_ADDRESSES" in env else "TPU_WORKER_HOSTNAMES"
+        with pytest.raises(ClusterError, match=rf"^{var}=.* has an empty entry.*counts it as a host "
+                                               rf"\({len(hosts)} in all\).*no empty entries"):
+            cluster.initialize(env=env)
+        # all three values given: JAX detects nothing, so the variables do not matter
+        monkeypatch.setattr(cluster, "local_gpu_ids", lambda *a: None)
+        assert cluster.initialize("10.0.0.1:1234", launch.processes, 0, env=env).engine.startswith("flags")
+    for bad in ("0", "two"):
+        with pytest.raises(ClusterError, match=rf"MEGASCALE_NUM_SLICES='{bad}' is not a slice count"):
+            cluster.initialize(env={**env, "TPU_WORKER_HOSTNAMES": "h0,h1", "MEGASCALE_NUM_SLICES": bad,
+                                    "TPU_PROCESS_ADDRESSES": "a,b"})
+
+
 def test_srun_preserve_env_counts_the_step():
     """`srun -E -n1` inside a 16-task allocation keeps SLURM_NTASKS=16: one process, not a refused
     replica; a step of 2 under -E cannot be joined by JAX (it would wait for 16) and says so."""
