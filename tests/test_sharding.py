@@ -170,6 +170,24 @@ def test_eval_fn_with_segments_matches_single_device():
     assert float(n) == float(want_n) == B * (T - 1) + 1
 
 
+def test_a_batch_with_no_counted_token_is_a_zero_loss_step():
+    """An SFT batch whose label masks hide every target (say, prompts cut before any assistant
+    token) counts no token: the step divides by at least 1, so the loss and the gradient are 0,
+    not 0/0, and the step is taken (not skipped as non-finite), on one device and under shard_map."""
+    b = batches(1, seed=4)[0]
+    b["instance_mask"][:] = True
+    b["label_mask"] = np.zeros((B, T), bool)
+    model, opt = fresh()
+    single = single_device_step(optimizer(), chunk=64)(model, opt, {k: jnp.asarray(v) for k, v in b.items()
+                                                                    if k != "step"})[2]
+    mesh = mesh_of("4x2")
+    sharded = sh.make_train_step(optimizer(), mesh, sh.param_specs(model, mesh), chunk=64)(
+        *sh.shard_state(*fresh(), mesh), sh.global_batch(b, mesh))[2]
+    for m in (single, sharded):
+        assert [float(m[k]) for k in ("train/loss", "train/z_loss", "optim/grad_norm", "optim/step_skipped")] \
+            == [0.0, 0.0, 0.0, 0.0], m
+
+
 def test_param_specs_rule():
     """The largest fsdp-divisible axis (earlier on a tie), never the stacked layer axis."""
     model = eqx.filter_eval_shape(olmo3.OLMo3, CFG, jax.random.key(0))
