@@ -20,11 +20,13 @@ the start, a duration at the end, `COMPILE_EVENTS`); while one runs the clock st
 it starts again from zero when the last one ends. So the first step is timed from the end of its
 compilation, and a first collective that never completes (a peer that never joined, a
 misconfigured network between hosts: a common way for a multi-host job to hang) ends the run as
-any later one does. A host that compiles longer holds its peers' first step, so the timeout must
-cover the spread of compile times between hosts; the worst case is a fresh host with a cold
-compilation cache among warm ones. Until a start has been announced, the first step is not timed:
-the clock starts at its beat. jax 0.10.2 announces starts; older jax (0.6.0) records
-only the ends, so there the first step goes untimed, as before.
+any later one does, and so does a first batch's read that never returns, before anything
+compiled. A host that compiles longer holds its peers' first step, so the timeout must cover the
+spread of compile times between hosts; the worst case is a fresh host with a cold compilation
+cache among warm ones. Whether this JAX announces starts is learnt when the watchdog starts, by
+compiling a one-line function: jax 0.10.2 announces them; older jax (0.6.0) records only the
+ends, and compiling and hanging look alike there, so its first step goes untimed (the clock
+starts at its beat).
 
 When no step has finished for `timeout_s` seconds outside a phase, a daemon thread prints every
 Python thread's stack (faulthandler: where the main thread waits), then one line (the last step
@@ -51,7 +53,9 @@ import threading
 import time
 from typing import Iterator, Optional
 
+import jax
 import jax.monitoring
+import numpy as np
 
 EXIT_STATUS = 1   # retried by --resume_until_done (olmo3/cli.py)
 # The jax.monitoring events of one compilation (jax/_src/dispatch.py: JAXPR_TRACE_EVENT,
@@ -76,10 +80,14 @@ class Watchdog:
         self._compiling = 0          # compile events started and not yet ended (they nest)
         self._announces: Optional[bool] = None   # does this JAX announce compile starts? (see above)
         self._first = False          # armed, and no step finished since
+        self._compiled = False       # a compilation ended since `arm`
         self._stop = threading.Event()
         if self.timeout_s is not None:
             jax.monitoring.register_scalar_listener(self._compile_started)
             jax.monitoring.register_event_duration_secs_listener(self._compile_ended)
+            # Compile something new once: its events say whether starts are announced, before the
+            # first step (a first read that hangs compiles nothing that would tell).
+            jax.jit(lambda x: x + 1)(np.int32(0)).block_until_ready()
             threading.Thread(target=self._watch, name="olmo3-watchdog", daemon=True).start()
 
     def arm(self, step: int) -> None:
@@ -87,6 +95,7 @@ class Watchdog:
         Without `arm`, the first `beat` starts it."""
         with self._lock:
             self._last, self._step, self._took, self._first = time.monotonic(), step, None, True
+            self._compiled = False
 
     def beat(self, step: int) -> None:
         """Step `step` finished: the clock starts again."""
@@ -110,6 +119,7 @@ class Watchdog:
                 self._compiling -= 1
                 if self._compiling == 0 and self._last is not None:
                     self._last = time.monotonic()   # the clock starts again from the compile's end
+                    self._compiled = True
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -155,9 +165,14 @@ class Watchdog:
                         continue
                     waited, limit = now - self._last, self.timeout_s
                     last = f" (it took {took:.1f} s)" if took is not None else ""
-                    what = (f"step {step + 1}, the first of this run, has not finished {waited:.0f} s after its "
-                            f"compilation" if self._first else
-                            f"no training step finished for {waited:.0f} s after step {step}{last}")
+                    if not self._first:
+                        what = f"no training step finished for {waited:.0f} s after step {step}{last}"
+                    elif self._compiled:
+                        what = (f"step {step + 1}, the first of this run, has not finished {waited:.0f} s after "
+                                f"its compilation")
+                    else:
+                        what = (f"step {step + 1}, the first of this run, has waited {waited:.0f} s and not yet "
+                                f"compiled (its first batch's read?)")
                 else:
                     name, started = self._phase
                     if name not in self._longest:   # the first of its name: compiles, no measure yet

@@ -40,11 +40,6 @@ def test_not_armed_before_the_first_step_nor_inside_a_phases_first_run():
         time.sleep(0.1)
         w.beat(2)
         w.close()
-        armed = Watchdog(0.3)
-        armed.arm(0)
-        time.sleep(1.5)          # armed, and no compile start announced yet: the clock waits for one
-        armed.beat(1)
-        armed.close()
         Watchdog(0).beat(3)      # 0: no watchdog at all
         print("done")
     """)
@@ -126,12 +121,34 @@ def test_the_first_step_is_timed_from_the_end_of_its_compilation():
     assert "in the_first_collective" in p.stderr
 
 
+def test_a_first_read_that_never_returns_ends_the_process_before_anything_compiled():
+    """Armed, nothing compiled yet, and the first batch's read hangs (a storage mount that stopped
+    answering): the clock runs from `arm`, because the watchdog learnt when it started that this
+    JAX announces its compiles, and the line says the step never got to compile."""
+    p = run("""
+        w = Watchdog(0.5)
+        assert w._announces is True, w._announces
+        w.arm(3)
+        def the_first_read():
+            time.sleep(60)
+        the_first_read()
+    """)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("train.py: error: step 4, the first of this run, has waited "), last
+    assert "not yet compiled (its first batch's read?)" in last and "in the_first_read" in p.stderr
+
+
 def test_the_first_step_is_not_timed_when_compile_starts_are_not_announced():
-    """A compile's end with no start announced (a JAX that does not announce them): compiling and
-    a hang cannot be told apart, so the first step runs untimed and the clock starts at its beat."""
+    """A JAX that records compile ends but announces no starts (jax 0.6; here jax's own dispatch
+    with its start announcement removed): compiling and a hang cannot be told apart, so the first
+    step runs untimed and the clock starts at its beat."""
     p = run("""
         import jax
+        import jax._src.dispatch
+        jax._src.dispatch.record_scalar = lambda *args, **kwargs: None   # no compile starts announced
         w = Watchdog(0.3)
+        assert w._announces is False, w._announces   # learnt from the watchdog's own compile
         w.arm(0)
         jax.monitoring.record_event_duration_secs("/jax/core/compile/backend_compile_duration", 1.0)
         time.sleep(1.5)          # compiling, as far as anyone can tell
@@ -180,4 +197,4 @@ def test_an_unmatched_compile_end_does_not_unlearn_that_starts_are_announced():
         time.sleep(20)           # the first step never finishes
     """)
     assert p.returncode == 1, (p.stdout, p.stderr)
-    assert "step 1, the first of this run, has not finished" in p.stderr.strip().splitlines()[-1], p.stderr
+    assert "step 1, the first of this run, has waited" in p.stderr.strip().splitlines()[-1], p.stderr
