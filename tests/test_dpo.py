@@ -16,6 +16,7 @@ from data import preference
 from data.preference import PairDataset, write_pairs
 from olmo3 import dpo, reference
 from olmo3.cli import UserError
+from oracles import log_softmax64
 
 BETA = 5.0
 
@@ -119,9 +120,7 @@ def test_sequence_logps_count_targets_not_mask_positions():
     mask[:, 0] = True
     mask[0] = True
     sums, counts = dpo.sequence_logps(model, jnp.asarray(tokens), jnp.asarray(mask), chunk=8)
-    logits = np.asarray(eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(model, jnp.asarray(tokens)), np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-        - logits.max(-1, keepdims=True)
+    logp = log_softmax64(eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(model, jnp.asarray(tokens)))
     target = np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]        # (B, T - 1)
     np.testing.assert_array_equal(np.asarray(counts), mask[:, 1:].sum(1))
     np.testing.assert_allclose(np.asarray(sums), (target * mask[:, 1:]).sum(1), rtol=1e-5, atol=1e-4)

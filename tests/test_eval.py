@@ -21,6 +21,7 @@ from olmo3 import heldout, hf, load, optim, schedules, scoring
 from olmo3.config import config_to_dict
 from olmo3.checkpoint import CheckpointManager
 from olmo3.step import make_train_step
+from oracles import log_softmax64
 from test_context import random_score_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,12 +55,6 @@ def forward(model, seq, pad=64):
     padded = np.zeros(max(pad, n), np.int32)
     padded[:n] = seq
     return np.asarray(_FWD(model, jnp.asarray(padded)))[:n]
-
-
-def log_softmax64(x):
-    x = np.asarray(x, np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def token_file(path, rows):

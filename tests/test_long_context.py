@@ -19,6 +19,7 @@ import data
 import olmo3
 from olmo3 import heldout
 from olmo3.step import eval_loss
+from oracles import log_softmax64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = olmo3.Config(vocab_size=512, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
@@ -168,12 +169,6 @@ def test_eval_attention_flag_scores_as_xla(tmp_path):
     assert losses["splash"] == pytest.approx(losses["xla"], rel=1e-5)
 
 
-def _log_softmax64(x):
-    x = np.asarray(x, np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
 def _documents(tmp_path, lengths, seed):
     rng = np.random.default_rng(seed)
     docs = [np.append(rng.integers(2, 512, size=n - 1), EOS) for n in lengths]
@@ -204,7 +199,7 @@ def test_by_position_equals_numpy_oracle_and_training_loss(tmp_path):
         doc = doc[:seq]  # a padded instance is the document truncated to seq_len
         padded = np.zeros(seq, np.int32)  # one jit shape; tokens after the document cannot change causal logits
         padded[:len(doc)] = doc
-        lp = _log_softmax64(fwd(model, jnp.asarray(padded)))
+        lp = log_softmax64(fwd(model, jnp.asarray(padded)))
         for t in range(len(doc) - 1):  # position t predicts doc[t + 1]
             k = np.searchsorted(bounds, t, side="right") - 1
             ce[i, k] -= lp[t, doc[t + 1]]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from olmo3 import icl_metrics, oe_tasks
+from oracles import log_softmax64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_wheel = pytest.mark.skipif(importlib.util.find_spec("olmo_eval") is None,
@@ -106,8 +107,7 @@ def _ours(reqs, metric_type):
     """icl_metrics.compute on the same requests: float64 log-softmax of the same float32 logits
     (plus a request's "nudge", a float64 difference below float32's resolution)."""
     def logprob(r):
-        x = r["logits"].astype(np.float32).astype(np.float64)
-        lp = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(-1, keepdims=True)
+        lp = log_softmax64(r["logits"].astype(np.float32))
         return float(lp[np.arange(len(r["tokens"])), r["tokens"]].sum()) + r.get("nudge", 0.0)
 
     return icl_metrics.compute([icl_metrics.Scored(r["doc_id"], r["cont_id"], r["label"], logprob(r), len(r["text"]),
