@@ -402,3 +402,26 @@ def test_downstream_cost_shapes_are_oe_tasks_batches():
     assert out.returncode == 0, out.stderr[-3000:]
     seen, costed = json.loads(out.stdout.strip().splitlines()[-1])
     assert costed == seen == [[4, 768], [4, 256], [4, 128]]
+
+
+@pytest.mark.parametrize("script, args, lines", [
+    ("bench_data.py", ["--prepare_workers=2", "--steps=3", "--loader_workers=0", "--loader_workers=2",
+                       "--seq_len=64", "--global_batch=4"],
+     [r"prepare stdlib, 2 process\(es\): [\d,]+ docs, [\d,]+ tokens in [\d.]+ s = [\d.]+M tokens/s wall",
+      r"train split: [\d,]+ instances of 64 tokens",
+      *(rf"loader seq_len=64 global_batch=4 workers={w} filter={f}: [\d.]+M tokens/s \(\d+ steps/s\)"
+        for f in ("off", "on ") for w in (0, 2))]),
+    ("bench_checkpoint.py", ["--tensors=2", "--mib=4", "--repeats=1", "--saves=1", "--devices_7b=64"],
+     [r"finiteness check: 0\.01 GB in \d+ ms \(median of 1, min \d+\): [\d.]+ GB/s",
+      r"checksums: 0\.01 GB in \d+ ms \(median of 1, min \d+\): [\d.]+ GB/s",
+      r"save with both: median [\d.]+ s of \[[\d.]+\]", r"save without: median [\d.]+ s of \[[\d.]+\]",
+      r"7B state 87\.6 GB = 1\.37 GB per device on 64 devices: finiteness check [\d.]+ s, checksums [\d.]+ s"]),
+])
+def test_data_and_checkpoint_benchmarks_run(script, args, lines):
+    """The data and checkpoint benchmarks (README figures) still run against today's APIs, and
+    print every figure line they promise, in order."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [line for line in out.stdout.splitlines() if any(re.match(p, line) for p in lines)]
+    assert len(got) == len(lines) and all(re.match(p, g) for p, g in zip(lines, got)), out.stdout
