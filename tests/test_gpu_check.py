@@ -141,7 +141,9 @@ def test_bench_row_reports_the_sliding_aware_mfu_too():
     olmo_core = dense + sum(12 * H * HD * pairs[t] / T for t in ("sliding", "sliding", "sliding", "full"))
     writeup = dense + 6 * T * H * HD * L
     assert r["mfu_sliding_nominal"] / r["mfu_nominal"] == pytest.approx(olmo_core / writeup, rel=2e-3)
-    assert r["mfu_sliding_measured"] / r["mfu_measured"] == pytest.approx(olmo_core / writeup, rel=2e-3)
+    # The measured MFU is a few percent here (a 128-wide matmul's peak), printed to 0.1%: the
+    # sliding one is known to half that step, the last line's to half of 0.0001.
+    assert r["mfu_sliding_measured"] == pytest.approx(r["mfu_measured"] * olmo_core / writeup, abs=0.0005 + 0.00005)
     assert f"{r['mfu_sliding_nominal']:.1%} sliding-aware" in gpu_check.mfu_text(r)
 
 
