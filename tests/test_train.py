@@ -162,6 +162,35 @@ def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, d
     for s, held_out in evaluated.items():
         assert held_out == {k: a[s][k] for k in held_out}, s  # exact as well
 
+def test_sigterm_during_the_last_step_ends_the_run_as_an_uninterrupted_one(uninterrupted, docs, tmp_path):
+    """A notice that reaches the last step (6 of 6): nothing is left to resume, so the run ends as
+    the uninterrupted one does, with exit status 0, its evaluation and its checkpoint of step 6,
+    not with 143 and an owed evaluation that a rerun would find nothing to train after."""
+    base = uninterrupted
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}",
+           f"--data_dir={base / 'data'}", f"--run_dir={tmp_path}", "--max_steps=6", "--save_interval=3",
+           "--eval_interval=1"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if re.match(r"step +5 \|", line):    # step 5 is logged: the notice lands during step 6
+            proc.send_signal(signal.SIGTERM)
+            break
+    err += proc.stderr.readlines()
+    assert proc.wait(timeout=300) == 0, "".join(err[-30:])
+    assert "Stopped by SIGTERM" not in "".join(err) and "Traceback" not in "".join(err)
+    assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == [3, 6]
+    from olmo3.checkpoint import CheckpointManager
+    assert not CheckpointManager(str(tmp_path), read_only=True).read_extra(6).get("owed_evaluations")
+    kept = lambda run: {s: {k: v for k, v in m.items() if k.startswith(("train/loss", "eval/", "optim/"))}  # noqa: E731
+                        for s, m in metrics_by_step(run).items()}
+    assert kept(tmp_path) == kept(base / "a")   # every loss, evaluation and optimizer figure, exact
+    assert all(any(k.startswith("eval/") for k in m) for m in kept(tmp_path).values())
+
+
 ABSL_PREFIX = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ (\S+):\d+\]", re.M)
 
 
