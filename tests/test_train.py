@@ -125,6 +125,22 @@ def test_sigkill_during_async_save_then_resume(uninterrupted, docs, tmp_path):
     print("killed during a save in progress:", caught_tmp)
 
 
+def sigterm_after(logged_step, run_dir, docs, data_dir, *args):
+    """train.py (SMALL and `args`) sent SIGTERM as soon as it logs step `logged_step`: (exit status, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}", f"--data_dir={data_dir}",
+           f"--run_dir={run_dir}", *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = []
+    for line in proc.stderr:
+        err.append(line)
+        if re.match(rf"step +{logged_step} \|", line):
+            proc.send_signal(signal.SIGTERM)
+            break
+    err += proc.stderr.readlines()
+    return proc.wait(timeout=300), "".join(err)
+
 
 def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, docs, tmp_path):
     """A preemption notice (SIGTERM) after step 2 of 6, with no save due before step 6: the run
@@ -132,24 +148,13 @@ def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, d
     held-out evaluations included: the one due at the stop's step, which the stop skipped, is done
     by the resumed run before it trains on."""
     base = uninterrupted
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}",
-           f"--data_dir={base / 'data'}", f"--run_dir={tmp_path}", "--max_steps=6", "--save_interval=1000",
-           "--eval_interval=1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    err = []
-    for line in proc.stderr:
-        err.append(line)
-        if re.match(r"step +2 \|", line):
-            proc.send_signal(signal.SIGTERM)
-            break
-    err += proc.stderr.readlines()
-    assert proc.wait(timeout=300) == 143, "".join(err[-30:])
+    status, err = sigterm_after(2, tmp_path, docs, base / "data", "--max_steps=6", "--save_interval=1000",
+                                "--eval_interval=1")
+    assert status == 143, err[-3000:]
     saved = sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit())
     assert len(saved) == 1 and 2 <= saved[0] < 6, saved       # the step in progress, not step 6
-    assert f"Stopped by SIGTERM after step {saved[0]}: checkpoint {saved[0]} is in" in "".join(err)
-    assert "Traceback" not in "".join(err)
+    assert f"Stopped by SIGTERM after step {saved[0]}: checkpoint {saved[0]} is in" in err
+    assert "Traceback" not in err
     stop = saved[0]
     assert all(any(k.startswith("eval/") for k in m) == (s < stop)    # every step's but the stop's
                for s, m in metrics_by_step(tmp_path).items()), metrics_by_step(tmp_path)
@@ -162,26 +167,16 @@ def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, d
     for s, held_out in evaluated.items():
         assert held_out == {k: a[s][k] for k in held_out}, s  # exact as well
 
+
 def test_sigterm_during_the_last_step_ends_the_run_as_an_uninterrupted_one(uninterrupted, docs, tmp_path):
     """A notice that reaches the last step (6 of 6): nothing is left to resume, so the run ends as
     the uninterrupted one does, with exit status 0, its evaluation and its checkpoint of step 6,
     not with 143 and an owed evaluation that a rerun would find nothing to train after."""
-    base = uninterrupted
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}",
-           f"--data_dir={base / 'data'}", f"--run_dir={tmp_path}", "--max_steps=6", "--save_interval=3",
-           "--eval_interval=1"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    err = []
-    for line in proc.stderr:
-        err.append(line)
-        if re.match(r"step +5 \|", line):    # step 5 is logged: the notice lands during step 6
-            proc.send_signal(signal.SIGTERM)
-            break
-    err += proc.stderr.readlines()
-    assert proc.wait(timeout=300) == 0, "".join(err[-30:])
-    assert "Stopped by SIGTERM" not in "".join(err) and "Traceback" not in "".join(err)
+    base = uninterrupted   # step 5 is logged: the notice lands during step 6
+    status, err = sigterm_after(5, tmp_path, docs, base / "data", "--max_steps=6", "--save_interval=3",
+                                "--eval_interval=1")
+    assert status == 0, err[-3000:]
+    assert "Stopped by SIGTERM" not in err and "Traceback" not in err
     assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == [3, 6]
     from olmo3.checkpoint import CheckpointManager
     assert not CheckpointManager(str(tmp_path), read_only=True).read_extra(6).get("owed_evaluations")
