@@ -10,6 +10,9 @@
                    window, window + ragged documents (bf16), documents fp32
     cudnn <case>   the model's logits, --attention=cudnn vs --attention=xla   max |err| / max |xla logits|
                    (with documents cudnn hands off to the GPU kernel)
+    speed <layer>  attention alone at the 7B's shape (32/8 heads, hd 128,     ms and TFLOP/s of each, their
+                   seq 8192), forward + backward, bf16: the GPU kernel        ratio; the issue's targets:
+                   against cuDNN, full causal and window 4096                 < 1.3x full, < 1x sliding
     bench <impl>   benchmarks/bench.py --flagfile=benchmarks/bench_gpu_1b.flags  tokens/s, MFU of the nominal
                    --attention=splash / cudnn (~1B, bf16, seq 8192)             bf16 peak (989 TFLOP/s H100/H200)
     stage3         bench.py at the stage-3 shape: 7B width, two layers          step time, peak device memory
@@ -43,8 +46,8 @@ from absl import app, flags
 F = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: the kernel rows in Pallas interpret mode, "
                   "the bench rows with --attention=xla), ~1 minute.")
-flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, bench, stage3 (default: all).")
-flags.DEFINE_integer("row_timeout", 130, "Seconds each part's subprocess may run (kernel, cudnn, each bench.py run); "
+flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, stage3, bench, speed (default: all, in that order).")
+flags.DEFINE_integer("row_timeout", 130, "Seconds each part's subprocess may run (kernel, cudnn, speed, each bench.py run); "
                      "whatever finished when gpu_check.sh's 455 s run out is still printed as the table.")
 flags.DEFINE_bool("emit_rows", False, "Internal: this process is a part's child; print each row as a line for the parent.")
 ROW = "gpu_check-row "   # a child's row: this prefix, then the row as JSON
@@ -175,6 +178,77 @@ def cudnn_rows(smoke: bool) -> list:
 
 
 # ---------------------------------------------------------------------------------------------
+# speed: attention alone, the GPU kernel against cuDNN, per layer type (issue 14's targets).
+# ---------------------------------------------------------------------------------------------
+# Issue 14: the GPU kernel within 1.3x of cuDNN's time on full-causal layers, faster than it on
+# sliding-window ones (where it skips the tiles outside the window).
+SPEED_TARGET = {"full": 1.3, "sliding": 1.0}   # splash time / cuDNN time must be under it
+SPEED_REPS = 10   # timed calls per kernel, interleaved; the median is reported
+
+
+def speed_verdict(layer: str, ratio: float, reference: str) -> str:
+    """The row's result: the target is judged against cuDNN only (--smoke on a CPU times the
+    interpret-mode emulation against XLA, which says nothing about a GPU). A missed target is
+    a finding the table reports, not a failure of the check."""
+    if reference != "cudnn":
+        return "not judged"
+    return "ok" if ratio < SPEED_TARGET[layer] else f"SLOW (target < {SPEED_TARGET[layer]:g}x)"
+
+
+def speed_rows(smoke: bool) -> list:
+    import jax
+
+    # The 7B's attention at stages 1-2 (DESIGN §2): 32 query heads on 8 KV heads, head_dim 128,
+    # seq 8192, window 4096 in the sliding layers; one instance (the model vmaps over the batch).
+    H, KV, T, D, W = (4, 2, 256, 64, 64) if smoke else (32, 8, 8192, 128, 4096)
+    reference = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    rows = []
+    for layer, window in (("full", None), ("sliding", W)):
+        guarded(rows, f"speed {layer}", lambda layer=layer, window=window: [
+            speed_case(layer, window, (H, KV, T, D), reference)])
+    return rows
+
+
+def speed_case(layer: str, window, shape: tuple, reference: str) -> tuple:
+    """Forward + backward (d(sum(out * ct))/d(q, k, v)) of attention(impl="splash") and of
+    `reference`, bf16, compiled first, then SPEED_REPS calls of each in turn."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from olmo3.attention import attention
+    H, KV, T, D = shape
+    kq, kk, kv_, kc = jax.random.split(jax.random.key(7), 4)
+    q = jax.random.normal(kq, (H, T, D), jnp.bfloat16)
+    k = jax.random.normal(kk, (KV, T, D), jnp.bfloat16)
+    v = jax.random.normal(kv_, (KV, T, D), jnp.bfloat16)
+    ct = jax.random.normal(kc, (H, T, D), jnp.bfloat16)
+    step = {impl: jax.jit(jax.grad(lambda q, k, v, impl=impl: jnp.sum(
+                (attention(q, k, v, window=window, segment_ids=None, impl=impl) * ct).astype(jnp.float32)),
+                argnums=(0, 1, 2)))
+            for impl in ("splash", reference)}
+    for fn in step.values():   # compile, and a first call (cuDNN builds its plan on it)
+        jax.block_until_ready(fn(q, k, v))
+    times = {impl: [] for impl in step}
+    for _ in range(SPEED_REPS):
+        for impl, fn in step.items():
+            t = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v))
+            times[impl].append(time.perf_counter() - t)
+    ms = {impl: 1e3 * float(np.median(ts)) for impl, ts in times.items()}
+    # Model FLOPs: 12 per (query, key it sees, head_dim) per query head for forward + backward
+    # (QK^T, PV; dQ, dK, dV, dP), as Config.train_flops_per_token's sliding count.
+    w = T if window is None else min(window, T)
+    flops = 12.0 * H * D * (w * (w + 1) / 2 + (T - w) * w)
+    ratio = ms["splash"] / ms[reference]
+    figures = (f"splash {ms['splash']:.2f} ms ({flops / ms['splash'] / 1e9:.3g} TFLOP/s), {reference} "
+               f"{ms[reference]:.2f} ms ({flops / ms[reference] / 1e9:.3g} TFLOP/s): {ratio:.2f}x; forward + "
+               f"backward, median of {SPEED_REPS}, bf16 {H}/{KV} heads seq {T} hd {D}"
+               + (f" window {window}" if window else " causal"))
+    return f"speed {layer}", speed_verdict(layer, ratio, reference), figures, True
+
+
+# ---------------------------------------------------------------------------------------------
 # bench / stage3: bench.py in a subprocess, its printed figures parsed.
 # ---------------------------------------------------------------------------------------------
 def child_env() -> dict:
@@ -299,11 +373,15 @@ def main(argv):
     # The kernel rows first: they are the check's point. Every part runs in a child process, one
     # at a time, so this process never holds GPU memory while bench.py preallocates 90% of it
     # (olmo3/runtime.py GPU_ENV); in a child (--emit_rows) the in-process parts run here.
-    here = {"kernel": lambda: in_process(kernel_rows, F.smoke), "cudnn": lambda: in_process(cudnn_rows, F.smoke)}
+    here = {"kernel": lambda: in_process(kernel_rows, F.smoke), "cudnn": lambda: in_process(cudnn_rows, F.smoke),
+            "speed": lambda: in_process(speed_rows, F.smoke)}
+    # The speed part last: it adds to what the issue's table lists, so it has the time left over
+    # (on its own: --only=speed, a minute or two).
     parts = {"kernel": [("kernel", None)], "cudnn": [("cudnn", None)],   # in a child: child_rows
              "stage3": [("stage3", lambda: stage3_rows(F.smoke))],
              "bench": [("bench splash", lambda: bench_rows(F.smoke, "splash")),
-                       ("bench cudnn", lambda: bench_rows(F.smoke, "cudnn"))]}
+                       ("bench cudnn", lambda: bench_rows(F.smoke, "cudnn"))],
+             "speed": [("speed", None)]}
     unknown = set(F.only or ()) - set(parts)
     if unknown:
         raise app.UsageError(f"--only={','.join(F.only)}: unknown part(s) {sorted(unknown)}; choose from {list(parts)}")
