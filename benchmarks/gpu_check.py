@@ -14,7 +14,8 @@
                    seq 8192), forward + backward, bf16: the GPU kernel        ratio; the issue's targets:
                    against cuDNN, full causal and window 4096                 < 1.3x full, < 1x sliding
     bench <impl>   benchmarks/bench.py --flagfile=benchmarks/bench_gpu_1b.flags  tokens/s, MFU of the nominal
-                   --attention=splash / cudnn (~1B, bf16, seq 8192)             bf16 peak (989 TFLOP/s H100/H200)
+                   --attention=splash / cudnn (~1B, bf16, seq 8192)             bf16 peak (989 TFLOP/s H100/H200);
+                                                                                the issue's target: >= 45%
     stage3         bench.py at the stage-3 shape: 7B width, two layers          step time, peak device memory
                    (sliding + full), seq 65,536, YaRN, documents of 20,000      (memory_stats peak_bytes_in_use)
                    tokens, splash, float8 linears (the recipe's stage 3; also in --smoke)
@@ -24,12 +25,14 @@ prepared to run unattended once. Each row runs under its own guard: an exception
 an out-of-memory in one row (one kernel case) becomes that row's text and the other rows still
 run and print. Every part runs in its own child process, one after the other, the kernel rows
 first: the throughput rows run bench.py itself (what is measured is exactly what bench.py
-measures), the kernel and cuDNN rows a child of this script that prints each row as it finishes,
+measures), the kernel, cuDNN and speed rows a child of this script that prints each row as it finishes,
 so a crash, an out-of-memory or a timeout costs only what had not finished, and no process holds
 GPU memory while the next one preallocates. When gpu_check.sh's timeout stops the run, the table
 of the rows that finished is still printed. The exit status is 1 when a row failed or a kernel
 error is over its tolerance (a NaN is over), else 0; rows that cannot run on this backend (cuDNN
-on a CPU) say so and do not fail.
+on a CPU) say so and do not fail. The issue's performance targets (bench: MFU; speed: the
+kernel's time against cuDNN's) are each row's result, "ok" or "LOW" / "SLOW": findings the table
+reports, not failures of the check; without a GPU they are "not judged".
 """
 from __future__ import annotations
 
@@ -294,6 +297,16 @@ def mfu_text(r: dict) -> str:
             f"({r['mfu_sliding_measured']:.1%} sliding-aware; no nominal peak here)")
 
 
+MFU_TARGET = 0.45   # issue 14: the ~1B config's MFU of the nominal bf16 peak (bench.py's headline)
+
+
+def mfu_verdict(mfu_nominal: float) -> str:
+    """A bench row's result: judged where the device has a nominal peak (not a CPU: NaN)."""
+    if mfu_nominal != mfu_nominal:
+        return "not judged"
+    return "ok" if mfu_nominal >= MFU_TARGET else f"LOW (target >= {MFU_TARGET:.0%})"
+
+
 def bench_rows(smoke: bool, impl: str) -> list:
     from olmo3 import runtime
     if impl == "cudnn" and not runtime.gpu_backend_expected():   # asks without starting a backend here
@@ -305,7 +318,7 @@ def bench_rows(smoke: bool, impl: str) -> list:
         args = ["--flagfile=benchmarks/bench_gpu_1b.flags", f"--attention={impl}"]
     r = run_bench(args, F.row_timeout)
     shape = "smoke shapes, --attention=xla" if smoke else "~1B (bench_gpu_1b.flags), bf16, 8 x 8192"
-    return [(f"bench {impl}", "ok", f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s']:.3f} s, "
+    return [(f"bench {impl}", mfu_verdict(r["mfu_nominal"]), f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s']:.3f} s, "
              f"{mfu_text(r)}; {shape}; {r['memory']}", True)]
 
 
