@@ -242,7 +242,7 @@ def main(argv):
     from data import prepare
     import olmo3
     from olmo3 import checkpoint, cluster, heldout as heldout_lib, metrics as metrics_lib, optim, preemption
-    from olmo3 import attention, schedules, sharding, watchdog
+    from olmo3 import schedules, sharding, watchdog
     from olmo3.config import config_to_dict, precision
     from olmo3.model import decay_mask
 
@@ -263,13 +263,7 @@ def main(argv):
     # §2 Model. Stage 3 (and SFT, DPO after it) switches the full-attention layers to YaRN (factor 8 over 8192).
     # -----------------------------------------------------------------------------------------
     config = model_config()
-    problem = attention.unusable_here(config.attention, jax.devices()[0].platform,
-                                      tuple(n for n in ("splash_block_q", "splash_block_kv") if F[n].present))
-    if problem:
-        raise app.UsageError(problem)
-    if F.seq_len > config.max_position_embeddings:
-        raise app.UsageError(f"--seq_len={F.seq_len} exceeds the model's max_position_embeddings="
-                             f"{config.max_position_embeddings}")
+    cli.check_model(config, F.seq_len, jax.devices()[0].platform)   # the kernel runs here; --seq_len fits
     # Out of device memory before the first step is these numbers' fault: exit 2 with this advice
     # (after it, exit 1 and a rerun: olmo3/cli.py).
     rows_per_micro = F.global_batch // row_groups // microbatches

@@ -252,16 +252,10 @@ def main(argv):
     import jax
     import numpy as np
 
-    from olmo3 import attention, metrics as metrics_lib
+    from olmo3 import metrics as metrics_lib
 
     config = config_from_flags()
-    problem = attention.unusable_here(config.attention, jax.devices()[0].platform,
-                                      tuple(n for n in ("splash_block_q", "splash_block_kv") if F[n].present))
-    if problem:
-        raise app.UsageError(problem)
-    if F.seq_len > config.max_position_embeddings:
-        raise app.UsageError(f"--seq_len={F.seq_len} exceeds max_position_embeddings="
-                             f"{config.max_position_embeddings} of --model={F.model}")
+    cli.check_model(config, F.seq_len, jax.devices()[0].platform)   # as train.py
     if F.doc_len is not None and F.doc_len < 1:
         raise app.UsageError(f"--doc_len={F.doc_len} must be >= 1")
     if F.compare_torch and (config.param_dtype, config.compute_dtype) == ("bfloat16", "float32"):

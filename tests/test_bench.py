@@ -194,7 +194,7 @@ def test_bench_rejects_bad_seq_len():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench.py"), "--model=tiny",
                           "--seq_len=100000", "--steps=1"], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
-    assert out.returncode != 0 and "--seq_len=100000 exceeds max_position_embeddings" in out.stderr
+    assert out.returncode != 0 and "--seq_len=100000 exceeds the model's max_position_embeddings" in out.stderr
 
 
 def test_profile_step_names_the_phases(tmp_path):
