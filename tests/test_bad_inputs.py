@@ -119,6 +119,8 @@ def _cases(w):
          "--keep_checkpoints must be >= 1"),
         ("loss_chunk_zero", "train.py", [*T, f"--run_dir={new}", "--loss_chunk=0"], 2, "--loss_chunk must be > 0"),
         ("seq_len_one", "train.py", [*T, f"--run_dir={new}", "--seq_len=1"], 2, "--seq_len must be >= 2"),
+        ("seq_len_past_positions", "train.py", [*T, f"--run_dir={new}", "--seq_len=8192"], 2,
+         "--seq_len=8192 exceeds the model's max_position_embeddings=4096"),
         ("unknown_downstream_task", "train.py", [*T, f"--run_dir={new}", "--downstream_tasks=bogus"], 2,
          "--downstream_tasks: unknown task 'bogus'"),
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
