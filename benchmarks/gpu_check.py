@@ -49,9 +49,10 @@ from absl import app, flags
 F = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: the kernel rows in Pallas interpret mode, "
                   "the bench rows with --attention=xla), ~1 minute.")
-flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, stage3, bench, speed (default: all, in that order).")
-flags.DEFINE_integer("row_timeout", 130, "Seconds each part's subprocess may run (kernel, cudnn, speed, each bench.py run); "
-                     "whatever finished when gpu_check.sh's 455 s run out is still printed as the table.")
+flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, stage3, bench, speed (default: all, in "
+                  "that order).")
+flags.DEFINE_integer("row_timeout", 130, "Seconds each part's subprocess may run (kernel, cudnn, speed, each bench.py "
+                     "run); whatever finished when gpu_check.sh's 455 s run out is still printed as the table.")
 flags.DEFINE_bool("emit_rows", False, "Internal: this process is a part's child; print each row as a line for the parent.")
 ROW = "gpu_check-row "   # a child's row: this prefix, then the row as JSON
 ROWS_NOT_OK = 3           # a child's exit status when it finished but a row failed (1: it crashed)
@@ -318,8 +319,8 @@ def bench_rows(smoke: bool, impl: str) -> list:
         args = ["--flagfile=benchmarks/bench_gpu_1b.flags", f"--attention={impl}"]
     r = run_bench(args, F.row_timeout)
     shape = "smoke shapes, --attention=xla" if smoke else "~1B (bench_gpu_1b.flags), bf16, 8 x 8192"
-    return [(f"bench {impl}", mfu_verdict(r["mfu_nominal"]), f"{r['tokens_per_s']:,.0f} tokens/s, step {r['step_s']:.3f} s, "
-             f"{mfu_text(r)}; {shape}; {r['memory']}", True)]
+    return [(f"bench {impl}", mfu_verdict(r["mfu_nominal"]), f"{r['tokens_per_s']:,.0f} tokens/s, step "
+             f"{r['step_s']:.3f} s, {mfu_text(r)}; {shape}; {r['memory']}", True)]
 
 
 def stage3_rows(smoke: bool) -> list:
