@@ -241,6 +241,12 @@ def run(main: Callable[[list[str]], None]) -> None:
     def parse(argv: list[str]) -> list[str]:
         try:
             return flags.FLAGS(argv)
+        except flags.CantOpenFlagFileError as e:   # absl: "ERROR:: Unable to open flagfile: [Errno 2] ..."
+            reason = str(e).removeprefix("ERROR:: ").removeprefix("Unable to open flagfile: ")
+            m = re.fullmatch(r"\[Errno \d+\] (.*): ('.*')", reason)   # "[Errno 2] No such file ...: 'x.flags'"
+            fail(prog, flags.Error(f"--flagfile={m.group(2) if m else ''}: {m.group(1) if m else reason}; give an "
+                                   f"existing flagfile (a relative path is read from the current directory, "
+                                   f"{os.getcwd()})"))
         except flags.Error as e:
             fail(prog, e)
 

@@ -108,7 +108,9 @@ def _cases(w):
          f"corpus '{w / 'blank'}' gives no training document: every document is blank"),
         ("init_from_missing", "train.py", [*T, "--stage=2", f"--run_dir={new}", f"--init_from={w / 'nowhere'}"],
          2, f"{w / 'nowhere'}: not a run directory"),
-        ("flagfile_missing", "train.py", [f"--flagfile={w / 'none.flags'}"], 2, "Unable to open flagfile"),
+        # absl's own line was "error: ERROR:: Unable to open flagfile: [Errno 2] ..." with no fix.
+        ("flagfile_missing", "train.py", [f"--flagfile={w / 'none.flags'}"], 2,
+         f"--flagfile='{w / 'none.flags'}': No such file or directory; give an existing flagfile"),
         ("lr_nan_flag", "train.py", [*T, f"--run_dir={new}", "--lr=nan"], 2, "--lr must be finite and > 0"),
         ("lr_nan_flagfile", "train.py", [*T, f"--run_dir={new}", f"--flagfile={w / 'bad.flags'}"], 2,
          "--lr must be finite and > 0"),
@@ -119,6 +121,9 @@ def _cases(w):
          "--keep_checkpoints must be >= 1"),
         ("loss_chunk_zero", "train.py", [*T, f"--run_dir={new}", "--loss_chunk=0"], 2, "--loss_chunk must be > 0"),
         ("seq_len_one", "train.py", [*T, f"--run_dir={new}", "--seq_len=1"], 2, "--seq_len must be >= 2"),
+        ("flagfile_missing_eval", "eval.py", ["--flagfile=nowhere.flags"], 2,
+         "--flagfile='nowhere.flags': No such file or directory; give an existing flagfile (a relative path is read "
+         f"from the current directory, {ROOT})"),
         ("seq_len_past_positions", "train.py", [*T, f"--run_dir={new}", "--seq_len=8192"], 2,
          "--seq_len=8192 exceeds the model's max_position_embeddings=4096"),
         ("unknown_downstream_task", "train.py", [*T, f"--run_dir={new}", "--downstream_tasks=bogus"], 2,
