@@ -263,7 +263,7 @@ def main(argv):
     # §2 Model. Stage 3 (and SFT, DPO after it) switches the full-attention layers to YaRN (factor 8 over 8192).
     # -----------------------------------------------------------------------------------------
     config = model_config()
-    cli.check_model(config, F.seq_len, jax.devices()[0].platform)   # the kernel runs here; --seq_len fits
+    cli.check_model(config.attention, config.max_position_embeddings, F.seq_len, jax.devices()[0].platform)
     # Out of device memory before the first step is these numbers' fault: exit 2 with this advice
     # (after it, exit 1 and a rerun: olmo3/cli.py).
     rows_per_micro = F.global_batch // row_groups // microbatches

@@ -255,7 +255,7 @@ def main(argv):
     from olmo3 import metrics as metrics_lib
 
     config = config_from_flags()
-    cli.check_model(config, F.seq_len, jax.devices()[0].platform)   # as train.py
+    cli.check_model(config.attention, config.max_position_embeddings, F.seq_len, jax.devices()[0].platform)
     if F.doc_len is not None and F.doc_len < 1:
         raise app.UsageError(f"--doc_len={F.doc_len} must be >= 1")
     if F.compare_torch and (config.param_dtype, config.compute_dtype) == ("bfloat16", "float32"):

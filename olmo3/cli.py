@@ -120,15 +120,16 @@ def require(rules: list[tuple[str, Callable[[Any], bool], str]]) -> None:
         flags.register_validator(name, ok, message=f"--{name} must be {want}")
 
 
-def check_model(config, seq_len: int, platform: str) -> None:
+def check_model(attention_impl: str, max_positions: int, seq_len: int, platform: str) -> None:
     """The model flags train.py and bench.py check once the config and the devices are known: the
-    attention kernel runs on `platform` with the Splash tile flags given (olmo3.attention
-    .unusable_here), and --seq_len fits the model's max_position_embeddings. Exit 2 otherwise."""
+    attention kernel (Config.attention) runs on `platform` with the Splash tile flags given
+    (olmo3.attention.unusable_here), and --seq_len fits the model's max_position_embeddings
+    (`max_positions`). Exit 2 otherwise."""
     from olmo3 import attention
     tiles = tuple(n for n in ("splash_block_q", "splash_block_kv") if n in flags.FLAGS and flags.FLAGS[n].present)
-    problem = attention.unusable_here(config.attention, platform, tiles)
-    if problem is None and seq_len > config.max_position_embeddings:
-        problem = f"--seq_len={seq_len} exceeds the model's max_position_embeddings={config.max_position_embeddings}"
+    problem = attention.unusable_here(attention_impl, platform, tiles)
+    if problem is None and seq_len > max_positions:
+        problem = f"--seq_len={seq_len} exceeds the model's max_position_embeddings={max_positions}"
     if problem:
         raise app.UsageError(problem)
 
