@@ -128,7 +128,9 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> Config:
         head_dim=_field(hf, "head_dim", int, d_model // max(n_heads, 1)),
         mlp_hidden=_field(hf, "intermediate_size", int), window=_field(hf, "sliding_window", int, 4096),
         layer_pattern=_pattern(list(layer_types), n_layers), rope_theta=theta, yarn=yarn,
-        max_position_embeddings=_field(hf, "max_position_embeddings", int, 65536),
+        # transformers' Olmo3Config default (2048), as for rms_norm_eps: a config.json that leaves
+        # it out is read the way transformers reads it, not as OLMo 3's 65,536
+        max_position_embeddings=_field(hf, "max_position_embeddings", int, 2048),
         norm_eps=_field(hf, "rms_norm_eps", float, 1e-5))   # transformers' Olmo3Config default, not OLMo 3's 1e-6
     kw.update(overrides)
     return Config(**kw)

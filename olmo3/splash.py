@@ -541,7 +541,7 @@ def splash_attention(
     v: Float[Array, "kv_heads seq head_dim"],
     *,
     window: Optional[int] = None,
-    segment_ids: Optional[Int[Array, "seq"]] = None,
+    segment_ids: Optional[Int[Array, " seq"]] = None,
     block_q: int = 2048,
     block_kv: int = 2048,
     interpret: Union[bool, pltpu.InterpretParams] = False,

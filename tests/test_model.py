@@ -87,13 +87,16 @@ def test_yarn_without_truncation_is_refused():
 
 
 def test_fields_left_out_of_config_json_take_transformers_defaults():
-    """A config.json without layer_types, num_key_value_heads, head_dim, sliding_window, rope or
-    rms_norm_eps computes as transformers reads it: against Olmo3Config's own defaults written
-    out (its rms_norm_eps is 1e-5, not OLMo 3's 1e-6; its layer pattern full every 4th layer)."""
+    """A config.json without layer_types, num_key_value_heads, head_dim, sliding_window, rope,
+    rms_norm_eps or max_position_embeddings computes as transformers reads it: against
+    Olmo3Config's own defaults written out (its rms_norm_eps is 1e-5, not OLMo 3's 1e-6; its layer
+    pattern full every 4th layer; its context 2048 positions, not OLMo 3's 65,536)."""
     from olmo3.config import config_diff
     minimal = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=8, num_attention_heads=4)
     full = transformers.Olmo3Config(**minimal).to_dict()
-    assert config_diff(hf.config_from_hf({"model_type": "olmo3", **minimal}), hf.config_from_hf(full)) == {}
+    ours = hf.config_from_hf({"model_type": "olmo3", **minimal})
+    assert config_diff(ours, hf.config_from_hf(full)) == {}
+    assert ours.max_position_embeddings == full["max_position_embeddings"] == 2048
 
 
 def test_parity_unrolled_layer_groups():
