@@ -95,7 +95,8 @@ flags.DEFINE_bool("float8", False, "Every layer's seven projections through floa
                   "they are (as convert.py exports them).")
 flags.DEFINE_enum("attention", "xla", ["xla", "splash", "cudnn"], "Attention kernel (olmo3/attention.py), as train.py's "
                   "--attention: xla refuses full-attention rows above 16,384 tokens (dense scores), so stage 3's "
-                  "65,536-token evaluation needs splash (TPU/GPU, interpreted elsewhere) or cudnn (GPU).")
+                  "65,536-token evaluation needs splash (TPU/GPU, interpreted elsewhere) or cudnn (GPU). Scoring "
+                  "only: generation (--chat, generation tasks) decodes with its KV cache's own attention.")
 flags.DEFINE_bool("independent_runs", False, "Under a multi-process launch (srun, mpirun, a TPU slice), run "
                   "anyway: every process evaluates on its own. Without it such a launch stops (olmo3/cluster.py).")
 flags.DEFINE_string("chat", None, "Chat: the model's answer to this user message (OLMo 3 chat template, data/chat.py).")
