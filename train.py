@@ -358,6 +358,9 @@ def main(argv):
     start, state, extra = None, None, {}
     if F.resume:  # the newest checkpoint that reads back; a damaged newer one is moved aside
         start, state, extra = ckpt.restore_intact(as_dict(abstract), lambda e: check_resume(e, config))
+        if start is None:   # a first launch (a cluster command passes --resume every time), or a mistyped --run_dir
+            logging.info("--resume: %s holds no checkpoint yet; a new run from step 0",
+                         os.path.abspath(os.path.join(F.run_dir, "checkpoints")))
     loader_state = None
     if start is not None:  # resume: the checkpoint labelled N means N steps are done
         model, opt_state = state["model"], state["opt"]
@@ -371,10 +374,10 @@ def main(argv):
         # load_optim_state=None its train module loads the optimizer state whenever the checkpoint
         # has one (TransformerTrainModule.state_dict_to_load); a weights-only checkpoint (convert.py's)
         # starts Adam fresh. DPO never: open-instruct loads Hugging Face weights.
-        state = None
+        state, source_extra = None, {}
         if not F.init_weights_only and F.stage != "dpo":
             try:
-                state, _ = source.restore(step, as_dict(abstract))
+                state, source_extra = source.restore(step, as_dict(abstract))
             except checkpoint.MissingTensorsError as e:
                 if not all(name.startswith("opt.") for name in e.missing):
                     raise
@@ -383,7 +386,7 @@ def main(argv):
                         f"--init_from={F.init_from} holds no optimizer state; the stage-{F.stage} warm "
                         "start needs Adam's moments (a train.py checkpoint), or pass --init_weights_only") from e
         if state is None:
-            state, _ = source.restore(step, {"model": abstract[0]})
+            state, source_extra = source.restore(step, {"model": abstract[0]})
             model = state["model"]
             opt_state = jax.jit(optimizer.init, out_shardings=sharding.state_shardings(abstract, mesh)[1])(model)
         else:
@@ -391,6 +394,7 @@ def main(argv):
         start = 0
         logging.info("Warm start (params%s) from %s", " + Adam moments" if "opt" in state else ", fresh Adam",
                      F.init_from)
+        warn_model_change(source_extra.get("model_config"), config)
     else:
         if F.stage != "1":
             logging.warning("Stage %s without --init_from: a cold start, not the recipe", F.stage)
@@ -863,6 +867,18 @@ def reference_logps(ds, path: str, identity: str, model, compute, elsewhere: str
     logging.info("Reference log-probs of %s: computing once, cached in %s", ds, path)
     sums, _ = reference.load_or_compute(path, fp, compute, write_file=jax.process_index() == 0)
     return sums
+
+
+def warn_model_change(saved: dict | None, config) -> None:
+    """A warm start whose flags change the checkpoint's architecture (a --window, a --rope_theta)
+    where its tensors still fit: allowed (an experiment may mean it), never silent. YaRN is left
+    out: stage 3 and post-training add it to the stage-2 model by recipe."""
+    from olmo3.config import config_to_dict
+    now = config_to_dict(config)
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k != "yarn" and saved and saved.get(k) != v]
+    if changed:
+        logging.warning("--init_from=%s: this run's model differs from the checkpoint's (%s); its tensors fit, so "
+                        "the warm start goes on with the flags' model", F.init_from, ", ".join(changed))
 
 
 def check_resume(extra: dict, config) -> None:

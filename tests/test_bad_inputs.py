@@ -284,6 +284,19 @@ def test_bad_input(world, outcomes, case):
     assert not (os.path.isdir(ckpts) and os.listdir(ckpts)) and not os.path.exists(world / f"out_{case}")
 
 
+def test_warm_start_into_another_model_and_resume_without_a_checkpoint_say_so(world):
+    """Both went on without a word: --init_from a checkpoint whose window differs from the flags'
+    (its tensors fit, so nothing stopped it), and --resume on a run directory with no checkpoint
+    (a mistyped --run_dir of a preempted run trained again from step 0)."""
+    run_dir = world / "new_warm_window"
+    p = script("train.py", *TINY, f"--data={world / 'docs'}", "--stage=2", f"--init_from={world / 'run'}",
+               "--window=8", "--resume", f"--run_dir={run_dir}", "--max_steps=1")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"--resume: {run_dir / 'checkpoints'} holds no checkpoint yet; a new run from step 0" in p.stderr
+    assert (f"--init_from={world / 'run'}: this run's model differs from the checkpoint's (window 16 -> 8); its "
+            "tensors fit, so the warm start goes on with the flags' model") in p.stderr, p.stderr[-3000:]
+
+
 @pytest.mark.parametrize("name,args", [
     ("eval.py", ["--model=/nowhere/run", "--attention=cudnn"]),
     ("benchmarks/bench.py", ["--model=tiny", "--seq_len=64", "--steps=1", "--attention=cudnn"]),
