@@ -573,6 +573,8 @@ def main(argv):
         raise app.UsageError(problem)
     if F.out and os.path.exists(F.out) and not os.path.isdir(F.out):   # before the work it would hold
         raise app.UsageError(f"--out={F.out!r} is a file; give a directory for the results")
+    if F.out or F.compare:   # a path under a file or where nothing can be written failed after the evaluation
+        atomic.check_directory(F.out or "eval_report", "--out", F.out)
     for path in F.tasks:
         if not os.path.isfile(path):
             raise app.UsageError(f"--tasks: {path!r} is not a file; give JSONL files of {{context, choices, gold}} "

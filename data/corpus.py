@@ -16,6 +16,7 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
 import sys
@@ -218,8 +219,8 @@ def _mixture_parts(spec: str) -> list[tuple[str, float]]:
         if not sep or not _is_float(w):
             source, w = part, "1"
         weight = float(w)
-        if not weight > 0:
-            raise ValueError(f"mixture {spec!r}: weight of {source!r} must be > 0, got {w}")
+        if not 0 < weight < math.inf:
+            raise ValueError(f"mixture {spec!r}: weight of {source!r} must be finite and > 0, got {w}")
         out.append((source if source in BUILTIN else os.path.normpath(source), weight))
     if not out:
         raise ValueError(f"mixture {spec!r} names no source")

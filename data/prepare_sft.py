@@ -53,7 +53,10 @@ def read_chats(path: str, require_answer: bool = True, template: str = chat.INST
     """The "messages" lists of a JSONL file, each one `template` renders; ValueError naming
     `path:line` on a bad line. `require_answer`: each must end with an assistant turn (training data)."""
     def parse(row):
-        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(row, dict):   # a list's "messages" read as null, and the line said so
+            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(row), "a number")
+            raise ValueError(f'the line is {kind}, not an object {{"messages": [...]}}')
+        messages = row.get("messages")
         chat.check_messages(messages, template)
         if require_answer and messages[-1]["role"] != "assistant":
             raise ValueError("the last message must be the assistant's (a conversation is one "

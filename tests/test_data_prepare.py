@@ -471,7 +471,7 @@ def test_user_corpus_skips_blank_jsonl_lines_and_hidden_folders(tmp_path):
 
 
 def test_mixture_specs(tmp_path):
-    """parse_mixture: weights default to 1, must be > 0; directories normalised (so two spellings
+    """parse_mixture: weights default to 1, must be finite and > 0; directories normalised (so two spellings
     are the same mixture) and required to exist."""
     from data import corpus
     web = str(tmp_path / "web")
@@ -480,7 +480,10 @@ def test_mixture_specs(tmp_path):
     assert corpus.parse_mixture(web) == [(web, 1.0)]
     assert corpus.same_mixture(f"{web}/:1,stdlib", f"{tmp_path}/web/../web,stdlib:1.0")
     assert not corpus.same_mixture(f"{web}:1,stdlib", f"{web}:2,stdlib")
-    for bad, says in ((f"{web}:0", "must be > 0"), (f"{web}:-1", "must be > 0"), (" , ", "names no source"),
+    # inf passed `> 0` and died in the shares' arithmetic: "cannot convert float NaN to integer"
+    for bad, says in ((f"{web}:0", "must be finite and > 0"), (f"{web}:-1", "must be finite and > 0"),
+                      (f"{web}:inf", "must be finite and > 0, got inf"), (f"{web}:nan", "must be finite and > 0"),
+                      (" , ", "names no source"),
                       (f"{tmp_path}/nope:1", "does not exist")):
         with pytest.raises((ValueError, FileNotFoundError), match=says):
             corpus.parse_mixture(bad)

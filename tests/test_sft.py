@@ -168,7 +168,9 @@ def test_instruct_template_default_system_and_tool_use():
     ('{"messages": [{"role": "robot", "content": "x"}]}', "role 'robot'"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "last message must be the assistant"),
     ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),   # a RecursionError traceback
-], ids=["not_json", "no_messages", "bad_role", "no_reply", "nested_too_deeply"])
+    ('[{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]',
+     'the line is an array, not an object {"messages": [...]}'),   # it said '"messages" ... got null'
+], ids=["not_json", "no_messages", "bad_role", "no_reply", "nested_too_deeply", "array"])
 def test_prepare_sft_bad_input_names_file_and_line(tmp_path, line, why):
     good = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'
     (tmp_path / "in.jsonl").write_text(good + "\n" + line + "\n")
