@@ -84,9 +84,9 @@ class FSLDataset:
             raise ValueError(f"token file {self.paths[k]!r} ended early reading instance {j}; it was truncated while open")
         top = int(tokens.max())
         if top >= self.vocab_size:
-            raise ValueError(
-                f"token file {self.paths[k]!r}, instance {j}: token id {top} >= vocab size {self.vocab_size}; "
-                "the file was written with another tokenizer or is corrupt")
+            raise storage.token_range_error(self._files[k], f", instance {j}", top, self.vocab_size)
+        if storage.wide_integers(tokens):   # int64 ids: they trained, every other token id 0
+            raise storage.wide_integers_error(self._files[k], f", instance {j}")
         return tokens
 
     @property

@@ -55,6 +55,9 @@ def permute_sources(paths: Sequence[str], seed: int | None) -> list[int]:
     return order
 
 
+MASK_SCAN = 1 << 24   # label-mask entries per read while looking for a 1 (16 MiB)
+
+
 def label_mask_path(token_path: str) -> str:
     """`.../labels_mask_X.npy` beside `.../token_ids_X.npy` (open-instruct's names for OLMo-core SFT data)."""
     head, name = os.path.split(os.fspath(token_path))
@@ -77,7 +80,15 @@ def open_label_masks(paths: Sequence[str], files) -> list[np.ndarray]:
             raise ValueError(f"label-mask file {p!r} has {os.path.getsize(p)} entries but {f.path!r} has "
                              f"{f.nbytes // storage.ITEMSIZE} tokens; they must be written together")
         # An empty file holds no token (numpy cannot memmap it).
-        masks.append(np.memmap(p, dtype=np.bool_, mode="r") if os.path.getsize(p) else np.zeros(0, np.bool_))
+        mask = np.memmap(p, dtype=np.bool_, mode="r") if os.path.getsize(p) else np.zeros(0, np.bool_)
+        # A file that trains no token ran as a loss of 0.0 at every step. Data files drop such chats
+        # (data.prepare_sft, open-instruct's sft_tulu_filter_v1), so one is a bug of the file. Stops at
+        # the first chunk holding a 1: one read in a good file.
+        if len(mask) and not any(mask[a:a + MASK_SCAN].any() for a in range(0, len(mask), MASK_SCAN)):
+            raise ValueError(f"label-mask file {p!r} marks no token for the loss (every entry is 0), so training "
+                             "on it learns nothing; write 1 on the tokens to train (the assistant's turns), as "
+                             "python -m data.prepare_sft does")
+        masks.append(mask)
     return masks
 
 
@@ -141,8 +152,8 @@ class PackedFSLDataset:
             with np.load(cached) as z:
                 return {k: z[k] for k in z.files} | {"files": np.array(list(files), np.int64)}
         starts = np.cumsum([0] + [self.file_sizes[k] // storage.ITEMSIZE for k in files])
-        spans = np.concatenate([packing.document_spans(self._files[k], self.eos_id, self.seq_len) + starts[j]
-                                for j, k in enumerate(files)])
+        spans = np.concatenate([packing.document_spans(self._files[k], self.eos_id, self.seq_len, self.vocab_size)
+                                + starts[j] for j, k in enumerate(files)])
         order, instances = packing.pack(spans[:, 1] - spans[:, 0], self.seq_len)
         group = {"files": np.array(list(files), np.int64), "file_starts": starts,
                  "spans": spans[order],  # (docs, 2) group-token offsets, in packing order
@@ -185,9 +196,9 @@ class PackedFSLDataset:
         pad = self.seq_len - n
         ids = np.concatenate(tokens + [np.full(pad, self.pad_id, np.uint32)])
         top = int(ids.max())
-        if top >= self.vocab_size:
-            raise ValueError(f"token file {self.paths[docs[0][0]]!r}: token id {top} >= vocab size "
-                             f"{self.vocab_size}; the file was written with another tokenizer or is corrupt")
+        if top >= self.vocab_size:   # the file that holds it
+            k, s, _ = next(d for d, t in zip(docs, tokens) if len(t) and int(t.max()) == top)
+            raise storage.token_range_error(self._files[k], f", document at token {s}", top, self.vocab_size)
         # Padding is segmented as OLMo-core scans it (one run, or one per token if pad == eos).
         doc_lens = [len(t) for t in tokens] + (packing.document_lengths(ids[n:], self.eos_id).tolist() if pad else [])
         return {"tokens": ids, "label_mask": np.concatenate(masks + [np.zeros(pad, np.bool_)]),

@@ -33,13 +33,23 @@ from jaxtyping import Int32, Int64, Integer
 SCAN_TOKENS = 1 << 26
 
 
-def document_spans(file, eos_id: int, seq_len: int | None = None) -> Int64[np.ndarray, "docs 2"]:
+def document_spans(file, eos_id: int, seq_len: int | None = None, vocab_size: int | None = None
+                   ) -> Int64[np.ndarray, "docs 2"]:
     """[start, end) token offsets of the documents of one token file (`data.storage` reader),
-    each truncated to `seq_len` tokens when given. Tokens after the last eos are no document."""
+    each truncated to `seq_len` tokens when given. Tokens after the last eos are no document.
+    `vocab_size`: a token id at or above it stops the scan (ValueError naming the file), before
+    a run starts rather than when its instance is drawn."""
     n = file.nbytes // 4
     ends = []
     for a in range(0, n, SCAN_TOKENS):
         chunk = file.read(a, min(n, a + SCAN_TOKENS))
+        if vocab_size is not None and len(chunk):
+            from data import storage
+            if int(chunk.max()) >= vocab_size:
+                at = int(np.argmax(chunk >= vocab_size))
+                raise storage.token_range_error(file, f", token {a + at}", int(chunk[at]), vocab_size)
+            if a == 0 and storage.wide_integers(chunk[:4096]):
+                raise storage.wide_integers_error(file, "")
         ends.append(np.flatnonzero(chunk == eos_id).astype(np.int64) + a + 1)
     ends = np.concatenate(ends) if ends else np.zeros(0, np.int64)
     starts = np.concatenate([[0], ends])[:-1].astype(np.int64)

@@ -33,7 +33,7 @@ class PaddedFSLDataset(PackedFSLDataset):
 
     def _group(self, files: range, cache_dir) -> dict:
         (k,) = files
-        spans = packing.document_spans(self._files[k], self.eos_id, self.seq_len)
+        spans = packing.document_spans(self._files[k], self.eos_id, self.seq_len, self.vocab_size)
         if self.file_sizes[k] and not len(spans):   # OLMo-core stops too; an empty file holds no token
             raise ValueError(f"held-out token file {self.paths[k]!r} has {self.file_sizes[k] // storage.ITEMSIZE} "
                              f"tokens but no eos (id {self.eos_id}), so no document to score; is it a file of "

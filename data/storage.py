@@ -432,6 +432,35 @@ def save_manifest(path: str, sizes: dict[str, int]):
 
 # --- readers -----------------------------------------------------------------------------------
 
+NPY_MAGIC = b"\x93NUMPY"   # np.save's header: token files are headerless (OLMo-core's memmap reads raw uint32)
+
+
+def wide_integers(tokens: np.ndarray) -> bool:
+    """Whether uint32 `tokens` read from a file look like int64 / uint64 ids (np.array(ids).tofile
+    writes int64): every odd position 0 (the high words), some even one not. Over 32 or more
+    pairs, real text never does that (id 0 at every other position)."""
+    return len(tokens) >= 64 and not tokens[1::2].any() and bool(tokens[0::2].any())
+
+
+def wide_integers_error(file, where: str) -> ValueError:
+    return ValueError(f"token file {file.path!r}{where}: every other uint32 is 0, as in a file of 64-bit integers; "
+                      "token files are headerless uint32: write them with np.asarray(ids, np.uint32).tofile(path)")
+
+
+def token_range_error(file, where: str, top: int, vocab_size: int) -> ValueError:
+    """The error for token id `top` >= `vocab_size` read from `file` (`where`: e.g. ", instance 3"),
+    with its likely cause: a .npy header read as tokens (np.save instead of tofile), else another
+    tokenizer, a model with a smaller vocabulary, or a corrupt file."""
+    head = file.read(0, min(2, file.nbytes // ITEMSIZE)).tobytes()
+    if head.startswith(NPY_MAGIC):
+        why = ("the file starts with a .npy header (np.save); token files are headerless uint32: write them with "
+               "np.asarray(ids, np.uint32).tofile(path)")
+    else:
+        why = ("the file was written with another tokenizer or is corrupt, or the model's vocabulary is smaller "
+               "than the tokenizer's")
+    return ValueError(f"token file {file.path!r}{where}: token id {top} >= vocab size {vocab_size}; {why}")
+
+
 class LocalTokenFile:
     """A token file on local disk, memmapped: `nbytes`, `read(start, stop)` (token indices)."""
 

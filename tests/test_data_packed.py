@@ -217,6 +217,38 @@ def test_bad_inputs(tmp_path):
         PackedFSLDataset([str(no_eos)], 64)
 
 
+def test_files_that_cannot_train_are_refused_before_the_run(tmp_path):
+    """What the packing scan reads anyway decides it before the first step; each was found only
+    when its instance was drawn (a token past the vocabulary: mid-run, exit 2 and the run lost),
+    or never (masks of all 0: every step's loss 0.0, exit 0)."""
+    paths, masks = write_files(tmp_path, 7, n_files=2)
+    ids = np.fromfile(paths[1], np.uint32)
+    ids[5] = VOCAB + 3
+    ids.tofile(paths[1])
+    for kind in (PackedFSLDataset, PaddedFSLDataset):
+        with pytest.raises(ValueError, match=f"token file '{paths[1]}', token 5: token id {VOCAB + 3} >= vocab size "
+                                             f"{VOCAB}; the file was written with another tokenizer"):
+            kind(paths, 64)
+    np.save(paths[1], ids[ids < VOCAB])   # np.save: a header the uint32 reader takes for tokens
+    with pytest.raises(ValueError, match=r"token 0: .* the file starts with a \.npy header \(np\.save\); token files "
+                                         r"are headerless uint32"):
+        PackedFSLDataset(paths, 64)
+    np.save(tmp_path / "fixed.npy", np.full(256, 7, np.uint32))   # fixed-length instances: when read
+    with pytest.raises(ValueError, match=r"instance 0: token id \d+ >= vocab size .* a \.npy header"):
+        data.FSLDataset([str(tmp_path / "fixed.npy")], 64)[0]
+    # int64 ids (np.array(ids).tofile): every other uint32 a 0; they trained, silently.
+    np.fromfile(paths[0], np.uint32).astype(np.int64).tofile(paths[1])
+    with pytest.raises(ValueError, match=f"token file '{paths[1]}': every other uint32 is 0, as in a file of 64-bit"):
+        PackedFSLDataset(paths, 64)
+    np.arange(1, 257, dtype=np.int64).tofile(tmp_path / "wide.npy")
+    with pytest.raises(ValueError, match="instance 1: every other uint32 is 0"):
+        data.FSLDataset([str(tmp_path / "wide.npy")], 64)[1]
+    paths, masks = write_files(tmp_path, 8, n_files=2)
+    np.zeros(os.path.getsize(masks[1]), np.bool_).tofile(masks[1])
+    with pytest.raises(ValueError, match=f"label-mask file '{masks[1]}' marks no token for the loss"):
+        PackedFSLDataset(paths, 64, label_mask_paths=masks)
+
+
 # --- the loader over packed instances: same guarantees as over fixed-length ones ---------------
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4])
