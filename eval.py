@@ -644,6 +644,11 @@ def main(argv):
         diff = {k: v for k, v in config_diff(info["config"], info_b["config"]).items() if k != "yarn"}
         if diff:
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
+    for flag, i in (("--model", info), ("--model_b", info_b if F.model_b else None)):
+        if i is not None and i["config"].vocab_size < data.VOCAB_SIZE:   # it blamed the first token file read
+            raise app.UsageError(f"{flag}={F[flag[2:]].value}: its vocabulary has {i['config'].vocab_size} rows, fewer "
+                                 f"than the {data.VOCAB_SIZE} tokens of dolma2, the tokenizer eval.py reads and "
+                                 "writes text with; the model was trained with another tokenizer")
     warn_other_precision(info)
     if F.model_b:
         warn_other_precision(info_b)

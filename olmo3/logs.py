@@ -50,13 +50,28 @@ BENIGN_WARNINGS = (
 )
 
 
+def raised_by_us(exc_info) -> bool:
+    """A ValueError (a bad input) raised by this project's code: a library thread that ran our
+    code (convert.py's lazy tensors in an Orbax writer) logs it with its traceback, then hands it
+    to the main thread, which reports it as one line (olmo3/cli.py)."""
+    error = exc_info[1] if exc_info else None
+    if not isinstance(error, ValueError) or error.__traceback__ is None:
+        return False
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return is_ours(tb.tb_frame.f_code.co_filename)
+
+
 class _OursOrWarnings(std_logging.Filter):
-    """Keeps our records at any level and everyone's at WARNING and above, but BENIGN_WARNINGS."""
+    """Keeps our records at any level and everyone's at WARNING and above, but BENIGN_WARNINGS
+    and a library's copy of a bad-input error our code raised in its thread."""
 
     def filter(self, record: std_logging.LogRecord) -> bool:
         if is_ours(record.pathname):
             return True
-        return record.levelno >= std_logging.WARNING and not str(record.msg).startswith(BENIGN_WARNINGS)
+        return (record.levelno >= std_logging.WARNING and not str(record.msg).startswith(BENIGN_WARNINGS)
+                and not raised_by_us(record.exc_info))
 
 
 _FILTER = _OursOrWarnings()

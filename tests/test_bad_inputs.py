@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,6 +74,21 @@ def world(tmp_path_factory):
     for name, text in (("hf_badjson", json.dumps(cfg)[:40]), ("hf_llama", json.dumps({**cfg, "model_type": "llama"}))):
         shutil.copytree(w / "hf", w / name)
         (w / name / "config.json").write_text(text)
+    # A consistent HF model of another tokenizer (1000 rows of vocabulary), and one with a NaN weight.
+    from safetensors.numpy import load_file, save_file
+    shutil.copytree(w / "hf", w / "hf_small_vocab")
+    shutil.copytree(w / "hf", w / "hf_nan")
+    for f in os.listdir(w / "hf"):
+        if f.endswith(".safetensors"):
+            t = load_file(w / "hf" / f)
+            save_file({k: v[:1000] if k.endswith(("embed_tokens.weight", "lm_head.weight")) else v for k, v in t.items()},
+                      w / "hf_small_vocab" / f)
+            q = "model.layers.0.self_attn.q_proj.weight"
+            if q in t:
+                t[q] = t[q].copy()
+                t[q][0, 0] = np.nan
+                save_file(t, w / "hf_nan" / f)
+    (w / "hf_small_vocab" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
     os.makedirs(w / "nonempty")
     (w / "nonempty" / "keep.txt").write_text("mine")
     (w / "bad.flags").write_text("--lr=nan\n")
@@ -192,6 +208,8 @@ def _cases(w):
          f"--out='{w / 'bad.flags' / 'results'}': {w / 'bad.flags'} is a file, not a directory"),
         ("eval_out_unwritable", "eval.py", [f"--model={w / 'run'}", f"--heldout={w / 'docs'}", "--out=/proc/results"],
          2, "--out='/proc/results': cannot create a directory in /proc"),
+        ("eval_model_of_another_tokenizer", "eval.py", [f"--model={w / 'hf_small_vocab'}", f"--heldout={w / 'docs'}"],
+         2, f"--model={w / 'hf_small_vocab'}: its vocabulary has 1000 rows, fewer than the 100278 tokens of dolma2"),
         ("eval_tasks_missing", "eval.py", [f"--model={w / 'run'}", f"--tasks={w / 'none.jsonl'}"], 2,
          f"--tasks: '{w / 'none.jsonl'}' is not a file"),
         ("eval_tasks_empty", "eval.py", [f"--model={w / 'run'}", f"--heldout={w / 'docs'}", f"--tasks={w / 'empty.jsonl'}"],
@@ -246,6 +264,9 @@ def _cases(w):
          "exists and is not empty"),
         ("convert_orbax_onto_existing", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'run'}"], 2,
          "already holds checkpoints"),
+        # Before, Orbax's writer thread logged the error with two tracebacks above this line.
+        ("convert_hf_nan", "convert.py", [f"--from=hf:{w / 'hf_nan'}", f"--to=orbax:{w / 'out'}"], 2,
+         f"{w / 'hf_nan'}: tensor 'model.layers.0.self_attn.q_proj.weight' holds NaN or infinite values"),
         ("convert_damaged_checkpoint", "convert.py", [f"--from=orbax:{w / 'damaged'}", f"--to=hf:{w / 'out'}"], 2,
          f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
     ]
