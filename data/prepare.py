@@ -27,6 +27,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -163,7 +164,7 @@ class _SplitWriter:
     def __init__(self, out_dir: str, split: str, max_tokens: int, created: list[str]):
         self.out_dir, self.split, self.max_tokens = out_dir, split, max_tokens
         self.files: list[dict] = []
-        self._created = created  # temporary files to delete if the build fails
+        self._created = created  # every file it writes, deleted if the build fails
         self._f = None
 
     def _open(self):
@@ -185,6 +186,7 @@ class _SplitWriter:
         self._f = None
         cur = self._cur
         os.replace(cur.pop("_tmp"), os.path.join(self.out_dir, cur["path"]))
+        self._created.append(os.path.join(self.out_dir, cur["path"]))
         cur["sha256"] = cur["sha256"].hexdigest()
         self.files.append(cur)
 
@@ -222,10 +224,20 @@ class _SplitWriter:
         }
 
 
-def _remove_temporaries(created: list[str]):
+def _remove_written(created: list[str], out_dir: str):
+    """Delete the files a failed build wrote into `out_dir` (temporaries and finished parts) and
+    the split directories under it left empty."""
     for p in created:
         if os.path.exists(p):
             os.remove(p)
+    top = os.path.abspath(out_dir)
+    for d in sorted({os.path.abspath(os.path.dirname(p)) for p in created}, key=len, reverse=True):
+        while d.startswith(top + os.sep):
+            try:
+                os.rmdir(d)
+            except OSError:   # not empty: files of an earlier build
+                break
+            d = os.path.dirname(d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,6 +311,10 @@ def _mix(out_dir: str, parts: list[tuple[dict, float]], total: int | None, max_t
     available = [p["tokens"] for p, _ in parts]
     if total is None:
         total = int(min(a / f for a, f in zip(available, frac)))
+    free = shutil.disk_usage(out_dir).free
+    if total * 4 > free:   # before, a large mixture_tokens wrote until the disk was full
+        raise ValueError(f"mixture_tokens={total:,} needs {total * 4 / 2**30:.1f} GiB of uint32 tokens in {out_dir}, "
+                         f"which has {free / 2**30:.1f} GiB free; ask for fewer tokens or free space")
     writer = _SplitWriter(out_dir, "train", max_tokens, created)
     report = []
     for (split, w), f, avail in zip(parts, frac, available):
@@ -367,10 +383,11 @@ def prepare(
             splits["train"], mixture = _mix(out_dir, parts, mixture_tokens, max_tokens_per_file, created)
             for entry, (src, _) in zip(mixture, sources):
                 entry["source"] = src
-    except BaseException:
-        _remove_temporaries(created)
-        if made and not os.listdir(out_dir):   # nothing of it stays behind (an empty source, ...)
-            os.rmdir(out_dir)
+    except BaseException:   # nothing of a failed build stays behind: no commit point, so no corpus
+        if made:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            _remove_written(created, out_dir)
         raise
     manifest = {
         "format": FORMAT,

@@ -281,6 +281,7 @@ def test_lone_surrogates_symlinked_folders_and_nothing_to_train_on(tmp_path):
 
 def test_bad_corpus_leaves_nothing_half_written(tmp_path, monkeypatch):
     src, _ = _make_corpus(tmp_path, "web", 60, 5)
+    good, _ = _make_corpus(tmp_path, "good", 60, 5)
     out = str(tmp_path / "out")
     prep.prepare(src, out, workers=1, max_tokens_per_file=100, progress=False)   # an earlier build, rebuilt over
     with open(os.path.join(src, "sub", "d.jsonl"), "w") as f:
@@ -299,6 +300,22 @@ def test_bad_corpus_leaves_nothing_half_written(tmp_path, monkeypatch):
         prep.prepare(str(tmp_path / "emptydir"), out, workers=1, progress=False)
     with pytest.raises(ValueError, match="no .txt"):   # into a new directory: it is not left behind
         prep.prepare(str(tmp_path / "emptydir"), str(tmp_path / "new"), workers=1, progress=False)
+    assert not os.path.exists(tmp_path / "new")
+    # A mixture whose second source is bad: the first source's finished files went too (they stayed).
+    with pytest.raises(ValueError, match=r"d\.jsonl:2.*'text'"):
+        prep.prepare(f"{good}:1,{src}:1", str(tmp_path / "new"), workers=1, max_tokens_per_file=100, progress=False)
+    assert not os.path.exists(tmp_path / "new")
+    os.makedirs(tmp_path / "given")   # a directory the user made stays, empty
+    with pytest.raises(ValueError, match=r"d\.jsonl:2.*'text'"):
+        prep.prepare(f"{good}:1,{src}:1", str(tmp_path / "given"), workers=1, max_tokens_per_file=100, progress=False)
+    assert os.listdir(tmp_path / "given") == []
+    # A mixture larger than the disk: refused before writing it (it wrote until the disk was full).
+    import shutil
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 1 << 30))
+    with pytest.raises(ValueError, match=r"mixture_tokens=1,000,000,000 needs 3\.7 GiB of uint32 tokens in .*new, "
+                                         r"which has 1\.0 GiB free"):
+        prep.prepare(f"{good}:1,{good}:1", str(tmp_path / "new"), workers=1, progress=False,
+                     mixture_tokens=10**9)
     assert not os.path.exists(tmp_path / "new")
 
 
