@@ -356,6 +356,13 @@ def prepare(
     os.makedirs(out_dir, exist_ok=True)
     manifest_path = os.path.join(out_dir, MANIFEST)
     if os.path.exists(manifest_path):
+        try:
+            with open(manifest_path) as f:
+                before = json.load(f).get("source")
+        except (OSError, ValueError, AttributeError):
+            before = None
+        if before is not None and not corpus_lib.same_mixture(before, source):   # it went without a word
+            logging.warning("%s held the prepared corpus of %r; replacing it with %r", out_dir, before, source)
         os.remove(manifest_path)  # the old commit point goes first: a crash below leaves no stale manifest
     created: list[str] = []
     try:

@@ -319,6 +319,20 @@ def test_bad_corpus_leaves_nothing_half_written(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "new")
 
 
+def test_replacing_another_sources_corpus_says_so(tmp_path, caplog):
+    """Allowed (a prepared corpus is rebuilt in place), but it went without a word; the same
+    source, spelled otherwise, rebuilds quietly."""
+    a, _ = _make_corpus(tmp_path, "a", 12, 1)
+    b, _ = _make_corpus(tmp_path, "b", 12, 2)
+    out = str(tmp_path / "out")
+    with caplog.at_level("WARNING"):
+        prep.prepare(a, out, workers=1, progress=False)
+        prep.prepare(a + "/", out, workers=1, progress=False)
+        assert "replacing" not in caplog.text
+        prep.prepare(b, out, workers=1, progress=False)
+    assert f"{out} held the prepared corpus of {a + '/'!r}; replacing it with {b!r}" in caplog.text
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
