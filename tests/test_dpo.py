@@ -416,17 +416,22 @@ def test_prepare_dpo_trains_the_last_message_only(tmp_path, template):
 
 def test_prepare_dpo_warns_of_pairs_that_train_nothing(tmp_path, caplog):
     """A pair whose chosen and rejected messages are the same is kept (open-instruct keeps it)
-    but said: it used to train silently at loss log 2 with a zero gradient."""
+    but said: it used to train silently at loss log 2 with a zero gradient. So is one whose two
+    sides answer different prompts."""
     import json
 
     from data.prepare_dpo import prepare_dpo
     same = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
     other = [same[0], {"role": "assistant", "content": "Go away."}]
-    rows = [{"chosen": same, "rejected": other}, {"chosen": same, "rejected": same}]
+    elsewhere = [{"role": "user", "content": "Bye."}, other[1]]   # another prompt: a misaligned join
+    rows = [{"chosen": same, "rejected": other}, {"chosen": same, "rejected": same},
+            {"chosen": same, "rejected": elsewhere}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING"):
         m = prepare_dpo(str(tmp_path / "p.jsonl"), str(tmp_path / "out"), "olmo", max_seq_length=256)
-    assert m["pairs"] == 2 and "1 pair(s) have the same chosen and rejected messages (first: pair 2)" in caplog.text
+    assert m["pairs"] == 3 and "1 pair(s) have the same chosen and rejected messages (first: pair 2)" in caplog.text
+    assert "1 pair(s) have different prompts (the messages before the final answer) on the chosen and rejected " \
+           "sides (first: pair 3)" in caplog.text
 
 
 def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path):
