@@ -574,7 +574,7 @@ def main(argv):
     if F.out and os.path.exists(F.out) and not os.path.isdir(F.out):   # before the work it would hold
         raise app.UsageError(f"--out={F.out!r} is a file; give a directory for the results")
     if F.out or F.compare:   # a path under a file or where nothing can be written failed after the evaluation
-        atomic.check_directory(F.out or "eval_report", "--out", F.out)
+        atomic.check_writable(F.out or "eval_report", "--out", F.out)
     for path in F.tasks:
         if not os.path.isfile(path):
             raise app.UsageError(f"--tasks: {path!r} is not a file; give JSONL files of {{context, choices, gold}} "
@@ -644,11 +644,16 @@ def main(argv):
         diff = {k: v for k, v in config_diff(info["config"], info_b["config"]).items() if k != "yarn"}
         if diff:
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
+    # Text is encoded with dolma2 (held-out corpora and mixes, tasks, chats); only held-out token
+    # files (domain=file.npy) may hold another vocabulary's ids. It blamed the first file read.
+    encodes_text = (F.chat is not None or F.chat_file or F.tasks or F.olmo_tasks or F.lm_eval_tasks or F.data_mix
+                    or "=" not in F.heldout)
     for flag, i in (("--model", info), ("--model_b", info_b if F.model_b else None)):
-        if i is not None and i["config"].vocab_size < data.VOCAB_SIZE:   # it blamed the first token file read
+        if encodes_text and i is not None and i["config"].vocab_size < data.VOCAB_SIZE:
             raise app.UsageError(f"{flag}={F[flag[2:]].value}: its vocabulary has {i['config'].vocab_size} rows, fewer "
-                                 f"than the {data.VOCAB_SIZE} tokens of dolma2, the tokenizer eval.py reads and "
-                                 "writes text with; the model was trained with another tokenizer")
+                                 f"than the {data.VOCAB_SIZE} tokens of dolma2, the tokenizer eval.py encodes text "
+                                 "with; the model was trained with another tokenizer (held-out token files of its "
+                                 "own: --heldout=domain=file.npy)")
     warn_other_precision(info)
     if F.model_b:
         warn_other_precision(info_b)

@@ -394,7 +394,7 @@ def main(argv):
         start = 0
         logging.info("Warm start (params%s) from %s", " + Adam moments" if "opt" in state else ", fresh Adam",
                      F.init_from)
-        warn_model_change(source_extra.get("model_config"), config)
+        warn_model_change(source_extra.get("model_config"), config, F.init_from)
     else:
         if F.stage != "1":
             logging.warning("Stage %s without --init_from: a cold start, not the recipe", F.stage)
@@ -869,16 +869,17 @@ def reference_logps(ds, path: str, identity: str, model, compute, elsewhere: str
     return sums
 
 
-def warn_model_change(saved: dict | None, config) -> None:
+def warn_model_change(saved: dict | None, config, init_from: str) -> None:
     """A warm start whose flags change the checkpoint's architecture (a --window, a --rope_theta)
-    where its tensors still fit: allowed (an experiment may mean it), never silent. YaRN is left
-    out: stage 3 and post-training add it to the stage-2 model by recipe."""
+    where its tensors still fit: allowed (an experiment may mean it), never silent. YaRN added is
+    not a change: stage 3 adds it to the stage-2 model by recipe; dropped or rescaled, it is."""
     from olmo3.config import config_to_dict
     now = config_to_dict(config)
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k != "yarn" and saved and saved.get(k) != v]
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items()
+               if saved and saved.get(k) != v and not (k == "yarn" and saved.get(k) is None)]
     if changed:
         logging.warning("--init_from=%s: this run's model differs from the checkpoint's (%s); its tensors fit, so "
-                        "the warm start goes on with the flags' model", F.init_from, ", ".join(changed))
+                        "the warm start goes on with the flags' model", init_from, ", ".join(changed))
 
 
 def check_resume(extra: dict, config) -> None:

@@ -196,9 +196,13 @@ class PackedFSLDataset:
         pad = self.seq_len - n
         ids = np.concatenate(tokens + [np.full(pad, self.pad_id, np.uint32)])
         top = int(ids.max())
-        if top >= self.vocab_size:   # the file that holds it
-            k, s, _ = next(d for d, t in zip(docs, tokens) if len(t) and int(t.max()) == top)
-            raise storage.token_range_error(self._files[k], f", document at token {s}", top, self.vocab_size)
+        if top >= self.vocab_size:   # the file that holds it (none: the padding itself)
+            held = next((d for d, t in zip(docs, tokens) if len(t) and int(t.max()) == top), None)
+            if held is None:
+                raise ValueError(f"pad_id={self.pad_id} >= vocab size {self.vocab_size}: padding is no token of "
+                                 "this vocabulary")
+            raise storage.token_range_error(self._files[held[0]], f", document at token {held[1]}", top,
+                                            self.vocab_size)
         # Padding is segmented as OLMo-core scans it (one run, or one per token if pad == eos).
         doc_lens = [len(t) for t in tokens] + (packing.document_lengths(ids[n:], self.eos_id).tolist() if pad else [])
         return {"tokens": ids, "label_mask": np.concatenate(masks + [np.zeros(pad, np.bool_)]),

@@ -309,12 +309,18 @@ def _mix(out_dir: str, parts: list[tuple[dict, float]], total: int | None, max_t
     weights = np.array([w for _, w in parts], dtype=np.float64)
     frac = weights / weights.sum()
     available = [p["tokens"] for p, _ in parts]
+    asked = total is not None
     if total is None:
         total = int(min(a / f for a, f in zip(available, frac)))
-    free = shutil.disk_usage(out_dir).free
-    if total * 4 > free:   # before, a large mixture_tokens wrote until the disk was full
-        raise ValueError(f"mixture_tokens={total:,} needs {total * 4 / 2**30:.1f} GiB of uint32 tokens in {out_dir}, "
-                         f"which has {free / 2**30:.1f} GiB free; ask for fewer tokens or free space")
+    # Before, a large mixture_tokens wrote until the disk was full. An earlier build's train/ parts
+    # are replaced one by one as the new ones are written, so their space counts as free.
+    train_dir = os.path.join(out_dir, "train")
+    old = [os.path.join(train_dir, n) for n in os.listdir(train_dir)] if os.path.isdir(train_dir) else []
+    free = shutil.disk_usage(train_dir if old else out_dir).free + sum(os.path.getsize(p) for p in old)
+    if total * 4 > free:
+        what = f"mixture_tokens={total:,}" if asked else f"the mixture's {total:,} train tokens (the default: all of it)"
+        raise ValueError(f"{what} needs {total * 4 / 2**30:.1f} GiB of uint32 tokens in {out_dir}, which has "
+                         f"{free / 2**30:.1f} GiB free; ask for fewer tokens (--mixture_tokens) or free space")
     writer = _SplitWriter(out_dir, "train", max_tokens, created)
     report = []
     for (split, w), f, avail in zip(parts, frac, available):

@@ -54,7 +54,9 @@ def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, ma
         logging.warning("%s: %d pair(s) have the same chosen and rejected messages (first: pair %d); each trains "
                         "nothing (its margin is 0, its loss log 2) and weighs in every batch's mean",
                         input_path, len(same), same[0] + 1)
-    other = [i for i, (c, r) in enumerate(rows) if c[:-1] != r[:-1]]
+    def prompt(messages):   # what the templates render of the turns before the answer (other keys: ids, ...)
+        return [{k: m.get(k) for k in ("role", "content", "functions", "function_calls")} for m in messages[:-1]]
+    other = [i for i, (c, r) in enumerate(rows) if prompt(c) != prompt(r)]
     if other:   # the loss compares two answers to one prompt; a misaligned join of two files does this
         logging.warning("%s: %d pair(s) have different prompts (the messages before the final answer) on the "
                         "chosen and rejected sides (first: pair %d); DPO compares two answers to one prompt",

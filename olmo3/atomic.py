@@ -94,6 +94,28 @@ def existing_directory(path: str | os.PathLike, flag: str, given: str | None = N
     return where
 
 
+def check_writable(path: str | os.PathLike, flag: str, given: str | None = None) -> None:
+    """Stop with one line (UserError naming `flag`) unless files can be written whole where the
+    directory `path` is, or will be: a probe file is written, renamed (as write_text does) and
+    removed in `path`, else in its nearest existing ancestor. For outputs that are files only; a
+    directory of checkpoints needs check_directory."""
+    said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
+    where = existing_directory(path, flag, given)
+    probe = os.path.join(where, f".olmo3-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        try:
+            with open(probe, "w") as f:
+                f.write("olmo3")
+            os.replace(probe, probe + "-renamed")
+        finally:
+            for p in (probe, probe + "-renamed"):
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+    except OSError as e:
+        raise UserError(f"{said}cannot write a file in {where} ({e.strerror or e}); give a directory this process "
+                        "can write") from e
+
+
 def check_directory(path: str | os.PathLike, flag: str, given: str | None = None) -> None:
     """Stop with one line (UserError naming `flag` and its value, `given` or `path`) unless
     directories can be made and renamed where `path` is, or will be: in `path` itself, else in

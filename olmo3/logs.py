@@ -65,13 +65,14 @@ def raised_by_us(exc_info) -> bool:
 
 class _OursOrWarnings(std_logging.Filter):
     """Keeps our records at any level and everyone's at WARNING and above, but BENIGN_WARNINGS
-    and a library's copy of a bad-input error our code raised in its thread."""
+    and Orbax's copy of a bad-input error our code raised in its thread (its futures hand the
+    error to the main thread, which reports it)."""
 
     def filter(self, record: std_logging.LogRecord) -> bool:
         if is_ours(record.pathname):
             return True
         return (record.levelno >= std_logging.WARNING and not str(record.msg).startswith(BENIGN_WARNINGS)
-                and not raised_by_us(record.exc_info))
+                and not (f"{os.sep}orbax{os.sep}" in record.pathname and raised_by_us(record.exc_info)))
 
 
 _FILTER = _OursOrWarnings()

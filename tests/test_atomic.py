@@ -123,6 +123,25 @@ def test_check_directory_names_the_mount_fix_when_directories_cannot_be_renamed(
     assert os.listdir(tmp_path) == []                                  # the probe is gone
 
 
+def test_check_writable_needs_files_only(tmp_path, monkeypatch):
+    """eval.py's --out holds files (each written and renamed whole), never a renamed directory:
+    a mount that refuses directory renames is fine for it; one where nothing can be written is
+    refused by name, and the probe leaves nothing."""
+    def refuse(src, dst):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(os, "rename", refuse)
+    atomic.check_writable(tmp_path / "report", "--out")
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(atomic.UserError, match=r"^--out='.*keep.txt/report': .*keep.txt is a file, not a directory"):
+        atomic.check_writable(tmp_path / "keep.txt" / "report", "--out")
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(atomic.UserError, match=f"^--out='{tmp_path / 'report'}': cannot write a file in {tmp_path} "
+                                               r"\(Function not implemented\); give a directory this process can write"):
+        atomic.check_writable(tmp_path / "report", "--out")
+    assert os.listdir(tmp_path) == ["keep.txt"]
+
+
 def tpu_jobset_spec() -> dict:
     """launch/tpu_jobset.yaml's JobSet spec."""
     yaml = pytest.importorskip("yaml")

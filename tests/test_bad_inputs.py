@@ -207,7 +207,7 @@ def _cases(w):
                                               f"--out={w / 'bad.flags' / 'results'}"], 2,
          f"--out='{w / 'bad.flags' / 'results'}': {w / 'bad.flags'} is a file, not a directory"),
         ("eval_out_unwritable", "eval.py", [f"--model={w / 'run'}", f"--heldout={w / 'docs'}", "--out=/proc/results"],
-         2, "--out='/proc/results': cannot create a directory in /proc"),
+         2, "--out='/proc/results': cannot write a file in /proc"),
         ("eval_model_of_another_tokenizer", "eval.py", [f"--model={w / 'hf_small_vocab'}", f"--heldout={w / 'docs'}"],
          2, f"--model={w / 'hf_small_vocab'}: its vocabulary has 1000 rows, fewer than the 100278 tokens of dolma2"),
         ("eval_tasks_missing", "eval.py", [f"--model={w / 'run'}", f"--tasks={w / 'none.jsonl'}"], 2,

@@ -217,7 +217,7 @@ def test_bad_inputs(tmp_path):
         PackedFSLDataset([str(no_eos)], 64)
 
 
-def test_files_that_cannot_train_are_refused_before_the_run(tmp_path):
+def test_files_that_cannot_train_are_refused_before_the_run(tmp_path, monkeypatch):
     """What the packing scan reads anyway decides it before the first step; each was found only
     when its instance was drawn (a token past the vocabulary: mid-run, exit 2 and the run lost),
     or never (masks of all 0: every step's loss 0.0, exit 0)."""
@@ -244,6 +244,11 @@ def test_files_that_cannot_train_are_refused_before_the_run(tmp_path):
     with pytest.raises(ValueError, match="instance 1: every other uint32 is 0"):
         data.FSLDataset([str(tmp_path / "wide.npy")], 64)[1]
     paths, masks = write_files(tmp_path, 8, n_files=2)
+    monkeypatch.setattr(data.packed, "MASK_SCAN", 64)   # the scan reads on past chunks of 0s
+    only_last = np.zeros(os.path.getsize(masks[1]), np.bool_)
+    only_last[-1] = True
+    only_last.tofile(masks[1])
+    assert len(PackedFSLDataset(paths, 64, label_mask_paths=masks))
     np.zeros(os.path.getsize(masks[1]), np.bool_).tofile(masks[1])
     with pytest.raises(ValueError, match=f"label-mask file '{masks[1]}' marks no token for the loss"):
         PackedFSLDataset(paths, 64, label_mask_paths=masks)

@@ -317,6 +317,16 @@ def test_bad_corpus_leaves_nothing_half_written(tmp_path, monkeypatch):
         prep.prepare(f"{good}:1,{good}:1", str(tmp_path / "new"), workers=1, progress=False,
                      mixture_tokens=10**9)
     assert not os.path.exists(tmp_path / "new")
+    # A rebuild replaces the earlier train/ parts as it writes: their space counts as free.
+    other, _ = _make_corpus(tmp_path, "other", 30, 6)
+    mix = str(tmp_path / "mix")
+    built = prep.prepare(f"{good}:1,{other}:1", mix, workers=1, progress=False, max_tokens_per_file=100)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))   # full
+    assert prep.prepare(f"{good}:1,{other}:1", mix, workers=1, progress=False, max_tokens_per_file=100) == built
+    with pytest.raises(ValueError, match=r"the mixture's [\d,]+ train tokens \(the default: all of it\) needs .* "
+                                         r"which has 0\.0 GiB free; ask for fewer tokens \(--mixture_tokens\)"):
+        prep.prepare(f"{good}:1,{other}:1", str(tmp_path / "mix2"), workers=1, progress=False)
+    assert not os.path.exists(tmp_path / "mix2")
 
 
 def test_replacing_another_sources_corpus_says_so(tmp_path, caplog):

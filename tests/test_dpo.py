@@ -424,12 +424,13 @@ def test_prepare_dpo_warns_of_pairs_that_train_nothing(tmp_path, caplog):
     same = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
     other = [same[0], {"role": "assistant", "content": "Go away."}]
     elsewhere = [{"role": "user", "content": "Bye."}, other[1]]   # another prompt: a misaligned join
+    tagged = [{**same[0], "id": 7}, other[1]]   # a key no template renders: the same prompt
     rows = [{"chosen": same, "rejected": other}, {"chosen": same, "rejected": same},
-            {"chosen": same, "rejected": elsewhere}]
+            {"chosen": same, "rejected": elsewhere}, {"chosen": same, "rejected": tagged}]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING"):
         m = prepare_dpo(str(tmp_path / "p.jsonl"), str(tmp_path / "out"), "olmo", max_seq_length=256)
-    assert m["pairs"] == 3 and "1 pair(s) have the same chosen and rejected messages (first: pair 2)" in caplog.text
+    assert m["pairs"] == 4 and "1 pair(s) have the same chosen and rejected messages (first: pair 2)" in caplog.text
     assert "1 pair(s) have different prompts (the messages before the final answer) on the chosen and rejected " \
            "sides (first: pair 3)" in caplog.text
 

@@ -174,3 +174,37 @@ def test_readme_research_variants_build_a_model():
         p = subprocess.run([sys.executable, "-c", _VARIANT, f"{ROOT}/stage1.flags", *variant], capture_output=True,
                            text=True, env=env, cwd=ROOT, timeout=120)
         assert p.returncode == 0, (variant, p.stderr[-2000:])
+
+
+_CONFIG = """
+import json, sys
+import train
+from olmo3.config import config_to_dict
+train.F(["train.py", "--flagfile=" + sys.argv[1], *sys.argv[2:]])
+print(json.dumps(config_to_dict(train.model_config())))
+"""
+
+
+def model_of(flagfile, *flags):
+    p = subprocess.run([sys.executable, "-c", _CONFIG, f"{ROOT}/{flagfile}", *flags], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_the_recipe_chain_warm_starts_without_a_model_change_warning(caplog):
+    """Each stage's --init_from is the stage before it: train.warn_model_change stays quiet along
+    the 7B chain (stage 3 adding YaRN is the recipe), and speaks when a flag changes the window
+    or drops YaRN from a model that has it."""
+    import train
+    from olmo3.config import config_from_dict
+    chain = [model_of(f) for f in ("stage1.flags", "stage2.flags", "stage3.flags", "sft_think.flags",
+                                   "dpo_think.flags")]
+    with caplog.at_level("WARNING"):
+        for saved, now in zip(chain, chain[1:]):
+            train.warn_model_change(saved, config_from_dict(now), "<previous stage>")
+        assert "differs" not in caplog.text
+        train.warn_model_change(chain[2], config_from_dict(model_of("sft_think.flags", "--window=2048",
+                                                                    "--noyarn")), "<stage 3>")
+    assert "--init_from=<stage 3>: this run's model differs from the checkpoint's (window 4096 -> 2048, yarn {" \
+           in caplog.text and "} -> None); its tensors fit" in caplog.text
