@@ -269,10 +269,12 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         return dataclasses.replace(detected, engine=f"{detected.engine}, independent runs ({INDEPENDENT_FLAG})",
                                    auto=False)
     coordinator = coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
+    if coordinator is not None:
+        _check_coordinator(coordinator)
     if num_processes is None and env.get("JAX_NUM_PROCESSES"):
-        num_processes = int(env["JAX_NUM_PROCESSES"])
+        num_processes = _env_int(env, "JAX_NUM_PROCESSES")
     if process_id is None and env.get("JAX_PROCESS_ID"):
-        process_id = int(env["JAX_PROCESS_ID"])
+        process_id = _env_int(env, "JAX_PROCESS_ID")
     if not (coordinator and num_processes is not None and process_id is not None):   # JAX detects the rest
         problem = _tpu_variables_problem(env)
         if problem:
@@ -297,6 +299,9 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
             raise ClusterError(f"multi-process launch needs all of: {', '.join(missing)} missing")
         if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
             raise ClusterError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+        if (num_processes or 1) > 1:   # JAX waits for every process (5 minutes), then aborts in C++
+            logging.info("cluster: joining %d processes at %s as process %s; waiting for all of them",
+                         num_processes, coordinator, process_id)
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, local_device_ids=local_gpu_ids(detected, env))
         engine = "flags" if len(given) == 3 else f"flags + {detected.engine}"
@@ -308,9 +313,15 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
             jax.distributed.initialize(local_device_ids=local_gpu_ids(detected, env))
         except ValueError as e:   # JAX found no engine after all (e.g. TPU variables on a CPU host)
             if (detected.processes or 1) > 1:
+                # SLURM's / Open MPI's variables were all there (auto), so they disagree: their fix
+                # text is for variables that are missing
+                fix = {"slurm": "the task's SLURM variables disagree: start every task with `srun python train.py "
+                                "...`, as launch/slurm.sbatch does, or " + _flags_fix("SLURM_NTASKS", "SLURM_PROCID"),
+                       "open-mpi": "the task's Open MPI variables disagree: start every process with mpirun, or "
+                                   + _flags_fix("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
+                       }.get(detected.engine, detected.fix)
                 raise ClusterError(f"{detected.source} says {detected.processes} processes, but "
-                                   f"jax.distributed.initialize() could not join them ({e}): "
-                                   f"{detected.fix}") from e
+                                   f"jax.distributed.initialize() could not join them ({e}): {fix}") from e
             if detected.engine == "kubernetes":   # the count is in the API JAX could not read
                 raise ClusterError(f"{detected.source} says this pod is one process of an indexed Job / "
                                    f"JobSet, but jax.distributed.initialize() could not join it ({e}): "
@@ -323,6 +334,22 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
     if (detected.processes or 1) > 1:
         raise ClusterError(_replica_message(detected, detected.fix))
     return detected
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ClusterError(f"{name}={env[name]!r} is not an integer; set it to a count / rank, or unset it") from None
+
+
+def _check_coordinator(address: str) -> None:
+    """host:port, as jax.distributed.initialize reads it (a bare host failed in JAX with an
+    IndexError: exit 1, retried by --resume_until_done)."""
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ClusterError(f"--coordinator / JAX_COORDINATOR_ADDRESS = {address!r}: give host:port, the host of "
+                           "process 0 and a free port on it (e.g. node001:12345)")
 
 
 def _replica_message(launch: Launch, fix: str) -> str:
