@@ -702,6 +702,14 @@ def main(argv):
         if F.verify_seq > positions:
             raise app.UsageError(f"--verify_seq={F.verify_seq} is past the model's {positions} positions; give at "
                                  f"most {positions}")
+    if src_kind == "orbax":   # both were ignored: --step=2 of a run converted its newest step
+        for name, hint in (("step", "; to convert step N of a run, give --from=orbax:<run>/checkpoints/N"),
+                           ("param_dtype", "")):
+            if F[name].present:
+                raise app.UsageError(f"--{name} applies to the checkpoint written on the Orbax side (--to=orbax:), "
+                                     f"not to --from=orbax:{hint}")
+    if dst_kind == "orbax" and F["hf_dtype"].present:
+        raise app.UsageError("--hf_dtype only applies to --to=hf:")
     t0 = time.time()
     if "olmo-core" in (src_kind, dst_kind):  # §4
         for name in ("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"):

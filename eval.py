@@ -318,16 +318,37 @@ def downstream_report(model, tasks, *, num_fewshot=0, limit=None, tokenizer=None
     return out
 
 
-def lm_eval_report(model, task_names, *, num_fewshot=0, limit=None, include=None, max_length=2048) -> dict:
-    """The real harness (pip install lm-eval) driving our adapter."""
+_TASK_MANAGERS: dict = {}
+
+
+def lm_eval_tasks(task_names, include=None):
+    """lm-eval's TaskManager (indexing every task takes seconds: made once) after checking that
+    each name is a task, group or tag it knows, or a YAML file; a UsageError names the others.
+    Called before any model loads: an unknown name was a KeyError traceback (exit 1) after them."""
     try:
-        import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError as e:
         raise app.UsageError(f"--lm_eval_tasks needs lm-eval: pip install lm-eval ({e})") from e
+    if include is not None and not os.path.isdir(include):
+        raise app.UsageError(f"--lm_eval_include={include!r} is not a directory; give a directory of task YAMLs")
+    if include not in _TASK_MANAGERS:
+        _TASK_MANAGERS[include] = TaskManager(include_path=include)
+    tm = _TASK_MANAGERS[include]
+    unknown = [n for n in task_names if n not in tm.all_tasks and not os.path.isfile(n)]
+    if unknown:
+        raise app.UsageError(f"--lm_eval_tasks: unknown task {', '.join(map(repr, unknown))}"
+                             + (f" (with --lm_eval_include={include!r})" if include else "")
+                             + "; give names lm-eval knows (its tasks, groups and tags) or a task YAML file")
+    return tm
+
+
+def lm_eval_report(model, task_names, *, num_fewshot=0, limit=None, include=None, max_length=2048) -> dict:
+    """The real harness (pip install lm-eval) driving our adapter."""
+    tm = lm_eval_tasks(task_names, include)
+    import lm_eval
     results = lm_eval.simple_evaluate(
         model=scoring.lm_eval_adapter(model, max_length=max_length), tasks=list(task_names),
-        num_fewshot=num_fewshot, limit=limit, task_manager=TaskManager(include_path=include))
+        num_fewshot=num_fewshot, limit=limit, task_manager=tm)
     out = {}
     for task, metrics in results["results"].items():
         for k, v in metrics.items():
@@ -635,6 +656,8 @@ def main(argv):
             heldout.bucket_bounds(F.position_buckets, F.eval_seq_len)
         except ValueError as e:
             raise app.UsageError(f"--position_buckets: {e}") from None
+    if F.lm_eval_tasks:   # names checked before the models load
+        lm_eval_tasks(F.lm_eval_tasks, F.lm_eval_include)
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, attention=F.attention,
                                   float8=F.float8, **yarn_override())
     if F.model_b:   # loaded and checked before A's evaluation, which can take minutes

@@ -315,8 +315,8 @@ class CheckpointManager:
         steps = self.all_steps()
         if step is None:
             if not steps:
-                raise FileNotFoundError(f"no complete checkpoint in {self.directory}; start "
-                                        "without --resume, or point to a run that saved one")
+                raise FileNotFoundError(f"no complete checkpoint in {self.directory}; point to a run that saved "
+                                        "one (train.py: or start without --resume)")
             return steps[-1]
         if step not in steps:
             raise FileNotFoundError(f"no complete checkpoint for step {step} in "

@@ -9,6 +9,7 @@ eval.py and convert.py never need the flags a run was trained with.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import equinox as eqx
@@ -27,6 +28,9 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
     (whether it scored held-out loss on padded documents; None when unknown), "precision" (the
     run's {"compute_dtype", "float8"}, train.py's extra JSON; None when unknown). `overrides`
     change non-architecture fields (compute_dtype...)."""
+    if os.path.isdir(os.path.join(path, "model_and_optim")):   # olmo3/olmo_core.py MODEL_AND_OPTIM
+        raise ValueError(f"{path} is an OLMo-core checkpoint; convert it first: python convert.py "
+                         f"--from=olmo-core:{path} --to=orbax:<new run dir>, then give that run")
     if hf.is_hf_dir(path):
         config = hf.read_hf_config(path, **overrides)
         model = hf.from_hf(hf.SafetensorsReader(path), config)

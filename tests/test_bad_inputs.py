@@ -89,6 +89,7 @@ def world(tmp_path_factory):
                 t[q][0, 0] = np.nan
                 save_file(t, w / "hf_nan" / f)
     (w / "hf_small_vocab" / "config.json").write_text(json.dumps({**cfg, "vocab_size": 1000}))
+    os.makedirs(w / "olmo_core_step" / "model_and_optim")   # the layout of an OLMo-core trainer checkpoint
     os.makedirs(w / "nonempty")
     (w / "nonempty" / "keep.txt").write_text("mine")
     (w / "bad.flags").write_text("--lr=nan\n")
@@ -210,6 +211,11 @@ def _cases(w):
          2, "--out='/proc/results': cannot write a file in /proc"),
         ("eval_model_of_another_tokenizer", "eval.py", [f"--model={w / 'hf_small_vocab'}", f"--heldout={w / 'docs'}"],
          2, f"--model={w / 'hf_small_vocab'}: its vocabulary has 1000 rows, fewer than the 100278 tokens of dolma2"),
+        ("eval_olmo_core_checkpoint", "eval.py", [f"--model={w / 'olmo_core_step'}"], 2,
+         f"{w / 'olmo_core_step'} is an OLMo-core checkpoint; convert it first: python convert.py --from=olmo-core:"),
+        # A KeyError traceback from lm-eval, exit 1 (retried), after the model had loaded.
+        ("eval_unknown_lm_eval_task", "eval.py", [f"--model={w / 'run'}", "--lm_eval_tasks=hellaswag,bogus_task"], 2,
+         "--lm_eval_tasks: unknown task 'bogus_task'"),
         ("eval_tasks_missing", "eval.py", [f"--model={w / 'run'}", f"--tasks={w / 'none.jsonl'}"], 2,
          f"--tasks: '{w / 'none.jsonl'}' is not a file"),
         ("eval_tasks_empty", "eval.py", [f"--model={w / 'run'}", f"--heldout={w / 'docs'}", f"--tasks={w / 'empty.jsonl'}"],
@@ -267,6 +273,12 @@ def _cases(w):
         # Before, Orbax's writer thread logged the error with two tracebacks above this line.
         ("convert_hf_nan", "convert.py", [f"--from=hf:{w / 'hf_nan'}", f"--to=orbax:{w / 'out'}"], 2,
          f"{w / 'hf_nan'}: tensor 'model.layers.0.self_attn.q_proj.weight' holds NaN or infinite values"),
+        # Ignored: --step=2 of a run converted its newest step, exit 0.
+        ("convert_step_from_orbax", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}", "--step=2"], 2,
+         "--step applies to the checkpoint written on the Orbax side (--to=orbax:), not to --from=orbax:; to convert "
+         "step N of a run, give --from=orbax:<run>/checkpoints/N"),
+        ("convert_hf_dtype_to_orbax", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'out'}",
+                                                     "--hf_dtype=bfloat16"], 2, "--hf_dtype only applies to --to=hf:"),
         ("convert_damaged_checkpoint", "convert.py", [f"--from=orbax:{w / 'damaged'}", f"--to=hf:{w / 'out'}"], 2,
          f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
     ]

@@ -161,6 +161,29 @@ def test_kubernetes_without_the_package_is_refused(monkeypatch):
         cluster.initialize(env=tpu)
 
 
+def test_bad_addresses_and_counts_are_named_before_jax_sees_them(monkeypatch):
+    """A coordinator without host:port failed inside JAX (IndexError, exit 1: retried by
+    --resume_until_done); a JAX_NUM_PROCESSES of 'abc' named no variable; SLURM variables that
+    are all there but disagree were called unset."""
+    import jax
+    for bad in ("myhost", "myhost:", "myhost:abc", ":1234", "myhost:70000"):
+        with pytest.raises(ClusterError, match=f"--coordinator / JAX_COORDINATOR_ADDRESS = '{bad}': give host:port"):
+            cluster.initialize(bad, 2, 0, env={})
+        with pytest.raises(ClusterError, match="give host:port"):
+            cluster.initialize(env={"JAX_COORDINATOR_ADDRESS": bad, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"})
+    for name in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        with pytest.raises(ClusterError, match=f"^{name}='abc' is not an integer"):
+            cluster.initialize(env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0",
+                                    name: "abc"})
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: (_ for _ in ()).throw(
+        ValueError("Got process_id=5, num_processes=2.")))
+    env = {**fake_srun.srun_env(job_id=5, rank=1, ntasks=2, nodes=2), "SLURM_PROCID": "5"}
+    with pytest.raises(ClusterError) as e:
+        cluster.initialize(env=env)
+    assert "(Got process_id=5, num_processes=2.): the task's SLURM variables disagree" in str(e.value)
+    assert "unset" not in str(e.value)
+
+
 def test_detect_prefers_what_jax_can_join():
     """srun of an Open MPI 5 program: the SLURM step is joinable, the MPI variables are not."""
     env = {**SLURM_STEP, "OMPI_COMM_WORLD_SIZE": "64", "OMPI_COMM_WORLD_RANK": "3"}
