@@ -700,9 +700,10 @@ def check_flags():
     if F.tokenizer != "dolma2" and not F.data.startswith("mix:"):   # it would be ignored
         raise app.UsageError(f"--tokenizer={F.tokenizer} picks a data mix's token files (--data=mix:NAME); "
                              f"--data={F.data} is tokenized here, with dolma2")
-    for name in ("data_dir", "packing_cache"):
-        if F[name].value:
-            atomic.existing_directory(F[name].value, f"--{name}")
+    from data import storage
+    for name in ("data_dir", "packing_cache"):   # files written whole (temp + rename); /proc/x failed mid-packing
+        if F[name].value and not storage.is_remote(F[name].value):
+            atomic.check_writable(F[name].value, f"--{name}")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     if F.downstream_tasks:   # an unknown task stops here, not after the model is built
@@ -712,6 +713,15 @@ def check_flags():
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps and F.epochs is None:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon --total_steps={F.total_steps}")
+    # It ran and scored nothing. Against the horizon, not --max_steps: a short trial of stage1.flags
+    # (interval 10,000) may stop before its first scoring on purpose.
+    if F.downstream_tasks and F.downstream_eval_interval > F.total_steps and F.epochs is None:
+        raise app.UsageError(f"--downstream_eval_interval={F.downstream_eval_interval} is past the schedule horizon "
+                             f"--total_steps={F.total_steps}, so --downstream_tasks would never be scored; give an "
+                             f"interval <= {F.total_steps}")
+    if F.data_root and not F.data.startswith("mix:"):   # it was ignored
+        raise app.UsageError(f"--data_root={F.data_root} is the root URL of a data mix (--data=mix:NAME); "
+                             f"--data={F.data} is read from here: drop --data_root")
     if F.joined_at is not None and F.max_steps is None:
         from olmo3 import schedules
         # AI2's joined schedule: the half cosine runs to the 7T-token horizon, the run stops earlier

@@ -54,7 +54,11 @@ PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mixes")
 
 def search_dirs(mixes_dir: str | None = None) -> list[str]:
     """Directories searched for `<name>.txt`, first match wins."""
-    dirs = [mixes_dir or os.environ.get("OLMO3_MIXES_DIR") or None, PACKAGE_DIR]
+    given = mixes_dir or os.environ.get("OLMO3_MIXES_DIR") or None
+    if given and not os.path.isdir(given):   # it was skipped: OLMo-core's list of the same name was read instead
+        said = f"mixes_dir={given!r}" if mixes_dir else f"OLMO3_MIXES_DIR={given!r}"
+        raise FileNotFoundError(f"{said} is not a directory; give the directory that holds your <mix>.txt files")
+    dirs = [given, PACKAGE_DIR]
     spec = importlib.util.find_spec("olmo_core")  # locates the package without importing it
     if spec is not None and spec.submodule_search_locations:
         dirs += [os.path.join(d, "data", "mixes") for d in spec.submodule_search_locations]

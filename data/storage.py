@@ -426,8 +426,14 @@ def save_manifest(path: str, sizes: dict[str, int]):
     """Merge `sizes` into the manifest at `path`; written to a temp name and renamed."""
     merged = load_manifest(path)
     merged.update(sizes)
-    atomic.write_json(path, {"format": MANIFEST_FORMAT,
-                             "files": {u: {"bytes": n} for u, n in sorted(merged.items())}}, indent=0)
+    try:
+        atomic.write_json(path, {"format": MANIFEST_FORMAT,
+                                 "files": {u: {"bytes": n} for u, n in sorted(merged.items())}}, indent=0)
+    except (FileExistsError, NotADirectoryError, FileNotFoundError, PermissionError) as e:   # not a full disk
+        where = (f"OLMO3_DATA_CACHE={os.environ['OLMO3_DATA_CACHE']!r}" if os.environ.get("OLMO3_DATA_CACHE")
+                 else f"the size manifest {path}")
+        raise ValueError(f"{where}: cannot write {path} ({e.strerror or e}); set OLMO3_DATA_CACHE to a directory "
+                         "this process can write") from e
 
 
 # --- readers -----------------------------------------------------------------------------------

@@ -25,3 +25,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="olmo3-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+# Remote token files' sizes are cached in $OLMO3_DATA_CACHE (default ~/.cache/olmo3-jax): the
+# tests' local HTTP servers (a new port each run) wrote their URLs into the user's own cache.
+if "OLMO3_DATA_CACHE" not in os.environ:
+    os.environ["OLMO3_DATA_CACHE"] = tempfile.mkdtemp(prefix="olmo3-test-data-cache-")
+    atexit.register(shutil.rmtree, os.environ["OLMO3_DATA_CACHE"], ignore_errors=True)

@@ -95,6 +95,10 @@ def test_lists_searched_argument_then_environment_then_package_then_olmo_core(tm
     for name in names:
         assert label(name) == "pkg"
     assert mixes.search_dirs(where["arg"])[:2] == [where["arg"], where["pkg"]]
+    # A mistyped directory was skipped, and a list of the same name elsewhere (OLMo-core's) read instead.
+    monkeypatch.setenv("OLMO3_MIXES_DIR", where["env"] + "-typo")
+    with pytest.raises(FileNotFoundError, match=f"^OLMO3_MIXES_DIR='{where['env']}-typo' is not a directory"):
+        label(names[0])
 
 
 def test_mix_to_dataset_on_a_local_root(tmp_path):

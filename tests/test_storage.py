@@ -549,3 +549,12 @@ def test_s3_urls_through_an_s3_compatible_endpoint(tmp_path, monkeypatch):
         for i, w in enumerate(want):
             np.testing.assert_array_equal(ds[i], w)
         assert ds.fingerprint == data.FSLDataset([tmp_path / "bucket" / r for r in rel], SEQ).fingerprint
+
+
+def test_an_unwritable_size_cache_names_its_variable(tmp_path, monkeypatch):
+    """A file (or /proc) as OLMO3_DATA_CACHE ended with '[Errno 17] File exists: ...', naming nothing."""
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("OLMO3_DATA_CACHE", str(tmp_path / "afile"))
+    with pytest.raises(ValueError, match=f"^OLMO3_DATA_CACHE='{tmp_path / 'afile'}': cannot write .*; set "
+                                         "OLMO3_DATA_CACHE to a directory this process can write"):
+        storage.save_manifest(storage.default_manifest_path(), {"http://h/a.npy": 8})
