@@ -16,13 +16,16 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
+
+from olmo3 import cli
 
 flags.DEFINE_integer("tensors", 8, "tensors in the state")
 flags.DEFINE_integer("mib", 256, "MiB per fp32 tensor")
 flags.DEFINE_integer("repeats", 5, "timed checks")
 flags.DEFINE_integer("saves", 2, "timed saves with and without the check, interleaved")
 flags.DEFINE_integer("devices_7b", 128, "devices the 7B state is sharded over, for the per-device figure")
+cli.require([(name, lambda v: v >= 1, ">= 1") for name in ("tensors", "mib", "repeats", "saves", "devices_7b")])
 F = flags.FLAGS
 
 STATE_7B_GB = 7_298_011_136 * 4 * 3 / 1e9   # DESIGN §2 parameter count; fp32 params + mu + nu
@@ -73,4 +76,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag: one line, exit 2 (olmo3/cli.py)

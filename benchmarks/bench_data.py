@@ -11,10 +11,11 @@ import resource
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
 import data
 from data import prepare as prep
+from olmo3 import cli
 
 flags.DEFINE_string("out_dir", None, "where to build the corpus (default: a fresh temporary directory)")
 flags.DEFINE_multi_integer("prepare_workers", [1, os.cpu_count() or 1], "encoding process counts to time")
@@ -22,6 +23,9 @@ flags.DEFINE_integer("seq_len", 512, "instance length for the loader benchmark")
 flags.DEFINE_integer("global_batch", 32, "instances per global step")
 flags.DEFINE_integer("steps", 200, "loader steps to time per configuration")
 flags.DEFINE_multi_integer("loader_workers", [0, 2, 8], "loader worker counts to time")
+cli.require([("prepare_workers", lambda v: all(n >= 1 for n in v), "process counts >= 1"),
+             ("seq_len", lambda v: v >= 2, ">= 2"), ("global_batch", lambda v: v >= 1, ">= 1"),
+             ("steps", lambda v: v >= 1, ">= 1"), ("loader_workers", lambda v: all(n >= 0 for n in v), "counts >= 0")])
 FLAGS = flags.FLAGS
 
 
@@ -73,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag: one line, exit 2 (olmo3/cli.py)

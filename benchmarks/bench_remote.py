@@ -17,10 +17,11 @@ import tempfile
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 import data
 from data import storage
+from olmo3 import cli
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from test_storage import RangeServer  # noqa: E402
@@ -33,6 +34,11 @@ flags.DEFINE_integer("steps", 40, "loader steps timed per configuration")
 flags.DEFINE_list("workers", ["0", "2", "8", "32"], "loader worker counts (prefetch = 2 x workers)")
 flags.DEFINE_float("latency_ms", 20.0, "added per-request delay for the 'remote-like' rows")
 flags.DEFINE_integer("open_files", 1000, "files for the open-time (size manifest) measurement")
+cli.require([*[(name, lambda v: v >= 1, ">= 1") for name in ("global_batch", "files", "tokens_per_file", "steps",
+                                                             "open_files")],
+             ("seq_len", lambda v: v >= 2, ">= 2"),
+             ("workers", lambda v: all(w.isdigit() for w in v), "worker counts >= 0"),
+             ("latency_ms", lambda v: 0 <= v < float("inf"), "finite and >= 0")])
 FLAGS = flags.FLAGS
 
 
@@ -88,4 +94,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag: one line, exit 2 (olmo3/cli.py)

@@ -23,9 +23,9 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
-from olmo3 import splash
+from olmo3 import cli, splash
 
 flags.DEFINE_integer("seq", 8192, "sequence length for the FLOP report (stage 1/2: 8192)")
 flags.DEFINE_integer("window", 4096, "sliding window of the sliding layers (OLMo 3: 4096)")
@@ -34,6 +34,9 @@ flags.DEFINE_integer("time_seq", 1024, "sequence length for the CPU interpret ti
 flags.DEFINE_integer("time_window", 256, "window for the CPU interpret timing")
 flags.DEFINE_integer("time_block", 128, "block size for the CPU interpret timing")
 flags.DEFINE_integer("repeats", 3, "timed repetitions (best is reported)")
+cli.require([*[(name, lambda v: v >= 1, ">= 1") for name in ("seq", "window", "time_window", "time_block",
+                                                             "repeats")],
+             ("block", lambda v: all(b >= 1 for b in v), "block sizes >= 1"), ("time_seq", lambda v: v >= 0, ">= 0 (0: skip)")])
 FLAGS = flags.FLAGS
 
 HEADS, HEAD_DIM, SLIDING_LAYERS, FULL_LAYERS = 32, 128, 24, 8   # OLMo 3 7B (DESIGN.md §2)
@@ -133,4 +136,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag: one line, exit 2 (olmo3/cli.py)

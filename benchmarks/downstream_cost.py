@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 import time
 
-from absl import app, flags
+from absl import flags
+
+from olmo3 import cli
 
 F = flags.FLAGS
 flags.DEFINE_list("tasks", ["fast"], "Task labels or groups (olmo3/oe_tasks.py).")
@@ -26,6 +28,10 @@ flags.DEFINE_list("devices", ["8", "64", "512"], "Device counts to cost.")
 flags.DEFINE_float("peak_tflops", 989.0, "Accelerator dense bf16 peak (H100 SXM: 989).")
 flags.DEFINE_float("mfu", 0.4, "Assumed model FLOP utilisation of the scoring forward pass on the accelerator.")
 flags.DEFINE_integer("measure_limit", 0, "Documents per task for the measured CPU rate (0: skip).")
+cli.require([("max_length", lambda v: v >= 1, ">= 1"), ("rows", lambda v: v >= 1, ">= 1"),
+             ("devices", lambda v: all(d.isdigit() and int(d) >= 1 for d in v), "device counts >= 1"),
+             ("peak_tflops", lambda v: 0 < v < math.inf, "finite and > 0"), ("mfu", lambda v: 0 < v <= 1, "in (0, 1]"),
+             ("measure_limit", lambda v: v >= 0, ">= 0 (0: skip)")])
 
 
 def padded_shapes(task_rows, rows: int) -> list[tuple[int, int]]:
@@ -40,7 +46,7 @@ def main(argv):
     import olmo3
     from olmo3 import oe_tasks, scoring
     encode = data.tokenizer.encode
-    labels = oe_tasks.resolve(F.tasks)
+    labels = oe_tasks.resolve(F.tasks, "--tasks")
     big = olmo3.Config.preset("olmo3_7b")
     fwd = lambda c, T: T * c.train_flops_per_token(T, "writeup") / 3  # noqa: E731  forward FLOPs of one row
     total_rows = total_tokens = 0
@@ -78,4 +84,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag: one line, exit 2 (olmo3/cli.py)

@@ -46,6 +46,8 @@ import time
 
 from absl import app, flags
 
+from olmo3 import cli
+
 F = flags.FLAGS
 flags.DEFINE_bool("smoke", False, "Tiny shapes on any backend (CPU: the kernel rows in Pallas interpret mode, "
                   "the bench rows with --attention=xla), ~1 minute.")
@@ -54,6 +56,8 @@ flags.DEFINE_list("only", None, "Run only these parts: kernel, cudnn, stage3, be
 flags.DEFINE_integer("row_timeout", 130, "Seconds each part's subprocess may run (kernel, cudnn, speed, each bench.py "
                      "run); whatever finished when gpu_check.sh's 455 s run out is still printed as the table.")
 flags.DEFINE_bool("emit_rows", False, "Internal: this process is a part's child; print each row as a line for the parent.")
+cli.require([("row_timeout", lambda v: v >= 1, ">= 1 second"),
+             ("only", lambda v: v is None or len(v) >= 1, "one or more parts (kernel, cudnn, stage3, bench, speed)")])
 ROW = "gpu_check-row "   # a child's row: this prefix, then the row as JSON
 ROWS_NOT_OK = 3           # a child's exit status when it finished but a row failed (1: it crashed)
 
@@ -440,4 +444,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag: one line, exit 2 (olmo3/cli.py)

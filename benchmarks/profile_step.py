@@ -29,10 +29,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench  # noqa: E402  (defines the step's flags)
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from olmo3 import cli  # noqa: E402
 
 flags.DEFINE_string("trace_dir", None, "Keep the trace here (default: a temporary directory).")
 flags.DEFINE_integer("top", 15, "How many of the most expensive ops to list.")
+cli.require([("top", lambda v: v >= 1, ">= 1")])
 F = flags.FLAGS
 
 _LOOPS = re.compile(r"(while|call|conditional)(\.\d+)?$")   # their bodies' ops are listed
@@ -62,6 +65,9 @@ def main(argv):
     run_step, _ = bench.build_ours(config, tokens)
     for _ in range(max(F.warmup, 1)):
         run_step()
+    if F.trace_dir:   # before the profile: a file there failed after it (FAILED_PRECONDITION)
+        from olmo3 import atomic
+        atomic.check_writable(F.trace_dir, "--trace_dir")
     trace_dir = F.trace_dir or tempfile.mkdtemp(prefix="olmo3_trace_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         t = time.perf_counter()
@@ -91,4 +97,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag: one line, exit 2 (olmo3/cli.py)

@@ -379,6 +379,22 @@ def test_splash_blocks_off_a_tpu_are_refused_by_name(name, args):
     assert "Traceback" not in p.stderr
 
 
+@pytest.mark.parametrize("name,args,says", [
+    ("benchmarks/downstream_cost.py", ["--tasks=bogus"], "--tasks: unknown task 'bogus'"),   # named --olmo_tasks
+    ("benchmarks/bench_checkpoint.py", ["--repeats=0"], "--repeats must be >= 1"),   # StatisticsError after saving
+    ("benchmarks/gpu_check.py", ["--smoke", "--only="], "--only must be one or more parts"),   # an empty table, exit 0
+    ("benchmarks/gpu_check.py", ["--smoke", "--only=bogus"], "--only=bogus: unknown part(s) ['bogus']"),   # + usage
+])
+def test_benchmarks_refuse_bad_flags_by_name(name, args, says):
+    """The benchmarks end as the scripts do (olmo3/cli.py): before, app.run printed tracebacks or
+    its whole usage text with exit 1."""
+    p = script(name, *args)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert lines[-1].startswith(f"{os.path.basename(name)}: error: ") and says in lines[-1], lines[-1]
+    assert "Traceback" not in p.stderr and len(lines) <= 2, p.stderr[-3000:]
+
+
 def test_exit_status_before_and_after_the_first_step(monkeypatch):
     """Before the first step a missing file is the user's (2); after it, a file vanishing on a
     flaky mount is retried (1). Bad values (2) and a non-finite state (3) stay final."""
