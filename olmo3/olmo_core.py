@@ -132,13 +132,22 @@ def _step_of(step_dir: str) -> Optional[int]:
 def read_file(path: str, start: int = 0, stop: Optional[int] = None) -> bytes:
     """Bytes [start, stop) of a local file or a URL (data/storage.py's retried byte-range reads,
     the machinery of the remote data mixes); stop None: to the end."""
+    # A missing file was a traceback (in Orbax's writer thread too), or, remote, a data mix's advice
+    # (--data_root, --tokenizer) that convert.py has no flags for.
+    missing = f"{path} is missing: the checkpoint is incomplete; download (or copy) all of its files again"
     if storage.is_remote(path):
-        if stop is None:
-            stop = storage.fetch_size(path)
-        return storage.read_bytes(path, start, stop)
-    with open(path, "rb") as f:
-        f.seek(start)
-        data = f.read(-1 if stop is None else stop - start)
+        try:
+            if stop is None:
+                stop = storage.fetch_size(path)
+            return storage.read_bytes(path, start, stop)
+        except storage.MissingRemoteFileError as e:
+            raise UserError(missing) from e
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(-1 if stop is None else stop - start)
+    except FileNotFoundError as e:
+        raise UserError(missing) from e
     if stop is not None and len(data) != stop - start:
         raise UserError(f"{path} is truncated: bytes [{start}, {stop}) asked for, {len(data)} read; "
                         "download the checkpoint again")

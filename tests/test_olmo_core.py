@@ -393,6 +393,30 @@ def test_url_reads_by_byte_range_like_local(ref, tmp_path):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_a_missing_shard_is_one_line_local_or_remote(ref, tmp_path):
+    """An incomplete download: a .distcp file the .metadata lists is gone. Local: Orbax's writer
+    thread logged two tracebacks before the line, which was the bare errno; by URL the line gave a
+    data mix's advice (--data_root, --tokenizer)."""
+    import shutil
+
+    from test_storage import RangeServer
+    step = f"step{R.STEPS}"
+    shutil.copytree(ref["dir"] / "run" / step, tmp_path / "oc" / step)
+    shard = sorted((tmp_path / "oc" / step / "model_and_optim").glob("*.distcp"))[0]
+    shard.unlink()
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), f"--from=olmo-core:{tmp_path / 'oc' / step}",
+                        f"--to=orbax:{tmp_path / 'o'}"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert lines[-1] == f"convert.py: error: {shard} is missing: the checkpoint is incomplete; download (or copy) all " \
+                        "of its files again", lines[-1]
+    assert not (tmp_path / "o").exists()
+    with RangeServer(tmp_path / "oc") as srv, pytest.raises(olmo_core.UserError, match=f"/{shard.name} is missing: "
+                                                                                       "the checkpoint is incomplete"):
+        convert.olmo_core_to_orbax(f"{srv.url}/{step}/", str(tmp_path / "remote"))
+
+
 @pytest.mark.slow
 def test_train_py_stage2_warm_start_from_olmo_core(ref, tmp_path):
     """train.py --stage=2 --init_from=<converted OLMo-core checkpoint>: its first loss equals
