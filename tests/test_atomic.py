@@ -1,5 +1,4 @@
 """olmo3/atomic.py: a file is replaced whole or left as it was, and no temporary is left behind."""
-import json
 import os
 import stat
 

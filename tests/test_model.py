@@ -1,6 +1,5 @@
 """Parity of olmo3.OLMo3 with transformers' Olmo3ForCausalLM (the independent reference)."""
 import json
-import os
 
 import equinox as eqx
 import jax
