@@ -701,9 +701,10 @@ def check_flags():
         raise app.UsageError(f"--tokenizer={F.tokenizer} picks a data mix's token files (--data=mix:NAME); "
                              f"--data={F.data} is tokenized here, with dolma2")
     from data import storage
-    for name in ("data_dir", "packing_cache"):   # files written whole (temp + rename); /proc/x failed mid-packing
-        if F[name].value and not storage.is_remote(F[name].value):
-            atomic.check_writable(F[name].value, f"--{name}")
+    if F.data_dir:   # may be a prepared corpus on a read-only mount: only read then
+        atomic.existing_directory(F.data_dir, "--data_dir")
+    if F.packing_cache and not storage.is_remote(F.packing_cache):   # /proc/x failed mid-packing
+        atomic.check_writable(F.packing_cache, "--packing_cache")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     if F.downstream_tasks:   # an unknown task stops here, not after the model is built
