@@ -318,7 +318,8 @@ def _mix(out_dir: str, parts: list[tuple[dict, float]], total: int | None, max_t
     old = [os.path.join(train_dir, n) for n in os.listdir(train_dir)] if os.path.isdir(train_dir) else []
     free = shutil.disk_usage(train_dir if old else out_dir).free + sum(os.path.getsize(p) for p in old)
     if total * 4 > free:
-        what = f"mixture_tokens={total:,}" if asked else f"the mixture's {total:,} train tokens (the default: all of it)"
+        what = (f"mixture_tokens={total:,}" if asked
+                else f"the mixture's {total:,} train tokens (the default: the most that repeats no source)")
         raise ValueError(f"{what} needs {total * 4 / 2**30:.1f} GiB of uint32 tokens in {out_dir}, which has "
                          f"{free / 2**30:.1f} GiB free; ask for fewer tokens (--mixture_tokens) or free space")
     writer = _SplitWriter(out_dir, "train", max_tokens, created)

@@ -323,7 +323,7 @@ def test_bad_corpus_leaves_nothing_half_written(tmp_path, monkeypatch):
     built = prep.prepare(f"{good}:1,{other}:1", mix, workers=1, progress=False, max_tokens_per_file=100)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))   # full
     assert prep.prepare(f"{good}:1,{other}:1", mix, workers=1, progress=False, max_tokens_per_file=100) == built
-    with pytest.raises(ValueError, match=r"the mixture's [\d,]+ train tokens \(the default: all of it\) needs .* "
+    with pytest.raises(ValueError, match=r"the mixture's [\d,]+ train tokens \(the default: the most that repeats no source\) needs .* "
                                          r"which has 0\.0 GiB free; ask for fewer tokens \(--mixture_tokens\)"):
         prep.prepare(f"{good}:1,{other}:1", str(tmp_path / "mix2"), workers=1, progress=False)
     assert not os.path.exists(tmp_path / "mix2")
