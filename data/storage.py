@@ -439,6 +439,7 @@ def save_manifest(path: str, sizes: dict[str, int]):
 # --- readers -----------------------------------------------------------------------------------
 
 NPY_MAGIC = b"\x93NUMPY"   # np.save's header: token files are headerless (OLMo-core's memmap reads raw uint32)
+HEADERLESS = "token files are headerless uint32: write them with np.asarray(ids, np.uint32).tofile(path)"
 
 
 def wide_integers(tokens: np.ndarray) -> bool:
@@ -450,7 +451,7 @@ def wide_integers(tokens: np.ndarray) -> bool:
 
 def wide_integers_error(file, where: str) -> ValueError:
     return ValueError(f"token file {file.path!r}{where}: every other uint32 is 0, as in a file of 64-bit integers; "
-                      "token files are headerless uint32: write them with np.asarray(ids, np.uint32).tofile(path)")
+                      f"{HEADERLESS}")
 
 
 def token_range_error(file, where: str, top: int, vocab_size: int) -> ValueError:
@@ -459,8 +460,7 @@ def token_range_error(file, where: str, top: int, vocab_size: int) -> ValueError
     tokenizer, a model with a smaller vocabulary, or a corrupt file."""
     head = file.read(0, min(2, file.nbytes // ITEMSIZE)).tobytes()
     if head.startswith(NPY_MAGIC):
-        why = ("the file starts with a .npy header (np.save); token files are headerless uint32: write them with "
-               "np.asarray(ids, np.uint32).tofile(path)")
+        why = f"the file starts with a .npy header (np.save); {HEADERLESS}"
     else:
         why = ("the file was written with another tokenizer or is corrupt, or the model's vocabulary is smaller "
                "than the tokenizer's")

@@ -94,6 +94,11 @@ def existing_directory(path: str | os.PathLike, flag: str, given: str | None = N
     return where
 
 
+def _probe_name() -> str:
+    """A probe's name, unique per host and process: every host of a job may probe at once."""
+    return f".olmo3-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def check_writable(path: str | os.PathLike, flag: str, given: str | None = None) -> None:
     """Stop with one line (UserError naming `flag`) unless files can be written whole where the
     directory `path` is, or will be: a probe file is written, renamed (as write_text does) and
@@ -101,7 +106,7 @@ def check_writable(path: str | os.PathLike, flag: str, given: str | None = None)
     directory of checkpoints needs check_directory."""
     said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
     where = existing_directory(path, flag, given)
-    probe = os.path.join(where, f".olmo3-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    probe = os.path.join(where, _probe_name())
     try:
         try:
             with open(probe, "w") as f:
@@ -126,7 +131,7 @@ def check_directory(path: str | os.PathLike, flag: str, given: str | None = None
     job may probe at once."""
     said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
     where = existing_directory(path, flag, given)
-    name = f".olmo3-probe-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    name = _probe_name()
     made, renamed = os.path.join(where, name), os.path.join(where, name + "-renamed")
     step = "create a directory"
     try:
