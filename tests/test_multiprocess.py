@@ -230,11 +230,15 @@ _GLOO_PIECES = re.compile(r"\[Gloo\] Rank | is connected to | ?peer ranks\. ?|Ex
                           r"peer ranks is : ")
 
 
+def _our_lines(out: str) -> list:
+    """A process's output without Gloo's lines."""
+    return [line for line in _GLOO_PIECES.sub("", out).splitlines() if line.strip(" 0123456789")]
+
+
 def _not_warnings(out: str) -> list:
     """A process's lines other than its cluster line, gloo's and absl's WARNING/ERROR/FATAL lines:
     what a process other than 0 must not print (olmo3/logs.py quiet_other_processes)."""
-    lines = _GLOO_PIECES.sub("", out).splitlines()
-    return [line for line in lines if line.strip(" 0123456789") and not re.match(r"cluster: |[WEF]\d{4} ", line)]
+    return [line for line in _our_lines(out) if not re.match(r"cluster: |[WEF]\d{4} ", line)]
 
 
 @contextlib.contextmanager
@@ -311,7 +315,7 @@ def test_a_stopped_peer_ends_the_run_through_the_watchdog(tmp_path, when):
         waited = time.time() - stopped_at
     out = (tmp_path / "p0.log").read_text()
     assert code == 1, out[-3000:]
-    last = out.strip().splitlines()[-1]
+    last = _our_lines(out)[-1]
     if first:
         assert not re.search(r"^step +1 \|", out, re.M)
         assert re.match(r"train\.py: error: step 1, the first of this run, has not finished \d+ s after its "
@@ -363,7 +367,7 @@ def test_run_dir_not_shared_by_every_process_is_refused(tmp_path):
     codes, outs = _two_train_py_until_done(tmp_path, lambda i: [
         f"--data={corpus}", f"--data_dir={tmp_path / f'data{i}'}", f"--run_dir={tmp_path / f'host{i}' / 'run'}"])
     for code, out in zip(codes, outs):
-        last = out.strip().splitlines()[-1]
+        last = _our_lines(out)[-1]
         assert code == 2 and "--run_dir=" in last and "process(es) [1] of 2 do not see" in last, out[-3000:]
     assert not os.listdir(tmp_path / "host0" / "run")     # the marker is gone, nothing else was written
 
@@ -393,6 +397,6 @@ def test_processes_that_see_different_data_are_refused(tmp_path, edit):
     codes, outs = _two_train_py_until_done(tmp_path, lambda i: [
         f"--data={tmp_path / f'host{i}' / 'docs'}", f"--data_dir={tmp_path / f'data{i}'}", f"--run_dir={tmp_path / 'run'}"])
     for code, out in zip(codes, outs):
-        last = out.strip().splitlines()[-1]
+        last = _our_lines(out)[-1]
         assert code == 2 and says in last and "process(es) [1] of 2 differ from process 0's" in last, out[-3000:]
     assert not os.path.exists(tmp_path / "run" / "checkpoints") or not os.listdir(tmp_path / "run" / "checkpoints")
