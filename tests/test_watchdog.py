@@ -2,6 +2,7 @@
 the last step and showing where the main thread waits; compiling and a phase's first run are not
 timed, the first step after `arm` is."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,7 +33,7 @@ def test_a_stuck_step_ends_the_process_with_status_1_and_the_stacks():
 
 def test_not_armed_before_the_first_step_nor_inside_a_phases_first_run():
     p = run("""
-        w = Watchdog(0.3)
+        w = Watchdog(1.0)
         time.sleep(1.5)          # the first step compiles: not timed
         w.beat(1)
         with w.phase("held-out evaluation"):
@@ -68,7 +69,9 @@ def test_a_phase_that_ran_before_is_bounded_by_its_own_duration():
     assert p.returncode == 1 and p.stdout.strip() == "bounded", (p.stdout, p.stderr)
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("train.py: error: the checkpoint save after step 3 has run for "), last
-    assert "3 x its longest before, 0.6 s" in last, last
+    # the 0.6 s save's duration as measured: a loaded machine oversleeps, printed as 0.7 s or more
+    longest = re.search(r"3 x its longest before, ([\d.]+) s", last)
+    assert longest and 0.6 <= float(longest.group(1)) < 1.0, last
 
 
 def test_the_final_commit_is_bounded_by_earlier_commits_not_by_the_in_loop_save():
@@ -147,7 +150,7 @@ def test_the_first_step_is_not_timed_when_compile_starts_are_not_announced():
         import jax
         import jax._src.dispatch
         jax._src.dispatch.record_scalar = lambda *args, **kwargs: None   # no compile starts announced
-        w = Watchdog(0.3)
+        w = Watchdog(1.0)
         assert w._announces is False, w._announces   # learnt from the watchdog's own compile
         w.arm(0)
         jax.monitoring.record_event_duration_secs("/jax/core/compile/backend_compile_duration", 1.0)
