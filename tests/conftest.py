@@ -26,6 +26,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="olmo3-test-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
+# The dataset hub is unreachable from CI: lm-eval tasks read local files, and `datasets` must not
+# try the network first. Set for every test and subprocess, not by the tests that need it (which
+# left it set, or not, for whichever test files ran next in the same worker).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 # Remote token files' sizes are cached in $OLMO3_DATA_CACHE (default ~/.cache/olmo3-jax): the
 # tests' local HTTP servers (a new port each run) wrote their URLs into the user's own cache.
 if "OLMO3_DATA_CACHE" not in os.environ:

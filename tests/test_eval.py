@@ -542,7 +542,6 @@ def test_loglikelihood_rolling_scores_lm_evals_own_windows():
 def test_lm_eval_harness_drives_the_adapter(tmp_path):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
     model = olmo3.OLMo3(CFG, jax.random.key(4))
     tok = ByteTokenizer()
     lm_eval_task(tmp_path, "tiny_mc_local", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
@@ -585,7 +584,6 @@ def test_lm_eval_report_keeps_every_filters_score(tmp_path, monkeypatch):
     (with its stderr beside it, so --model_b's deltas pair them). Before, the filter name was cut
     and the last filter's score overwrote the others under one key."""
     lm_eval = pytest.importorskip("lm_eval")
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
     lm_eval_task(tmp_path, "tiny_gen_filters", os.path.join(FIXTURES, "tiny_gen.jsonl"), """output_type: generate_until
 doc_to_text: "{{context}}"
 doc_to_target: "x"
@@ -854,7 +852,6 @@ def test_adapter_scores_and_generates_as_lm_evals_hflm(tmp_path, request):
     from lm_eval.tasks import TaskManager
     import torch
     import transformers
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
     # one torch thread: beside XLA's threads, torch's two took 4 ms per tiny matmul (70x) on 2 cores
     request.addfinalizer(lambda threads=torch.get_num_threads(): torch.set_num_threads(threads))
     torch.set_num_threads(1)
