@@ -884,10 +884,11 @@ def warn_model_change(saved: dict | None, config, init_from: str) -> None:
     """A warm start whose flags change the checkpoint's architecture (a --window, a --rope_theta)
     where its tensors still fit: allowed (an experiment may mean it), never silent. YaRN added is
     not a change: stage 3 adds it to the stage-2 model by recipe; dropped or rescaled, it is."""
-    from olmo3.config import config_to_dict
-    now = config_to_dict(config)
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items()
-               if saved and saved.get(k) != v and not (k == "yarn" and saved.get(k) is None)]
+    from olmo3.config import config_diff, config_from_dict
+    if not saved:   # a checkpoint without its model's config (written by neither train.py nor convert.py)
+        return
+    changed = [f"{k} {was} -> {now}" for k, (was, now) in config_diff(config_from_dict(saved), config).items()
+               if not (k == "yarn" and was is None)]
     if changed:
         logging.warning("--init_from=%s: this run's model differs from the checkpoint's (%s); its tensors fit, so "
                         "the warm start goes on with the flags' model", init_from, ", ".join(changed))

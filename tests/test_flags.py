@@ -220,7 +220,11 @@ def test_the_recipe_chain_warm_starts_without_a_model_change_warning():
     chain = [model_of(f) for f in ("stage1.flags", "stage2.flags", "stage3.flags", "sft_think.flags",
                                    "dpo_think.flags")]
     changed = model_of("sft_think.flags", "--window=2048", "--noyarn")
-    said = warm_start_warnings([*zip(chain, chain[1:]), (chain[2], changed)])
+    # A conversion from Hugging Face writes YaRN's attention factor out (its default, by value): the
+    # same model as the flags' None (olmo3.config.config_diff).
+    from olmo3.config import YaRN
+    written_out = {**chain[2], "yarn": {**chain[2]["yarn"], "attention_factor": YaRN(**chain[2]["yarn"]).mscale}}
+    said = warm_start_warnings([*zip(chain, chain[1:]), (written_out, chain[3]), (chain[2], changed)])
     assert len(said) == 1, said
     assert said[0].startswith("--init_from=<previous stage>: this run's model differs from the checkpoint's (window "
                               "4096 -> 2048, yarn {") and "} -> None); its tensors fit" in said[0], said
