@@ -25,6 +25,7 @@ UTF-8 bytes of the predicted tokens (dolma2 decoding), which makes tokenizers co
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -318,22 +319,24 @@ def downstream_report(model, tasks, *, num_fewshot=0, limit=None, tokenizer=None
     return out
 
 
-_TASK_MANAGERS: dict = {}
+@functools.lru_cache(maxsize=None)
+def _task_manager(include: str | None):
+    """lm-eval's TaskManager: indexing every task takes seconds, so made once per directory."""
+    from lm_eval.tasks import TaskManager
+    return TaskManager(include_path=include)
 
 
 def lm_eval_tasks(task_names, include=None):
-    """lm-eval's TaskManager (indexing every task takes seconds: made once) after checking that
-    each name is a task, group or tag it knows, or a YAML file; a UsageError names the others.
-    Called before any model loads: an unknown name was a KeyError traceback (exit 1) after them."""
+    """lm-eval's TaskManager after checking that each name is a task, group or tag it knows, or a
+    YAML file; a UsageError names the others. Called before any model loads: an unknown name was
+    a KeyError traceback (exit 1) after them."""
     try:
-        from lm_eval.tasks import TaskManager
+        import lm_eval.tasks  # noqa: F401
     except ImportError as e:
         raise app.UsageError(f"--lm_eval_tasks needs lm-eval: pip install lm-eval ({e})") from e
     if include is not None and not os.path.isdir(include):
         raise app.UsageError(f"--lm_eval_include={include!r} is not a directory; give a directory of task YAMLs")
-    if include not in _TASK_MANAGERS:
-        _TASK_MANAGERS[include] = TaskManager(include_path=include)
-    tm = _TASK_MANAGERS[include]
+    tm = _task_manager(include)
     unknown = [n for n in task_names if n not in tm.all_tasks and not os.path.isfile(n)]
     if unknown:
         raise app.UsageError(f"--lm_eval_tasks: unknown task {', '.join(map(repr, unknown))}"

@@ -38,7 +38,7 @@ cli.require([*[(name, lambda v: v >= 1, ">= 1") for name in ("global_batch", "fi
                                                              "open_files")],
              ("seq_len", lambda v: v >= 2, ">= 2"),
              ("workers", lambda v: all(w.isdigit() for w in v), "worker counts >= 0"),
-             ("latency_ms", lambda v: 0 <= v < float("inf"), "finite and >= 0")])
+             ("latency_ms", lambda v: cli.finite(v) and v >= 0, "finite and >= 0")])
 FLAGS = flags.FLAGS
 
 

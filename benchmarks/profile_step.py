@@ -54,7 +54,9 @@ def phase(op_name: str) -> str:
 
 def main(argv):
     del argv
-    from olmo3 import runtime
+    from olmo3 import atomic, runtime
+    if F.trace_dir:   # before the step compiles and runs: a file there failed after the profile (FAILED_PRECONDITION)
+        atomic.check_writable(F.trace_dir, "--trace_dir")
     if F.tune_cpu:   # as bench.py: YNNPACK's dots in float32 compute only (olmo3/runtime.py)
         runtime.tune_cpu(dots=F.compute_dtype != "bfloat16")
     import jax
@@ -65,9 +67,6 @@ def main(argv):
     run_step, _ = bench.build_ours(config, tokens)
     for _ in range(max(F.warmup, 1)):
         run_step()
-    if F.trace_dir:   # before the profile: a file there failed after it (FAILED_PRECONDITION)
-        from olmo3 import atomic
-        atomic.check_writable(F.trace_dir, "--trace_dir")
     trace_dir = F.trace_dir or tempfile.mkdtemp(prefix="olmo3_trace_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         t = time.perf_counter()

@@ -29,6 +29,8 @@ import collections
 import numpy as np
 from jaxtyping import Int32, Int64, Integer
 
+from data import storage
+
 # Tokens per read when scanning a file for eos (4 bytes each: 256 MB per read).
 SCAN_TOKENS = 1 << 26
 
@@ -44,7 +46,6 @@ def document_spans(file, eos_id: int, seq_len: int | None = None, vocab_size: in
     for a in range(0, n, SCAN_TOKENS):
         chunk = file.read(a, min(n, a + SCAN_TOKENS))
         if vocab_size is not None and len(chunk):
-            from data import storage
             if int(chunk.max()) >= vocab_size:
                 at = int(np.argmax(chunk >= vocab_size))
                 raise storage.token_range_error(file, f", token {a + at}", int(chunk[at]), vocab_size)

@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 
 from olmo3 import checkpoint, hf
+from olmo3.olmo_core import MODEL_AND_OPTIM
 from olmo3.config import config_from_dict
 from olmo3.model import OLMo3
 
@@ -28,7 +29,7 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
     (whether it scored held-out loss on padded documents; None when unknown), "precision" (the
     run's {"compute_dtype", "float8"}, train.py's extra JSON; None when unknown). `overrides`
     change non-architecture fields (compute_dtype...)."""
-    if os.path.isdir(os.path.join(path, "model_and_optim")):   # olmo3/olmo_core.py MODEL_AND_OPTIM
+    if os.path.isdir(os.path.join(path, MODEL_AND_OPTIM)):
         raise ValueError(f"{path} is an OLMo-core checkpoint; convert it first: python convert.py "
                          f"--from=olmo-core:{path} --to=orbax:<new run dir>, then give that run")
     if hf.is_hf_dir(path):
