@@ -20,6 +20,7 @@ import sys
 from absl import app, flags, logging
 
 from olmo3 import atomic, cli
+from olmo3.launch import newest_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # §0 Flags. Defaults are the stage-1 7B recipe; the flagfiles spell every number out.
@@ -211,7 +212,7 @@ def main(argv):
         import random
 
         from olmo3.cluster import job_id
-        from olmo3.launch import child_argv, newest_checkpoint, run_until_done
+        from olmo3.launch import child_argv, run_until_done
         args = child_argv(sys.argv)
         # The tasks of one cluster job draw the same backoff delays: a crash stops every task (JAX's
         # heartbeat), so they restart together and find each other again; other jobs still differ.
@@ -275,7 +276,6 @@ def main(argv):
         + ("" if F.stage == "dpo" else "; a context axis cuts every sequence") + ")"))
     # A mistyped --init_from stops here, not after §3 has listed the remote mix or packed it (stage 3
     # scans every token of its files for eos before the first run's packing cache exists).
-    from olmo3.launch import newest_checkpoint
     if F.init_from and not (F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None):
         checkpoint.locate(F.init_from)
 
@@ -485,7 +485,6 @@ def main(argv):
     # §6b OLMo's in-loop downstream evaluation: AI2's requests scored with the sharded batch
     # machinery of held-out loss; ICLMetric's numbers as downstream/<task>/<metric>.
     # -----------------------------------------------------------------------------------------
-    downstream = None
     if F.downstream_tasks:
         from olmo3 import oe_tasks
         labels = oe_tasks.resolve(F.downstream_tasks, "--downstream_tasks")
@@ -502,6 +501,8 @@ def main(argv):
             return oe_tasks.evaluate(model, labels, score_fn=score_fn, encode=encode, pad_id=data.PAD_ID,
                                      limit=F.downstream_limit, max_length=F.seq_len, batch_rows=ds_rows,
                                      requests_cache=rows_cache)
+    else:
+        downstream = None
 
     # -----------------------------------------------------------------------------------------
     # §7 Checkpoints: model + optimizer + loader state in one atomic step directory.
@@ -692,7 +693,6 @@ def check_flags():
     atomic.check_directory(F.run_dir, "--run_dir")   # checkpoints rename directories: not every mount can
     atomic.existing_directory(os.path.join(F.run_dir, "checkpoints"), "--run_dir", F.run_dir)
     if not F.resume:   # a fresh run would train up to its first save and fail there (exit 1, rerun forever)
-        from olmo3.launch import newest_checkpoint
         done = newest_checkpoint(os.path.join(F.run_dir, "checkpoints"))
         if done is not None:
             raise app.UsageError(f"--run_dir={F.run_dir} already holds a run (checkpoints up to step {done}); add "
