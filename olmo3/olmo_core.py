@@ -129,6 +129,11 @@ def _step_of(step_dir: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+class MissingFileError(UserError, FileNotFoundError):
+    """A file of the checkpoint is not there: one line for the user, and still a
+    FileNotFoundError to a reader for which the file is optional (read_config's config.json)."""
+
+
 def read_file(path: str, start: int = 0, stop: Optional[int] = None) -> bytes:
     """Bytes [start, stop) of a local file or a URL (data/storage.py's retried byte-range reads,
     the machinery of the remote data mixes); stop None: to the end."""
@@ -141,13 +146,13 @@ def read_file(path: str, start: int = 0, stop: Optional[int] = None) -> bytes:
                 stop = storage.fetch_size(path)
             return storage.read_bytes(path, start, stop)
         except storage.MissingRemoteFileError as e:
-            raise UserError(missing) from e
+            raise MissingFileError(missing) from e
     try:
         with open(path, "rb") as f:
             f.seek(start)
             data = f.read(-1 if stop is None else stop - start)
     except FileNotFoundError as e:
-        raise UserError(missing) from e
+        raise MissingFileError(missing) from e
     if stop is not None and len(data) != stop - start:
         raise UserError(f"{path} is truncated: bytes [{start}, {stop}) asked for, {len(data)} read; "
                         "download the checkpoint again")

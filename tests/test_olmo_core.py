@@ -523,16 +523,17 @@ def test_fsdp_sharded_checkpoint_reassembled(tmp_path):
     assert int(opt.count) == R.STEPS
 
 
-def synthetic_checkpoint(src, n_layers=4, moments=True, more=None, config_layers=None, drop=()):
-    """An OLMo-core step directory of a tiny OLMo 3 (d_model 32, ones for weights, moments and
-    Adam step 2) written by our DCP writer, with its config.json (of `config_layers`), without the
-    tensors in `drop`."""
+def synthetic_checkpoint(src, n_layers=4, moments=True, more=None, config_layers=None, drop=(), d_model=32):
+    """An OLMo-core step directory of a tiny OLMo 3 (2 heads of d_model / 2, ones for weights,
+    moments and Adam step 2) written by our DCP writer, with its config.json (of `config_layers`),
+    without the tensors in `drop`."""
     import olmo3
-    c = olmo3.Config.tiny(d_model=32, n_layers=config_layers or n_layers, n_heads=2, n_kv_heads=2, head_dim=16,
-                          mlp_hidden=64, window=16, vocab_size=128)
-    shapes = {"embed": (128, 32), "lm_head": (128, 32), "q_proj": (32, 32), "k_proj": (32, 32), "v_proj": (32, 32),
-              "o_proj": (32, 32), "gate_proj": (64, 32), "up_proj": (64, 32), "down_proj": (32, 64)}
-    specs = {f"model.{name}": (shapes.get(field, (32,)), np.float32) for field, _, name, _ in olmo_core.param_names(n_layers)}
+    c = olmo3.Config.tiny(d_model=d_model, n_layers=config_layers or n_layers, n_heads=2, n_kv_heads=2,
+                          head_dim=d_model // 2, mlp_hidden=64, window=16, vocab_size=128)
+    d = d_model
+    shapes = {"embed": (128, d), "lm_head": (128, d), "q_proj": (d, d), "k_proj": (d, d), "v_proj": (d, d),
+              "o_proj": (d, d), "gate_proj": (64, d), "up_proj": (64, d), "down_proj": (d, 64)}
+    specs = {f"model.{name}": (shapes.get(field, (d,)), np.float32) for field, _, name, _ in olmo_core.param_names(n_layers)}
     if moments:
         for name, (shape, dtype) in list(specs.items()):
             for m in ("exp_avg", "exp_avg_sq", "step"):
@@ -545,6 +546,30 @@ def synthetic_checkpoint(src, n_layers=4, moments=True, more=None, config_layers
                                                          np.float32), {})
     (src / "config.json").write_text(json.dumps({"model": olmo_core.config_to_olmo_core(c)}))
     return specs
+
+
+def test_without_config_json_the_model_comes_from_the_tensor_shapes(tmp_path):
+    """A checkpoint saved without OLMo-core's ConfigSaverCallback (no config.json beside it): the
+    model is read from the tensor shapes with OLMo 3 7B's head_dim 128, window, RoPE and eps, and
+    a width that is not a multiple of 128 is named. (A missing file's one-line error, added for
+    incomplete downloads, had made config.json required: every such conversion failed.)"""
+    import olmo3
+    src = tmp_path / "oc" / "step3"
+    synthetic_checkpoint(src, moments=False, d_model=256)
+    os.remove(src / "config.json")
+    config = convert.olmo_core_to_orbax(str(src), str(tmp_path / "orbax"), with_optimizer_state=False)
+    seven_b = olmo3.Config()
+    assert (config.d_model, config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim,
+            config.mlp_hidden, config.vocab_size) == (256, 4, 2, 2, 128, 64, 128)
+    assert (config.window, config.rope_theta, config.norm_eps) == (seven_b.window, seven_b.rope_theta,
+                                                                   seven_b.norm_eps)
+    assert os.listdir(tmp_path / "orbax" / "checkpoints") == ["3"]
+    narrow = tmp_path / "narrow" / "step3"
+    synthetic_checkpoint(narrow, moments=False)   # 2 heads of 16
+    os.remove(narrow / "config.json")
+    with pytest.raises(olmo_core.UserError, match="attention width 32 is not a multiple of OLMo 3's head_dim 128"):
+        convert.olmo_core_to_orbax(str(narrow), str(tmp_path / "never"), with_optimizer_state=False)
+    assert not os.path.exists(tmp_path / "never")
 
 
 def test_tensors_outside_olmo3_are_refused_not_dropped(tmp_path):
