@@ -164,7 +164,9 @@ flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: the XLA flags Max
 
 
 # Recipe numbers are checked as the flags are parsed, before any device work: NaN, inf or an
-# impossible value ends the command with one line (exit 2) instead of a poisoned run.
+# impossible value ends the command with one line (exit 2) instead of a poisoned run. Steps are
+# int32 on the device (a schedule's step past 2**31 - 1 was an OverflowError traceback, exit 1).
+STEPS = 2**31
 cli.require([
     ("lr", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
     ("b1", lambda v: cli.finite(v) and 0 <= v < 1, "in [0, 1)"),
@@ -174,8 +176,8 @@ cli.require([
     ("max_grad_norm", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
     ("z_loss", lambda v: cli.finite(v) and v >= 0, "finite and >= 0 (0 turns it off)"),
     ("final_lr_ratio", lambda v: cli.finite(v) and 0 <= v <= 1, "in [0, 1]"),
-    ("warmup_steps", lambda v: v >= 0, ">= 0"),
-    ("total_steps", lambda v: v > 0, "> 0"),
+    ("warmup_steps", lambda v: 0 <= v < STEPS, f">= 0 and < {STEPS:,}"),
+    ("total_steps", lambda v: 0 < v < STEPS, f"> 0 and < {STEPS:,}"),
     ("global_batch", lambda v: v > 0, "> 0"),
     ("save_interval", lambda v: v > 0, "> 0"),
     ("eval_interval", lambda v: v > 0, "> 0"),
@@ -192,17 +194,21 @@ cli.require([
     ("yarn_factor", lambda v: cli.finite(v) and v >= 1, ">= 1 (the context extension factor)"),
     ("yarn_original_max_position", lambda v: v >= 1, ">= 1"),
     ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0"),
-    ("max_steps", lambda v: v is None or v >= 1, ">= 1 (leave it out for the schedule's horizon)"),
+    ("max_steps", lambda v: v is None or 1 <= v < STEPS, f">= 1 and < {STEPS:,} (leave it out for the schedule's "
+                                                         "horizon)"),
     ("micro_batch", lambda v: v is None or v >= 1, ">= 1 instances per device (leave it out for the whole "
                                                   "per-device batch)"),
     ("seed", lambda v: v >= 0, ">= 0 (the data order's seed)"),
-    ("joined_at", lambda v: v is None or v >= 1, ">= 1 (the step pretrain-2 resumed at)"),
+    # A JAX PRNG seed has 32 bits: 2**32 was seed 0's model, a larger one an OverflowError traceback.
+    ("model_seed", lambda v: 0 <= v < 2**32, f">= 0 and < {2**32:,} (a 32-bit PRNG seed)"),
+    ("joined_at", lambda v: v is None or 1 <= v < STEPS, f">= 1 and < {STEPS:,} (the step pretrain-2 resumed at)"),
     # The Splash kernel's tiles (olmo3/splash.py: on a TPU also a multiple of 128, said at its compile).
     ("splash_block_q", lambda v: v is None or (v >= 8 and v % 8 == 0), "a positive multiple of 8 (128 on a TPU)"),
     ("splash_block_kv", lambda v: v is None or (v >= 8 and v % 8 == 0), "a positive multiple of 8 (128 on a TPU)"),
     # NaN turned the watchdog off; a few ms ended every attempt (exit 1) at its first step.
     ("hang_timeout_s", lambda v: cli.finite(v) and (v == 0 or v >= 1), ">= 1 second, or 0 (never)"),
-    ("run_dir", lambda v: bool(v), "a directory (it is empty)")])
+    ("run_dir", lambda v: bool(v), "a directory (it is empty)"),
+    ("data", lambda v: bool(v.strip(" ,")), "'stdlib', a directory of documents or 'mix:NAME' (it names no corpus)")])
 
 
 def main(argv):
@@ -734,6 +740,10 @@ def check_flags():
                              f"sets); --stage={F.stage} scores its held-out "
                              + ("chats packed, on their label masks" if F.stage == "sft" else "preference pairs")
                              + ": drop --eval_padded")
+    for name, stage in (("sft_heldout", "sft"), ("dpo_heldout", "dpo"), ("reference_cache", "dpo")):
+        if getattr(F, name) and F.stage != stage:   # it was ignored
+            raise app.UsageError(f"--{name} applies to --stage={stage} only, and this run is --stage={F.stage}: "
+                                 f"drop --{name}")
     if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
         raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply "
                              "with --packed")

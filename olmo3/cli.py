@@ -39,7 +39,7 @@ import os
 import re
 import sys
 import traceback
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 from absl import app, flags, logging
 
@@ -235,6 +235,37 @@ def _verbose() -> bool:
         return False
 
 
+def _undecodable_flagfile(argv: list[str]) -> str:
+    """The first flagfile named in `argv`, or in a flagfile it names, that is not UTF-8 text ('' if
+    none is)."""
+    names, seen = _flagfile_names(argv), set()
+    while names:
+        name = names.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            with open(name, encoding="utf-8") as f:
+                names += _flagfile_names(line.strip() for line in f)
+        except UnicodeDecodeError:
+            return name
+        except OSError:
+            continue
+    return ""
+
+
+def _flagfile_names(args: Iterable[str]) -> list[str]:
+    """The files that `--flagfile=NAME` and `--flagfile NAME` (one dash or two) name in `args`."""
+    args, out = list(args), []
+    for i, a in enumerate(args):
+        m = re.fullmatch(r"--?flagfile(?:=(.*))?", a)
+        if m and m.group(1) is not None:
+            out.append(m.group(1))
+        elif m and i + 1 < len(args):
+            out.append(args[i + 1])
+    return out
+
+
 def run(main: Callable[[list[str]], None]) -> None:
     """`absl.app.run(main)`, with flag-parsing errors and the errors above ending as one line."""
     prog = os.path.basename(sys.argv[0])
@@ -248,6 +279,9 @@ def run(main: Callable[[list[str]], None]) -> None:
             fail(prog, flags.Error(f"--flagfile={m.group(2) if m else ''}: {m.group(1) if m else reason}; give an "
                                    f"existing flagfile (a relative path is read from the current directory, "
                                    f"{os.getcwd()})"))
+        except UnicodeDecodeError as e:   # absl reads each flagfile as text: a binary file given as one
+            fail(prog, flags.Error(f"--flagfile={_undecodable_flagfile(argv)!r} is not UTF-8 text ({e.reason} at "
+                                   f"byte {e.start}); give a text file of --flag=value lines"))
         except flags.Error as e:
             fail(prog, e)
 

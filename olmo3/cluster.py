@@ -275,6 +275,9 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         num_processes = _env_int(env, "JAX_NUM_PROCESSES")
     if process_id is None and env.get("JAX_PROCESS_ID"):
         process_id = _env_int(env, "JAX_PROCESS_ID")
+    if num_processes is not None and num_processes < 1:   # 0 ran as one process, without a word
+        raise ClusterError(f"--num_processes / JAX_NUM_PROCESSES = {num_processes} must be >= 1; give the count of "
+                           "processes, or leave it out for the launcher's")
     if not (coordinator and num_processes is not None and process_id is not None):   # JAX detects the rest
         problem = _tpu_variables_problem(env)
         if problem:

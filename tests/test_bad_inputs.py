@@ -93,6 +93,8 @@ def world(tmp_path_factory):
     os.makedirs(w / "nonempty")
     (w / "nonempty" / "keep.txt").write_text("mine")
     (w / "bad.flags").write_text("--lr=nan\n")
+    (w / "binary.flags").write_bytes(bytes(range(128, 256)))   # a file that is no text (a checkpoint's, say)
+    (w / "nested.flags").write_text(f"--max_steps=2\n--flagfile={w / 'binary.flags'}\n")
     os.makedirs(w / "ckfile")
     (w / "ckfile" / "checkpoints").write_text("")
     (w / "empty.jsonl").write_text("")
@@ -128,6 +130,23 @@ def _cases(w):
         # absl's own line was "error: ERROR:: Unable to open flagfile: [Errno 2] ..." with no fix.
         ("flagfile_missing", "train.py", [f"--flagfile={w / 'none.flags'}"], 2,
          f"--flagfile='{w / 'none.flags'}': No such file or directory; give an existing flagfile"),
+        # A UnicodeDecodeError traceback from absl (exit 1), naming no file.
+        ("flagfile_binary_inside_a_flagfile", "train.py", [f"--flagfile={w / 'nested.flags'}"], 2,
+         f"--flagfile='{w / 'binary.flags'}' is not UTF-8 text (invalid start byte at byte 0); give a text file"),
+        ("flagfile_binary_convert", "convert.py", [f"--flagfile={w / 'binary.flags'}"], 2,
+         f"--flagfile='{w / 'binary.flags'}' is not UTF-8 text"),
+        # Past int32: an OverflowError traceback at the first step, a run directory left behind.
+        ("total_steps_past_int32", "train.py", [*T, f"--run_dir={new}", "--total_steps=3000000000"], 2,
+         "--total_steps must be > 0 and < 2,147,483,648"),
+        ("model_seed_past_32_bits", "train.py", [*T, f"--run_dir={new}", "--model_seed=4294967296"], 2,
+         "--model_seed must be >= 0 and < 4,294,967,296 (a 32-bit PRNG seed)"),   # was seed 0's model
+        ("data_empty", "train.py", [*TINY, "--data=", f"--run_dir={new}"], 2,
+         "--data must be 'stdlib', a directory of documents or 'mix:NAME'"),
+        # Another stage's flags were ignored without a word.
+        ("sft_heldout_in_stage_1", "train.py", [*T, f"--run_dir={new}", f"--sft_heldout={w / 'docs'}"], 2,
+         "--sft_heldout applies to --stage=sft only, and this run is --stage=1: drop --sft_heldout"),
+        ("num_processes_zero", "train.py", [*T, f"--run_dir={new}", "--num_processes=0"], 2,
+         "--num_processes / JAX_NUM_PROCESSES = 0 must be >= 1"),
         ("lr_nan_flag", "train.py", [*T, f"--run_dir={new}", "--lr=nan"], 2, "--lr must be finite and > 0"),
         ("lr_nan_flagfile", "train.py", [*T, f"--run_dir={new}", f"--flagfile={w / 'bad.flags'}"], 2,
          "--lr must be finite and > 0"),

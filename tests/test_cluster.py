@@ -282,6 +282,9 @@ def test_initialize_refuses_before_touching_jax(monkeypatch):
     # Explicit values with no engine to fill in the rest: all three, or the missing ones named.
     with pytest.raises(ClusterError, match=r"needs all of: --process_id / JAX_PROCESS_ID missing"):
         cluster.initialize("10.0.0.1:1234", 2, env={})
+    # A count of 0 ran as one process, without a word.
+    with pytest.raises(ClusterError, match=r"--num_processes / JAX_NUM_PROCESSES = 0 must be >= 1"):
+        cluster.initialize(env={"JAX_NUM_PROCESSES": "0"})
     # A process id outside [0, count): the coordinator would wait for a process that never comes.
     for pid in (2, -1):
         with pytest.raises(ClusterError, match=rf"process_id={pid} must be in \[0, num_processes=2\)"):
