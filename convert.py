@@ -81,7 +81,8 @@ cli.require([
     ("verify_seq", lambda v: v >= 1, ">= 1"),
     ("verify_batch", lambda v: v >= 1, ">= 1"),
     ("shard_gb", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
-    ("step", lambda v: v >= 0, ">= 0 (a checkpoint label: the steps trained)")])
+    # train.py's steps are int32 (its STEP_LIMIT): 10**25 was written as a label no run could resume.
+    ("step", lambda v: 0 <= v < 2**31, f">= 0 and < {2**31:,} (a checkpoint label: the steps trained)")])
 
 WINDOW = 128  # skip-step window (olmo3/optim.py WINDOW, OLMo-core rolling_interval_length)
 
@@ -169,6 +170,9 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     config = hf.read_hf_config(src, param_dtype=param_dtype)
     hf_vocab = config.vocab_size
     if pad_vocab is not None:
+        if pad_vocab > 2 * hf_vocab:   # 10**25 rows ran out of time, not of memory, without a word
+            raise ValueError(f"--pad_vocab={pad_vocab} is more than twice {src}'s vocabulary of {hf_vocab} rows; "
+                             "padding rounds the vocabulary up (OLMo-core: 100278 -> 100352), give such a size")
         if pad_vocab < hf_vocab:
             raise ValueError(f"--pad_vocab={pad_vocab} is smaller than {src}'s vocabulary of {hf_vocab} rows; "
                              f"pass N >= {hf_vocab} (OLMo-core pads dolma2 to 100352)")
@@ -702,6 +706,10 @@ def main(argv):
         if F.verify_seq > positions:
             raise app.UsageError(f"--verify_seq={F.verify_seq} is past the model's {positions} positions; give at "
                                  f"most {positions}")
+    for name, needs in (("max_kl", "verify"), ("verify_seq", "verify"), ("verify_batch", "verify"),
+                        ("pad_seed", "pad_vocab")):   # each was ignored without it
+        if F[name].present and not F[needs].value:
+            raise app.UsageError(f"--{name} applies only with --{needs}; add --{needs}, or drop --{name}")
     if src_kind == "orbax":   # both were ignored: --step=2 of a run converted its newest step
         for name, hint in (("step", "; to convert step N of a run, give --from=orbax:<run>/checkpoints/N"),
                            ("param_dtype", "")):

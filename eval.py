@@ -119,7 +119,7 @@ cli.require([
     ("eval_batch_size", lambda v: v >= 1, ">= 1"),
     ("max_eval_batches", lambda v: v >= 1, ">= 1"),
     ("kl_instances", lambda v: v >= 1, ">= 1"),
-    ("olmo_batch_rows", lambda v: v >= 1, ">= 1"),
+    ("olmo_batch_rows", lambda v: 1 <= v < 2**31, f">= 1 and < {2**31:,}"),
     ("train_loss_window", lambda v: v >= 3, ">= 3 (its noise is the spread about a line fitted through it)"),
     ("z", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
     ("tol", lambda v: cli.finite(v) and v >= 0, "finite and >= 0"),
@@ -616,7 +616,8 @@ def main(argv):
     if F.compare:
         if len(F.compare) != 2:
             raise app.UsageError(f"--compare={','.join(F.compare)}: give exactly two run directories A,B")
-        for name in ("model", "model_b", "position_buckets", "chat", "chat_file", "lm_eval_tasks"):
+        for name in ("model", "model_b", "model_step", "yarn", "position_buckets", "chat", "chat_file",
+                     "lm_eval_tasks"):
             if F[name].present:
                 raise app.UsageError(f"--{name} does not apply with --compare (run directories A,B, step by "
                                      "step); evaluate one model, or two with --model_b, without --compare")
@@ -648,7 +649,8 @@ def main(argv):
         raise app.UsageError("--chat takes one non-empty user message" + (", and not with --chat_file (one or the "
                              "other)" if F.chat_file else ""))
     if F.chat is not None or F.chat_file:   # chat answers and returns: an evaluation asked beside it would not run
-        for name in ("model_b", "tasks", "olmo_tasks", "lm_eval_tasks", "position_buckets", "heldout", "data_mix"):
+        for name in ("model_b", "tasks", "olmo_tasks", "lm_eval_tasks", "position_buckets", "heldout", "data_mix",
+                     "eval_seq_len", "max_eval_batches", "doc_lengths"):
             if F[name].present:
                 raise app.UsageError(f"--{name} does not apply with --{'chat' if F.chat is not None else 'chat_file'} "
                                      "(chat only answers); run the evaluation without the chat flags")

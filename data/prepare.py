@@ -598,7 +598,9 @@ def _define_flags():
     flags.DEFINE_bool("verify", False, "only check an existing build against its manifest")
     from olmo3 import cli
     cli.require([
-        ("workers", lambda v: v >= 1, ">= 1"),
+        # 100,000 was as many processes, each with its tokenizer: the OOM killer, with no word.
+        ("workers", lambda v: 1 <= v <= 4 * (os.cpu_count() or 1),
+         f">= 1 and at most 4 per CPU core of this machine ({4 * (os.cpu_count() or 1)})"),
         ("max_tokens_per_file", lambda v: v >= 1, ">= 1"),
         ("heldout_fraction", lambda v: v is None or (cli.finite(v) and 0 <= v < 1), "in [0, 1)"),
         ("mixture_tokens", lambda v: v is None or v >= 1, ">= 1")])

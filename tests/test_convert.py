@@ -139,6 +139,8 @@ def test_pad_vocab_as_olmo_core_and_back(tmp_path, monkeypatch):
     assert raw_tensors(tmp_path / "hf3")["model.embed_tokens.weight"][1] == (640, 64)
     with pytest.raises(ValueError, match="--pad_vocab=400 is smaller than .* 500 rows"):
         convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o2"), pad_vocab=400)
+    with pytest.raises(ValueError, match="--pad_vocab=1001 is more than twice .* 500 rows"):   # 10**25 never ended
+        convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o2"), pad_vocab=1001)
 
 
 def test_unpadded_vocab_is_dolma2():

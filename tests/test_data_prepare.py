@@ -406,6 +406,7 @@ def test_cli_matches_library(tmp_path):
     (["--max_tokens_per_file=0"], "--max_tokens_per_file must be >= 1"),
     (["--heldout_fraction=nan"], "--heldout_fraction must be in [0, 1)"),
     (["--workers=0"], "--workers must be >= 1"),
+    (["--workers=100000"], "at most 4 per CPU core of this machine"),   # was the OOM killer, without a word
     (["--source=SRC_FILE"], "is a file; pass a directory"),
     (["--out_dir=SRC_FILE"], "is a file; give a directory"),
     (["--out_dir=MINE", "--source=stdlib-docs"], "holds ['notes.txt']; a prepared corpus is written into a new"),
