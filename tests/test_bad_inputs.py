@@ -282,13 +282,15 @@ def _cases(w):
         ("convert_bad_spec", "convert.py", ["--from=foo", f"--to=hf:{w / 'out'}"], 2, "--from='foo'"),
         ("convert_verify_seq_zero", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}", "--verify",
                                                    "--verify_seq=0"], 2, "--verify_seq must be >= 1"),
-        # Each was ignored: the conversion ran as if it were not given.
+        # Ignored before: the conversion ran as if it were not given.
         ("convert_max_kl_without_verify", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}",
                                                          "--max_kl=0.5"], 2,
          "--max_kl applies only with --verify; add --verify, or drop --max_kl"),
+        # Written as a checkpoint label that no run could resume.
         ("convert_step_past_int32", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'out'}",
                                                    "--step=10000000000000000000000000"], 2,
          "--step must be >= 0 and < 2,147,483,648"),
+        # Both ignored before.
         ("eval_yarn_with_compare", "eval.py", [f"--compare={w / 'run'},{w / 'run'}", "--yarn"], 2,
          "--yarn does not apply with --compare"),
         ("eval_held_out_flag_with_chat", "eval.py", [f"--model={w / 'run'}", "--chat=hi", "--max_eval_batches=3"], 2,
