@@ -25,7 +25,9 @@ SLURM_PORT_BASE = 65535 - 2 ** 12 + 1   # JAX: port = base + SLURM_JOB_ID % 4096
 
 
 def free_derived_port() -> int:
-    """A free port in the range JAX derives SLURM / Open MPI coordinator ports from."""
+    """A free port in the range JAX derives SLURM / Open MPI coordinator ports from. It is outside
+    Linux's ephemeral range, so a port-0 bind elsewhere in the test session (another test's server,
+    Gloo's listeners) cannot take it between this check and a coordinator's bind."""
     for _ in range(200):
         port = SLURM_PORT_BASE + int.from_bytes(os.urandom(2), "little") % 2 ** 12
         with socket.socket() as s:

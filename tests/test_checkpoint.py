@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import fake_srun
 from olmo3 import checkpoint
 from olmo3.checkpoint import CheckpointManager, MissingTensorsError, locate, tensor_names
 from olmo3.optim import SkipStepAdamW
@@ -435,7 +436,7 @@ def test_damage_seen_by_one_process_is_every_processs_verdict(tmp_path):
     run = str(tmp_path / "run")
 
     def start(mode):
-        port = str(_free_port())
+        port = str(fake_srun.free_derived_port())
         return [subprocess.Popen([sys.executable, "-c", TWO_PROCESSES, port, str(pid), run, mode], text=True,
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(2)) for pid in (0, 1)]
 
@@ -470,9 +471,3 @@ def test_damage_seen_by_one_process_is_every_processs_verdict(tmp_path):
     np.testing.assert_allclose([r["total"] for r in got], [want, want], rtol=1e-5)
     assert sorted(os.listdir(tmp_path / "run" / "damaged")) == ["2"]
     assert os.path.exists(tmp_path / "run" / "damaged" / "2" / "damaged_on_another_process.json")
-
-
-def _free_port() -> int:
-    """A coordinator port outside the ephemeral range (tests/test_multiprocess.py _free_port)."""
-    import fake_srun
-    return fake_srun.free_derived_port()

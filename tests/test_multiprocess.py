@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import fake_srun
 import olmo3
 from olmo3.optim import SkipStepAdamW
 
@@ -65,13 +66,6 @@ def scored_batch():
             "pos": (lengths % T).astype(np.int32), "choices": rng.integers(0, CFG.vocab_size, (B, 4)).astype(np.int32)}
 
 
-def _free_port() -> int:
-    """A coordinator port outside the ephemeral range, which a port-0 bind (another test's server,
-    Gloo's listeners) could take between this check and the coordinator's bind."""
-    import fake_srun
-    return fake_srun.free_derived_port()
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -90,7 +84,7 @@ def _start_two_train_py(per_process, popen) -> list:
     adding each one's own flags; `popen(i)` gives each one's output files."""
     from test_train import SMALL
 
-    port, env = _free_port(), _train_py_env(2)
+    port, env = fake_srun.free_derived_port(), _train_py_env(2)
     return [subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *SMALL, "--mesh=fsdp:4",
                               f"--coordinator=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}",
                               *per_process(i)], env=env, text=True, **popen(i)) for i in range(2)]
@@ -98,14 +92,13 @@ def _start_two_train_py(per_process, popen) -> list:
 
 @pytest.mark.parametrize("launcher", ["flags", "slurm", pytest.param("mpirun", marks=pytest.mark.slow)])
 def test_two_processes_match_single_process(tmp_path, launcher):
-    import fake_srun
     worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu"}
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         env.pop(var, None)
     if launcher == "flags":
-        port, envs = str(_free_port()), [env, env]
+        port, envs = str(fake_srun.free_derived_port()), [env, env]
     elif launcher == "slurm":   # one task per node, two nodes: what launch/slurm.sbatch runs
         job_id = fake_srun.job_id_for_free_port()
         port, envs = "auto", [{**env, **fake_srun.srun_env(job_id, i, 2, 2)} for i in range(2)]
@@ -164,7 +157,7 @@ def test_whole_batch_results_keep_the_batch_order_across_processes(tmp_path):
     worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
     env = {k: v for k, v in os.environ.items()
            if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")}
-    port = str(_free_port())
+    port = str(fake_srun.free_derived_port())
     procs = [subprocess.Popen([sys.executable, worker, port, str(i), str(tmp_path), "scores"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     with contextlib.ExitStack() as stack:
@@ -214,7 +207,7 @@ def test_train_py_two_processes_match_one(tmp_path):
             return [json.loads(line)["train/loss"] for line in f if "train/loss" in line]
 
     wait([launch(tmp_path / "one", 4, [])])
-    port = _free_port()
+    port = fake_srun.free_derived_port()
     wait([launch(tmp_path / "two", 2, [f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
                                         f"--process_id={i}"]) for i in range(2)])
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")

@@ -59,7 +59,7 @@ def test_a_notice_before_a_resumed_run_s_first_step_stops_every_process_after_it
     step 1001. JAX's sync manager counts from 0 and answered the early notice at its step 1, which a
     run asking about steps 1001, 1002, ... never met: it trained on until SIGKILL."""
     import fake_srun
-    port = str(fake_srun.free_derived_port())   # outside the ephemeral range (test_multiprocess _free_port)
+    port = str(fake_srun.free_derived_port())
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     procs = [subprocess.Popen([sys.executable, "-c", EARLY, "1000", str(rank), port], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for rank in range(2)]
