@@ -81,8 +81,9 @@ cli.require([
     ("verify_seq", lambda v: v >= 1, ">= 1"),
     ("verify_batch", lambda v: v >= 1, ">= 1"),
     ("shard_gb", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
-    # train.py's steps are int32 (its STEP_LIMIT): 10**25 was written as a label no run could resume.
-    ("step", lambda v: 0 <= v < 2**31, f">= 0 and < {2**31:,} (a checkpoint label: the steps trained)")])
+    # 10**25 was written as a label no run could resume (train.py's steps are int32).
+    ("step", lambda v: 0 <= v < cli.STEP_LIMIT, f">= 0 and < {cli.STEP_LIMIT:,} (a checkpoint label: the steps "
+                                                "trained)")])
 
 WINDOW = 128  # skip-step window (olmo3/optim.py WINDOW, OLMo-core rolling_interval_length)
 

@@ -164,9 +164,8 @@ flags.DEFINE_bool("tune_gpu", True, "On an NVIDIA GPU backend: the XLA flags Max
 
 
 # Recipe numbers are checked as the flags are parsed, before any device work: NaN, inf or an
-# impossible value ends the command with one line (exit 2) instead of a poisoned run. Steps are
-# int32 on the device (a schedule's step past 2**31 - 1 was an OverflowError traceback, exit 1).
-STEP_LIMIT = 2**31
+# impossible value ends the command with one line (exit 2) instead of a poisoned run. A schedule's
+# step past cli.STEP_LIMIT - 1 (int32) was an OverflowError traceback, exit 1.
 cli.require([
     ("lr", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
     ("b1", lambda v: cli.finite(v) and 0 <= v < 1, "in [0, 1)"),
@@ -176,8 +175,8 @@ cli.require([
     ("max_grad_norm", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
     ("z_loss", lambda v: cli.finite(v) and v >= 0, "finite and >= 0 (0 turns it off)"),
     ("final_lr_ratio", lambda v: cli.finite(v) and 0 <= v <= 1, "in [0, 1]"),
-    ("warmup_steps", lambda v: 0 <= v < STEP_LIMIT, f">= 0 and < {STEP_LIMIT:,}"),
-    ("total_steps", lambda v: 0 < v < STEP_LIMIT, f"> 0 and < {STEP_LIMIT:,}"),
+    ("warmup_steps", lambda v: 0 <= v < cli.STEP_LIMIT, f">= 0 and < {cli.STEP_LIMIT:,}"),
+    ("total_steps", lambda v: 0 < v < cli.STEP_LIMIT, f"> 0 and < {cli.STEP_LIMIT:,}"),
     ("global_batch", lambda v: v > 0, "> 0"),
     ("save_interval", lambda v: v > 0, "> 0"),
     ("eval_interval", lambda v: v > 0, "> 0"),
@@ -194,15 +193,15 @@ cli.require([
     ("yarn_factor", lambda v: cli.finite(v) and v >= 1, ">= 1 (the context extension factor)"),
     ("yarn_original_max_position", lambda v: v >= 1, ">= 1"),
     ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0"),
-    ("max_steps", lambda v: v is None or 1 <= v < STEP_LIMIT,
-     f">= 1 and < {STEP_LIMIT:,} (leave it out for the schedule's horizon)"),
+    ("max_steps", lambda v: v is None or 1 <= v < cli.STEP_LIMIT,
+     f">= 1 and < {cli.STEP_LIMIT:,} (leave it out for the schedule's horizon)"),
     ("micro_batch", lambda v: v is None or v >= 1, ">= 1 instances per device (leave it out for the whole "
                                                   "per-device batch)"),
     ("seed", lambda v: v >= 0, ">= 0 (the data order's seed)"),
     # A JAX PRNG seed has 32 bits: 2**32 was seed 0's model, a larger one an OverflowError traceback.
     ("model_seed", lambda v: 0 <= v < 2**32, f">= 0 and < {2**32:,} (a 32-bit PRNG seed)"),
-    ("joined_at", lambda v: v is None or 1 <= v < STEP_LIMIT,
-     f">= 1 and < {STEP_LIMIT:,} (the step pretrain-2 resumed at)"),
+    ("joined_at", lambda v: v is None or 1 <= v < cli.STEP_LIMIT,
+     f">= 1 and < {cli.STEP_LIMIT:,} (the step pretrain-2 resumed at)"),
     # The Splash kernel's tiles (olmo3/splash.py: on a TPU also a multiple of 128, said at its compile).
     ("splash_block_q", lambda v: v is None or (v >= 8 and v % 8 == 0), "a positive multiple of 8 (128 on a TPU)"),
     ("splash_block_kv", lambda v: v is None or (v >= 8 and v % 8 == 0), "a positive multiple of 8 (128 on a TPU)"),

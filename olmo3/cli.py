@@ -45,6 +45,8 @@ from absl import app, flags, logging
 
 USER_ERROR = 2
 NON_FINITE = 3
+# Training steps are int32 on the device: a step count or checkpoint label must stay below this.
+STEP_LIMIT = 2**31
 
 
 class UserError(ValueError):
