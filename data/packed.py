@@ -144,7 +144,8 @@ class PackedFSLDataset:
 
     def _group(self, files: range, cache_dir) -> dict:
         """Pack the documents of `files` (one source group): sorted spans, instance offsets, docs."""
-        key = hashlib.sha256(f"{self.kind},{self.seq_len},{self.eos_id},truncate,".encode())
+        # vocab_size: the scan is also the token-range check, which a cache hit must not skip
+        key = hashlib.sha256(f"{self.kind},{self.seq_len},{self.eos_id},{self.vocab_size},truncate,".encode())
         for k in files:
             key.update(f"{self.paths[k]},{self.file_sizes[k]},".encode())
         cached = cache_dir and os.path.join(os.fspath(cache_dir), f"packed-{key.hexdigest()[:32]}.npz")

@@ -457,6 +457,18 @@ def test_cache_is_not_shared_between_sequence_lengths(tmp_path):
             np.testing.assert_array_equal(cached[i][k], fresh[i][k])
 
 
+def test_a_cached_packing_still_checks_the_vocabulary(tmp_path):
+    """The scan that packs is also the token-range check: a packing cached under a larger
+    vocabulary is not reused by a smaller one, which names the file before the run starts (a
+    cache hit had skipped the check until the instance was drawn)."""
+    ids = np.array([4, 5000, 3, 6, 7, 3], np.uint32)   # eos 3, pad 0; id 5000 fits 8192, not 4096
+    ids.tofile(tmp_path / "part.npy")
+    kw = dict(eos_id=3, pad_id=0, cache_dir=tmp_path / "cache")
+    assert len(PackedFSLDataset([str(tmp_path / "part.npy")], 8, vocab_size=8192, **kw)) == 1
+    with pytest.raises(ValueError, match=r"part\.npy.*5000"):
+        PackedFSLDataset([str(tmp_path / "part.npy")], 8, vocab_size=4096, **kw)
+
+
 def test_an_empty_part_holds_no_document(tmp_path):
     """An empty token file and its empty label mask (a converter's last, empty part) pack to the
     same instances as the other files alone (numpy cannot memmap an empty file: it crashed)."""
