@@ -707,23 +707,21 @@ def main(argv):
         if F.verify_seq > positions:
             raise app.UsageError(f"--verify_seq={F.verify_seq} is past the model's {positions} positions; give at "
                                  f"most {positions}")
-    for name, needs in (("max_kl", "verify"), ("verify_seq", "verify"), ("verify_batch", "verify"),
-                        ("pad_seed", "pad_vocab")):   # each was ignored without it
-        if F[name].present and not F[needs].value:
-            raise app.UsageError(f"--{name} applies only with --{needs}; add --{needs}, or drop --{name}")
+    for names, needs in ((("max_kl", "verify_seq", "verify_batch"), "verify"),
+                         (("pad_seed",), "pad_vocab")):   # each was ignored without it
+        if not F[needs].value:
+            cli.refuse_given(names, f"applies only with --{needs}; add --{needs}, or drop {{flag}}")
     if src_kind == "orbax":   # both were ignored: --step=2 of a run converted its newest step
         for name, hint in (("step", "; to convert step N of a run, give --from=orbax:<run>/checkpoints/N"),
                            ("param_dtype", "")):
-            if F[name].present:
-                raise app.UsageError(f"--{name} applies to the checkpoint written on the Orbax side (--to=orbax:), "
-                                     f"not to --from=orbax:{hint}")
+            cli.refuse_given((name,), "applies to the checkpoint written on the Orbax side (--to=orbax:), not to "
+                             f"--from=orbax:{hint}")
     if dst_kind == "orbax" and F["hf_dtype"].present:
         raise app.UsageError("--hf_dtype only applies to --to=hf:")
     t0 = time.time()
     if "olmo-core" in (src_kind, dst_kind):  # §4
-        for name in ("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"):
-            if F[name].present:
-                raise app.UsageError(f"--{name} applies to hf: conversions, not olmo-core:")
+        cli.refuse_given(("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"),
+                         "applies to hf: conversions, not olmo-core:")
         if src_kind == "olmo-core":
             config = olmo_core_to_orbax(src, dst, step=F.step if F["step"].present else None,
                                         param_dtype=F.param_dtype or "float32",

@@ -424,7 +424,7 @@ def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
 def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train_loss_window=20, tol=0.0,
                  z=comparison.Z, kl_instances=8, batch_size=8, max_batches=4, num_fewshot=0, limit=None,
                  tokenizer=None, out_dir=None, compute_dtype="float32", attention="xla", olmo_tasks=(),
-                 max_length: Optional[int] = None, doc_lengths: Optional[bool] = None, float8: bool = False) -> dict:
+                 olmo_batch_rows=8, max_length: Optional[int] = None, doc_lengths: Optional[bool] = None, float8: bool = False) -> dict:
     """Rows per common step, the overall verdict, and the report paths. `sets_fn(config)` gives
     the held-out sets (built once, identical for both runs).
 
@@ -474,8 +474,8 @@ def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train
                 row[f"{task_name(t)}_acc_delta"] = db[f"{k}/acc"] - da[f"{k}/acc"]
                 row[f"{task_name(t)}_acc_delta_se"] = math.hypot(da[f"{k}/acc_stderr"], db[f"{k}/acc_stderr"])
         if olmo_tasks:  # OLMo's in-loop metrics beside held-out loss: each task's primary metric and bpb
-            oa = olmo_tasks_report(ma, olmo_tasks, limit=limit, max_length=context)
-            ob = olmo_tasks_report(mb, olmo_tasks, limit=limit, max_length=context)
+            oa = olmo_tasks_report(ma, olmo_tasks, limit=limit, max_length=context, batch_rows=olmo_batch_rows)
+            ob = olmo_tasks_report(mb, olmo_tasks, limit=limit, max_length=context, batch_rows=olmo_batch_rows)
             for label in oe_tasks.resolve(olmo_tasks):
                 for metric in dict.fromkeys((icl_metrics.primary(oe_tasks.TASKS[label].metric_type), "bpb_v2")):
                     k = f"downstream/{label}/{metric}"
@@ -604,11 +604,31 @@ def main(argv):
             raise app.UsageError(f"--tasks: {path!r} is not a file; give JSONL files of {{context, choices, gold}} "
                                  "lines")
 
-    if F.chat is None and not F.chat_file:   # these shape a chat answer only; elsewhere they would do nothing
-        for name in ("chat_template", "chat_think", "max_new_tokens", "temperature", "top_p", "sample_seed"):
-            if F[name].present:
-                raise app.UsageError(f"--{name} applies to --chat / --chat_file only; add one of them, or drop "
-                                     f"--{name}")
+    # Flags that shape one part of an evaluation are refused where that part does not run: each
+    # was ignored without a word.
+    if F.chat is None and not F.chat_file:
+        cli.refuse_given(("chat_template", "chat_think", "max_new_tokens", "temperature", "top_p", "sample_seed"),
+                         "applies to --chat / --chat_file only; add one of them, or drop {flag}")
+    for names, applies, reason in (
+            (("steps", "train_loss_window", "tol", "z"), F.compare,
+             "applies only with --compare=A,B (two runs, step by step); add it, or drop {flag}"),
+            (("kl_instances",), F.compare or F.model_b,
+             "applies only with --model_b or --compare (the KL between two models); drop {flag}, or add one"),
+            (("num_fewshot",), F.tasks or F.lm_eval_tasks,
+             "applies only with --tasks or --lm_eval_tasks (an --olmo_tasks label names its own shots, e.g. "
+             "arc_easy_rc_5shot); drop {flag}, or add one"),
+            (("limit",), F.tasks or F.olmo_tasks or F.lm_eval_tasks or F.chat_file,
+             "applies only with --tasks, --olmo_tasks, --lm_eval_tasks or --chat_file; drop {flag}, or add one"),
+            (("olmo_batch_rows",), F.olmo_tasks, "applies only with --olmo_tasks; add it, or drop {flag}"),
+            (("lm_eval_include",), F.lm_eval_tasks, "applies only with --lm_eval_tasks; add it, or drop {flag}"),
+            (("data_root",), F.data_mix, "applies only with --data_mix (the root URL of its files); add it, or "
+             "drop {flag}"),
+            (("heldout",), not F.data_mix, "is replaced by --data_mix's held-out domains; give one of the two"),
+            (("eval_data_dir",), not F.data_mix and "=" not in F.heldout,
+             "applies only where --heldout names a corpus to prepare (not domain=file lists, not --data_mix); "
+             "drop {flag}")):
+        if not applies:
+            cli.refuse_given(names, reason)
 
     def sets_fn(config, padded=bool(F.eval_padded)):
         return heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size, padded=padded, data_dir=F.eval_data_dir,
@@ -616,14 +636,14 @@ def main(argv):
     if F.compare:
         if len(F.compare) != 2:
             raise app.UsageError(f"--compare={','.join(F.compare)}: give exactly two run directories A,B")
-        for name in ("model", "model_b", "model_step", "yarn", "position_buckets", "chat", "chat_file",
-                     "lm_eval_tasks"):
-            if F[name].present:
-                raise app.UsageError(f"--{name} does not apply with --compare (run directories A,B, step by "
-                                     "step); evaluate one model, or two with --model_b, without --compare")
+        cli.refuse_given(("model", "model_b", "model_step", "yarn", "yarn_factor", "yarn_original_max_position",
+                          "position_buckets", "chat", "chat_file", "lm_eval_tasks"),
+                         "does not apply with --compare (run directories A,B, step by step); evaluate one model, "
+                         "or two with --model_b, without --compare")
         r = compare_runs(*F.compare, sets_fn=sets_fn, tasks=F.tasks, steps=F.steps,
                          train_loss_window=F.train_loss_window, tol=F.tol, z=F.z, kl_instances=F.kl_instances,
-                         olmo_tasks=F.olmo_tasks, max_length=F.max_length, doc_lengths=F.doc_lengths,
+                         olmo_tasks=F.olmo_tasks, olmo_batch_rows=F.olmo_batch_rows, max_length=F.max_length,
+                         doc_lengths=F.doc_lengths,
                          batch_size=F.eval_batch_size, max_batches=F.max_eval_batches, num_fewshot=F.num_fewshot,
                          limit=F.limit, out_dir=F.out or "eval_report", compute_dtype=F.compute_dtype,
                          attention=F.attention, float8=F.float8)
@@ -649,11 +669,11 @@ def main(argv):
         raise app.UsageError("--chat takes one non-empty user message" + (", and not with --chat_file (one or the "
                              "other)" if F.chat_file else ""))
     if F.chat is not None or F.chat_file:   # chat answers and returns: an evaluation asked beside it would not run
-        for name in ("model_b", "tasks", "olmo_tasks", "lm_eval_tasks", "position_buckets", "heldout", "data_mix",
-                     "eval_seq_len", "max_eval_batches", "doc_lengths"):
-            if F[name].present:
-                raise app.UsageError(f"--{name} does not apply with --{'chat' if F.chat is not None else 'chat_file'} "
-                                     "(chat only answers); run the evaluation without the chat flags")
+        cli.refuse_given(("model_b", "tasks", "olmo_tasks", "lm_eval_tasks", "position_buckets", "heldout",
+                          "data_mix", "eval_data_dir", "eval_seq_len", "eval_batch_size", "max_eval_batches",
+                          "eval_padded", "doc_lengths"),
+                         f"does not apply with --{'chat' if F.chat is not None else 'chat_file'} (chat only "
+                         "answers); run the evaluation without the chat flags")
     if F.chat_file and not os.path.isfile(F.chat_file):
         raise FileNotFoundError(f"--chat_file={F.chat_file!r} is not a file; pass a JSONL of {{\"messages\": [...]}} lines")
     if F.position_buckets:  # a bad flag stops before any work

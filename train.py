@@ -740,13 +740,19 @@ def check_flags():
                              f"sets); --stage={F.stage} scores its held-out "
                              + ("chats packed, on their label masks" if F.stage == "sft" else "preference pairs")
                              + ": drop --eval_padded")
-    for name, stage in (("sft_heldout", "sft"), ("dpo_heldout", "dpo"), ("reference_cache", "dpo")):
-        if getattr(F, name) and F.stage != stage:   # it was ignored
-            raise app.UsageError(f"--{name} applies to --stage={stage} only, and this run is --stage={F.stage}: "
-                                 f"drop --{name}")
-    if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks):
-        raise app.UsageError("--source_group_size, --source_permutation_seed and --label_masks only apply "
-                             "with --packed")
+    for names, stage in ((("sft_heldout",), "sft"),
+                         (("dpo_heldout", "reference_cache", "dpo_loss", "dpo_beta"), "dpo")):
+        if F.stage != stage:   # each was ignored
+            cli.refuse_given(names, f"applies to --stage={stage} only, and this run is --stage={F.stage}: drop {{flag}}")
+    if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks
+                         or F.packing_cache is not None):
+        raise app.UsageError("--source_group_size, --source_permutation_seed, --label_masks and --packing_cache only "
+                             "apply with --packed")
+    for name, given, needs in (("init_weights_only", F.init_weights_only, "init_from"),
+                               ("downstream_limit", F.downstream_limit is not None, "downstream_tasks"),
+                               ("downstream_batch", F.downstream_batch is not None, "downstream_tasks")):
+        if given and not F[needs].value:   # it was ignored
+            raise app.UsageError(f"--{name} applies only with --{needs}; add it, or drop --{name}")
     if F.stage == "3" and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
 

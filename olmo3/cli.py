@@ -122,6 +122,15 @@ def require(rules: list[tuple[str, Callable[[Any], bool], str]]) -> None:
         flags.register_validator(name, ok, message=f"--{name} must be {want}")
 
 
+def refuse_given(names: Iterable[str], reason: str) -> None:
+    """Flags a command would ignore, here: the first of `names` given (on the command line or in
+    a flagfile) ends it with '--name <reason>' (exit 2), `{flag}` in `reason` spelling the flag.
+    A flag that did nothing is worse than an error: the user believes it took effect."""
+    for name in names:
+        if flags.FLAGS[name].present:
+            raise app.UsageError(f"--{name} " + reason.replace("{flag}", f"--{name}"))
+
+
 def check_model(attention_impl: str, max_positions: int, seq_len: int, platform: str) -> None:
     """The model flags train.py and bench.py check once the config and the devices are known: the
     attention kernel (Config.attention) runs on `platform` with the Splash tile flags given

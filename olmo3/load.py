@@ -33,6 +33,9 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
         raise ValueError(f"{path} is an OLMo-core checkpoint; convert it first: python convert.py "
                          f"--from=olmo-core:{path} --to=orbax:<new run dir>, then give that run")
     if hf.is_hf_dir(path):
+        if step is not None:   # it was ignored: the directory's one model was loaded
+            raise ValueError(f"{path} is a Hugging Face directory, which holds one model; a step (eval.py "
+                             f"--model_step={step}) picks a checkpoint of an Orbax run: drop it")
         config = hf.read_hf_config(path, **overrides)
         model = hf.from_hf(hf.SafetensorsReader(path), config)
         return model, {"kind": "hf", "path": path, "step": None, "config": config, "seq_len": None,

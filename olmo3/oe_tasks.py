@@ -162,6 +162,8 @@ def resolve(labels: Sequence[str], flag: str = "--olmo_tasks") -> list[str]:
         elif name:
             raise ValueError(f"{flag}: unknown task {name!r}; use OLMo-core's labels, e.g. arc_easy_rc_5shot, "
                              f"codex_humaneval_gold_bpb_3shot, or a group: {', '.join(GROUPS)}")
+    if labels and not out:   # --olmo_tasks=, : an evaluation of nothing, said nowhere
+        raise ValueError(f"{flag}={','.join(labels)} names no task; give OLMo-core labels, e.g. arc_easy_rc_5shot")
     return list(dict.fromkeys(out))
 
 
