@@ -192,6 +192,9 @@ def read_hf_config(path: str, **overrides) -> Config:
     except FileNotFoundError:
         raise FileNotFoundError(f"{cfg_path!r} not found: expected an HF model directory "
                                 "(config.json + *.safetensors)") from None
+    except NotADirectoryError:   # a file given for the directory ("Not a directory: <file>/config.json")
+        raise NotADirectoryError(f"{path!r} is a file: expected an HF model directory (config.json + "
+                                 "*.safetensors)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path!r} is not valid JSON ({e}); download or convert the model again") from None
     if not isinstance(raw, dict):

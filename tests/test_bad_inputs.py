@@ -286,6 +286,9 @@ def _cases(w):
         ("convert_max_kl_without_verify", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}",
                                                          "--max_kl=0.5"], 2,
          "--max_kl applies only with --verify; add --verify, or drop --max_kl"),
+        # errno's "Not a directory: <file>/config.json", a path the user never typed.
+        ("convert_from_hf_a_file", "convert.py", [f"--from=hf:{w / 'bad.flags'}", f"--to=orbax:{w / 'out'}"], 2,
+         f"'{w / 'bad.flags'}' is a file: expected an HF model directory"),
         # Written as a checkpoint label that no run could resume.
         ("convert_step_past_int32", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'out'}",
                                                    "--step=10000000000000000000000000"], 2,
