@@ -160,7 +160,7 @@ def test_eval_attention_flag_scores_as_xla(tmp_path):
     for kernel in ("xla", "splash"):
         out = tmp_path / kernel
         p = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), f"--model={tmp_path / 'hf'}",
-                            f"--heldout=docs={path}", f"--eval_data_dir={tmp_path / 'data'}", "--eval_seq_len=32",
+                            f"--heldout=docs={path}", "--eval_seq_len=32",
                             "--eval_batch_size=2", "--max_eval_batches=1", f"--attention={kernel}", f"--out={out}"],
                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
         assert p.returncode == 0, p.stderr[-3000:]
