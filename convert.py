@@ -685,8 +685,7 @@ def _source_config(kind: str, path: str) -> "olmo3.Config | None":
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    cli.refuse_positional(argv)
     from olmo3 import logs
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     (src_kind, src), (dst_kind, dst) = _parse(F["from"].value, "from"), _parse(F.to, "to")

@@ -580,8 +580,7 @@ def chat_report(model, max_length: int) -> None:
 # §5 Main: one model, two models, or two runs.
 # ---------------------------------------------------------------------------------------------
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    cli.refuse_positional(argv)
     # One process: under srun / mpirun with N > 1 tasks every copy would do the same work.
     from olmo3 import cluster, logs
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's; before JAX starts

@@ -212,8 +212,7 @@ cli.require([
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unknown arguments {argv[1:]}; every setting is a --flag")
+    cli.refuse_positional(argv)
     if F.resume_until_done:
         import random
 

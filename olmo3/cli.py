@@ -246,9 +246,23 @@ def _verbose() -> bool:
         return False
 
 
-def _undecodable_flagfile(argv: list[str]) -> str:
-    """The first flagfile named in `argv`, or in a flagfile it names, that is not UTF-8 text ('' if
-    none is)."""
+def refuse_positional(argv: list[str]) -> None:
+    """Every setting is a --flag: a word left over after parsing ends the command (exit 2). When it
+    is a line of a flagfile (`lr=3e-4`, or a first line behind a byte-order mark, which absl keeps),
+    the line names that file and what is wrong with the line."""
+    if len(argv) <= 1:
+        return
+    arg = argv[1]
+    held = next((name for name, lines in _flagfiles(sys.argv) if lines and arg in lines), None)
+    fix = ("it begins with a byte-order mark: save the file as UTF-8 without BOM" if arg.startswith("\ufeff")
+           else "write each setting as --name=value" if held else "every setting is a --flag")
+    where = f", a line of --flagfile={held!r}" if held else ""
+    raise app.UsageError(f"Unknown arguments {argv[1:]}{where}; {fix}")
+
+
+def _flagfiles(argv: list[str]) -> Iterator[tuple[str, list[str] | None]]:
+    """Each flagfile named in `argv`, or in a flagfile it names, once, with its stripped lines
+    (None: not UTF-8 text); one that cannot be opened is left out."""
     names, seen = _flagfile_names(argv), set()
     while names:
         name = names.pop(0)
@@ -257,12 +271,20 @@ def _undecodable_flagfile(argv: list[str]) -> str:
         seen.add(name)
         try:
             with open(name, encoding="utf-8") as f:
-                names += _flagfile_names(line.strip() for line in f)
+                lines = [line.strip() for line in f]
         except UnicodeDecodeError:
-            return name
+            yield name, None
+            continue
         except OSError:
             continue
-    return ""
+        names += _flagfile_names(lines)
+        yield name, lines
+
+
+def _undecodable_flagfile(argv: list[str]) -> str:
+    """The first flagfile named in `argv`, or in a flagfile it names, that is not UTF-8 text ('' if
+    none is)."""
+    return next((name for name, lines in _flagfiles(argv) if lines is None), "")
 
 
 def _flagfile_names(args: Iterable[str]) -> list[str]:

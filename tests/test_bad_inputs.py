@@ -95,6 +95,8 @@ def world(tmp_path_factory):
     (w / "bad.flags").write_text("--lr=nan\n")
     (w / "binary.flags").write_bytes(bytes(range(128, 256)))   # a file that is no text (a checkpoint's, say)
     (w / "nested.flags").write_text(f"--max_steps=2\n--flagfile={w / 'binary.flags'}\n")
+    (w / "dashless.flags").write_text("# a setting written as in a config file\nlr=3e-4\n")
+    (w / "bom.flags").write_bytes("\ufeff--max_steps=2\n".encode())   # saved by an editor as "UTF-8 with BOM"
     os.makedirs(w / "ckfile")
     (w / "ckfile" / "checkpoints").write_text("")
     (w / "empty.jsonl").write_text("")
@@ -133,6 +135,13 @@ def _cases(w):
         # A UnicodeDecodeError traceback from absl (exit 1), naming no file.
         ("flagfile_binary_inside_a_flagfile", "train.py", [f"--flagfile={w / 'nested.flags'}"], 2,
          f"--flagfile='{w / 'binary.flags'}' is not UTF-8 text (invalid start byte at byte 0); give a text file"),
+        # "Unknown arguments [...]; every setting is a --flag": no file named, no fix for the line.
+        ("flagfile_line_without_dashes", "train.py", [f"--flagfile={w / 'dashless.flags'}", *T, f"--run_dir={new}"],
+         2, f"Unknown arguments ['lr=3e-4'], a line of --flagfile='{w / 'dashless.flags'}'; write each setting as "
+            "--name=value"),
+        ("flagfile_with_a_bom", "eval.py", [f"--flagfile={w / 'bom.flags'}"], 2,
+         f", a line of --flagfile='{w / 'bom.flags'}'; it begins with a byte-order mark: save the file as UTF-8 "
+         "without BOM"),
         ("flagfile_binary_convert", "convert.py", [f"--flagfile={w / 'binary.flags'}"], 2,
          f"--flagfile='{w / 'binary.flags'}' is not UTF-8 text"),
         # Past int32: an OverflowError traceback at the first step, a run directory left behind.
