@@ -424,7 +424,8 @@ def check_same_architecture(run_a: str, run_b: str, step_a: int, step_b: int):
 def compare_runs(run_a: str, run_b: str, *, sets_fn, tasks=(), steps=None, train_loss_window=20, tol=0.0,
                  z=comparison.Z, kl_instances=8, batch_size=8, max_batches=4, num_fewshot=0, limit=None,
                  tokenizer=None, out_dir=None, compute_dtype="float32", attention="xla", olmo_tasks=(),
-                 olmo_batch_rows=8, max_length: Optional[int] = None, doc_lengths: Optional[bool] = None, float8: bool = False) -> dict:
+                 olmo_batch_rows=8, max_length: Optional[int] = None, doc_lengths: Optional[bool] = None,
+                 float8: bool = False) -> dict:
     """Rows per common step, the overall verdict, and the report paths. `sets_fn(config)` gives
     the held-out sets (built once, identical for both runs).
 
