@@ -685,7 +685,7 @@ def _source_config(kind: str, path: str) -> "olmo3.Config | None":
 
 
 def main(argv):
-    cli.refuse_positional(argv)
+    del argv   # cli.run refused any positional argument
     from olmo3 import logs
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's
     (src_kind, src), (dst_kind, dst) = _parse(F["from"].value, "from"), _parse(F.to, "to")

@@ -581,7 +581,7 @@ def chat_report(model, max_length: int) -> None:
 # §5 Main: one model, two models, or two runs.
 # ---------------------------------------------------------------------------------------------
 def main(argv):
-    cli.refuse_positional(argv)
+    del argv   # cli.run refused any positional argument
     # One process: under srun / mpirun with N > 1 tasks every copy would do the same work.
     from olmo3 import cluster, logs
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for Orbax's and JAX's; before JAX starts

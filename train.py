@@ -212,7 +212,7 @@ cli.require([
 
 
 def main(argv):
-    cli.refuse_positional(argv)
+    del argv   # cli.run refused any positional argument
     if F.resume_until_done:
         import random
 

@@ -247,9 +247,9 @@ def _verbose() -> bool:
 
 
 def refuse_positional(argv: list[str]) -> None:
-    """Every setting is a --flag: a word left over after parsing ends the command (exit 2). When it
-    is a line of a flagfile (`lr=3e-4`, or a first line behind a byte-order mark, which absl keeps),
-    the line names that file and what is wrong with the line."""
+    """Every setting is a --flag: a word left over after parsing ends the command (exit 2; `run`
+    checks it before `main`). When it is a line of a flagfile (`lr=3e-4`, or a first line behind
+    a byte-order mark, which absl keeps), the line names that file and what is wrong with the line."""
     if len(argv) <= 1:
         return
     arg = argv[1]
@@ -300,7 +300,8 @@ def _flagfile_names(args: Iterable[str]) -> list[str]:
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-    """`absl.app.run(main)`, with flag-parsing errors and the errors above ending as one line."""
+    """`absl.app.run(main)`, with flag-parsing errors and the errors above ending as one line; a
+    positional argument is one of them (`refuse_positional`)."""
     prog = os.path.basename(sys.argv[0])
 
     def parse(argv: list[str]) -> list[str]:
@@ -320,6 +321,7 @@ def run(main: Callable[[list[str]], None]) -> None:
 
     def guarded(argv: list[str]) -> None:
         try:
+            refuse_positional(argv)   # no script takes one: `python -m data.prepare corpus/` ignored corpus/
             main(argv)
         except SystemExit:
             raise

@@ -410,7 +410,9 @@ def test_cli_matches_library(tmp_path):
     (["--source=SRC_FILE"], "is a file; pass a directory"),
     (["--out_dir=SRC_FILE"], "is a file; give a directory"),
     (["--out_dir=MINE", "--source=stdlib-docs"], "holds ['notes.txt']; a prepared corpus is written into a new"),
-    (["--out_dir=THEIRS", "--source=stdlib-docs"], "holds a manifest.json that is not a prepared corpus's")])
+    (["--out_dir=THEIRS", "--source=stdlib-docs"], "holds a manifest.json that is not a prepared corpus's"),
+    (["SRC_FILE"], "Unknown arguments ["),   # the corpus as a positional argument was ignored: stdlib was prepared
+])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, says):
     """Bad values, and an --out_dir of someone's other files (their manifest.json was overwritten)."""
     (tmp_path / "f.txt").write_text("a file")
