@@ -623,6 +623,11 @@ def main(argv):
             (("lm_eval_include",), F.lm_eval_tasks, "applies only with --lm_eval_tasks; add it, or drop {flag}"),
             (("data_root",), F.data_mix, "applies only with --data_mix (the root URL of its files); add it, or "
              "drop {flag}"),
+            (("max_length",), F.tasks or F.olmo_tasks or F.lm_eval_tasks or F.chat is not None or F.chat_file,
+             "applies only to what the scorer feeds the model (--tasks, --olmo_tasks, --lm_eval_tasks, --chat, "
+             "--chat_file); held-out instances are --eval_seq_len long: drop {flag}"),
+            (("eval_padded",), not F.position_buckets,
+             "does not apply with --position_buckets, which always scores padded documents: drop {flag}"),
             (("heldout",), not F.data_mix, "is replaced by --data_mix's held-out domains; give one of the two"),
             (("eval_data_dir",), not F.data_mix and "=" not in F.heldout,
              "applies only where --heldout names a corpus to prepare (not domain=file lists, not --data_mix); "

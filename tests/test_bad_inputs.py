@@ -315,6 +315,8 @@ def _cases(w):
          "--num_fewshot applies only with --tasks or --lm_eval_tasks (an --olmo_tasks label names its own shots"),
         ("eval_kl_instances_without_model_b", "eval.py", [f"--model={w / 'run'}", "--kl_instances=16"], 2,
          "--kl_instances applies only with --model_b or --compare"),
+        ("eval_max_length_without_tasks", "eval.py", [f"--model={w / 'run'}", "--max_length=64"], 2,
+         "--max_length applies only to what the scorer feeds the model"),
         ("eval_data_root_without_data_mix", "eval.py", [f"--model={w / 'run'}", "--data_root=http://mirror"], 2,
          "--data_root applies only with --data_mix"),
         ("eval_yarn_factor_with_compare", "eval.py", [f"--compare={w / 'run'},{w / 'run'}", "--yarn_factor=4"], 2,
