@@ -742,12 +742,14 @@ def check_flags():
     for names, stage in ((("sft_heldout",), "sft"),
                          (("dpo_heldout", "reference_cache", "dpo_loss", "dpo_beta"), "dpo")):
         if F.stage != stage:   # each was ignored
-            cli.refuse_given(names, f"applies to --stage={stage} only, and this run is --stage={F.stage}: drop {{flag}}")
+            cli.refuse_given(names, f"applies to --stage={stage} only, and this run is --stage={F.stage}: "
+                                    "drop {flag}")
     if not F.packed and (F.source_group_size != 1 or F.source_permutation_seed is not None or F.label_masks
                          or F.packing_cache is not None):
         raise app.UsageError("--source_group_size, --source_permutation_seed, --label_masks and --packing_cache only "
                              "apply with --packed")
     for name, given, needs in (("init_weights_only", F.init_weights_only, "init_from"),
+                               ("allow_data_change", F.allow_data_change, "resume"),   # a fresh run: no data to change
                                ("downstream_limit", F.downstream_limit is not None, "downstream_tasks"),
                                ("downstream_batch", F.downstream_batch is not None, "downstream_tasks")):
         if given and not F[needs].value:   # it was ignored

@@ -330,6 +330,8 @@ def _cases(w):
          "--dpo_beta applies to --stage=dpo only, and this run is --stage=1: drop --dpo_beta"),
         ("init_weights_only_without_init_from", "train.py", [*T, "--stage=2", f"--run_dir={new}", "--init_weights_only"],
          2, "--init_weights_only applies only with --init_from; add it, or drop --init_weights_only"),
+        ("allow_data_change_without_resume", "train.py", [*T, f"--run_dir={new}", "--allow_data_change"], 2,
+         "--allow_data_change applies only with --resume; add it, or drop --allow_data_change"),
         ("packing_cache_without_packed", "train.py", [*T, f"--run_dir={new}", f"--packing_cache={w / 'cache'}"], 2,
          "--packing_cache only apply with --packed"),
         ("convert_step_negative", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'out'}", "--step=-1"], 2,
