@@ -710,17 +710,16 @@ def main(argv):
                          (("pad_seed",), "pad_vocab")):   # each was ignored without it
         if not F[needs].value:
             cli.refuse_given(names, f"applies only with --{needs}; add --{needs}, or drop {{flag}}")
-    if src_kind == "orbax":   # both were ignored: --step=2 of a run converted its newest step
-        for name, hint in (("step", "; to convert step N of a run, give --from=orbax:<run>/checkpoints/N"),
-                           ("param_dtype", "")):
-            cli.refuse_given((name,), "applies to the checkpoint written on the Orbax side (--to=orbax:), not to "
+    if src_kind == "orbax":   # each was ignored: --step=2 of a run converted its newest step
+        for names, hint in ((("step",), "; to convert step N of a run, give --from=orbax:<run>/checkpoints/N"),
+                            (("param_dtype", "with_optimizer_state", "pad_vocab"), "")):
+            cli.refuse_given(names, "applies to the checkpoint written on the Orbax side (--to=orbax:), not to "
                              f"--from=orbax:{hint}")
-    if dst_kind == "orbax" and F["hf_dtype"].present:
-        raise app.UsageError("--hf_dtype only applies to --to=hf:")
+    if dst_kind != "hf":   # each was ignored
+        cli.refuse_given(("hf_dtype", "hf_vocab_size", "shard_gb"), "only applies to --to=hf:")
     t0 = time.time()
     if "olmo-core" in (src_kind, dst_kind):  # §4
-        cli.refuse_given(("verify", "pad_vocab", "hf_vocab_size", "hf_dtype"),
-                         "applies to hf: conversions, not olmo-core:")
+        cli.refuse_given(("verify", "pad_vocab"), "applies to hf: conversions, not olmo-core:")
         if src_kind == "olmo-core":
             config = olmo_core_to_orbax(src, dst, step=F.step if F["step"].present else None,
                                         param_dtype=F.param_dtype or "float32",
@@ -734,16 +733,11 @@ def main(argv):
                   f"load_optim_state=True (the model and optimizer state; {dst} itself holds no trainer state)")
         return
     if src_kind == "hf":
-        if F.hf_vocab_size is not None:
-            raise app.UsageError("--hf_vocab_size only applies to --to=hf:")
         config = hf_to_orbax(src, dst, step=F.step, param_dtype=F.param_dtype or "float32",
                              with_optimizer_state=F.with_optimizer_state, pad_vocab=F.pad_vocab,
                              pad_seed=F.pad_seed)
         hf_dir, orbax_dir = src, dst
     else:
-        for name in ("with_optimizer_state", "pad_vocab"):
-            if F[name].value:
-                raise app.UsageError(f"--{name} only applies to --to=orbax:")
         config = orbax_to_hf(src, dst, hf_dtype=F.hf_dtype, shard_gb=F.shard_gb, hf_vocab_size=F.hf_vocab_size)
         hf_dir, orbax_dir = dst, src
     peak_gb = _peak_rss_gb()

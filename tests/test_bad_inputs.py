@@ -358,6 +358,11 @@ def _cases(w):
         ("convert_step_from_orbax", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}", "--step=2"], 2,
          "--step applies to the checkpoint written on the Orbax side (--to=orbax:), not to --from=orbax:; to convert "
          "step N of a run, give --from=orbax:<run>/checkpoints/N"),
+        ("convert_shard_gb_to_orbax", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'out'}",
+                                                    "--shard_gb=1"], 2, "--shard_gb only applies to --to=hf:"),
+        ("convert_with_optimizer_state_from_orbax", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}",
+                                                                   "--nowith_optimizer_state"], 2,
+         "--with_optimizer_state applies to the checkpoint written on the Orbax side (--to=orbax:)"),
         ("convert_hf_dtype_to_orbax", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'out'}",
                                                      "--hf_dtype=bfloat16"], 2, "--hf_dtype only applies to --to=hf:"),
         ("convert_damaged_checkpoint", "convert.py", [f"--from=orbax:{w / 'damaged'}", f"--to=hf:{w / 'out'}"], 2,
