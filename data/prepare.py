@@ -356,6 +356,9 @@ def prepare(
         raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction}")
     workers = (os.cpu_count() or 1) if workers is None else workers
     sources = corpus_lib.parse_mixture(source)
+    if mixture_tokens is not None and len(sources) == 1:   # it was ignored: the whole source was written
+        raise ValueError(f"mixture_tokens={mixture_tokens:,} (--mixture_tokens) sizes a mixture of sources "
+                         f"('a:w,b:w'); {source!r} is one source: drop it, or name the sources to mix")
     if os.path.isfile(out_dir):
         raise ValueError(f"out_dir {out_dir!r} is a file; give a directory for the token files")
     _require_ours(out_dir)
@@ -571,7 +574,11 @@ def main(argv):
     del argv
     f = flags.FLAGS
     t0 = time.perf_counter()
-    if f.verify:
+    if f.verify:   # the build is checked as it was made: these would shape a new one
+        from olmo3 import cli
+        cli.refuse_given(("source", "workers", "max_tokens_per_file", "heldout_fraction", "mixture_tokens"),
+                         "does not apply with --verify, which checks the existing build in --out_dir against its "
+                         "manifest: drop {flag}")
         manifest = verify(f.out_dir)
     else:
         manifest = prepare(f.source, f.out_dir, workers=f.workers, max_tokens_per_file=f.max_tokens_per_file,

@@ -411,6 +411,9 @@ def test_cli_matches_library(tmp_path):
     (["--out_dir=SRC_FILE"], "is a file; give a directory"),
     (["--out_dir=MINE", "--source=stdlib-docs"], "holds ['notes.txt']; a prepared corpus is written into a new"),
     (["--out_dir=THEIRS", "--source=stdlib-docs"], "holds a manifest.json that is not a prepared corpus's"),
+    (["--mixture_tokens=1000", "--source=stdlib-docs"], "sizes a mixture of sources ('a:w,b:w'); 'stdlib-docs' is "
+                                                           "one source"),   # ignored: the whole source was written
+    (["--verify", "--workers=1"], "--workers does not apply with --verify"),   # ignored
     (["SRC_FILE"], "Unknown arguments ["),   # the corpus as a positional argument was ignored: stdlib was prepared
 ])
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, says):
