@@ -122,6 +122,12 @@ def check_messages(messages, template: str = INSTRUCT, field: str = "messages") 
             raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
 
 
+def answer_only(messages: Sequence[dict]) -> bool:
+    """No turn before the answer (`check_messages`' messages): only assistant turns, which
+    open-instruct's masking leaves wholly trained, the template's default system turn with them."""
+    return all(m["role"] == "assistant" for m in messages)
+
+
 def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
     """parse(row) of every non-empty line of a JSONL file. A bad line (not JSON, or `parse` raises
     ValueError) becomes one ValueError naming `path:line`, the problem and `what` a line must hold."""
@@ -150,12 +156,14 @@ def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
 
 def check_prepare_paths(input_path: str, out_dir: str, max_seq_length: int | None, what: str) -> None:
     """The checks python -m data.prepare_sft / prepare_dpo make before reading anything: --input a
-    JSONL file, --out_dir new (or empty) and creatable, --max_seq_length positive. ValueError /
+    JSONL file (or a pipe), --out_dir new (or empty) and creatable, --max_seq_length positive. ValueError /
     FileExistsError naming the flag and the fix (exit status 2)."""
     if os.path.isdir(input_path):
         raise ValueError(f"--input={input_path!r} is a directory; pass a JSONL file ({what})")
-    if not os.path.isfile(input_path):
+    if not os.path.exists(input_path):   # a pipe is read as a file (--input=<(zcat chats.jsonl.gz))
         raise FileNotFoundError(f"--input={input_path!r} does not exist; pass a JSONL file ({what})")
+    if not out_dir:   # it named the current directory
+        raise ValueError("--out_dir is empty; give a new directory")
     if max_seq_length is not None and max_seq_length < 1:
         raise ValueError(f"--max_seq_length={max_seq_length} must be positive")
     out = os.path.abspath(out_dir)

@@ -39,6 +39,12 @@ def read_pairs(path: str, template: str = chat.INSTRUCT) -> list[tuple[list[dict
             chat.check_messages(row[side], template, side)
             if row[side][-1]["role"] != "assistant":
                 raise ValueError(f"the last {side} message must be the assistant's response")
+        if isinstance(row.get("prompt"), list) and any(chat.answer_only(row[s]) for s in ("chosen", "rejected")):
+            # TRL's explicit-prompt format: read as it stands, the prompt was dropped and each side
+            # trained whole (the template's system turn included), with exit status 0.
+            raise ValueError('"prompt" holds the prompt turns and a side only its answer (TRL\'s explicit-prompt '
+                             'format); write each side as the whole conversation, the prompt turns then the answer '
+                             '(open-instruct\'s format)')
         return row["chosen"], row["rejected"]
     return chat.read_jsonl(path, parse, 'one preference pair per line, '
                                         '{"chosen": [{"role", "content"}, ...], "rejected": [...]}')
@@ -56,6 +62,11 @@ def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, ma
                         input_path, len(same), same[0] + 1)
     def prompt(messages):   # what the templates render of the turns before the answer (other keys: ids, ...)
         return [{k: m.get(k) for k in ("role", "content", "functions", "function_calls")} for m in messages[:-1]]
+    bare = [i for i, (c, r) in enumerate(rows) if chat.answer_only(c) or chat.answer_only(r)]
+    if bare:   # kept, as open-instruct keeps them: nothing is masked, so every token of the side trains
+        logging.warning("%s: %d pair(s) have a side with no turn before its answer (first: pair %d); all of that "
+                        "side is trained, the template's system turn included (open-instruct's masking)",
+                        input_path, len(bare), bare[0] + 1)
     other = [i for i, (c, r) in enumerate(rows) if prompt(c) != prompt(r)]
     if other:   # the loss compares two answers to one prompt; a misaligned join of two files does this
         logging.warning("%s: %d pair(s) have different prompts (the messages before the final answer) on the "

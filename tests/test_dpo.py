@@ -433,6 +433,32 @@ def test_prepare_dpo_warns_of_pairs_that_train_nothing(tmp_path, caplog):
     assert m["pairs"] == 4 and "1 pair(s) have the same chosen and rejected messages (first: pair 2)" in caplog.text
     assert "1 pair(s) have different prompts (the messages before the final answer) on the chosen and rejected " \
            "sides (first: pair 3)" in caplog.text
+    assert "have a side with no turn before its answer" not in caplog.text
+
+
+def test_prepare_dpo_says_when_a_side_is_its_answer_alone(tmp_path, caplog):
+    """A side of only the answer is trained whole, the template's system turn included (open-instruct
+    masks no turn: there is none): kept and said. With a "prompt" list beside it, the line is TRL's
+    explicit-prompt format, whose prompt was dropped without a word: refused, naming the line."""
+    import json
+
+    from data import chat
+    from data.prepare_dpo import prepare_dpo
+    user, good, bad = ({"role": "user", "content": "q"}, {"role": "assistant", "content": "good answer"},
+                       {"role": "assistant", "content": "bad"})
+    (tmp_path / "bare.jsonl").write_text(json.dumps({"chosen": [user, good], "rejected": [user, bad]}) + "\n"
+                                         + json.dumps({"chosen": [good], "rejected": [bad]}) + "\n")
+    with caplog.at_level("WARNING"):
+        prepare_dpo(str(tmp_path / "bare.jsonl"), str(tmp_path / "out"), "olmo", max_seq_length=256)
+    assert "1 pair(s) have a side with no turn before its answer (first: pair 2)" in caplog.text
+    ds = PairDataset(tmp_path / "out", seq_len=256)
+    n = len(chat.encode([good], "olmo"))
+    assert ds[1]["label_mask"][0, :n].all()   # the whole side, system turn and all
+    (tmp_path / "trl.jsonl").write_text(json.dumps({"prompt": [user], "chosen": [good], "rejected": [bad]}) + "\n")
+    with pytest.raises(ValueError, match=r"trl.jsonl:1: \"prompt\" holds the prompt turns and a side only its answer "
+                                         r"\(TRL's explicit-prompt format\); write each side as the whole conversation"):
+        prepare_dpo(str(tmp_path / "trl.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=256)
+    assert not (tmp_path / "out2").exists()
 
 
 def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path):

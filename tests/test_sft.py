@@ -184,6 +184,24 @@ def test_prepare_sft_bad_input_names_file_and_line(tmp_path, line, why):
     assert not (tmp_path / "out").exists() and [n for n in os.listdir(tmp_path) if n.startswith(".tmp")] == []
 
 
+def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_path):
+    """--input may be a pipe (`--input=<(zcat chats.jsonl.gz)`; it was "does not exist"). A
+    conversation of only the answer is kept, trained whole as open-instruct's masking trains it,
+    and said; an empty --out_dir is refused (it named the current directory)."""
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            {"messages": [{"role": "assistant", "content": "b"}]}]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "data.prepare_sft", "--input=/dev/stdin"]
+    p = subprocess.run([*cmd, f"--out_dir={tmp_path / 'out'}"], input="".join(json.dumps(r) + "\n" for r in rows),
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "1 conversation(s) have no turn before the answer (first: conversation 2)" in p.stderr
+    assert json.loads((tmp_path / "out" / prepare_sft.MANIFEST).read_text())["conversations"] == 2
+    p = subprocess.run([*cmd, "--out_dir="], input="", capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith("--out_dir is empty; give a new directory")
+
+
 def chats(n, seed=0):
     rng = np.random.default_rng(seed)
     words = [f"w{i}" for i in range(50)]
