@@ -23,7 +23,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from absl import flags
+from absl import app, flags
 
 from olmo3 import cli, splash
 
@@ -128,6 +128,16 @@ def interpret_timing(seq: int, window: int, block: int, repeats: int) -> None:
 
 def main(argv):
     del argv
+    # The kernel tiles the sequence: a block that does not divide it has no tile count (it was a
+    # ZeroDivisionError traceback for a block past the sequence).
+    for flag, seq, blocks in (("block", FLAGS.seq, FLAGS.block),
+                              ("time_block", FLAGS.time_seq, [FLAGS.time_block] if FLAGS.time_seq else [])):
+        for b in blocks:
+            if seq % b:
+                raise app.UsageError(f"--{flag}={b} does not divide the sequence ({seq}); give a block size that does")
+    if not FLAGS.time_seq:   # each was ignored
+        cli.refuse_given(("time_window", "time_block", "repeats"),
+                         "applies to the interpret timing, which --time_seq=0 skips: drop {flag}")
     flop_report(FLAGS.seq, FLAGS.window, FLAGS.block)
     if FLAGS.time_seq:
         interpret_timing(FLAGS.time_seq, FLAGS.time_window, FLAGS.time_block, FLAGS.repeats)

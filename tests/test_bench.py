@@ -404,6 +404,20 @@ def test_downstream_cost_shapes_are_oe_tasks_batches():
     assert costed == seen == [[4, 768], [4, 256], [4, 128]]
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--time_seq=0", "--block=16384"], "--block=16384 does not divide the sequence (8192)"),   # ZeroDivisionError
+    (["--time_seq=100"], "--time_block=128 does not divide the sequence (100)"),                 # the same
+    (["--time_seq=0", "--time_window=999"], "--time_window applies to the interpret timing, which --time_seq=0 "
+                                            "skips"),                                           # ignored
+])
+def test_bench_splash_bad_flags_are_one_line(args, says):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_splash.py"), *args],
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert says in out.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("script, args, lines", [
     ("bench_data.py", ["--prepare_workers=2", "--steps=3", "--loader_workers=0", "--loader_workers=2",
                        "--seq_len=64", "--global_batch=4"],
