@@ -119,12 +119,19 @@ def main(argv):
     if f.max_tokens < 1:
         raise ValueError(f"--max_tokens={f.max_tokens} must be >= 1 (the model's sequence length)")
     for name in ("max_train", "max_heldout"):
-        if getattr(f, name) is not None and getattr(f, name) < 0:
-            raise ValueError(f"--{name}={getattr(f, name)} must be >= 0 (or left out: every function)")
+        if getattr(f, name) is not None and getattr(f, name) < 1:   # 0 wrote empty files, and exit 0
+            raise ValueError(f"--{name}={getattr(f, name)} must be >= 1 (or left out: every function)")
+    if not f.out:   # errno's "No such file or directory: ''"
+        raise ValueError("--out is empty; give a directory for the chat files")
     if os.path.exists(f.out) and not os.path.isdir(f.out):
         raise FileExistsError(f"--out={f.out!r} is a file; give a directory")
-    os.makedirs(f.out, exist_ok=True)
+    atomic.check_writable(f.out, "--out")   # a path under a file: errno's "Not a directory", no flag named
     sets = build(f.max_tokens, f.template, f.seed, f.max_train, f.max_heldout)
+    for split, pairs in sets.items():   # four empty files and exit 0, found out only by prepare_sft
+        if not pairs:
+            raise ValueError(f"--max_tokens={f.max_tokens}: no {split} conversation fits in {f.max_tokens} tokens; "
+                             "raise it (the model's sequence length)")
+    os.makedirs(f.out, exist_ok=True)
     for split, pairs in sets.items():
         write_jsonl(os.path.join(f.out, f"sft_{split}.jsonl"), [{"messages": conversation(s, d)} for s, d in pairs])
         rows = preference_rows(pairs, f.seed, lambda conv: len(chat.encode(conv, f.template)) <= f.max_tokens)

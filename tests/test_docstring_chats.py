@@ -111,13 +111,16 @@ def test_readme_command_fits_every_side_in_the_tiny_sequence(tmp_path):
 
 
 def test_bad_counts_are_refused_before_anything_is_written(tmp_path):
-    """--max_tokens below 1 would keep no conversation (or, unchecked, write empty sets); a
-    negative --max_train / --max_heldout means nothing. Each is one line naming the flag, exit 2."""
+    """--max_tokens below 1, or below every conversation's length, would keep no conversation (it
+    wrote four empty files, exit 0); a --max_train / --max_heldout below 1 likewise; an empty
+    --out was errno's "No such file or directory: ''". Each is one line naming the flag, exit 2."""
     import subprocess
     import sys
     for flag, line in (("--max_tokens=0", "--max_tokens=0 must be >= 1"),
-                       ("--max_train=-1", "--max_train=-1 must be >= 0"),
-                       ("--max_heldout=-2", "--max_heldout=-2 must be >= 0")):
+                       ("--max_train=0", "--max_train=0 must be >= 1"),
+                       ("--max_tokens=8", "--max_tokens=8: no train conversation fits in 8 tokens"),
+                       ("--max_heldout=-2", "--max_heldout=-2 must be >= 1"),
+                       ("--out=", "--out is empty; give a directory for the chat files")):
         out = tmp_path / flag.strip("-").split("=")[0]
         p = subprocess.run([sys.executable, "-m", "data.docstring_chats", f"--out={out}", flag],
                            capture_output=True, text=True)
