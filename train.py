@@ -291,8 +291,8 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     splits = resolve_data()
     if F.stage == "dpo":  # preference pairs, each side padded: row 2i chosen, 2i + 1 rejected (data/preference.py)
-        train_set = data.PairDataset(F.data, F.seq_len)
-        dpo_heldout = {name: data.PairDataset(d, F.seq_len)
+        train_set = data.PairDataset(F.data, F.seq_len, flag="--data")
+        dpo_heldout = {name: data.PairDataset(d, F.seq_len, flag="--dpo_heldout")
                        for name, d in named_sets(F.dpo_heldout, "--dpo_heldout").items()}
     elif F.packed:  # every process packs the same instances; process 0 first, filling the cache
         train_set = process_0_first("instances packed", lambda: data.PackedFSLDataset(

@@ -20,6 +20,7 @@ at the price of segment ids and per-segment sums in every loss. The fingerprint 
 sha256, recorded when written) and seq_len, so the reference cache keyed on it
 (olmo3/reference.py) notices a rebuilt data set even when its sizes are unchanged.
 """
+import glob
 import hashlib
 import json
 import os
@@ -39,13 +40,19 @@ class PairDataset:
     kind = "PairDataset"
 
     def __init__(self, directory: str | os.PathLike, seq_len: int, *, vocab_size: int = VOCAB_SIZE,
-                 eos_id: int = EOS_ID, pad_id: int = PAD_ID):
+                 eos_id: int = EOS_ID, pad_id: int = PAD_ID, flag: str | None = None):
+        """`flag`: the option that named `directory` (train.py's --data, --dpo_heldout), for errors."""
         self.directory = os.fspath(directory)
         manifest_path = os.path.join(self.directory, MANIFEST)
         if not os.path.isfile(manifest_path):
-            raise FileNotFoundError(f"{manifest_path} does not exist: {self.directory!r} holds no prepared "
+            said = f"{flag}={self.directory!r}" if flag else repr(self.directory)
+            if glob.glob(os.path.join(self.directory, "token_ids_part_*.npy")):   # it read as "write pairs here"
+                raise FileNotFoundError(f"{said} holds SFT data (token_ids_part_*.npy), not preference pairs "
+                                        f"({MANIFEST}); give it to --stage=sft, or a directory written by "
+                                        "`python -m data.prepare_dpo`")
+            raise FileNotFoundError(f"{manifest_path} does not exist: {said} holds no prepared "
                                     "preference pairs; write them with `python -m data.prepare_dpo "
-                                    f"--input=<pairs.jsonl> --out_dir={self.directory}`")
+                                    "--input=<pairs.jsonl> --out_dir=<a new directory>`")
         rebuild = f"rebuild {self.directory} with `python -m data.prepare_dpo`"
         try:
             with open(manifest_path, encoding="utf-8") as f:

@@ -252,6 +252,17 @@ def test_a_rewrite_that_dies_before_its_manifest_leaves_no_old_manifest(tmp_path
         PairDataset(tmp_path, seq_len=16)
 
 
+def test_a_directory_of_sft_data_is_named_as_such(tmp_path):
+    """train.py --stage=dpo --data=<an SFT directory>: the line names the flag and what the
+    directory holds (it said to write pairs into that non-empty directory, which prepare_dpo refuses)."""
+    np.zeros(4, np.uint32).tofile(tmp_path / "token_ids_part_0000.npy")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--data={str(tmp_path)!r} holds SFT data "
+                                                          "(token_ids_part_*.npy), not preference pairs")):
+        PairDataset(tmp_path, seq_len=16, flag="--data")
+    with pytest.raises(FileNotFoundError, match=re.escape(f"--dpo_heldout={str(tmp_path / 'x')!r} holds no prepared")):
+        PairDataset(tmp_path / "x", seq_len=16, flag="--dpo_heldout")
+
+
 def test_truncation_that_leaves_nothing_to_train_is_refused(tmp_path):
     long_prompt = ((np.arange(30), np.arange(30) >= 25), (np.arange(30), np.arange(30) >= 25))
     write_pairs(tmp_path, [long_prompt], max_seq_length=64)
