@@ -160,6 +160,9 @@ def test_instruct_template_default_system_and_tool_use():
     with pytest.raises(ValueError, match="only assistant turns"):
         chat.encode_with_mask([{"role": "user", "content": "x", "function_calls": "f()"},
                                {"role": "assistant", "content": "y"}])
+    with pytest.raises(ValueError, match="carries functions on the assistant turn; the template renders"):   # was dropped
+        chat.encode_with_mask([{"role": "user", "content": "x"},
+                               {"role": "assistant", "content": "y", "functions": "f"}])
 
 
 @pytest.mark.parametrize("line,why", [
