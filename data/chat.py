@@ -119,8 +119,8 @@ def check_messages(messages, template: str = INSTRUCT, field: str = "messages") 
         if calls is not None and m["role"] != "assistant":
             raise ValueError(f"message {i} has function_calls on a {m['role']} turn; only assistant turns call functions")
         if m.get("functions") is not None and m["role"] not in ("system", "user"):   # it was not rendered
-            raise ValueError(f"message {i} carries functions on the {m['role']} turn; the template renders the functions "
-                             "offered on system and user turns only")
+            raise ValueError(f"message {i} carries functions on the {m['role']} turn; the template renders the "
+                             "functions offered on system and user turns only")
         if not isinstance(m["content"], str) and not (m["content"] is None and calls is not None):
             raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
 
