@@ -17,7 +17,7 @@ import tempfile
 import time
 
 import numpy as np
-from absl import flags
+from absl import app, flags
 
 import data
 from data import storage
@@ -54,6 +54,9 @@ def time_loader(ds, workers: int) -> float:
 
 def main(argv):
     del argv
+    if FLAGS.tokens_per_file < FLAGS.seq_len:   # it named a temporary file, not the flags
+        raise app.UsageError(f"--tokens_per_file={FLAGS.tokens_per_file} holds no instance of --seq_len="
+                             f"{FLAGS.seq_len} tokens; give at least {FLAGS.seq_len}")
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; seq_len={FLAGS.seq_len} "
           f"global_batch={FLAGS.global_batch}, {FLAGS.steps} steps per row")
     with tempfile.TemporaryDirectory() as tmp:

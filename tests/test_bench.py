@@ -404,14 +404,17 @@ def test_downstream_cost_shapes_are_oe_tasks_batches():
     assert costed == seen == [[4, 768], [4, 256], [4, 128]]
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--time_seq=0", "--block=16384"], "--block=16384 does not divide the sequence (8192)"),   # ZeroDivisionError
-    (["--time_seq=100"], "--time_block=128 does not divide the sequence (100)"),                 # the same
-    (["--time_seq=0", "--time_window=999"], "--time_window applies to the interpret timing, which --time_seq=0 "
-                                            "skips"),                                           # ignored
+@pytest.mark.parametrize("script, args, says", [
+    ("bench_splash.py", ["--time_seq=0", "--block=16384"],
+     "--block=16384 does not divide the sequence (8192)"),   # a ZeroDivisionError traceback
+    ("bench_splash.py", ["--time_seq=100"], "--time_block=128 does not divide the sequence (100)"),   # the same
+    ("bench_splash.py", ["--time_seq=0", "--time_window=999"],
+     "--time_window applies to the interpret timing, which --time_seq=0 skips"),   # ignored
+    ("bench_remote.py", ["--tokens_per_file=16", "--seq_len=64"],
+     "--tokens_per_file=16 holds no instance of --seq_len=64 tokens"),   # it named a temporary file
 ])
-def test_bench_splash_bad_flags_are_one_line(args, says):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_splash.py"), *args],
+def test_benchmark_bad_flags_are_one_line(script, args, says):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
                          env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
