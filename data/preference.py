@@ -18,7 +18,9 @@ with one sequence per row (open-instruct pads them too, `concatenated_forward`) 
 between sequences; packing several short sequences into one row would save compute on short data
 at the price of segment ids and per-segment sums in every loss. The fingerprint covers the files' contents (their
 sha256, recorded when written) and seq_len, so the reference cache keyed on it
-(olmo3/reference.py) notices a rebuilt data set even when its sizes are unchanged.
+(olmo3/reference.py) notices a rebuilt data set even when its sizes are unchanged. Opening a data
+set checks both files against those sha256 (one read, about a second per GB), so bytes changed in
+place cannot pass for the recorded ones.
 """
 import glob
 import hashlib
@@ -32,6 +34,14 @@ from olmo3 import atomic
 
 TOKENS, MASKS, MANIFEST = "token_ids.npy", "labels_mask.npy", "pairs.json"
 FORMAT = "olmo3-jax preference pairs v1"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 class PairDataset:
@@ -77,6 +87,12 @@ class PairDataset:
                                  "says; it is missing, truncated or from another build. Rebuild with "
                                  "`python -m data.prepare_dpo`")
         in_dir = lambda name: os.path.join(self.directory, name)  # noqa: E731
+        for name, key in ((TOKENS, "token_ids_sha256"), (MASKS, "labels_mask_sha256")):
+            # Same size, other bytes (an edit in place, bit rot): the fingerprint, and so the
+            # reference cache keyed on it, reads the recorded sha256, and trained on stale log-probs.
+            if _sha256(in_dir(name)) != self.manifest.get(key):
+                raise ValueError(f"{in_dir(name)}: its sha256 differs from the one {MANIFEST} recorded; it was "
+                                 f"changed or damaged since it was written. Rebuild with `python -m data.prepare_dpo`")
         self._tokens = np.memmap(in_dir(TOKENS), np.uint32, "r") if total else np.zeros(0, np.uint32)
         self._masks = np.memmap(in_dir(MASKS), np.bool_, "r") if total else np.zeros(0, bool)
         if len(lengths) % 2 or not len(lengths):

@@ -252,6 +252,19 @@ def test_a_rewrite_that_dies_before_its_manifest_leaves_no_old_manifest(tmp_path
         PairDataset(tmp_path, seq_len=16)
 
 
+def test_bytes_changed_in_place_are_refused(tmp_path):
+    """A token changed in place keeps every size and the recorded sha256, so the fingerprint (and the
+    reference cache keyed on it) passed it: a stale reference trained silently. Opening checks the bytes."""
+    write_pairs(tmp_path, synthetic_pairs(6), max_seq_length=32)
+    PairDataset(tmp_path, seq_len=16)
+    with open(tmp_path / preference.TOKENS, "r+b") as f:
+        first = f.read(4)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 1]) + first[1:])
+    with pytest.raises(ValueError, match=r"token_ids\.npy: its sha256 differs from the one pairs\.json recorded"):
+        PairDataset(tmp_path, seq_len=16)
+
+
 def test_a_directory_of_sft_data_is_named_as_such(tmp_path):
     """train.py --stage=dpo --data=<an SFT directory>: the line names the flag and what the
     directory holds (it said to write pairs into that non-empty directory, which prepare_dpo refuses)."""
