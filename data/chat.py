@@ -132,8 +132,9 @@ def answer_only(messages: Sequence[dict]) -> bool:
 
 
 def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
-    """parse(row) of every non-empty line of a JSONL file. A bad line (not JSON, or `parse` raises
-    ValueError) becomes one ValueError naming `path:line`, the problem and `what` a line must hold."""
+    """parse(row) of every non-empty line of a JSONL file (a byte-order mark opening it is skipped).
+    A bad line (not JSON, or `parse` raises ValueError) becomes one ValueError naming `path:line`,
+    the problem and `what` a line must hold."""
     out = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
@@ -142,6 +143,8 @@ def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
             except UnicodeDecodeError as e:
                 raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
                                  f"{what}") from None
+            if n == 1:   # an editor's "UTF-8 with BOM": json.loads refused the first line
+                line = line.removeprefix("\ufeff")
             if not line.strip():
                 continue
             try:

@@ -190,7 +190,8 @@ def test_prepare_sft_bad_input_names_file_and_line(tmp_path, line, why):
 def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_path):
     """--input may be a pipe (`--input=<(zcat chats.jsonl.gz)`; it was "does not exist"). A
     conversation of only the answer is kept, trained whole as open-instruct's masking trains it,
-    and said; an empty --out_dir is refused (it named the current directory)."""
+    and said; an empty --out_dir is refused (it named the current directory); a file saved with
+    a byte-order mark is read (its first line was "not a JSON object")."""
     rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
             {"messages": [{"role": "assistant", "content": "b"}]}]
     env = {**os.environ, "PYTHONPATH": ROOT}
@@ -200,6 +201,8 @@ def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_p
     assert p.returncode == 0, p.stderr
     assert "1 conversation(s) have no turn before the answer (first: conversation 2)" in p.stderr
     assert json.loads((tmp_path / "out" / prepare_sft.MANIFEST).read_text())["conversations"] == 2
+    (tmp_path / "bom.jsonl").write_text("\ufeff" + json.dumps(rows[0]) + "\n")   # saved as "UTF-8 with BOM"
+    assert chat.read_jsonl(str(tmp_path / "bom.jsonl"), lambda row: row, "") == [rows[0]]
     p = subprocess.run([*cmd, "--out_dir="], input="", capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].endswith("--out_dir is empty; give a new directory")
