@@ -29,19 +29,12 @@ import os
 
 import numpy as np
 
+from data import storage
 from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
 from olmo3 import atomic
 
 TOKENS, MASKS, MANIFEST = "token_ids.npy", "labels_mask.npy", "pairs.json"
 FORMAT = "olmo3-jax preference pairs v1"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class PairDataset:
@@ -90,7 +83,7 @@ class PairDataset:
         for name, key in ((TOKENS, "token_ids_sha256"), (MASKS, "labels_mask_sha256")):
             # Same size, other bytes (an edit in place, bit rot): the fingerprint, and so the
             # reference cache keyed on it, reads the recorded sha256, and trained on stale log-probs.
-            if _sha256(in_dir(name)) != self.manifest.get(key):
+            if storage.file_sha256(in_dir(name)) != self.manifest.get(key):
                 raise ValueError(f"{in_dir(name)}: its sha256 differs from the one {MANIFEST} recorded; it was "
                                  f"changed or damaged since it was written. Rebuild with `python -m data.prepare_dpo`")
         self._tokens = np.memmap(in_dir(TOKENS), np.uint32, "r") if total else np.zeros(0, np.uint32)

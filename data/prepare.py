@@ -38,6 +38,7 @@ import numpy as np
 from absl import logging
 
 from data import corpus as corpus_lib
+from data import storage
 from data.dataset import FSLDataset
 from data.tokenizer import CL100K_SHA256, EOS_ID, PAD_ID, VOCAB_SIZE, dolma2, encode_to_numpy
 from olmo3 import atomic
@@ -484,13 +485,8 @@ def verify(out_dir: str, check_sha256: bool = True) -> dict:
             if size != 4 * entry["tokens"]:
                 raise ValueError(f"token file {path} has {size} bytes, the manifest says {4 * entry['tokens']}: "
                                  "it is truncated or was replaced; rebuild with `python -m data.prepare`")
-            if check_sha256:
-                h = hashlib.sha256()
-                with open(path, "rb") as f:
-                    for block in iter(lambda: f.read(1 << 24), b""):
-                        h.update(block)
-                if h.hexdigest() != entry["sha256"]:
-                    raise ValueError(f"token file {path}: sha256 differs from the manifest; it is corrupt, rebuild it")
+            if check_sha256 and storage.file_sha256(path) != entry["sha256"]:
+                raise ValueError(f"token file {path}: sha256 differs from the manifest; it is corrupt, rebuild it")
     return manifest
 
 

@@ -30,6 +30,7 @@ Public API: `open_token_files(paths)` -> LocalTokenFile or RemoteTokenFile reade
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import http.client
 import json
 import os
@@ -440,6 +441,15 @@ def save_manifest(path: str, sizes: dict[str, int]):
 
 NPY_MAGIC = b"\x93NUMPY"   # np.save's header: token files are headerless (OLMo-core's memmap reads raw uint32)
 HEADERLESS = "token files are headerless uint32: write them with np.asarray(ids, np.uint32).tofile(path)"
+
+
+def file_sha256(path: str) -> str:
+    """sha256 hex digest of a local file, read in 16 MiB blocks (what manifests record)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def wide_integers(tokens: np.ndarray) -> bool:
