@@ -606,7 +606,9 @@ def main(argv):
 
     # Flags that shape one part of an evaluation are refused where that part does not run: each
     # was ignored without a word.
-    if F.chat is None and not F.chat_file:
+    chatting = F.chat is not None or bool(F.chat_file)   # answers, then returns
+    scored = bool(F.tasks or F.olmo_tasks or F.lm_eval_tasks)   # tasks run through the scorer
+    if not chatting:
         cli.refuse_given(("chat_template", "chat_think", "max_new_tokens", "temperature", "top_p", "sample_seed"),
                          "applies to --chat / --chat_file only; add one of them, or drop {flag}")
     for names, applies, reason in (
@@ -617,13 +619,13 @@ def main(argv):
             (("num_fewshot",), F.tasks or F.lm_eval_tasks,
              "applies only with --tasks or --lm_eval_tasks (an --olmo_tasks label names its own shots, e.g. "
              "arc_easy_rc_5shot); drop {flag}, or add one"),
-            (("limit",), F.tasks or F.olmo_tasks or F.lm_eval_tasks or F.chat_file,
+            (("limit",), scored or F.chat_file,
              "applies only with --tasks, --olmo_tasks, --lm_eval_tasks or --chat_file; drop {flag}, or add one"),
             (("olmo_batch_rows",), F.olmo_tasks, "applies only with --olmo_tasks; add it, or drop {flag}"),
             (("lm_eval_include",), F.lm_eval_tasks, "applies only with --lm_eval_tasks; add it, or drop {flag}"),
             (("data_root",), F.data_mix, "applies only with --data_mix (the root URL of its files); add it, or "
              "drop {flag}"),
-            (("max_length",), F.tasks or F.olmo_tasks or F.lm_eval_tasks or F.chat is not None or F.chat_file,
+            (("max_length",), scored or chatting,
              "applies only to what the scorer feeds the model (--tasks, --olmo_tasks, --lm_eval_tasks, --chat, "
              "--chat_file); held-out instances are --eval_seq_len long: drop {flag}"),
             (("eval_padded",), not F.position_buckets,
@@ -673,7 +675,7 @@ def main(argv):
     if F.chat is not None and (F.chat_file or not F.chat.strip()):
         raise app.UsageError("--chat takes one non-empty user message" + (", and not with --chat_file (one or the "
                              "other)" if F.chat_file else ""))
-    if F.chat is not None or F.chat_file:   # chat answers and returns: an evaluation asked beside it would not run
+    if chatting:   # an evaluation asked beside it would not run
         cli.refuse_given(("model_b", "tasks", "olmo_tasks", "lm_eval_tasks", "position_buckets", "heldout",
                           "data_mix", "eval_data_dir", "eval_seq_len", "eval_batch_size", "max_eval_batches",
                           "eval_padded", "doc_lengths"),
@@ -699,8 +701,7 @@ def main(argv):
             raise app.UsageError(f"--model and --model_b differ in {diff}; KL needs identical inputs and vocabulary")
     # Text is encoded with dolma2 (held-out corpora and mixes, tasks, chats); only held-out token
     # files (domain=file.npy) may hold another vocabulary's ids. It blamed the first file read.
-    encodes_text = (F.chat is not None or F.chat_file or F.tasks or F.olmo_tasks or F.lm_eval_tasks or F.data_mix
-                    or "=" not in F.heldout)
+    encodes_text = chatting or scored or F.data_mix or "=" not in F.heldout
     for flag, i in (("--model", info), ("--model_b", info_b if F.model_b else None)):
         if encodes_text and i is not None and i["config"].vocab_size < data.VOCAB_SIZE:
             raise app.UsageError(f"{flag}={F[flag[2:]].value}: its vocabulary has {i['config'].vocab_size} rows, fewer "
@@ -712,7 +713,7 @@ def main(argv):
         warn_other_precision(info_b)
     max_length = context_length(info, F.max_length)
     use_segments = segments_for(info, F.doc_lengths)
-    if F.chat is not None or F.chat_file:
+    if chatting:
         return chat_report(model, max_length)
     results = {"model": F.model, "step": info["step"]}
     if F.position_buckets:  # padded held-out documents, loss per position bucket (long-context evidence)
