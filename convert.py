@@ -337,6 +337,7 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
                      hf_vocab, config.vocab_size - 1)
     L = config.n_layers
     layer_fields = {f for f, _, _ in hf.LAYER_MAP}
+    checksums = checkpoint.BlockChecksums(mgr, step)   # a tensor with other bits than saved stops the writer
 
     # (our field, HF names, per-name slice of the stacked array, transpose)
     plan = [("embed", ["model.embed_tokens.weight"], False)]
@@ -372,7 +373,8 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
             shard_of = {n: k for k, s in enumerate(shards) for n, _, _ in s}
             for field, names, transpose in plan:
                 stacked, row = field in layer_fields, 0   # row: HF rows of embed / lm_head written so far
-                for i, part in read_parts(mgr, step, field, our_shape(field), config.pdtype, stacked, transpose):
+                for i, part in read_parts(mgr, step, field, our_shape(field), config.pdtype, stacked, transpose,
+                                          checksums):
                     name = names[i] if stacked else names[0]
                     part = part.T if transpose else part
                     if field in ("embed", "lm_head"):  # padded vocabulary rows stay behind
@@ -401,11 +403,13 @@ def unpadded_vocab(vocab_size: int) -> int:
     return min(vocab_size, data.VOCAB_SIZE)
 
 
-def read_parts(mgr, step, field, shape, dtype, stacked, transpose):
+def read_parts(mgr, step, field, shape, dtype, stacked, transpose, checksums=None):
     """Yield (layer, array) pieces of one model tensor, straight from TensorStore: a layer at a
     time, or blocks of rows of the HF tensor (embed rows; lm_head columns), when the checkpoint's
     storage chunks allow (convert.py's layout), else the whole tensor; through Orbax's restore if
-    the checkpoint is not in Orbax's OCDBT + zarr layout."""
+    the checkpoint is not in Orbax's OCDBT + zarr layout. `checksums` (checkpoint.BlockChecksums)
+    sees every piece read from TensorStore, so a tensor with other bits than were saved stops the
+    conversion when its last piece is read (Orbax's restore checks its own)."""
     import tensorstore as ts
     name = f"model.layers.{field}" if stacked else f"model.{field}"
     state_dir = os.path.join(mgr.directory, str(step), "state")  # olmo3/checkpoint.py's layout
@@ -423,20 +427,28 @@ def read_parts(mgr, step, field, shape, dtype, stacked, transpose):
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"checkpoint {state_dir}: tensor {name!r} has shape {tuple(t.shape)}, model_config "
                          f"implies {tuple(shape)}")
+
+    def read(block, start):
+        a = block.read().result()
+        if checksums is not None:
+            checksums.add(name, a, start, shape)
+        return a
+
+    zeros = (0,) * len(shape)
     chunk = t.chunk_layout.read_chunk.shape
     if stacked:
         if chunk[0] == 1:
             for i in range(shape[0]):
-                yield i, t[i].read().result()
+                yield i, read(t[i], (i,) + zeros[1:])
         else:
-            yield from enumerate(t.read().result())
+            yield from enumerate(read(t, zeros))
         return
     axis = 1 if transpose else 0  # the axis along which HF rows run
     if len(shape) == 2 and all(c == n for d, (c, n) in enumerate(zip(chunk, shape)) if d != axis):
         for a in range(0, shape[axis], chunk[axis]):
-            yield 0, t[:, a:a + chunk[axis]].read().result() if axis else t[a:a + chunk[axis]].read().result()
+            yield 0, read(t[:, a:a + chunk[axis]], (0, a)) if axis else read(t[a:a + chunk[axis]], (a, 0))
     else:
-        yield 0, t.read().result()
+        yield 0, read(t, zeros)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,13 +577,14 @@ def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
                 specs[f"optim.state.{name}.{theirs}"] = (shape, f32)
                 source[f"optim.state.{name}.{theirs}"] = (f"opt.{ours_m}.{path}", layer, t)
             specs[f"optim.state.{name}.step"] = ((), f32)
-    count = float(np.asarray(read_stored(mgr, step, "opt.count", ()))) if with_opt else None
+    checksums = checkpoint.BlockChecksums(mgr, step)   # a tensor with other bits than saved stops the writer
+    count = float(np.asarray(read_stored(mgr, step, "opt.count", (), checksums))) if with_opt else None
 
     def produce(name):  # called by torch's writer, one tensor at a time
         if name.endswith(".step"):
             return np.asarray(count, f32)
         ours, layer, t = source[name]
-        a = np.asarray(read_stored(mgr, step, ours, layer), f32)
+        a = np.asarray(read_stored(mgr, step, ours, layer, checksums), f32)
         return a.T if t else a
 
     groups = {}
@@ -597,9 +610,10 @@ def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
     return config
 
 
-def read_stored(mgr, step, name, index):
+def read_stored(mgr, step, name, index, checksums=None):
     """One stored tensor of our checkpoint (`index` None), or layer `index` of a stacked one,
-    through TensorStore (train.py / convert.py's OCDBT + zarr layout), else through Orbax."""
+    through TensorStore (train.py / convert.py's OCDBT + zarr layout), else through Orbax.
+    `checksums`: as read_parts'."""
     import tensorstore as ts
     state_dir = os.path.join(mgr.directory, str(step), "state")
     try:
@@ -614,7 +628,11 @@ def read_stored(mgr, step, name, index):
         for key in name.split("."):
             state = state[key]
         return np.asarray(state if index is None else state[index])
-    return (t if index is None else t[index]).read().result()
+    a = (t if index is None else t[index]).read().result()
+    if checksums is not None:
+        start = (0,) * len(t.shape) if index in (None, ()) else (index,) + (0,) * (len(t.shape) - 1)
+        checksums.add(name, a, start, tuple(t.shape))
+    return a
 
 
 # ---------------------------------------------------------------------------------------------

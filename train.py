@@ -20,7 +20,7 @@ import sys
 from absl import app, flags, logging
 
 from olmo3 import atomic, cli
-from olmo3.launch import newest_checkpoint
+from olmo3.launch import enclosing_run, newest_checkpoint
 
 # ---------------------------------------------------------------------------------------------
 # §0 Flags. Defaults are the stage-1 7B recipe; the flagfiles spell every number out.
@@ -362,7 +362,7 @@ def main(argv):
     as_dict = lambda s: {"model": s[0], "opt": s[1]}  # noqa: E731  (names tensors "model.*", "opt.*")
     start, state, extra = None, None, {}
     if F.resume:  # the newest checkpoint that reads back; a damaged newer one is moved aside
-        start, state, extra = ckpt.restore_intact(as_dict(abstract), lambda e: check_resume(e, config))
+        start, state, extra = ckpt.restore_intact(as_dict(abstract), lambda e, step: check_resume(e, step, config))
         if start is None:   # a first launch (a cluster command passes --resume every time), or a mistyped --run_dir
             logging.info("--resume: %s holds no checkpoint yet; a new run from step 0",
                          os.path.abspath(os.path.join(F.run_dir, "checkpoints")))
@@ -436,8 +436,6 @@ def main(argv):
         loader = data.Loader.from_state(train_set, loader_state, rank=rank, num_ranks=num_ranks,
                                         workers=F.loader_workers, repetition_filter=F.repetition_filter,
                                         allow_fingerprint_mismatch=F.allow_data_change, contents=contents)
-        if loader.step != start:
-            raise RuntimeError(f"checkpoint {start} holds loader step {loader.step}; expected {start}")
     else:
         loader = data.Loader(train_set, F.global_batch, F.seed, rank=rank, num_ranks=num_ranks,
                              workers=F.loader_workers, repetition_filter=F.repetition_filter, start_step=0,
@@ -695,6 +693,10 @@ def check_flags():
         raise app.UsageError(f"--run_dir={F.run_dir!r}: the run directory is written through the local filesystem; "
                              "give a path every host sees: a shared filesystem, or the bucket mounted with Cloud "
                              "Storage FUSE (e.g. --run_dir=/gcs/BUCKET/run; launch/tpu_jobset.yaml mounts it)")
+    run = enclosing_run(F.run_dir)
+    if run is not None:
+        raise app.UsageError(f"--run_dir={F.run_dir} lies in the checkpoints of the run {run}: pass "
+                             f"--run_dir={run} (with --resume to continue it), or a new directory")
     atomic.check_directory(F.run_dir, "--run_dir")   # checkpoints rename directories: not every mount can
     atomic.existing_directory(os.path.join(F.run_dir, "checkpoints"), "--run_dir", F.run_dir)
     if not F.resume:   # a fresh run would train up to its first save and fail there (exit 1, rerun forever)
@@ -911,8 +913,15 @@ def warn_model_change(saved: dict | None, config, init_from: str) -> None:
                         "the warm start goes on with the flags' model", init_from, ", ".join(changed))
 
 
-def check_resume(extra: dict, config) -> None:
+def check_resume(extra: dict, step: int, config) -> None:
     from olmo3.config import config_to_dict, precision
+    # Checkpoint N holds the state after N steps, whose loader reads batch N next. Another label (a
+    # copy restored under the wrong name) would train its steps again, or skip some, under wrong numbers.
+    saved_step = extra.get("loader", {}).get("step")
+    if saved_step is not None and saved_step != step:
+        raise app.UsageError(f"--resume: checkpoint {os.path.join(F.run_dir, 'checkpoints', str(step))} holds the "
+                             f"state after step {saved_step}, not {step}: a copy under another label? Rename it "
+                             f"to {saved_step} or move it out of checkpoints/, then resume")
     saved = extra.get("model_config", {})
     if saved and saved != config_to_dict(config):
         diff = {k: (saved.get(k), v) for k, v in config_to_dict(config).items() if saved.get(k) != v}

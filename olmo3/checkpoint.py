@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -43,7 +45,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from jaxtyping import PyTree
 
-from olmo3.cli import NonFiniteError, UserError, storage_error_kind
+from olmo3.cli import NonFiniteError, UserError, exception_chain, storage_error_kind
 
 CHECKPOINTS = "checkpoints"
 DELETED = ".deleted"   # under checkpoints/: old steps on their way out (keep-N)
@@ -81,7 +83,8 @@ def _json_files(step_dir: str) -> list[str]:
 
 def damaged_file(step_dir: str, error: BaseException) -> str:
     """The file of a checkpoint step that does not read: the first JSON metadata file that does
-    not parse, else the local file named by the storage error, else the step directory."""
+    not parse, else a local file named by an error in `error`'s chain (one that is there and not a
+    directory, or one of the step's that is missing), else the step directory."""
     for path in _json_files(step_dir):
         try:
             with open(path) as f:
@@ -90,8 +93,47 @@ def damaged_file(step_dir: str, error: BaseException) -> str:
             continue
         except (ValueError, OSError):
             return path
-    m = re.search(r'local file "([^"]+)"', str(error))
-    return m.group(1) if m and os.path.isfile(m.group(1)) else step_dir
+    named = (m.group(1) for link in exception_chain(error) for m in re.finditer(r'local file "([^"]+)"', str(link)))
+    inside = os.path.join(step_dir, "")
+    return next((path for path in named if os.path.isfile(path)
+                 or path.startswith(inside) and not os.path.exists(path)), step_dir)
+
+
+def _storage_reason(error: BaseException) -> tuple[Optional[str], str]:
+    """(tensor, reason) of a read that failed: the tensor TensorStore names ('Error reading
+    "model.embed/0.0"'), and the message of the innermost error in the chain, the storage's own
+    (Orbax's wrapper around it prints a whole TensorStore spec), on one line, cut to 400 characters."""
+    links = list(exception_chain(error))
+    tensor = next((m.group(1) for link in links for m in [re.search(r'Error reading "([^"/]+)/', str(link))] if m),
+                  None)
+    return tensor, " ".join(str(links[-1]).split())[:400]
+
+
+# Step directories being read, or whose read failed: reports of their abandoned reads are dropped.
+_READS: set[str] = set()
+
+
+def _quiet_abandoned_reads() -> None:
+    """When one read of a restore fails, Orbax's restore stops while TensorStore still finishes
+    its other reads: each then reports, through sys.unraisablehook, the same damage once more (an
+    exception nobody awaits, with the whole TensorStore spec) or that Orbax's event loop is closed:
+    dozens of tracebacks, one per tensor, some before the error is caught, burying the one line
+    that names the damage (or a fallback's warning). The hook installed here drops those two
+    kinds: 'Event loop is closed' (a callback arriving after its loop ended never means more) and
+    an exception that names a step directory in _READS. Every other one is still printed."""
+    previous = sys.unraisablehook
+    if getattr(previous, "olmo3_quiet", False):
+        return
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+                or any(d in str(e) for d in tuple(_READS))):
+            return
+        previous(unraisable)
+
+    hook.olmo3_quiet = True
+    sys.unraisablehook = hook
 
 
 class NoIntactCheckpointError(UserError):
@@ -197,6 +239,23 @@ def nonfinite_tensors(flat: dict[str, Any]) -> list[str]:
 CHECKSUMS = "tensor_checksums"   # the key in extra/
 
 
+def _bit_sum_pair(x: jax.Array, start: jax.Array, full_shape: tuple[int, ...]) -> jax.Array:
+    """bit_sums' pair of `x`, a block of a tensor of shape `full_shape` whose first element sits at
+    index `start` (uint32, one per axis): its elements weighted by their positions in the whole tensor."""
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+        bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)   # 8 bytes: a trailing axis of 2
+    full = tuple(full_shape) + bits.shape[len(full_shape):]
+    pos = jnp.zeros(bits.shape, jnp.uint32)
+    for axis in range(bits.ndim):   # the flat (row-major) position in the whole tensor, mod 2**32
+        first = start[axis] if axis < len(full_shape) else jnp.uint32(0)
+        pos = pos * jnp.uint32(full[axis]) + first + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
+                      jnp.sum(bits * (pos * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)])
+
+
 @jax.jit
 def bit_sums(leaves: list) -> jax.Array:
     """uint32 [len(leaves), 2]: per array, (sum of its bits, sum of bits * (2654435761 * flat
@@ -205,19 +264,38 @@ def bit_sums(leaves: list) -> jax.Array:
     sum's weight is even the first sum sees it), and moving a block of elements elsewhere changes
     the second. Bools count as 0 / 1, 8-byte elements as two 4-byte words. Also the DPO reference's
     identity (olmo3/reference.py)."""
-    out = []
-    for x in leaves:
-        if x.dtype == jnp.bool_:
-            bits = x.astype(jnp.uint32)
-        else:
-            width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-            bits = jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)   # 8 bytes: a trailing axis of 2
-        pos = jnp.zeros(bits.shape, jnp.uint32)
-        for axis in range(bits.ndim):
-            pos = pos * jnp.uint32(bits.shape[axis]) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
-        out.append(jnp.stack([jnp.sum(bits, dtype=jnp.uint32),
-                              jnp.sum(bits * (pos * jnp.uint32(2654435761) + jnp.uint32(1)), dtype=jnp.uint32)]))
-    return jnp.stack(out)
+    return jnp.stack([_bit_sum_pair(x, jnp.zeros(x.ndim, jnp.uint32), x.shape) for x in leaves])
+
+
+_block_bit_sums = jax.jit(_bit_sum_pair, static_argnums=2)
+
+
+class BlockChecksums:
+    """A checkpoint's saved checksums, checked as its tensors are read a block at a time
+    (convert.py streams a layer, or a block of rows, never a whole 7B tensor): both sums of
+    bit_sums run over elements, each weighted by its position in the whole tensor, so the blocks'
+    pairs add up, mod 2**32, to the tensor's. A tensor is compared once its blocks cover it, and
+    one that differs raises ChangedBitsError, as CheckpointManager.restore does."""
+
+    def __init__(self, mgr: "CheckpointManager", step: int):
+        self._mgr, self._step = mgr, step
+        self._saved = mgr.saved_checksums(step)
+        self._blocks: dict[str, dict[tuple, tuple[np.ndarray, int]]] = {}   # name -> {start: (pair, size)}
+
+    def add(self, name: str, block: np.ndarray, start: tuple[int, ...], full_shape: tuple[int, ...]) -> None:
+        """`block` of the stored tensor `name` (of shape `full_shape`), its first element at `start`;
+        a block indexed out of leading axes (layer i of a stacked tensor) has them back as size 1."""
+        if name not in self._saved:   # a checkpoint from before checksums
+            return
+        block = block.reshape((1,) * (len(full_shape) - block.ndim) + block.shape)
+        blocks = self._blocks.setdefault(name, {})
+        blocks[tuple(start)] = (np.asarray(_block_bit_sums(block, np.asarray(start, np.uint32), tuple(full_shape))),
+                                block.size)
+        if sum(size for _, size in blocks.values()) < math.prod(full_shape):
+            return
+        got = [int(v) for v in np.sum([pair for pair, _ in blocks.values()], axis=0, dtype=np.uint32)]
+        if got != list(self._saved[name]):
+            raise self._mgr.changed_bits(self._step, [name])
 
 
 def tensor_checksums(flat: dict[str, Any]) -> dict[str, list[int]]:
@@ -382,12 +460,26 @@ class CheckpointManager:
             self._purge_deleted()
 
     # -- restore ---------------------------------------------------------------------------
-    def read_extra(self, step: Optional[int] = None) -> dict:
-        """The JSON `extra` of a checkpoint (cheap: no arrays read)."""
-        step = self._resolve(step)
+    def _extra(self, step: int) -> dict:
         with self._reading(step):
             out = self._mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))
-        return {k: v for k, v in (out["extra"] or {}).items() if k != CHECKSUMS}
+        return dict(out["extra"] or {})
+
+    def read_extra(self, step: Optional[int] = None) -> dict:
+        """The JSON `extra` of a checkpoint (cheap: no arrays read)."""
+        return {k: v for k, v in self._extra(self._resolve(step)).items() if k != CHECKSUMS}
+
+    def saved_checksums(self, step: int) -> dict[str, list[int]]:
+        """{tensor name: bit_sums pair} as saved with checkpoint `step` ({} before checksums)."""
+        return self._extra(step).get(CHECKSUMS, {})
+
+    def changed_bits(self, step: int, names: list[str]) -> "ChangedBitsError":
+        """The error for tensors of checkpoint `step` whose bits differ from their checksums."""
+        where = f"{self.directory}/{step}"
+        return ChangedBitsError(
+            f"checkpoint {where} is damaged: {len(names)} tensor(s) read back with other bits than were "
+            f"saved, e.g. {names[:3]} (their checksums differ); intact checkpoints: "
+            f"{[s for s in self.all_steps() if s != step] or 'none'}", step, os.path.join(where, "state"))
 
     @contextlib.contextmanager
     def _reading(self, step: int):
@@ -396,6 +488,9 @@ class CheckpointManager:
         handle, an INTERNAL / UNKNOWN status: cli.storage_error_kind) propagates as it is (exit 1,
         retried); any other becomes DamagedCheckpointError naming the damaged file, and resuming
         moves that checkpoint aside. A flaky mount must never cost the checkpoints."""
+        where = os.path.join(self.directory, str(step))
+        _quiet_abandoned_reads()
+        _READS.add(os.path.join(where, ""))
         try:
             yield
         except (MissingTensorsError, UserError):
@@ -403,11 +498,14 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 -- classified here
             if storage_error_kind(e):
                 raise
-            where = os.path.join(self.directory, str(step))
             file = damaged_file(where, e)
+            tensor, reason = _storage_reason(e)
+            what = f"tensor {tensor!r} (under {file})" if tensor and file == where else file
             raise DamagedCheckpointError(
-                f"checkpoint {where} is damaged: {file} does not read back ({' '.join(str(e).split())[:200]}); "
+                f"checkpoint {where} is damaged: {what} does not read back ({reason}); "
                 f"intact checkpoints: {[s for s in self.all_steps() if s != step] or 'none'}", step, file) from e
+        else:
+            _READS.discard(os.path.join(where, ""))
 
     def stored_tensors(self, step: Optional[int] = None) -> dict[str, tuple]:
         """{dotted name: shape} of every tensor checkpoint `step` holds (no array is read)."""
@@ -438,21 +536,25 @@ class CheckpointManager:
                                  f"{tuple(stored[name].shape)} but the model expects "
                                  f"{tuple(a.shape)}; check the model flags against the "
                                  "checkpoint's config")
-        restore_args = ocp.checkpoint_utils.construct_restore_args(want)
+        # Tensors with a checksum are read as stored, compared, then cast to the dtype asked for (a
+        # warm start with another --param_dtype): a cast before the comparison would skip it.
+        saved = self.saved_checksums(step)   # none in checkpoints from before them
+        read_as = {n: jax.ShapeDtypeStruct(a.shape, stored[n].dtype, sharding=a.sharding) if n in saved else a
+                   for n, a in want.items()}
+        restore_args = ocp.checkpoint_utils.construct_restore_args(read_as)
         with self._reading(step):
             out = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(want, restore_args, partial_restore=True),
+                state=ocp.args.PyTreeRestore(read_as, restore_args, partial_restore=True),
                 extra=ocp.args.JsonRestore()))
         flat, extra = out["state"], dict(out["extra"] or {})
-        saved = extra.pop(CHECKSUMS, {})   # none in checkpoints from before them
-        same_bits = [n for n in want if n in saved and np.dtype(stored[n].dtype) == np.dtype(want[n].dtype)]
-        got = tensor_checksums({n: flat[n] for n in same_bits})
-        changed = [n for n in same_bits if got[n] != saved[n]]
+        extra.pop(CHECKSUMS, None)
+        got = tensor_checksums({n: flat[n] for n in want if n in saved})
+        changed = [n for n in got if got[n] != saved[n]]
         if changed:
-            raise ChangedBitsError(
-                f"checkpoint {where} is damaged: {len(changed)} tensor(s) read back with other bits than were "
-                f"saved, e.g. {changed[:3]} (their checksums differ); intact checkpoints: "
-                f"{[s for s in self.all_steps() if s != step] or 'none'}", step, os.path.join(where, "state"))
+            raise self.changed_bits(step, changed)
+        for n, a in want.items():   # one tensor at a time: at most one extra copy in memory
+            if np.dtype(flat[n].dtype) != np.dtype(a.dtype):
+                flat[n] = jax.jit(lambda x, d=a.dtype: x.astype(d), out_shardings=a.sharding)(flat[n])
         arrays, static = eqx.partition(abstract_state, _is_leaf_array)
         leaves_paths, treedef = jax.tree_util.tree_flatten_with_path(arrays)
         names = [".".join(_key_name(k) for k in p) or "_root" for p, _ in leaves_paths]
@@ -490,7 +592,7 @@ class CheckpointManager:
         A damaged newer checkpoint (a truncated file, a torn copy) is logged with the file that
         does not read, and moved aside to `<run_dir>/damaged/<N>[-<time>]`, never deleted, so the
         next save of label N is possible and the bytes stay for inspection. When every one is
-        damaged: NoIntactCheckpointError (exit 2), not a fresh start. `check_extra(extra)`
+        damaged: NoIntactCheckpointError (exit 2), not a fresh start. `check_extra(extra, step)`
         runs before any array is read (train.py's config / stage / recipe-constant check): its
         errors are the user's and end the resume.
 
@@ -514,7 +616,7 @@ class CheckpointManager:
                 continue
             try:
                 if check_extra is not None:
-                    check_extra(self.read_extra(step))
+                    check_extra(self.read_extra(step), step)
                 state, extra = self.restore(step, abstract_state)
             except DamagedCheckpointError as e:
                 if jax.process_count() > 1 and not isinstance(e, ChangedBitsError):

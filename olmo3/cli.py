@@ -86,7 +86,8 @@ _NETWORK_ERRNOS = {errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT, errno.ECONNRES
                    errno.EHOSTUNREACH, errno.ENETUNREACH}
 
 
-def _chain(e: BaseException) -> Iterator[BaseException]:
+def exception_chain(e: BaseException) -> Iterator[BaseException]:
+    """`e`, then its cause (or context), and so on: the storage error under a library's wrapper."""
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
@@ -99,7 +100,7 @@ def storage_error_kind(e: BaseException) -> str | None:
     (a transient status code, a dropped connection, a stale network-filesystem handle),
     "ambiguous" for an INTERNAL / UNKNOWN status (a bug or a hiccup, not damaged bytes), else None."""
     kinds = set()
-    for link in _chain(e):
+    for link in exception_chain(e):
         if isinstance(link, (ConnectionError, TimeoutError)) or (
                 isinstance(link, OSError) and link.errno in _NETWORK_ERRNOS):
             return "transient"

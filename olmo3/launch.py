@@ -76,6 +76,30 @@ def newest_checkpoint(directory: str) -> Optional[int]:
     return max(steps, default=None)
 
 
+def enclosing_run(path: str) -> Optional[str]:
+    """The run directory when `path` is its checkpoints/ directory, one of its checkpoints or lies
+    inside one (a step directory holds Orbax's _CHECKPOINT_METADATA), else None: a --run_dir
+    there would write a new run into another run's checkpoints. Reads only listings, as above."""
+    def is_step(d):
+        return os.path.basename(d).isdigit() and os.path.isfile(os.path.join(d, "_CHECKPOINT_METADATA"))
+
+    def holds_steps(d):
+        try:
+            return any(is_step(os.path.join(d, n)) for n in os.listdir(d))
+        except OSError:   # not there, or not listable
+            return False
+
+    p = os.path.abspath(path)
+    while True:
+        if os.path.basename(p) == "checkpoints" and holds_steps(p):
+            return os.path.dirname(p)
+        if is_step(p) and os.path.basename(os.path.dirname(p)) == "checkpoints":
+            return os.path.dirname(os.path.dirname(p))
+        if os.path.dirname(p) == p:
+            return None
+        p = os.path.dirname(p)
+
+
 def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
                    base_delay_s: float = 30.0, max_delay_s: float = 1800.0, *,
                    no_retry: Iterable[int] = NON_RETRYABLE, reset_after_s: float = 3600.0,

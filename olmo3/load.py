@@ -41,6 +41,9 @@ def load_model(path: str, step: Optional[int] = None, **overrides) -> tuple[OLMo
         return model, {"kind": "hf", "path": path, "step": None, "config": config, "seq_len": None,
                        "doc_lengths": None, "eval_padded": None, "precision": None}
     run, located = checkpoint.locate(path)
+    if None not in (located, step) and located != step:   # one of the two was ignored
+        raise ValueError(f"{path} is checkpoint {located}, and a step (eval.py --model_step={step}) names "
+                         f"another: give the run directory {run} with the step, or the checkpoint alone")
     step = located if step is None else step
     mgr = checkpoint.CheckpointManager(run, read_only=True)
     step = mgr.verify(step)  # a damaged checkpoint is named (the file) before any array is read

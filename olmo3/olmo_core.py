@@ -550,8 +550,12 @@ def write_dist_checkpoint(dcp_dir: str, specs: dict[str, tuple[tuple, Any]],
                 return torch.from_numpy(np.require(produce(name), requirements=["C", "W"]))  # copies only if needed
             return super().resolve_data(write_item)
 
+    from torch.distributed.checkpoint.api import CheckpointException
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir, single_file_per_rank=False, thread_count=1),
-                 planner=Producing(), no_dist=True)
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(dcp_dir, single_file_per_rank=False, thread_count=1),
+                     planner=Producing(), no_dist=True)
+        except CheckpointException as e:   # what `produce` raised (a damaged source: exit 2), not torch's rank table
+            raise next(iter(e.failures.values()))[0] from None
 

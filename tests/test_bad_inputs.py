@@ -64,6 +64,20 @@ def world(tmp_path_factory):
     truncate(w / "damaged" / "checkpoints" / "4" / "state" / "_sharding")
     shutil.copytree(w / "run", w / "nometa")
     os.remove(w / "nometa" / "checkpoints" / "4" / "state" / "_METADATA")
+    # Checkpoint 4 with one bit of a tensor flipped (the read succeeds; the checksum differs), with
+    # its largest data file cut short, and checkpoint 2 copied under the label 6.
+    import tensorstore as ts
+    shutil.copytree(w / "run", w / "flipped")
+    t = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{w / 'flipped/checkpoints/4/state'}",
+                                               "path": "model.norm"}}, open=True, read=True, write=True).result()
+    flipped = t.read().result()
+    flipped.view(np.uint32)[0] ^= 1 << 3
+    t.write(flipped).result()
+    shutil.copytree(w / "run", w / "cut")
+    data = w / "cut" / "checkpoints" / "4" / "state" / "ocdbt.process_0" / "d"
+    truncate(max((data / f for f in os.listdir(data)), key=os.path.getsize), 0.1)
+    shutil.copytree(w / "run", w / "relabeled")
+    shutil.copytree(w / "run" / "checkpoints" / "2", w / "relabeled" / "checkpoints" / "6")
     shutil.copytree(w / "run", w / "badmetrics")
     with open(w / "badmetrics" / "metrics.jsonl", "a") as f:
         f.write("{not json\n")
@@ -127,6 +141,18 @@ def _cases(w):
          "a.jsonl:2: 'text' must be a string"),
         ("corpus_all_blank", "train.py", [*TINY, f"--data={w / 'blank'}", f"--run_dir={new}"], 2,
          f"corpus '{w / 'blank'}' gives no training document: every document is blank"),
+        # A warm start into another --param_dtype skipped the checksums and trained on the flipped bit.
+        ("init_from_changed_bits_into_bf16", "train.py", [*T, "--stage=2", f"--run_dir={new}",
+                                                           f"--init_from={w / 'flipped'}", "--param_dtype=bfloat16"],
+         2, "1 tensor(s) read back with other bits than were saved, e.g. ['model.norm']"),
+        # A fresh run inside the committed checkpoint 4, exit 0.
+        ("run_dir_a_checkpoint", "train.py", [*T, f"--run_dir={w / 'run' / 'checkpoints' / '4'}", "--resume"], 2,
+         f"--run_dir={w / 'run' / 'checkpoints' / '4'} lies in the checkpoints of the run {w / 'run'}: pass "
+         f"--run_dir={w / 'run'}"),
+        # A traceback, exit 1: retried by --resume_until_done.
+        ("resume_checkpoint_under_another_label", "train.py", [*T, f"--run_dir={w / 'relabeled'}", "--resume",
+                                                               "--total_steps=8"], 2,
+         f"--resume: checkpoint {w / 'relabeled' / 'checkpoints' / '6'} holds the state after step 2, not 6"),
         ("init_from_missing", "train.py", [*T, "--stage=2", f"--run_dir={new}", f"--init_from={w / 'nowhere'}"],
          2, f"{w / 'nowhere'}: not a run directory"),
         # absl's own line was "error: ERROR:: Unable to open flagfile: [Errno 2] ..." with no fix.
@@ -240,6 +266,13 @@ def _cases(w):
          "gs://bucket/run: a URL; checkpoints are read through the local filesystem"),
         ("eval_damaged_checkpoint", "eval.py", [f"--model={w / 'damaged'}", f"--heldout={w / 'docs'}"], 2,
          f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
+        # Dozens of tracebacks (TensorStore's abandoned reads) buried the line, which named no tensor.
+        ("eval_checkpoint_data_cut_short", "eval.py", [f"--model={w / 'cut'}", f"--heldout={w / 'docs'}"], 2,
+         f"checkpoint {w / 'cut' / 'checkpoints' / '4'} is damaged: tensor '"),
+        # Ignored: step 2 was scored.
+        ("eval_model_step_of_another_checkpoint", "eval.py", [f"--model={w / 'run' / 'checkpoints' / '4'}",
+                                                              "--model_step=2", f"--heldout={w / 'docs'}"], 2,
+         f"{w / 'run' / 'checkpoints' / '4'} is checkpoint 4, and a step (eval.py --model_step=2) names another"),
         ("eval_out_a_file", "eval.py", [f"--model={w / 'run'}", f"--out={w / 'bad.flags'}"], 2,
          f"--out='{w / 'bad.flags'}' is a file; give a directory"),
         ("eval_out_under_a_file", "eval.py", [f"--model={w / 'run'}", f"--heldout={w / 'docs'}",
@@ -365,6 +398,13 @@ def _cases(w):
          "--with_optimizer_state applies to the checkpoint written on the Orbax side (--to=orbax:)"),
         ("convert_hf_dtype_to_orbax", "convert.py", [f"--from=hf:{w / 'hf'}", f"--to=orbax:{w / 'out'}",
                                                      "--hf_dtype=bfloat16"], 2, "--hf_dtype only applies to --to=hf:"),
+        # Both wrote the flipped bit into their output, exit 0 (convert.py reads TensorStore itself).
+        ("convert_changed_bits_to_hf", "convert.py", [f"--from=orbax:{w / 'flipped'}", f"--to=hf:{w / 'out'}"], 2,
+         f"checkpoint {w / 'flipped' / 'checkpoints' / '4'} is damaged: 1 tensor(s) read back with other bits than "
+         "were saved, e.g. ['model.norm']"),
+        ("convert_changed_bits_to_olmo_core", "convert.py", [f"--from=orbax:{w / 'flipped'}",
+                                                             f"--to=olmo-core:{w / 'out'}"], 2,
+         "1 tensor(s) read back with other bits than were saved, e.g. ['model.norm']"),
         ("convert_damaged_checkpoint", "convert.py", [f"--from=orbax:{w / 'damaged'}", f"--to=hf:{w / 'out'}"], 2,
          f"{w / 'damaged' / 'checkpoints' / '4' / 'state' / '_sharding'} does not read back"),
     ]

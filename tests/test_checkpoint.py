@@ -183,17 +183,57 @@ def test_non_finite_state_is_refused_but_skipped_losses_are_kept(tmp_path):
     assert np.isnan(np.asarray(got["opt"]["loss_window"])).all() and mgr.all_steps() == [1]
 
 
-def test_restoring_into_another_dtype_casts_and_is_not_damage(tmp_path):
-    """Dtypes follow the abstract state (Orbax casts): an fp32 checkpoint read as bf16 has other
-    bits than were saved, by design, not by damage; the checksums are compared only where the
-    dtype is the saved one."""
+def test_restoring_into_another_dtype_casts_and_still_checks_the_bits(tmp_path):
+    """Dtypes follow the abstract state: an fp32 checkpoint read as bf16 (a warm start with another
+    --param_dtype) is cast as numpy casts, onto the sharding asked for. Its bits are compared as
+    stored first: before, a tensor restored into another dtype skipped its checksum, and a warm
+    start trained on from a damaged checkpoint."""
     w = jnp.arange(16, dtype=jnp.float32) / 3
     CheckpointManager(str(tmp_path), async_save=False).save(1, {"w": w, "v": w})
     mgr = CheckpointManager(str(tmp_path), read_only=True)
-    got, _ = mgr.restore(1, {"w": jax.ShapeDtypeStruct((16,), jnp.bfloat16), "v": w})
-    assert got["w"].dtype == jnp.bfloat16
+    on_two = NamedSharding(mesh(2), P("fsdp"))
+    got, _ = mgr.restore(1, {"w": jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=on_two),
+                             "v": jax.device_put(w, on_two)})
+    assert got["w"].dtype == jnp.bfloat16 and got["w"].sharding == on_two
     np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(w).astype(jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(got["v"]), np.asarray(w))
+    meta = tmp_path / "checkpoints" / "1" / "extra" / "metadata"
+    extra = json.loads(meta.read_text())
+    extra[checkpoint.CHECKSUMS]["w"] = checkpoint.tensor_checksums({"w": w.at[3].add(1)})["w"]   # as if damaged
+    meta.write_text(json.dumps(extra))
+    with pytest.raises(checkpoint.ChangedBitsError, match=r"\['w'\]"):
+        CheckpointManager(str(tmp_path), read_only=True).restore(1, {"w": jax.ShapeDtypeStruct((16,), jnp.bfloat16)})
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32])
+def test_checksums_of_blocks_add_up_to_the_saved_one(tmp_path, dtype):
+    """convert.py reads a tensor a layer or a block of rows at a time: BlockChecksums adds the
+    blocks' position-weighted sums and compares the total, once the blocks cover the tensor, with
+    the checksum saved (tensor_checksums, held to a numpy oracle above). Any split, in any order;
+    a changed element in any block is damage."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(3, 5, 7)) * 100).astype(dtype)
+    CheckpointManager(str(tmp_path), async_save=False).save(1, {"x": jnp.asarray(x)})
+    mgr = CheckpointManager(str(tmp_path), read_only=True)
+    layers = checkpoint.BlockChecksums(mgr, 1)
+    for i in (2, 0, 1):
+        layers.add("x", x[i], (i, 0, 0), x.shape)   # layer i, indexed out of the stacked axis
+    rows = checkpoint.BlockChecksums(mgr, 1)
+    for i in range(3):
+        for a in range(0, 5, 2):                    # blocks of rows, the last one short
+            rows.add("x", x[i:i + 1, a:a + 2], (i, a, 0), x.shape)
+    checkpoint.BlockChecksums(mgr, 1).add("x", x, (0, 0, 0), x.shape)
+    for where in ((0, 0, 0), (1, 4, 6), (2, 3, 1)):
+        y = x.copy()
+        y[where] += 1
+        changed = checkpoint.BlockChecksums(mgr, 1)
+        with pytest.raises(checkpoint.ChangedBitsError, match=r"\['x'\]"):
+            for i in range(3):
+                changed.add("x", y[i], (i, 0, 0), x.shape)
+    moved = checkpoint.BlockChecksums(mgr, 1)   # the right layers at the wrong places
+    with pytest.raises(checkpoint.ChangedBitsError):
+        for i in range(3):
+            moved.add("x", x[(i + 1) % 3], (i, 0, 0), x.shape)
 
 
 def test_keep_last_n_and_async_save_is_safe_to_donate(tmp_path):

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from olmo3.launch import backoff_delay, child_argv, newest_checkpoint, run_until_done, strip_flag
+from olmo3.launch import backoff_delay, child_argv, enclosing_run, newest_checkpoint, run_until_done, strip_flag
 
 # Each run appends a line to the counter file, then exits with codes[run index] (or the last).
 # A code ending in "+" saves first: a checkpoint folder named by the run's number in argv[3]; one
@@ -100,6 +100,21 @@ def test_newest_checkpoint_lists_finished_saves_only(tmp_path):
     (tmp_path / "99").write_text("")      # a file, not a step folder
     assert newest_checkpoint(str(tmp_path)) == 12
 
+
+def test_enclosing_run_finds_a_run_dir_inside_checkpoints_only(tmp_path):
+    """train.py refuses a --run_dir that is a run's checkpoints/ directory, one of its checkpoints
+    (Orbax's _CHECKPOINT_METADATA marks a step) or a folder inside one: a new run was written there.
+    A folder a user named "checkpoints", holding runs, is not one."""
+    run = tmp_path / "run"
+    (run / "checkpoints" / "4" / "state").mkdir(parents=True)
+    (run / "checkpoints" / "4" / "_CHECKPOINT_METADATA").write_text("{}")
+    for inside in ("checkpoints", "checkpoints/4", "checkpoints/4/state", "checkpoints/4/state/new", "checkpoints/5"):
+        assert enclosing_run(str(run / inside)) == str(run), inside
+    for outside in (run, tmp_path / "new", run / "logs"):
+        assert enclosing_run(str(outside)) is None, outside
+    mine = tmp_path / "checkpoints"   # the user's folder of runs, runs named by number among them
+    (mine / "7" / "checkpoints").mkdir(parents=True)
+    assert enclosing_run(str(mine / "7")) is None and enclosing_run(str(mine / "8")) is None
 
 
 def test_newest_checkpoint_survives_a_stale_handle(tmp_path, monkeypatch, capsys):
