@@ -730,6 +730,10 @@ def check_flags():
     if F.data_root and not F.data.startswith("mix:"):   # it was ignored
         raise app.UsageError(f"--data_root={F.data_root} is the root URL of a data mix (--data=mix:NAME); "
                              f"--data={F.data} is read from here: drop --data_root")
+    if F.data_dir and not F.packed and (F.stage in ("sft", "dpo") or F.data.startswith("mix:")):   # it was ignored
+        raise app.UsageError(f"--data_dir is where a corpus (stdlib, a directory of documents) is prepared, and with "
+                             f"--packed where packings are cached; --data={F.data} is read as it is: drop --data_dir"
+                             + (", or give the mirror as --data_root" if F.data.startswith("mix:") else ""))
     if F.joined_at is not None and F.max_steps is None:
         from olmo3 import schedules
         # AI2's joined schedule: the half cosine runs to the 7T-token horizon, the run stops earlier
@@ -861,8 +865,9 @@ def packing_cache() -> str | None:
     <run_dir>/../data/packing (where the prepared corpus goes too); None (pack in memory) when
     that is remote."""
     from data import storage
+    from data.prepare import PACKING
     if F.packing_cache or F.data_dir:
-        where = F.packing_cache or os.path.join(F.data_dir, "packing")
+        where = F.packing_cache or os.path.join(F.data_dir, PACKING)
     else:   # --run_dir is a local path (check_flags)
         where = os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", "packing")
     return None if storage.is_remote(where) else where

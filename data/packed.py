@@ -18,7 +18,8 @@ Why it is built this way: the packing is a pure function of the file list, their
 contents, so every host computes the same instances and `data.order` can shuffle their indices
 exactly as for `FSLDataset`; nothing but the fingerprint goes into a checkpoint. Packing scans
 every token once (eos search) and keeps three small index arrays per group in memory;
-`cache_dir` keeps them on disk, keyed by the files, so a restart does not rescan. Equal-length
+`cache_dir` keeps them on disk, keyed by the files (path, size, and a local file's mtime), so a
+restart does not rescan. Equal-length
 documents are ordered by numpy's default argsort, as in OLMo-core, and that order depends on the
 CPU: numpy's sorts dispatch on the instruction set (100,000 lengths in 1..49 argsort to different
 permutations with AVX-512 and with AVX2 only, numpy 2.4). train.py lets process 0 pack first and the
@@ -146,8 +147,9 @@ class PackedFSLDataset:
         """Pack the documents of `files` (one source group): sorted spans, instance offsets, docs."""
         # vocab_size: the scan is also the token-range check, which a cache hit must not skip
         key = hashlib.sha256(f"{self.kind},{self.seq_len},{self.eos_id},{self.vocab_size},truncate,".encode())
-        for k in files:
-            key.update(f"{self.paths[k]},{self.file_sizes[k]},".encode())
+        for k in files:   # a local file rewritten at its size (a rebuild, a reshuffle) has a new mtime
+            changed = "" if storage.is_remote(self.paths[k]) else os.stat(self.paths[k]).st_mtime_ns
+            key.update(f"{self.paths[k]},{self.file_sizes[k]},{changed},".encode())
         cached = cache_dir and os.path.join(os.fspath(cache_dir), f"packed-{key.hexdigest()[:32]}.npz")
         if cached and os.path.isfile(cached):  # the key names the group's files, not their positions
             with np.load(cached) as z:

@@ -367,14 +367,11 @@ def prepare(
     os.makedirs(out_dir, exist_ok=True)
     manifest_path = os.path.join(out_dir, MANIFEST)
     if os.path.exists(manifest_path):
-        try:
-            with open(manifest_path) as f:
-                before = json.load(f).get("source")
-        except (OSError, ValueError, AttributeError):
-            before = None
+        before = _manifest_source(out_dir)
         if before is not None and not corpus_lib.same_mixture(before, source):   # it went without a word
             logging.warning("%s held the prepared corpus of %r; replacing it with %r", out_dir, before, source)
         os.remove(manifest_path)  # the old commit point goes first: a crash below leaves no stale manifest
+    _remove_leftovers(out_dir)
     created: list[str] = []
     try:
         if len(sources) == 1:
@@ -427,11 +424,12 @@ def prepare(
 
 def _require_ours(out_dir: str) -> None:
     """A rebuild replaces the manifest and token files of `out_dir`: it must be new, empty, or a
-    prepared corpus (its manifest, train/, heldout/, sources/ and hidden temporaries), never a
-    folder of someone's other files."""
+    prepared corpus (its manifest, train/, heldout/, sources/, packing/ and hidden temporaries),
+    never a folder of someone's other files."""
     if not os.path.isdir(out_dir):
         return
-    other = sorted(e for e in os.listdir(out_dir) if not e.startswith(".") and e not in (MANIFEST, *_SPLIT_DIRS))
+    other = sorted(e for e in os.listdir(out_dir)
+                   if not e.startswith(".") and e not in (MANIFEST, *_SPLIT_DIRS, PACKING))
     foreign = f"holds {other[:3]}" if other else None
     try:
         with open(os.path.join(out_dir, MANIFEST)) as f:
@@ -445,7 +443,29 @@ def _require_ours(out_dir: str) -> None:
                          "directory (or over an earlier prepared corpus), so give another directory")
 
 
+def _manifest_source(out_dir: str) -> str | None:
+    """The source a prepared corpus in `out_dir` was built from; None without a readable manifest."""
+    try:
+        with open(os.path.join(out_dir, MANIFEST)) as f:
+            return json.load(f).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 _SPLIT_DIRS = ("train", "heldout", "sources")   # what `prepare` writes beside the manifest
+PACKING = "packing"   # train.py --packed's default cache of the packings of these token files
+
+
+def _remove_leftovers(out_dir: str) -> None:
+    """Before a build: the packings cached from the token files it replaces, and the hidden
+    temporaries of a build that was killed (a SIGKILL runs no cleanup; each up to a whole token
+    file's size, and no later build removed them). One build writes a directory at a time."""
+    shutil.rmtree(os.path.join(out_dir, PACKING), ignore_errors=True)
+    for split in _SPLIT_DIRS:
+        for dirpath, _, files in os.walk(os.path.join(out_dir, split)):
+            for name in files:
+                if name.startswith(".") and ".tmp" in name:   # olmo3/atomic.py temporary_name
+                    os.remove(os.path.join(dirpath, name))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,28 +548,45 @@ def contents_digest(out_dir: str, split: str) -> str:
 def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dict[str, list[str]]:
     """Token files of `corpus` under `out_dir`, built only if missing or stale: {split: [paths]}.
 
-    The existing build is reused when its manifest is readable, names the same source, was built
-    from identical inputs (digest of every document) with the same tokenizer, and every file
-    matches its recorded size and sha256; otherwise it is rebuilt. With several processes, call it
-    from one (process 0) and let the others wait: concurrent rebuilds are identical but redundant.
+    The existing build is reused when its manifest is readable, was built from identical inputs
+    (digest of every document) with the same tokenizer and the settings given, and every file
+    matches its recorded size and sha256; otherwise it is rebuilt, with its own settings where none
+    are given. A build of another source is refused (ValueError), never replaced. With several
+    processes, call it from one (process 0) and let the others wait: concurrent rebuilds are
+    identical but redundant.
     """
     sources = corpus_lib.parse_mixture(corpus)  # a missing source is the user's error: nothing written
     first, reason = not os.path.exists(os.path.join(out_dir, MANIFEST)), None
+    held = _manifest_source(out_dir)
+    if held is not None and not corpus_lib.same_mixture(held, corpus):
+        # Named for another corpus's build (a --data forgotten, a --data_dir mistyped): rebuilding it
+        # would destroy that build and train on, or score, what the user did not mean.
+        raise ValueError(f"{out_dir} holds the prepared corpus of {held!r}, not of {corpus!r}; nothing was "
+                         f"changed: name {held!r} as the corpus (train.py --data, eval.py --heldout) or give "
+                         "another directory (--data_dir, --eval_data_dir)")
+    manifest = None
     try:
         manifest = None if first else verify(out_dir)
+        # Settings the caller gives must match; those it leaves out are the build's own (train.py
+        # and eval.py give none, so a `python -m data.prepare --heldout_fraction=...` build is used as made).
+        asked = {"heldout_fraction": _effective_heldout(prepare_kwargs.get("heldout_fraction")),
+                 "max_tokens_per_file": prepare_kwargs.get("max_tokens_per_file"),
+                 "mixture_tokens": prepare_kwargs.get("mixture_tokens")}
         if manifest is not None and (
-                not corpus_lib.same_mixture(manifest["source"], corpus)
-                or manifest["tokenizer"] != TOKENIZER
+                manifest["tokenizer"] != TOKENIZER
                 or manifest["inputs"] != [{"source": s, "sha256": inputs_digest(s)} for s, _ in sources]
-                or manifest["heldout_fraction"] != _effective_heldout(prepare_kwargs.get("heldout_fraction"))
-                or manifest["max_tokens_per_file"] != prepare_kwargs.get("max_tokens_per_file", DEFAULT_MAX_TOKENS_PER_FILE)
-                or manifest["mixture_tokens"] != prepare_kwargs.get("mixture_tokens")):
-            reason = "its source, settings or tokenization rules changed"
+                or any(manifest[k] != v for k, v in asked.items() if k in prepare_kwargs)):
+            reason = "its inputs, settings or tokenization rules changed"
     except (OSError, ValueError) as e:  # a truncated or replaced token file, a torn manifest
         reason = " ".join(str(e).split())
     if first or reason is not None:
         if reason is not None:  # kept as it always was: rebuilt, but never silently
             logging.warning("rebuilding the prepared corpus in %s: %s", out_dir, reason)
+        if manifest is not None:   # rebuilt for its inputs: with the settings it was made with
+            made = {"heldout_fraction": None if manifest["heldout_fraction"] == _effective_heldout(None)
+                    else manifest["heldout_fraction"]["default"],
+                    "max_tokens_per_file": manifest["max_tokens_per_file"], "mixture_tokens": manifest["mixture_tokens"]}
+            prepare_kwargs = {**made, **prepare_kwargs}
         manifest = prepare(corpus, out_dir, **prepare_kwargs)
     elif manifest.get("split") != SPLIT and any(s not in corpus_lib.BUILTIN for s, _ in sources):
         # Reused, not rebuilt: a run resuming on it keeps its data. But a fresh build holds out others.

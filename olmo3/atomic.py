@@ -84,7 +84,13 @@ RENAME_ADVICE = ("checkpoints are written into a temporary directory that is the
 
 def existing_directory(path: str | os.PathLike, flag: str, given: str | None = None) -> str:
     """`path`, or its nearest existing ancestor: where a directory `path` will be made. Stops with
-    one line (UserError naming `flag` and its value, `given` or `path`) when that is a file."""
+    one line (UserError naming `flag` and its value, `given` or `path`) when that is a file, or when
+    `path` starts with a '~' nobody expanded (the shell does not, after --flag=, nor in a flagfile):
+    it made a directory named '~' in the working directory."""
+    if os.fspath(path).startswith("~"):
+        said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
+        raise UserError(f"{said}'~' is not expanded after --flag= or in a flagfile; write the whole path "
+                        f"({os.path.expanduser(os.fspath(path))})")
     where = os.path.abspath(os.fspath(path))
     while not os.path.exists(where):
         where = os.path.dirname(where)

@@ -79,6 +79,8 @@ def world(tmp_path_factory):
     shutil.copytree(w / "run", w / "relabeled")
     shutil.copytree(w / "run" / "checkpoints" / "2", w / "relabeled" / "checkpoints" / "6")
     shutil.copytree(w / "run", w / "badmetrics")
+    # The corpus the run prepared (<run_dir>/../data/<name>), as a --data_dir.
+    shutil.copytree(next(d for d in (w / "data").iterdir() if (d / "manifest.json").exists()), w / "prepared_docs")
     with open(w / "badmetrics" / "metrics.jsonl", "a") as f:
         f.write("{not json\n")
     # An HF directory (ours, written by olmo3.hf.to_hf) and broken copies of it.
@@ -122,7 +124,23 @@ def _cases(w):
     directory no case may leave a checkpoint in."""
     T = [*TINY, f"--data={w / 'docs'}"]
     new = w / "new_run"
+    prepared = w / "prepared_docs"
     return [
+        # Replaced by the other corpus (a warning only): the build was lost, and the run trained on what was not meant.
+        ("data_dir_of_another_corpus", "train.py", [*TINY, f"--data={w / 'other'}", f"--data_dir={prepared}",
+                                                    f"--run_dir={new}"], 2,
+         f"{prepared} holds the prepared corpus of {str(w / 'docs')!r}, not of {str(w / 'other')!r}; nothing was "
+         "changed"),
+        ("eval_data_dir_of_another_corpus", "eval.py", [f"--model={w / 'run'}", f"--heldout={w / 'other'}",
+                                                        f"--eval_data_dir={prepared}"], 2,
+         f"{prepared} holds the prepared corpus of {str(w / 'docs')!r}, not of {str(w / 'other')!r}"),
+        # Ignored: the mix was read from its default root.
+        ("data_dir_with_a_mix", "train.py", [*TINY, "--data=mix:OLMo-mix-0625-official", f"--data_dir={prepared}",
+                                             f"--run_dir={new}"], 2,
+         "--data=mix:OLMo-mix-0625-official is read as it is: drop --data_dir, or give the mirror as --data_root"),
+        # A directory named '~' in the working directory, exit 0.
+        ("run_dir_under_an_unexpanded_tilde", "train.py", [*T, "--run_dir=~/olmo3-run"], 2,
+         "--run_dir='~/olmo3-run': '~' is not expanded after --flag= or in a flagfile; write the whole path"),
         ("mesh_malformed", "train.py", [*T, f"--run_dir={new}", "--mesh=fsdp:x"], 2, "--mesh='fsdp:x'"),
         ("mesh_impossible", "train.py", [*T, f"--run_dir={new}", "--mesh=fsdp:3"], 2, "--mesh='fsdp:3'"),
         ("context_impossible", "train.py", [*T, f"--run_dir={new}", "--mesh=context:3"], 2,

@@ -469,6 +469,24 @@ def test_a_cached_packing_still_checks_the_vocabulary(tmp_path):
         PackedFSLDataset([str(tmp_path / "part.npy")], 8, vocab_size=4096, **kw)
 
 
+def test_a_file_rewritten_at_its_size_is_packed_again(tmp_path):
+    """A token file rewritten with other document boundaries at the same size (a corpus rebuilt
+    with documents moved between files, a reshuffled part): the cache, keyed by path and size,
+    served the old packing, whose documents cut across the new ones."""
+    path = str(tmp_path / "part.npy")
+    kw = dict(eos_id=3, pad_id=0, vocab_size=100)
+    np.array([4, 5, 6, 7, 8, 3, 9, 3], np.uint32).tofile(path)
+    PackedFSLDataset([path], 8, cache_dir=tmp_path / "cache", **kw)
+    np.array([4, 3, 5, 6, 3, 7, 8, 3], np.uint32).tofile(path)   # same size, three documents now
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))   # a later write
+    cached = PackedFSLDataset([path], 8, cache_dir=tmp_path / "cache", **kw)
+    fresh = PackedFSLDataset([path], 8, **kw)
+    assert len(cached) == len(fresh)
+    for i in range(len(fresh)):
+        np.testing.assert_array_equal(cached[i]["doc_lens"], fresh[i]["doc_lens"])
+    assert sorted(int(n) for i in range(len(fresh)) for n in fresh[i]["doc_lens"] if n) == [2, 3, 3]
+
+
 def test_an_empty_part_holds_no_document(tmp_path):
     """An empty token file and its empty label mask (a converter's last, empty part) pack to the
     same instances as the other files alone (numpy cannot memmap an empty file: it crashed)."""

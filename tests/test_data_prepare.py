@@ -1,5 +1,6 @@
 """prepare: OLMo-core token files, deterministic split and bytes, mixtures, idempotent ensure_corpus,
 clear errors and nothing half-written."""
+import glob
 import gzip
 import hashlib
 import json
@@ -534,3 +535,47 @@ def test_mixture_specs(tmp_path):
                       (f"{tmp_path}/nope:1", "does not exist")):
         with pytest.raises((ValueError, FileNotFoundError), match=says):
             corpus.parse_mixture(bad)
+
+
+def test_ensure_corpus_keeps_another_sources_build_and_a_builds_own_settings(tmp_path):
+    """train.py --data_dir / eval.py --eval_data_dir holding the build of another source (a --data
+    forgotten): it was replaced, warning only, so hours of tokenization were lost and the run
+    trained on the default corpus. Now refused with the directory unchanged. A build made with its
+    own settings (python -m data.prepare --heldout_fraction) is used as made by a caller that gives
+    none (it was rebuilt with the defaults), and rebuilt with them when its inputs change."""
+    web, _ = _make_corpus(tmp_path, "web", 60, 1)
+    other, _ = _make_corpus(tmp_path, "other", 30, 2)
+    out = str(tmp_path / "out")
+    prep.prepare(web, out, workers=1, progress=False, heldout_fraction=0.5)
+    before = {p: open(p, "rb").read() for p in glob.glob(os.path.join(out, "**", "*"), recursive=True)
+              if os.path.isfile(p)}
+    with pytest.raises(ValueError, match=rf"{out} holds the prepared corpus of {web!r}, not of {other!r}; "
+                                         r"nothing was changed"):
+        data.ensure_corpus(out, other, workers=1, progress=False)
+    assert data.ensure_corpus(out, web, workers=1, progress=False)   # reused as it was made
+    after = {p: open(p, "rb").read() for p in glob.glob(os.path.join(out, "**", "*"), recursive=True)
+             if os.path.isfile(p)}
+    assert after == before
+    with open(os.path.join(web, "a000.txt"), "a", encoding="utf-8") as f:
+        f.write(" an edit")
+    data.ensure_corpus(out, web, workers=1, progress=False)
+    assert data.verify(out)["heldout_fraction"] == {"default": 0.5}
+    assert data.ensure_corpus(out, web, workers=1, progress=False, heldout_fraction=0.1)   # a setting given: rebuilt
+    assert data.verify(out)["heldout_fraction"] == {"default": 0.1}
+
+
+def test_a_rebuild_clears_the_packings_and_a_killed_builds_temporaries(tmp_path):
+    """train.py --packed caches packings in <--data_dir>/packing: that folder made every later
+    rebuild of the directory refuse it as 'someone else's files', and a packing of the replaced
+    token files stayed. A SIGKILLed build's hidden temporaries (up to a token file each) stayed
+    after every later build."""
+    web, _ = _make_corpus(tmp_path, "web", 30, 1)
+    out = tmp_path / "out"
+    prep.prepare(web, str(out), workers=1, progress=False)
+    (out / prep.PACKING).mkdir()
+    (out / prep.PACKING / "packed-0.npz").write_bytes(b"old")
+    leftover = out / "train" / ".train-00000.npy.123.abcd1234.tmp"
+    leftover.write_bytes(b"\0" * 64)
+    prep.prepare(web, str(out), workers=1, progress=False)
+    assert not (out / prep.PACKING).exists() and not leftover.exists()
+    assert data.verify(str(out))["source"] == web
