@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import ipaddress
 import os
 import random
 import re
@@ -144,7 +145,7 @@ def _tpu_variables_problem(env: Mapping[str, str]) -> Optional[str]:
     """Why JAX's Cloud TPU detection would count these variables wrong, or None. JAX splits the
     worker list on commas and counts every entry, so an empty one (a trailing comma, an empty
     TPU_PROCESS_ADDRESSES beside a good TPU_WORKER_HOSTNAMES) is a host that never starts and
-    whose place every process waits for; MEGASCALE_NUM_SLICES must be a count >= 1."""
+    whose place every process waits for."""
     var = _tpu_hosts_variable(env)
     if var is None:
         return None
@@ -155,10 +156,51 @@ def _tpu_variables_problem(env: Mapping[str, str]) -> Optional[str]:
         return (f"{var}={value!r} has an empty entry{shadows}: JAX's detection counts it as a host "
                 f"({len(value.split(','))} in all) and every process would wait for it. Fix: list each "
                 f"host once, comma-separated, with no empty entries" + (", or unset it" if shadows else ""))
-    slices = env.get("MEGASCALE_NUM_SLICES")
-    if slices is not None and not (_int(slices) or 0) >= 1:
-        return f"MEGASCALE_NUM_SLICES={slices!r} is not a slice count >= 1. Fix: set it to the number of slices, or unset it for one"
     return None
+
+
+# The counts the engines announce (read by `detect`, and by JAX for Open MPI, SLURM and Cloud TPU).
+# JAX's int() of 'abc', '' or 0 fails inside jax.distributed.initialize(), which then reads as
+# "nothing to join": every process trained alone, exit 0.
+_LAUNCHER_SETS_IT = "leave it to the launcher that sets it (srun, mpirun, mpiexec); do not set or export it yourself"
+_COUNT_VARIABLES = {"OMPI_COMM_WORLD_SIZE": ("process count", _LAUNCHER_SETS_IT),
+                    "SLURM_NTASKS": ("process count", _LAUNCHER_SETS_IT),
+                    "SLURM_NPROCS": ("process count", _LAUNCHER_SETS_IT),
+                    "SLURM_STEP_NUM_TASKS": ("process count", _LAUNCHER_SETS_IT),
+                    "PMI_SIZE": ("process count", _LAUNCHER_SETS_IT),
+                    "MEGASCALE_NUM_SLICES": ("slice count", "set it to the number of slices, or unset it for one")}
+
+
+def _count_problem(env: Mapping[str, str]) -> Optional[str]:
+    """The first count variable that is set but not a whole number >= 1, said with its fix, or None."""
+    for var, (what, fix) in _COUNT_VARIABLES.items():
+        value = env.get(var)
+        if value is not None and not (_int(value) or 0) >= 1:
+            return f"{var}={value!r} is not a {what}: it must be a whole number >= 1. Fix: {fix}"
+    return None
+
+
+# All five make JAX's SLURM detection join the step (jax/_src/clusters/slurm_cluster.py); it is
+# tried after Open MPI's, which OMPI_MCA_orte_hnp_uri alone turns on.
+_SLURM_DETECTED_BY = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+
+
+def _slurm_coordinator_problem(env: Mapping[str, str]) -> Optional[str]:
+    """Why the coordinator JAX's SLURM detection derives from the step's first node is no host,
+    or None. An empty SLURM_STEP_NODELIST made it ':61440', which every process dialled for 5
+    minutes before JAX aborted (exit 134, retried)."""
+    if "OMPI_MCA_orte_hnp_uri" in env or not all(v in env for v in _SLURM_DETECTED_BY):
+        return None
+    nodes = env["SLURM_STEP_NODELIST"]
+    # JAX's parse: up to the first ',' or '['; after a '[', its first index up to ',' or '-'
+    # ('node[001-004],gpu7' -> 'node001'). 'node[001]' gives 'node001]', as JAX would dial it.
+    prefix, index = re.match(r"([^,\[]*)(?:\[([^,-]*))?", nodes).groups()
+    host = prefix + (index or "")
+    if _is_host(host):
+        return None
+    return (f"SLURM_STEP_NODELIST={nodes!r}: its first host {host!r}, which JAX's SLURM detection makes the "
+            "coordinator address from, is not a host name. Fix: start every task with `srun python train.py "
+            "...` (srun sets it), or pass --coordinator=<host of process 0>:<free port>")
 
 
 def _on_cloud_tpu_vm() -> bool:
@@ -279,7 +321,8 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         raise ClusterError(f"--num_processes / JAX_NUM_PROCESSES = {num_processes} must be >= 1; give the count of "
                            "processes, or leave it out for the launcher's")
     if not (coordinator and num_processes is not None and process_id is not None):   # JAX detects the rest
-        problem = _tpu_variables_problem(env)
+        problem = (_tpu_variables_problem(env) or _count_problem(env)
+                   or (None if coordinator else _slurm_coordinator_problem(env)))
         if problem:
             raise ClusterError(problem)
     announced = {c.processes for c in _candidates(env)}   # Open MPI 5 under srun: the ranks, not the step's
@@ -346,13 +389,25 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
         raise ClusterError(f"{name}={env[name]!r} is not an integer; set it to a count / rank, or unset it") from None
 
 
+def _is_host(host: str) -> bool:
+    """A host name, an IPv4 address, or an IPv6 address in brackets: what gRPC can dial."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.ip_address(host[1:-1]).version == 6
+        except ValueError:
+            return False
+    return re.fullmatch(r"[A-Za-z0-9._-]+", host) is not None
+
+
 def _check_coordinator(address: str) -> None:
-    """host:port, as jax.distributed.initialize reads it (a bare host failed in JAX with an
-    IndexError: exit 1, retried by --resume_until_done)."""
+    """host:port or [IPv6]:port, as jax.distributed.initialize reads it. A bare host failed in JAX
+    with an IndexError (exit 1, retried by --resume_until_done); a scheme ('http://h:1') or a host
+    with a ':' ('h:12:34') was dialled as given for 5 minutes, then JAX aborted (exit 134, retried)."""
     host, sep, port = address.rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-        raise ClusterError(f"--coordinator / JAX_COORDINATOR_ADDRESS = {address!r}: give host:port, the host of "
-                           "process 0 and a free port on it (e.g. node001:12345)")
+    if not (sep and _is_host(host) and re.fullmatch(r"[0-9]+", port) and 0 < int(port) < 65536):
+        raise ClusterError(f"--coordinator / JAX_COORDINATOR_ADDRESS = {address!r}: give host:port or [IPv6]:port, "
+                           "with no scheme: the host of process 0 and a free port on it (e.g. node001:12345, "
+                           "[fd00::1]:12345)")
 
 
 def _replica_message(launch: Launch, fix: str) -> str:

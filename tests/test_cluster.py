@@ -9,6 +9,7 @@ one checkpoint directory, and a single process must resume it to the uninterrupt
 """
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -182,6 +183,99 @@ def test_bad_addresses_and_counts_are_named_before_jax_sees_them(monkeypatch):
         cluster.initialize(env=env)
     assert "(Got process_id=5, num_processes=2.): the task's SLURM variables disagree" in str(e.value)
     assert "unset" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", ["http://localhost:12345", "grpc://10.0.0.1:1234", "localhost:12:34", "::1:1234",
+                                 "[myhost]:1234", "[fd00::1]", "node 1:1234"])
+def test_coordinator_jax_would_dial_for_5_minutes_is_refused(bad, monkeypatch):
+    """A scheme or an unbracketed ':' in the host passed the host:port check; every process then
+    dialled it for 5 minutes and JAX aborted (exit 134, which --resume_until_done retries)."""
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
+    message = rf"^--coordinator / JAX_COORDINATOR_ADDRESS = {re.escape(repr(bad))}: give host:port or \[IPv6\]:port"
+    with pytest.raises(ClusterError, match=message):
+        cluster.initialize(bad, 1, 0, env={})
+    with pytest.raises(ClusterError, match=message):
+        cluster.initialize(env={"JAX_COORDINATOR_ADDRESS": bad, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"})
+
+
+def test_coordinator_forms_jax_can_dial_are_joined(monkeypatch):
+    import jax
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw["coordinator_address"]))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)   # no gloo for this test process
+    good = ["node001:12345", "10.0.0.1:1234", "my-host.example.com:80", "[::1]:1234", "[fd00::1]:12345",
+            "[fe80::1%eth0]:1234"]
+    for address in good:
+        cluster.initialize(address, 2, 0, env={})
+    assert joined == good
+
+
+@pytest.mark.parametrize("nodes", ["", ",node002", "node[001]"])
+def test_slurm_node_list_jax_cannot_make_a_coordinator_of_is_refused(nodes, monkeypatch):
+    """The reference: JAX's SLURM detection, given the same variables. An empty SLURM_STEP_NODELIST
+    gave the coordinator ':61440', dialled for 5 minutes before JAX aborted; it is refused, naming
+    the host JAX would dial. A --coordinator of the user's, or Open MPI's (which JAX tries first),
+    is used instead of the node list, which then does not matter."""
+    import jax
+    slurm = pytest.importorskip("jax._src.clusters.slurm_cluster")
+    env = {**fake_srun.srun_env(job_id=5, rank=1, ntasks=2, nodes=2), "SLURM_STEP_NODELIST": nodes}
+    for var in list(os.environ):
+        if var.startswith(fake_srun.LAUNCHER_PREFIXES):
+            monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    jax_host = slurm.SlurmCluster.get_coordinator_address(None, None).rsplit(":", 1)[0]
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
+    with pytest.raises(ClusterError, match=rf"^SLURM_STEP_NODELIST={re.escape(repr(nodes))}: its first host "
+                                           rf"{re.escape(repr(jax_host))}.*--coordinator="):
+        cluster.initialize(env=env)
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    cluster.initialize("10.0.0.1:1234", env=env)
+    cluster.initialize(env={**env, **fake_srun.mpirun_env(1, 2, 61500)})
+    assert len(joined) == 2
+
+
+@pytest.mark.parametrize("nodes, host", [("localhost", "localhost"), ("node001,host2", "node001"),
+                                         ("node[001-015],host2", "node001"), ("node[007,001-005]", "node007")])
+def test_slurm_node_lists_jax_can_read_are_joined(nodes, host, monkeypatch):
+    """SLURM's node-list forms: JAX's first host (the reference) is a host, and nothing is refused."""
+    import jax
+    slurm = pytest.importorskip("jax._src.clusters.slurm_cluster")
+    env = {**fake_srun.srun_env(job_id=5, rank=1, ntasks=2, nodes=2), "SLURM_STEP_NODELIST": nodes}
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert slurm.SlurmCluster.get_coordinator_address(None, None).rsplit(":", 1)[0] == host
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    assert cluster.initialize(env=env).engine == "slurm" and len(joined) == 1
+
+
+_SLURM_TASK = {"SLURM_JOB_ID": "4096123", "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "1",
+               "SLURM_LOCALID": "0"}
+
+
+@pytest.mark.parametrize("env, var", [
+    *[pytest.param({**_SLURM_TASK, "SLURM_NTASKS": v}, "SLURM_NTASKS", id=f"SLURM_NTASKS={v}")
+      for v in ("abc", "", "0", "-2")],
+    pytest.param({**fake_srun.srun_env(job_id=5, rank=1, ntasks=2, nodes=2), "SLURM_STEP_NUM_TASKS": "two"},
+                 "SLURM_STEP_NUM_TASKS", id="SLURM_STEP_NUM_TASKS=two"),
+    *[pytest.param({**fake_srun.mpirun_env(1, 4, 61500), "OMPI_COMM_WORLD_SIZE": v}, "OMPI_COMM_WORLD_SIZE",
+                   id=f"OMPI_COMM_WORLD_SIZE={v}") for v in ("abc", "0")],
+    pytest.param({"PMI_SIZE": "abc", "PMI_RANK": "1"}, "PMI_SIZE", id="PMI_SIZE=abc"),
+])
+def test_unparseable_process_count_is_refused(env, var, monkeypatch):
+    """JAX's int() of SLURM_NTASKS='abc' (or a count of 0) failed inside jax.distributed.initialize(),
+    which read as "nothing to join": every process trained alone, exit 0, the silent replica the
+    guard exists for. It is refused before JAX is called, naming the variable and its value."""
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
+    with pytest.raises(ClusterError, match=rf"^{var}={re.escape(repr(env[var]))} is not a process count: "
+                                           "it must be a whole number >= 1"):
+        cluster.initialize(env=env)
 
 
 def test_detect_prefers_what_jax_can_join():
