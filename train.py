@@ -253,6 +253,8 @@ def main(argv):
     from olmo3.model import decay_mask
 
     cluster.start("train.py", F.coordinator, F.num_processes, F.process_id, independent_runs=F.independent_runs)
+    if F.independent_runs:   # copies that train alone: each in its own --run_dir
+        cluster.claim_run_dir(F.run_dir)
     cluster.check_shared_directory(F.run_dir, "--run_dir")   # one directory for every host's checkpoint shards
     mesh = sharding.make_mesh(F.mesh)
     sharding.check_context(mesh, F.seq_len)   # context:C cuts every instance into 2C chunks

@@ -46,6 +46,7 @@ import ipaddress
 import os
 import random
 import re
+import socket
 import sys
 import time
 from typing import Mapping, Optional
@@ -228,6 +229,35 @@ def job_id(env: Mapping[str, str] = os.environ) -> Optional[str]:
     if env.get("OMPI_MCA_orte_hnp_uri"):
         return "ompi:" + env["OMPI_MCA_orte_hnp_uri"].split(";")[0]
     return None
+
+
+# This copy's index among the copies a launcher started (SLURM, Open MPI, MPICH / Intel MPI).
+_RANK_VARIABLES = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+def claim_run_dir(run_dir: str, env: Mapping[str, str] = os.environ) -> None:
+    """--independent_runs: each copy trains alone, so each needs its own run directory. Copies of
+    one launch given one --run_dir (launch/slurm.sbatch passes the same to every task) wrote each
+    other's checkpoints and metrics: interleaved steps, then an OCDBT 'Configuration mismatch',
+    a half-written save and exit 2 after the training. Each copy marks the directory with its
+    job and rank, then looks for another rank's mark of the same job: of copies that share one,
+    at least one stops here (ClusterError), before any step. A rerun of the same rank (a
+    restart, --resume_until_done) finds only its own mark; another job's marks are not looked at."""
+    job = job_id(env)
+    rank = next((env[v] for v in _RANK_VARIABLES if env.get(v)), None)
+    if job is None or rank is None:
+        return
+    key = re.sub(r"[^A-Za-z0-9_.-]", "_", job)
+    marks = os.path.join(run_dir, ".independent_runs")
+    os.makedirs(marks, exist_ok=True)
+    with open(os.path.join(marks, f"{key}.rank-{rank}"), "w") as f:
+        f.write(f"{socket.gethostname()} {os.getpid()}\n")
+    others = sorted(n.rsplit("-", 1)[1] for n in os.listdir(marks)
+                    if n.startswith(f"{key}.rank-") and n != f"{key}.rank-{rank}")
+    if others:
+        raise ClusterError(f"--run_dir={run_dir} is shared by the {INDEPENDENT_FLAG} copies of one launch (ranks "
+                           f"{', '.join([rank] + others)} of {job}): each trains alone and needs its own. Fix: give "
+                           "each its own --run_dir, e.g. ending in $SLURM_PROCID, or join them (drop the flag)")
 
 
 def _cuda_device_count(visible: str) -> Optional[int]:

@@ -656,3 +656,20 @@ def test_two_nodes_match_one_process_and_resume(reference, tmp_path, launcher):
     _train_one(run_dir, reference["flags"] + ["--max_steps=6", "--resume"])
     resumed = _losses(run_dir)
     np.testing.assert_allclose([resumed[s] for s in (4, 5, 6)], [ref[s] for s in (4, 5, 6)], rtol=2e-6)
+
+
+def test_independent_copies_of_one_launch_may_not_share_a_run_dir(tmp_path):
+    """--independent_runs copies given one --run_dir (launch/slurm.sbatch passes one to every task)
+    wrote each other's checkpoints: interleaved metrics, then an OCDBT 'Configuration mismatch' and
+    a half-written save, after the whole training. A rank that finds another rank's mark of its
+    job stops; the same rank rerun (a restart) and another job's copies do not."""
+    run = str(tmp_path / "run")
+    job = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2"}
+    cluster.claim_run_dir(run, env={**job, "SLURM_PROCID": "0"})
+    cluster.claim_run_dir(run, env={**job, "SLURM_PROCID": "0"})   # its restart
+    with pytest.raises(ClusterError, match=r"--run_dir=.* is shared by the --independent_runs copies of one launch "
+                                           r"\(ranks 1, 0 of slurm:77\).*its own --run_dir"):
+        cluster.claim_run_dir(run, env={**job, "SLURM_PROCID": "1"})
+    cluster.claim_run_dir(run, env={"SLURM_JOB_ID": "78", "SLURM_PROCID": "1"})   # a later job resuming it
+    cluster.claim_run_dir(str(tmp_path / "alone"), env={})   # no launcher: nothing to tell apart
+    assert not os.path.exists(tmp_path / "alone")
