@@ -493,6 +493,9 @@ def start(program: str, coordinator: Optional[str] = None, num_processes: Option
         if multi_process:
             launch = initialize(coordinator, num_processes, process_id, independent_runs=independent_runs)
         else:   # eval.py, bench.py: one process by design
+            problem = _count_problem(os.environ)   # an unreadable count hid the copies: each ran as one process
+            if problem:
+                raise ClusterError(problem)
             launch = detect()
             # Copies started by the engine (an srun step, mpirun, TPU pods) would all do the same
             # work; SLURM's batch shell without srun is one copy, which is fine.

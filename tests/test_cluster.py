@@ -276,6 +276,15 @@ def test_unparseable_process_count_is_refused(env, var, monkeypatch):
     with pytest.raises(ClusterError, match=rf"^{var}={re.escape(repr(env[var]))} is not a process count: "
                                            "it must be a whole number >= 1"):
         cluster.initialize(env=env)
+    # eval.py and bench.py (one process by design) read the count to find copies: unreadable, they ran.
+    for name in list(os.environ):
+        if name.startswith(fake_srun.LAUNCHER_PREFIXES):
+            monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        cluster.start("eval.py", multi_process=False)
+    assert e.value.code == 2
 
 
 def test_detect_prefers_what_jax_can_join():
