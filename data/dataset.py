@@ -62,7 +62,9 @@ class FSLDataset:
         counts = np.array([n // (ITEMSIZE * self.seq_len) for n in self.file_sizes], dtype=np.int64)
         self._ends = np.cumsum(counts)  # global index of the first instance after file k
         if self._ends[-1] == 0:
-            raise ValueError(f"no file holds a full instance of {self.seq_len} tokens: {paths}")
+            raise ValueError(f"no file holds a full instance of {self.seq_len} tokens (the largest holds "
+                             f"{max(self.file_sizes) // ITEMSIZE:,}): {paths}; give a shorter --seq_len or more text "
+                             "(a held-out set: --eval_padded scores its documents one per row, whatever their length)")
 
     def __len__(self) -> int:
         return int(self._ends[-1])

@@ -482,8 +482,9 @@ class LocalTokenFile:
 
     def __init__(self, path: str):
         if not os.path.exists(path):
-            raise FileNotFoundError(f"token file {path!r} does not exist; check the path or rebuild with "
-                                    "`python -m data.prepare`")
+            raise FileNotFoundError(f"token file {path!r} does not exist; check the path (a data mix's files, its "
+                                    "held-out sets' included, lie under --data_root) or, for a prepared corpus, "
+                                    "rebuild it with `python -m data.prepare`")
         if os.path.isdir(path):
             raise IsADirectoryError(f"token file {path!r} is a directory; pass the .npy token files inside it")
         self.path = path
