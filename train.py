@@ -871,7 +871,7 @@ def packing_cache() -> str | None:
     if F.packing_cache or F.data_dir:
         where = F.packing_cache or os.path.join(F.data_dir, PACKING)
     else:   # --run_dir is a local path (check_flags)
-        where = os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", "packing")
+        where = os.path.join(os.path.dirname(os.path.abspath(F.run_dir)), "data", PACKING)
     return None if storage.is_remote(where) else where
 
 

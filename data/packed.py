@@ -19,13 +19,13 @@ contents, so every host computes the same instances and `data.order` can shuffle
 exactly as for `FSLDataset`; nothing but the fingerprint goes into a checkpoint. Packing scans
 every token once (eos search) and keeps three small index arrays per group in memory;
 `cache_dir` keeps them on disk, keyed by the files (path, size, and a local file's mtime), so a
-restart does not rescan. Equal-length
-documents are ordered by numpy's default argsort, as in OLMo-core, and that order depends on the
-CPU: numpy's sorts dispatch on the instruction set (100,000 lengths in 1..49 argsort to different
-permutations with AVX-512 and with AVX2 only, numpy 2.4). train.py lets process 0 pack first and the
-others read its cache, so hosts with different CPUs still agree when the cache directory is
-shared; where they cannot agree it stops (`packing_digest`, compared across processes and with
-the checkpoint's loader state) instead of letting one index mean two instances.
+restart does not rescan. Equal-length documents are ordered by numpy's default argsort, as in
+OLMo-core, and that order depends on the CPU: numpy's sorts dispatch on the instruction set
+(100,000 lengths in 1..49 argsort to different permutations with AVX-512 and with AVX2 only,
+numpy 2.4). train.py lets process 0 pack first and the others read its cache, so hosts with
+different CPUs still agree when the cache directory is shared; where they cannot agree it stops
+(`packing_digest`, compared across processes and with the checkpoint's loader state) instead of
+letting one index mean two instances.
 
 Document boundaries come from the eos tokens, local or remote files alike. OLMo-core takes a
 remote file's boundaries from its `.csv.gz` metadata instead; the two agree whenever every
@@ -148,8 +148,8 @@ class PackedFSLDataset:
         # vocab_size: the scan is also the token-range check, which a cache hit must not skip
         key = hashlib.sha256(f"{self.kind},{self.seq_len},{self.eos_id},{self.vocab_size},truncate,".encode())
         for k in files:   # a local file rewritten at its size (a rebuild, a reshuffle) has a new mtime
-            changed = "" if storage.is_remote(self.paths[k]) else os.stat(self.paths[k]).st_mtime_ns
-            key.update(f"{self.paths[k]},{self.file_sizes[k]},{changed},".encode())
+            mtime = "" if storage.is_remote(self.paths[k]) else os.stat(self.paths[k]).st_mtime_ns
+            key.update(f"{self.paths[k]},{self.file_sizes[k]},{mtime},".encode())
         cached = cache_dir and os.path.join(os.fspath(cache_dir), f"packed-{key.hexdigest()[:32]}.npz")
         if cached and os.path.isfile(cached):  # the key names the group's files, not their positions
             with np.load(cached) as z:

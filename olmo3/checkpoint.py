@@ -538,16 +538,14 @@ class CheckpointManager:
                                  "checkpoint's config")
         # Tensors with a checksum are read as stored, compared, then cast to the dtype asked for (a
         # warm start with another --param_dtype): a cast before the comparison would skip it.
-        saved = self.saved_checksums(step)   # none in checkpoints from before them
+        extra = self._extra(step)
+        saved = extra.pop(CHECKSUMS, {})   # none in checkpoints from before them
         read_as = {n: jax.ShapeDtypeStruct(a.shape, stored[n].dtype, sharding=a.sharding) if n in saved else a
                    for n, a in want.items()}
         restore_args = ocp.checkpoint_utils.construct_restore_args(read_as)
         with self._reading(step):
-            out = self._mgr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(read_as, restore_args, partial_restore=True),
-                extra=ocp.args.JsonRestore()))
-        flat, extra = out["state"], dict(out["extra"] or {})
-        extra.pop(CHECKSUMS, None)
+            flat = self._mgr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(read_as, restore_args, partial_restore=True)))["state"]
         got = tensor_checksums({n: flat[n] for n in want if n in saved})
         changed = [n for n in got if got[n] != saved[n]]
         if changed:

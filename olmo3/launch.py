@@ -91,7 +91,7 @@ def enclosing_run(path: str) -> Optional[str]:
 
     p = os.path.abspath(path)
     while True:
-        if os.path.basename(p) == "checkpoints" and holds_steps(p):
+        if os.path.basename(p) == "checkpoints" and holds_steps(p):   # olmo3/checkpoint.py CHECKPOINTS
             return os.path.dirname(p)
         if is_step(p) and os.path.basename(os.path.dirname(p)) == "checkpoints":
             return os.path.dirname(os.path.dirname(p))
