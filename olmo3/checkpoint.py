@@ -210,6 +210,9 @@ def locate(path: str) -> tuple[str, Optional[int]]:
         return parent, None
     if os.path.isdir(os.path.join(p, CHECKPOINTS)):
         return p, None
+    if os.path.isfile(os.path.join(p, "config.json")):   # olmo3.hf.is_hf_dir: weights to convert first
+        raise FileNotFoundError(f"{path}: a Hugging Face directory, not a run directory; convert it first: "
+                                f"python convert.py --from=hf:{path} --to=orbax:<new run dir>, then give that run")
     raise FileNotFoundError(f"{path}: not a run directory, a {CHECKPOINTS}/ directory or a "
                             f"{CHECKPOINTS}/<step> directory")
 

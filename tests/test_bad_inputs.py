@@ -171,6 +171,9 @@ def _cases(w):
         ("resume_checkpoint_under_another_label", "train.py", [*T, f"--run_dir={w / 'relabeled'}", "--resume",
                                                                "--total_steps=8"], 2,
          f"--resume: checkpoint {w / 'relabeled' / 'checkpoints' / '6'} holds the state after step 2, not 6"),
+        ("init_from_an_hf_directory", "train.py", [*T, "--stage=2", f"--run_dir={new}", f"--init_from={w / 'hf'}"], 2,
+         f"{w / 'hf'}: a Hugging Face directory, not a run directory; convert it first: python convert.py "
+         f"--from=hf:{w / 'hf'} --to=orbax:<new run dir>"),
         ("init_from_missing", "train.py", [*T, "--stage=2", f"--run_dir={new}", f"--init_from={w / 'nowhere'}"],
          2, f"{w / 'nowhere'}: not a run directory"),
         # absl's own line was "error: ERROR:: Unable to open flagfile: [Errno 2] ..." with no fix.
