@@ -101,6 +101,14 @@ class Config:
             errors.append(f"head_dim={self.head_dim} must be even: RoPE rotates pairs of dimensions")
         if self.window < 1:
             errors.append(f"window={self.window} must be >= 1")
+        # NaN losses with exit 0 before (an HF config.json's rope_theta 0 or rms_norm_eps -1)
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            errors.append(f"rope_theta={self.rope_theta} must be a finite number > 0")
+        if not (math.isfinite(self.norm_eps) and self.norm_eps > 0):
+            errors.append(f"norm_eps={self.norm_eps} must be a finite number > 0")
+        if self.yarn is not None and not (math.isfinite(self.yarn.factor) and self.yarn.factor >= 1
+                                          and self.yarn.original_max_position >= 1):
+            errors.append(f"yarn={self.yarn}: factor must be a finite number >= 1 and original_max_position >= 1")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:
                 errors.append(f"{name}={getattr(self, name)!r}: choose one of {sorted(_DTYPES)}")

@@ -43,6 +43,8 @@ EOS_ID, PAD_ID = 100257, 100277  # dolma2 (DESIGN §2)
 # ---- config ---------------------------------------------------------------------------------
 def _pattern(layer_types: list[str], n_layers: int) -> tuple[str, ...]:
     """Shortest repeating pattern of 'sliding'/'full' that tiles the HF `layer_types` list."""
+    if n_layers < 1:
+        raise ValueError(f"HF config num_hidden_layers={n_layers}: a model has at least one layer")
     short = [{"sliding_attention": "sliding", "full_attention": "full"}.get(t) for t in layer_types]
     if None in short or len(short) != n_layers:
         raise ValueError(f"HF config layer_types={layer_types!r}: expected {n_layers} entries of "
@@ -78,11 +80,11 @@ def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
         raise ValueError("HF config has YaRN truncate=false; OLMo 3 (OLMo-core, transformers' default) rounds the "
                          "correction range to whole dimensions, the only YaRN olmo3.rope computes")
     factor = _field(full, "factor", float)
-    attention_factor = full.get("attention_factor")
-    mscale, mscale_all_dim = full.get("mscale"), full.get("mscale_all_dim")
+    attention_factor = _field(full, "attention_factor", float, None)
+    mscale, mscale_all_dim = _field(full, "mscale", float, None), _field(full, "mscale_all_dim", float, None)
     if attention_factor is None and mscale and mscale_all_dim:   # transformers' _compute_yarn_parameters
         m = lambda k: 0.1 * k * math.log(factor) + 1.0 if factor > 1 else 1.0   # noqa: E731
-        attention_factor = m(float(mscale)) / m(float(mscale_all_dim))
+        attention_factor = m(mscale) / m(mscale_all_dim)
     return theta, YaRN(factor=factor,
                        original_max_position=_field(full, "original_max_position_embeddings", int),
                        beta_fast=_field(full, "beta_fast", float, 32.0),
@@ -116,6 +118,9 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> Config:
         raise ValueError("HF config has tie_word_embeddings=true; OLMo 3 has an untied lm_head")
     if hf.get("hidden_act", "silu") != "silu":   # the MLP is SwiGLU; nothing else would read another
         raise ValueError(f"HF config has hidden_act {hf['hidden_act']!r}; OLMo 3's MLP is SwiGLU ('silu')")
+    if "sliding_window" in hf and hf["sliding_window"] is None:   # transformers' Olmo3 cannot run it either
+        raise ValueError("HF config has sliding_window null; OLMo 3's sliding-attention layers need a window "
+                         "(4096 in OLMo 3 7B): give the one the model was trained with")
     n_layers = _field(hf, "num_hidden_layers", int)
     n_heads = _field(hf, "num_attention_heads", int)
     d_model = _field(hf, "hidden_size", int)
@@ -223,6 +228,20 @@ ST_DTYPES = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
+def _read_index(index: str) -> dict[str, str]:
+    """The weight map of model.safetensors.index.json: {tensor name: shard file name}."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not (isinstance(weight_map, dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())):
+            raise ValueError('its "weight_map" is not an object of tensor names to shard file names')
+    except (ValueError, AttributeError) as e:   # not JSON, or JSON of another shape
+        raise ValueError(f"{index} is not a safetensors index ({' '.join(str(e).split())[:200]}); download it "
+                         "again, or remove it if model.safetensors holds every tensor") from e
+    return weight_map
+
+
 class SafetensorsReader(Mapping):
     """Lazy name -> numpy array over the *.safetensors files of an HF directory.
 
@@ -237,14 +256,21 @@ class SafetensorsReader(Mapping):
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path!r}; expected an HF model directory")
         index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):   # a sharded checkpoint: every shard its index names must be here
-            with open(index) as f:
-                shards = set(json.load(f).get("weight_map", {}).values())
+        weight_map = None
+        # The files transformers reads: model.safetensors alone when it is there, else the shards
+        # the index names. Every file of the directory was read, the last in sort order winning a
+        # name, so a leftover shard of an older download replaced tensors without a word.
+        if "model.safetensors" in files:
+            files = ["model.safetensors"]
+        elif os.path.isfile(index):   # a sharded checkpoint: every shard its index names must be here
+            weight_map = _read_index(index)
+            shards = set(weight_map.values())
             missing = sorted(shards - set(files))
             if missing:
                 raise FileNotFoundError(f"{index} names {len(shards)} shards, {len(missing)} missing from {path!r}: "
                                         f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; "
                                         "download them again")
+            files = sorted(shards)
         self._where: dict[str, tuple[str, np.dtype, tuple, int, int]] = {}
         for f in files:
             full = os.path.join(path, f)
@@ -267,6 +293,11 @@ class SafetensorsReader(Mapping):
                 if 8 + n + end > size:
                     raise ValueError(f"safetensors file {full!r} is truncated: tensor {name!r} ends at "
                                      f"byte {8 + n + end} of {size}; download or convert it again")
+                if name in self._where or (weight_map is not None and weight_map.get(name, f) != f):
+                    other = self._where[name][0] if name in self._where else os.path.join(path, weight_map[name])
+                    raise ValueError(f"tensor {name!r} is in {full!r} and {other!r}"
+                                     + (f" (the one {index} names)" if weight_map is not None else "")
+                                     + ": which is meant is unclear; remove the stale file, or download again")
                 self._where[name] = (full, ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin,
                                      end - begin)
 

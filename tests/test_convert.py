@@ -290,7 +290,25 @@ def test_bad_inputs(tmp_path):
                                 ("nulllayers", json.dumps({**cfg, "num_hidden_layers": None}), "no 'num_hidden_layers'"),
                                 ("abc", json.dumps({**cfg, "intermediate_size": "abc"}),
                                  "field 'intermediate_size' is 'abc'; expected an integer"),
-                                ("gelu", json.dumps({**cfg, "hidden_act": "gelu"}), "hidden_act 'gelu'")):
+                                ("gelu", json.dumps({**cfg, "hidden_act": "gelu"}), "hidden_act 'gelu'"),
+                                # an AssertionError traceback, exit 1
+                                ("nolayers", json.dumps({**cfg, "num_hidden_layers": 0, "layer_types": []}),
+                                 "num_hidden_layers=0: a model has at least one layer"),
+                                # read as 4096 (transformers' Olmo3 cannot run it; --verify crashed, exit 1)
+                                ("nowindow", json.dumps({**cfg, "sliding_window": None}), "sliding_window null"),
+                                # NaN losses with exit 0
+                                ("theta0", json.dumps({**{k: v for k, v in cfg.items() if k != "rope_parameters"},
+                                                       "rope_theta": 0}), "rope_theta=0.0 must be a finite number > 0"),
+                                ("epsneg", json.dumps({**cfg, "rms_norm_eps": -1}), "norm_eps=-1.0 must be"),
+                                ("yarnx", json.dumps({**{k: v for k, v in cfg.items() if k != "rope_parameters"},
+                                                      "rope_scaling": {"rope_type": "yarn", "factor": 4,
+                                                                       "original_max_position_embeddings": 64,
+                                                                       "attention_factor": "x"}}),
+                                 "field 'attention_factor' is 'x'; expected a number"),
+                                ("yarnhalf", json.dumps({**{k: v for k, v in cfg.items() if k != "rope_parameters"},
+                                                         "rope_scaling": {"rope_type": "yarn", "factor": 0.5,
+                                                                          "original_max_position_embeddings": 64}}),
+                                 "factor must be a finite number >= 1")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "model.safetensors").write_bytes(data)
         (tmp_path / name / "config.json").write_text(text)
@@ -324,6 +342,26 @@ def test_bad_inputs(tmp_path):
         hf.SafetensorsReader(str(tmp_path / "sharded"))
     with pytest.raises(FileNotFoundError, match="1 missing"):
         convert.hf_to_orbax(str(tmp_path / "sharded"), str(tmp_path / "o5"))
+    # The shards the index names are read, as transformers reads them: a leftover shard of an older
+    # download (here: every tensor of shard 1, zeroed) replaced tensors without a word before.
+    convert.orbax_to_hf(str(tmp_path / "o4"), str(tmp_path / "stale"), shard_gb=1e-4)
+    from safetensors.numpy import load_file, save_file as save_numpy
+    first = load_file(str(tmp_path / "stale" / shards[0]))
+    save_numpy({k: np.zeros_like(v) for k, v in first.items()}, str(tmp_path / "stale" / "model-99999-of-00002.safetensors"))
+    reader = hf.SafetensorsReader(str(tmp_path / "stale"))
+    for name, value in first.items():
+        np.testing.assert_array_equal(reader[name], value)
+    index = tmp_path / "stale" / "model.safetensors.index.json"
+    kept = index.read_text()
+    os.remove(index)   # without an index every file is read: a name in two of them is refused
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(next(iter(first)))}' is in .*model-99999-of-00002"
+                                         rf".safetensors' and .*{shards[0]}': which is meant is unclear"):
+        hf.SafetensorsReader(str(tmp_path / "stale"))
+    index.write_text(kept)
+    for text in ("[1, 2]", '{"weight_map": {"lm_head.weight": ["x"]}}', "{not json"):   # AttributeError, TypeError
+        index.write_text(text)
+        with pytest.raises(ValueError, match=r"index.json is not a safetensors index .*download it again"):
+            hf.SafetensorsReader(str(tmp_path / "stale"))
 
 
 # ---- slow -----------------------------------------------------------------------------------------
