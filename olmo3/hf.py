@@ -293,11 +293,12 @@ class SafetensorsReader(Mapping):
                 if 8 + n + end > size:
                     raise ValueError(f"safetensors file {full!r} is truncated: tensor {name!r} ends at "
                                      f"byte {8 + n + end} of {size}; download or convert it again")
-                if name in self._where or (weight_map is not None and weight_map.get(name, f) != f):
-                    other = self._where[name][0] if name in self._where else os.path.join(path, weight_map[name])
-                    raise ValueError(f"tensor {name!r} is in {full!r} and {other!r}"
-                                     + (f" (the one {index} names)" if weight_map is not None else "")
-                                     + ": which is meant is unclear; remove the stale file, or download again")
+                if name in self._where:
+                    raise ValueError(f"tensor {name!r} is in {full!r} and {self._where[name][0]!r}: which is meant "
+                                     "is unclear; remove the stale file, or download the model again")
+                if weight_map is not None and weight_map.get(name, f) != f:
+                    raise ValueError(f"tensor {name!r} is in {full!r}, but {index} puts it in "
+                                     f"{weight_map[name]!r}; download the model again")
                 self._where[name] = (full, ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin,
                                      end - begin)
 

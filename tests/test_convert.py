@@ -358,6 +358,13 @@ def test_bad_inputs(tmp_path):
                                          rf".safetensors' and .*{shards[0]}': which is meant is unclear"):
         hf.SafetensorsReader(str(tmp_path / "stale"))
     index.write_text(kept)
+    second, third = (load_file(str(tmp_path / "stale" / shards[k])) for k in (1, 2))
+    moved = next(iter(third))   # also in a shard read before its own, which the index does not name for it
+    save_numpy({**second, moved: third[moved]}, str(tmp_path / "stale" / shards[1]))
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(moved)}' is in .*{shards[1]}', but .*index.json puts "
+                                         rf"it in '{shards[2]}'"):
+        hf.SafetensorsReader(str(tmp_path / "stale"))
+    save_numpy(second, str(tmp_path / "stale" / shards[1]))
     for text in ("[1, 2]", '{"weight_map": {"lm_head.weight": ["x"]}}', "{not json"):   # AttributeError, TypeError
         index.write_text(text)
         with pytest.raises(ValueError, match=r"index.json is not a safetensors index .*download it again"):
