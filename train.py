@@ -926,9 +926,12 @@ def check_resume(extra: dict, step: int, config) -> None:
     # copy restored under the wrong name) would train its steps again, or skip some, under wrong numbers.
     saved_step = extra.get("loader", {}).get("step")
     if saved_step is not None and saved_step != step:
-        raise app.UsageError(f"--resume: checkpoint {os.path.join(F.run_dir, 'checkpoints', str(step))} holds the "
-                             f"state after step {saved_step}, not {step}: a copy under another label? Rename it "
-                             f"to {saved_step} or move it out of checkpoints/, then resume")
+        checkpoints = os.path.join(F.run_dir, "checkpoints")
+        fix = ("move it out of checkpoints/" if os.path.exists(os.path.join(checkpoints, str(saved_step)))
+               else f"rename it to {saved_step} or move it out of checkpoints/")
+        raise app.UsageError(f"--resume: checkpoint {os.path.join(checkpoints, str(step))} holds the state after "
+                             f"step {saved_step}, not {step}: a copy under another label? {fix[0].upper()}{fix[1:]}, "
+                             "then resume")
     saved = extra.get("model_config", {})
     if saved and saved != config_to_dict(config):
         diff = {k: (saved.get(k), v) for k, v in config_to_dict(config).items() if saved.get(k) != v}

@@ -204,6 +204,16 @@ def _slurm_coordinator_problem(env: Mapping[str, str]) -> Optional[str]:
             "...` (srun sets it), or pass --coordinator=<host of process 0>:<free port>")
 
 
+def _port_problem(env: Mapping[str, str]) -> Optional[str]:
+    """JAX_COORDINATOR_PORT, which JAX appends to the host it derives (jax/_src/clusters/cluster.py),
+    when it is not a port: every process would dial that address until JAX aborts (exit 134)."""
+    port = env.get("JAX_COORDINATOR_PORT")
+    if port is None or (re.fullmatch(r"[0-9]+", port) and 0 < int(port) < 65536):
+        return None
+    return (f"JAX_COORDINATOR_PORT={port!r} is not a port: it must be a whole number from 1 to 65535. Fix: "
+            "set a free port, or unset it for the launcher's default")
+
+
 def _on_cloud_tpu_vm() -> bool:
     """libtpu is installed and a TPU device node exists (public signals, no backend started)."""
     return (importlib.util.find_spec("libtpu") is not None
@@ -352,7 +362,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
                            "processes, or leave it out for the launcher's")
     if not (coordinator and num_processes is not None and process_id is not None):   # JAX detects the rest
         problem = (_tpu_variables_problem(env) or _count_problem(env)
-                   or (None if coordinator else _slurm_coordinator_problem(env)))
+                   or (None if coordinator else _slurm_coordinator_problem(env) or _port_problem(env)))
         if problem:
             raise ClusterError(problem)
     announced = {c.processes for c in _candidates(env)}   # Open MPI 5 under srun: the ranks, not the step's

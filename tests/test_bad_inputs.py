@@ -170,7 +170,8 @@ def _cases(w):
         # A traceback, exit 1: retried by --resume_until_done.
         ("resume_checkpoint_under_another_label", "train.py", [*T, f"--run_dir={w / 'relabeled'}", "--resume",
                                                                "--total_steps=8"], 2,
-         f"--resume: checkpoint {w / 'relabeled' / 'checkpoints' / '6'} holds the state after step 2, not 6"),
+         f"--resume: checkpoint {w / 'relabeled' / 'checkpoints' / '6'} holds the state after step 2, not 6: a copy "
+         "under another label? Move it out of checkpoints/, then resume"),   # checkpoints/2 is there
         ("init_from_an_hf_directory", "train.py", [*T, "--stage=2", f"--run_dir={new}", f"--init_from={w / 'hf'}"], 2,
          f"{w / 'hf'}: a Hugging Face directory, not a run directory; convert it first: python convert.py "
          f"--from=hf:{w / 'hf'} --to=orbax:<new run dir>"),

@@ -527,6 +527,10 @@ def test_sbatch_srun_line(tmp_path):
     p = subprocess.run(["bash", SBATCH, "stage1.flags", "/shared/runs/s1", "--max_steps=5"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
+    for args in ([], ["stage1.flags"], ["stage1.flags", ""]):   # bash's ${1:?} exited 1
+        bad = subprocess.run(["bash", SBATCH, *args], env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.startswith("slurm.sbatch: error: usage: sbatch launch/slurm.sbatch "
+                                                              "FLAGFILE RUN_DIR"), (args, bad.stderr)
     tasks = [json.load(open(f"{record}.{r}")) for r in range(3)]
     for r, t in enumerate(tasks):
         assert t["argv"] == ["train.py", "--flagfile=stage1.flags", "--run_dir=/shared/runs/s1",
@@ -682,3 +686,14 @@ def test_independent_copies_of_one_launch_may_not_share_a_run_dir(tmp_path):
     cluster.claim_run_dir(run, env={"SLURM_JOB_ID": "78", "SLURM_PROCID": "1"})   # a later job resuming it
     cluster.claim_run_dir(str(tmp_path / "alone"), env={})   # no launcher: nothing to tell apart
     assert not os.path.exists(tmp_path / "alone")
+
+
+@pytest.mark.parametrize("port", ["abc", "0", "70000", "12:34", ""])
+def test_a_coordinator_port_that_is_no_port_is_refused(port, monkeypatch):
+    """JAX appends JAX_COORDINATOR_PORT to the host it derives from the launcher: one that is no
+    port was dialled until JAX aborted (exit 134, retried). An explicit --coordinator names its own."""
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
+    env = {**_SLURM_TASK, "SLURM_NTASKS": "2", "JAX_COORDINATOR_PORT": port}
+    with pytest.raises(ClusterError, match=rf"^JAX_COORDINATOR_PORT={re.escape(repr(port))} is not a port"):
+        cluster.initialize(env=env)
