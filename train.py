@@ -732,7 +732,7 @@ def check_flags():
     if F.data_root and not F.data.startswith("mix:"):   # it was ignored
         raise app.UsageError(f"--data_root={F.data_root} is the root URL of a data mix (--data=mix:NAME); "
                              f"--data={F.data} is read from here: drop --data_root")
-    if F.data_dir and not F.packed and (F.stage in ("sft", "dpo") or F.data.startswith("mix:")):   # it was ignored
+    if F.data_dir and not F.packed and prepared_dir() is None:   # nothing is prepared: it was ignored
         raise app.UsageError(f"--data_dir is where a corpus (stdlib, a directory of documents) is prepared, and with "
                              f"--packed where packings are cached; --data={F.data} is read as it is: drop --data_dir"
                              + (", or give the mirror as --data_root" if F.data.startswith("mix:") else ""))

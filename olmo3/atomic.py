@@ -87,15 +87,14 @@ def existing_directory(path: str | os.PathLike, flag: str, given: str | None = N
     one line (UserError naming `flag` and its value, `given` or `path`) when that is a file, or when
     `path` starts with a '~' nobody expanded (the shell does not, after --flag=, nor in a flagfile):
     it made a directory named '~' in the working directory."""
+    said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
     if os.fspath(path).startswith("~"):
-        said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
         raise UserError(f"{said}'~' is not expanded after --flag= or in a flagfile; write the whole path "
                         f"({os.path.expanduser(os.fspath(path))})")
     where = os.path.abspath(os.fspath(path))
     while not os.path.exists(where):
         where = os.path.dirname(where)
     if not os.path.isdir(where):
-        said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
         raise UserError(f"{said}{where} is a file, not a directory; move the file away or give another path")
     return where
 

@@ -493,7 +493,8 @@ class CheckpointManager:
         moves that checkpoint aside. A flaky mount must never cost the checkpoints."""
         where = os.path.join(self.directory, str(step))
         _quiet_abandoned_reads()
-        _READS.add(os.path.join(where, ""))
+        reading = os.path.join(where, "")
+        _READS.add(reading)
         try:
             yield
         except (MissingTensorsError, UserError):
@@ -508,7 +509,7 @@ class CheckpointManager:
                 f"checkpoint {where} is damaged: {what} does not read back ({reason}); "
                 f"intact checkpoints: {[s for s in self.all_steps() if s != step] or 'none'}", step, file) from e
         else:
-            _READS.discard(os.path.join(where, ""))
+            _READS.discard(reading)
 
     def stored_tensors(self, step: Optional[int] = None) -> dict[str, tuple]:
         """{dotted name: shape} of every tensor checkpoint `step` holds (no array is read)."""

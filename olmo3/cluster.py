@@ -208,7 +208,7 @@ def _port_problem(env: Mapping[str, str]) -> Optional[str]:
     """JAX_COORDINATOR_PORT, which JAX appends to the host it derives (jax/_src/clusters/cluster.py),
     when it is not a port: every process would dial that address until JAX aborts (exit 134)."""
     port = env.get("JAX_COORDINATOR_PORT")
-    if port is None or (re.fullmatch(r"[0-9]+", port) and 0 < int(port) < 65536):
+    if port is None or _is_port(port):
         return None
     return (f"JAX_COORDINATOR_PORT={port!r} is not a port: it must be a whole number from 1 to 65535. Fix: "
             "set a free port, or unset it for the launcher's default")
@@ -439,12 +439,17 @@ def _is_host(host: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9._-]+", host) is not None
 
 
+def _is_port(port: str) -> bool:
+    """A TCP port number, 1 to 65535, in digits."""
+    return re.fullmatch(r"[0-9]+", port) is not None and 0 < int(port) < 65536
+
+
 def _check_coordinator(address: str) -> None:
     """host:port or [IPv6]:port, as jax.distributed.initialize reads it. A bare host failed in JAX
     with an IndexError (exit 1, retried by --resume_until_done); a scheme ('http://h:1') or a host
     with a ':' ('h:12:34') was dialled as given for 5 minutes, then JAX aborted (exit 134, retried)."""
     host, sep, port = address.rpartition(":")
-    if not (sep and _is_host(host) and re.fullmatch(r"[0-9]+", port) and 0 < int(port) < 65536):
+    if not (sep and _is_host(host) and _is_port(port)):
         raise ClusterError(f"--coordinator / JAX_COORDINATOR_ADDRESS = {address!r}: give host:port or [IPv6]:port, "
                            "with no scheme: the host of process 0 and a free port on it (e.g. node001:12345, "
                            "[fd00::1]:12345)")
