@@ -636,6 +636,8 @@ def main(argv):
              "drop {flag}")):
         if not applies:
             cli.refuse_given(names, reason)
+    if F.eval_data_dir:
+        prepare.check_out_dir(F.eval_data_dir, "--eval_data_dir")
 
     def sets_fn(config, padded=bool(F.eval_padded)):
         return heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size, padded=padded, data_dir=F.eval_data_dir,

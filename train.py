@@ -652,12 +652,17 @@ def model_config():
                                             "head_dim", "mlp_hidden", "window", "attention", "remat",
                                             "scan_layers", "float8", "param_dtype", "compute_dtype",
                                             "splash_block_q", "splash_block_kv") if getattr(F, k) is not None}
-    use_yarn = F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")  # SFT/DPO keep stage 3's YaRN
-    if use_yarn:
+    if use_yarn():
         overrides["yarn"] = olmo3.YaRN(factor=F.yarn_factor, original_max_position=F.yarn_original_max_position)
     elif F.yarn is False:
         overrides["yarn"] = None
     return olmo3.Config.preset(F.model, **overrides)
+
+
+def use_yarn() -> bool:
+    """Whether --yarn_factor / --yarn_original_max_position configure the run's YaRN: --yarn, or by
+    default stages 3, sft and dpo (SFT and DPO keep stage 3's YaRN)."""
+    return F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")
 
 
 def doc_lengths() -> bool:
@@ -709,9 +714,9 @@ def check_flags():
     if F.tokenizer != "dolma2" and not F.data.startswith("mix:"):   # it would be ignored
         raise app.UsageError(f"--tokenizer={F.tokenizer} picks a data mix's token files (--data=mix:NAME); "
                              f"--data={F.data} is tokenized here, with dolma2")
-    from data import storage
-    if F.data_dir:   # may be a prepared corpus on a read-only mount: only read then
-        atomic.existing_directory(F.data_dir, "--data_dir")
+    from data import prepare, storage
+    if F.data_dir:
+        prepare.check_out_dir(F.data_dir, "--data_dir")
     if F.packing_cache and not storage.is_remote(F.packing_cache):   # /proc/x failed mid-packing
         atomic.check_writable(F.packing_cache, "--packing_cache")
     if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
@@ -762,6 +767,10 @@ def check_flags():
                                ("downstream_batch", F.downstream_batch is not None, "downstream_tasks")):
         if given and not F[needs].value:   # it was ignored
             raise app.UsageError(f"--{name} applies only with --{needs}; add it, or drop --{name}")
+    # Each was ignored. Not after --noyarn: that turns off a flagfile's YaRN (stage3.flags --noyarn).
+    if F.yarn is None and not use_yarn():
+        cli.refuse_given(("yarn_factor", "yarn_original_max_position"),
+                         f"configures YaRN, which --stage={F.stage} leaves off by default: add --yarn, or drop {{flag}}")
     if F.stage == "3" and F.yarn is False:
         logging.warning("Stage 3 without YaRN is not the recipe")
 

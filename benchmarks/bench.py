@@ -262,6 +262,8 @@ def main(argv):
         raise app.UsageError("--compare_torch with --param_dtype=bfloat16 --compute_dtype=float32: torch's "
                              "autocast only lowers precision, so its reference cannot compute wider than its "
                              "parameters; give --compute_dtype=bfloat16 or --param_dtype=float32")
+    if not F.compare_torch:   # it was ignored (--torch_attention is not: bench_cpu.flags sets it for the comparison)
+        cli.refuse_given(("torch_threads",), "sets up --compare_torch's torch model: add --compare_torch, or drop {flag}")
     tokens_np = np.random.default_rng(0).integers(0, config.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
     tokens_per_step = F.batch * F.seq_len
     flops = {c: config.train_flops_per_token(F.seq_len, c) * tokens_per_step for c in ("writeup", "sliding")}

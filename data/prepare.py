@@ -362,6 +362,7 @@ def prepare(
                          f"('a:w,b:w'); {source!r} is one source: drop it, or name the sources to mix")
     if os.path.isfile(out_dir):
         raise ValueError(f"out_dir {out_dir!r} is a file; give a directory for the token files")
+    atomic.check_writable(out_dir, "out_dir")   # /proc/x was a bare errno, after the tokenizer loaded
     _require_ours(out_dir)
     made = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -543,6 +544,15 @@ def contents_digest(out_dir: str, split: str) -> str:
     to another text of the same token count changes only this)."""
     files = load_manifest(out_dir)["splits"][split]["files"]
     return hashlib.sha256("\n".join(f["sha256"] for f in files).encode()).hexdigest()
+
+
+def check_out_dir(path: str, flag: str) -> None:
+    """Stop with one line naming `flag` unless `path` holds a build (only read then: it may be on
+    a read-only mount) or token files can be written there."""
+    if os.path.exists(os.path.join(path, MANIFEST)):
+        atomic.existing_directory(path, flag)
+    else:
+        atomic.check_writable(path, flag)
 
 
 def ensure_corpus(out_dir: str, corpus: str = "stdlib", **prepare_kwargs) -> dict[str, list[str]]:

@@ -224,6 +224,13 @@ def _cases(w):
         ("downstream_never_scored", "train.py", [*T, f"--run_dir={new}", "--downstream_tasks=arc_easy_rc_5shot"], 2,
          "--downstream_eval_interval=10000 is past the schedule horizon --total_steps=4, so --downstream_tasks would "
          "never be scored"),
+        ("data_dir_unwritable", "train.py", [*T, f"--run_dir={new}", "--data_dir=/proc/nonexistent/d"], 2,
+         "--data_dir='/proc/nonexistent/d': cannot write a file in /proc"),   # a bare errno, after the tokenizer
+        ("eval_data_dir_unwritable", "eval.py", [f"--model={w / 'run'}", f"--heldout={w / 'docs'}",
+                                                 "--eval_data_dir=/proc/nonexistent/d"], 2,
+         "--eval_data_dir='/proc/nonexistent/d': cannot write a file in /proc"),
+        ("yarn_factor_at_stage_1", "train.py", [*T, f"--run_dir={new}", "--yarn_factor=4"], 2,   # it was ignored
+         "--yarn_factor configures YaRN, which --stage=1 leaves off by default: add --yarn, or drop --yarn_factor"),
         ("data_root_without_a_mix", "train.py", [*T, f"--run_dir={new}", "--data_root=http://mirror"], 2,
          "--data_root=http://mirror is the root URL of a data mix (--data=mix:NAME)"),
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
@@ -522,6 +529,8 @@ def test_splash_blocks_off_a_tpu_are_refused_by_name(name, args):
     ("benchmarks/bench_checkpoint.py", ["--repeats=0"], "--repeats must be >= 1"),   # StatisticsError after saving
     ("benchmarks/gpu_check.py", ["--smoke", "--only="], "--only must be one or more parts"),   # an empty table, exit 0
     ("benchmarks/gpu_check.py", ["--smoke", "--only=bogus"], "--only=bogus: unknown part(s) ['bogus']"),   # + usage
+    ("benchmarks/bench.py", ["--model=tiny", "--torch_threads=1"],   # ignored without the comparison
+     "--torch_threads sets up --compare_torch's torch model: add --compare_torch, or drop --torch_threads"),
 ])
 def test_benchmarks_refuse_bad_flags_by_name(name, args, says):
     """The benchmarks end as the scripts do (olmo3/cli.py): before, app.run printed tracebacks or
