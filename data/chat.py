@@ -61,6 +61,7 @@ import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
+from absl import logging
 from jaxtyping import Bool, UInt32
 
 from data import tokenizer
@@ -129,6 +130,13 @@ def answer_only(messages: Sequence[dict]) -> bool:
     """No turn before the answer (`check_messages`' messages): only assistant turns, which
     open-instruct's masking leaves wholly trained, the template's default system turn with them."""
     return all(m["role"] == "assistant" for m in messages)
+
+
+def warn_rows(path: str, rows: list[int], noun: str, what: str, why: str) -> None:
+    """One warning for the rows of `path` (0-based indices) that are kept but are worth a look:
+    '<path>: N <noun>(s) <what> (first: <noun> i); <why>'."""
+    if rows:
+        logging.warning("%s: %d %s(s) %s (first: %s %d); %s", path, len(rows), noun, what, noun, rows[0] + 1, why)
 
 
 def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import logging
 
 from data import chat
 from data.preference import write_pairs
@@ -55,23 +54,19 @@ def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, ma
     renamed into place: a failure leaves nothing); returns the manifest (data/preference.py)."""
     chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"chosen": [...], "rejected": [...]} lines')
     rows = read_pairs(input_path, template)
-    same = [i for i, (c, r) in enumerate(rows) if c == r]
-    if same:   # kept, as open-instruct keeps them; but they are a data bug worth a look
-        logging.warning("%s: %d pair(s) have the same chosen and rejected messages (first: pair %d); each trains "
-                        "nothing (its margin is 0, its loss log 2) and weighs in every batch's mean",
-                        input_path, len(same), same[0] + 1)
+    # Each kept, as open-instruct keeps them; but each is a data bug worth a look.
+    chat.warn_rows(input_path, [i for i, (c, r) in enumerate(rows) if c == r], "pair",
+                   "have the same chosen and rejected messages",
+                   "each trains nothing (its margin is 0, its loss log 2) and weighs in every batch's mean")
+    chat.warn_rows(input_path, [i for i, (c, r) in enumerate(rows) if chat.answer_only(c) or chat.answer_only(r)],
+                   "pair", "have a side with no turn before its answer", "all of that side is trained, the "
+                   "template's system turn included (open-instruct's masking)")
     def prompt(messages):   # what the templates render of the turns before the answer (other keys: ids, ...)
         return [{k: m.get(k) for k in ("role", "content", "functions", "function_calls")} for m in messages[:-1]]
-    bare = [i for i, (c, r) in enumerate(rows) if chat.answer_only(c) or chat.answer_only(r)]
-    if bare:   # kept, as open-instruct keeps them: nothing is masked, so every token of the side trains
-        logging.warning("%s: %d pair(s) have a side with no turn before its answer (first: pair %d); all of that "
-                        "side is trained, the template's system turn included (open-instruct's masking)",
-                        input_path, len(bare), bare[0] + 1)
-    other = [i for i, (c, r) in enumerate(rows) if prompt(c) != prompt(r)]
-    if other:   # the loss compares two answers to one prompt; a misaligned join of two files does this
-        logging.warning("%s: %d pair(s) have different prompts (the messages before the final answer) on the "
-                        "chosen and rejected sides (first: pair %d); DPO compares two answers to one prompt",
-                        input_path, len(other), other[0] + 1)
+    # The loss compares two answers to one prompt; a misaligned join of two files does this.
+    chat.warn_rows(input_path, [i for i, (c, r) in enumerate(rows) if prompt(c) != prompt(r)], "pair",
+                   "have different prompts (the messages before the final answer) on the chosen and rejected sides",
+                   "DPO compares two answers to one prompt")
     rendered = ((chat.encode_with_mask(c, template, last_turn=True), chat.encode_with_mask(r, template, last_turn=True))
                 for c, r in rows)
     from olmo3.checkpoint import new_directory

@@ -42,7 +42,6 @@ import os
 import sys
 
 import numpy as np
-from absl import logging
 
 from data import chat
 
@@ -111,11 +110,10 @@ def prepare_sft(input_path: str, out_dir: str, template: str = chat.INSTRUCT,
     chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"messages": [...]} lines')
     out_dir = os.path.abspath(out_dir)
     chats = read_chats(input_path, template=template)
-    bare = [i for i, messages in enumerate(chats) if chat.answer_only(messages)]
-    if bare:   # kept, as open-instruct keeps them: nothing is masked, so every token trains
-        logging.warning("%s: %d conversation(s) have no turn before the answer (first: conversation %d); all of "
-                        "each is trained, the template's system turn included (open-instruct's masking)",
-                        input_path, len(bare), bare[0] + 1)
+    # Kept, as open-instruct keeps them: nothing is masked, so every token trains.
+    chat.warn_rows(input_path, [i for i, messages in enumerate(chats) if chat.answer_only(messages)], "conversation",
+                   "have no turn before the answer", "all of each is trained, the template's system turn included "
+                   "(open-instruct's masking)")
     kept, dropped = encode_chats(chats, template, max_seq_length)
     if not kept:
         raise ValueError(f"{input_path}: no conversation has an assistant token to train on"
