@@ -311,6 +311,10 @@ def main(argv):
             paths, seq_len, cache_dir=packing_cache(), label_mask_paths=[data.packed.label_mask_path(p) for p in paths]))
     heldout = {name.split("/", 1)[1]: heldout_set(paths, F.seq_len)
                for name, paths in splits.items() if name.startswith("heldout/") and paths}
+    if F.label_masks:   # a conversation longer than --seq_len loses its later turns, maybe every answer
+        for said, ds in ({f"--data={F.data}": train_set}
+                         | {f"--sft_heldout={d}": heldout[k] for k, d in named_sets(F.sft_heldout, "").items()}).items():
+            check_trained(ds, said, "trains" if said.startswith("--data") else "scores", warn=is_main)
     if config.vocab_size < data.VOCAB_SIZE:
         raise app.UsageError(f"--vocab_size={config.vocab_size} is smaller than the tokenizer's {data.VOCAB_SIZE}")
     cluster.check_same_everywhere(   # every process the same files, sizes and so the same order
@@ -857,6 +861,25 @@ def named_sets(dirs: list[str], flag: str) -> dict[str, str]:
                                  "logged as one); give each set its own folder name")
         out[name] = d
     return out
+
+
+def check_trained(ds, said: str, use: str, warn: bool) -> None:
+    """A label-masked set (`said`: its flag and value; `use`: what the run does with it, "trains" or
+    "scores") whose trained tokens all lie past --seq_len in their documents (packing truncates each
+    to it) gave a loss of 0.0 at every step (held out: no loss at all), exit 0. Stop then (exit 2);
+    say how many are lost where some are."""
+    kept, total = ds.trained_tokens()
+    if kept == 0:
+        raise app.UsageError(f"{said}: none of its {total:,} trained tokens (label mask) lies within the first "
+                             f"--seq_len={F.seq_len} tokens of its conversation (packing truncates each to that), so "
+                             f"it {use} nothing; raise --seq_len, or prepare the chats with python -m "
+                             f"data.prepare_sft --max_seq_length={F.seq_len}, which drops those with nothing to train "
+                             "within it")
+    if kept < total and warn:
+        logging.warning("%s: %s of its %s trained tokens (label mask, %.2f%%) lie past --seq_len=%d in their "
+                        "documents, which packing truncates to that: they are not %s", said,
+                        f"{total - kept:,}", f"{total:,}", 100 * (total - kept) / total, F.seq_len,
+                        "trained" if use == "trains" else "scored")
 
 
 def process_0_first(what: str, build):

@@ -211,6 +211,20 @@ class PackedFSLDataset:
         return {"tokens": ids, "label_mask": np.concatenate(masks + [np.zeros(pad, np.bool_)]),
                 "doc_lens": np.array(doc_lens, np.int32)}
 
+    def trained_tokens(self) -> tuple[int, int]:
+        """(in the instances, in the files) of the label-mask tokens (label-masked sets only): the
+        second minus the first is what truncation to seq_len (and any tokens after a file's last
+        eos) leave out of training. One pass over the masks, one slice per document."""
+        kept = 0
+        for g in self._groups:
+            file_of = np.searchsorted(g["file_starts"], g["spans"][:, 0], side="right") - 1
+            local = g["spans"] - g["file_starts"][file_of][:, None]
+            for k, (s, e) in zip(g["files"][file_of].tolist(), local.tolist()):
+                kept += int(np.count_nonzero(self._masks[k][s:e]))
+        total = sum(int(np.count_nonzero(m[a:a + MASK_SCAN])) for m in self._masks
+                    for a in range(0, len(m), MASK_SCAN))
+        return kept, total
+
     def _fingerprint_fields(self) -> str:
         return f"source_group_size={self.source_group_size},source_permutation_seed={self.source_permutation_seed},"
 

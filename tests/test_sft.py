@@ -316,6 +316,59 @@ def test_prepare_sft_max_seq_length_cuts_then_drops(tmp_path):
         prepare_sft.prepare_sft(str(tmp_path / "c.jsonl"), str(tmp_path / "sft0"), T, max_seq_length=0)
 
 
+def test_trained_tokens_past_seq_len_are_counted_as_a_numpy_oracle(tmp_path):
+    """PackedFSLDataset.trained_tokens: the label-mask tokens inside the packed documents (each
+    truncated to seq_len) against the same sums over the files split at EOS by numpy; tokens after
+    a file's last EOS are in no document."""
+    rng = np.random.default_rng(7)
+    seq, paths, want_kept, want_total = 16, [], 0, 0
+    for part in range(3):
+        lengths = rng.integers(1, 40, size=12)
+        ids = np.concatenate([np.append(rng.integers(0, 1000, n - 1), EOS) for n in lengths] + [[5, 6, 7]])
+        mask = rng.random(len(ids)) < 0.4
+        mask[0] = True   # no file may mark nothing
+        ids.astype(np.uint32).tofile(tmp_path / f"token_ids_part_{part}.npy")
+        mask.tofile(tmp_path / f"labels_mask_part_{part}.npy")
+        paths.append(str(tmp_path / f"token_ids_part_{part}.npy"))
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        want_kept += sum(int(mask[s:s + min(n, seq)].sum()) for s, n in zip(starts, lengths))
+        want_total += int(mask.sum())
+    ds = data.PackedFSLDataset(paths, seq, source_group_size=2, label_mask_paths=[data.packed.label_mask_path(p)
+                                                                                 for p in paths])
+    assert ds.trained_tokens() == (want_kept, want_total) and want_kept < want_total
+    assert want_kept == sum(int(ds[i]["label_mask"].sum()) for i in range(len(ds)))   # what the batches carry
+
+
+def test_sft_whose_answers_lie_past_seq_len_is_refused(tmp_path):
+    """Conversations longer than --seq_len whose trained tokens all come later trained nothing:
+    loss 0.0 and grad norm 0 at every step, exit 0 (a held-out set: no loss logged). Now exit 2;
+    a set that loses some says how many in a warning."""
+    long = [{"messages": [{"role": "user", "content": "w " * 120}, {"role": "assistant", "content": f"a {i}"}]}
+            for i in range(8)]
+    short = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": f"b {i}"}]}
+             for i in range(8)]
+    trained = {name: prepare_sft.prepare_sft(str(write_chats(tmp_path / f"{name}.jsonl", rows)),
+                                             str(tmp_path / name))["trained_tokens"]
+               for name, rows in (("long", long), ("mixed", long + short))}
+    base = ["--flagfile=" + os.path.join(ROOT, "tiny_sft.flags"), *SMALL_MODEL, "--max_steps=1"]
+    p = run_train([*base, f"--data={tmp_path / 'long'}", "--sft_heldout=", f"--run_dir={tmp_path / 'r1'}"], tmp_path,
+                  check=False)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"train.py: error: --data={tmp_path / 'long'}: none of its {trained['long']} trained tokens (label mask) lies "
+        "within the "
+        "first --seq_len=64 tokens of its conversation (packing truncates each to that), so it trains nothing; raise "
+        "--seq_len, or prepare the chats with python -m data.prepare_sft --max_seq_length=64, which drops those "
+        "with nothing to train within it")
+    p = run_train([*base, f"--data={tmp_path / 'mixed'}", f"--sft_heldout={tmp_path / 'long'}",
+                   f"--run_dir={tmp_path / 'r2'}"], tmp_path, check=False)
+    assert p.returncode == 2 and f"--sft_heldout={tmp_path / 'long'}: none of its {trained['long']} trained" in p.stderr
+    assert "so it scores nothing" in p.stderr
+    assert (f"--data={tmp_path / 'mixed'}: {trained['long']} of its {trained['mixed']} trained tokens (label mask, "
+            f"{100 * trained['long'] / trained['mixed']:.2f}%) lie past --seq_len=64 "
+            "in their documents, which packing truncates to that: they are not trained") in p.stderr
+
+
 def test_label_masked_loss_equals_transformers():
     """Mean CE over the label-masked targets (train step's loss, z-loss off) against transformers'
     Olmo3ForCausalLM(labels=...) with -100 wherever the target token is masked."""
