@@ -312,7 +312,7 @@ def downstream_report(model, tasks, *, num_fewshot=0, limit=None, tokenizer=None
     scorer = scoring.Scorer(model, tokenizer or data.dolma2(), max_length)
     out = {}
     for path in tasks:
-        docs, pool = scoring.load_task(path)
+        docs, pool = scoring.load_task(path, num_fewshot)
         r = scoring.multiple_choice(scorer, docs, pool, num_fewshot=num_fewshot, limit=limit)
         for k in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr"):
             out[f"task/{task_name(path)}/{k}"] = r[k]
@@ -599,10 +599,16 @@ def main(argv):
         raise app.UsageError(f"--out={F.out!r} is a file; give a directory for the results")
     if F.out or F.compare:   # a path under a file or where nothing can be written failed after the evaluation
         atomic.check_writable(F.out or "eval_report", "--out", F.out)
+    named: dict[str, str] = {}
     for path in F.tasks:
         if not os.path.isfile(path):
             raise app.UsageError(f"--tasks: {path!r} is not a file; give JSONL files of {{context, choices, gold}} "
                                  "lines")
+        scoring.load_task(path, F.num_fewshot)   # a bad document stops here, not after the model and held-out loss
+        if task_name(path) in named:   # results are keyed by it: one replaced the other
+            raise app.UsageError(f"--tasks: {named[task_name(path)]} and {path} are both named {task_name(path)!r}, "
+                                 "and results are keyed by file name; give each task file its own name")
+        named[task_name(path)] = path
 
     # Flags that shape one part of an evaluation are refused where that part does not run: each
     # was ignored without a word.

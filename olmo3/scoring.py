@@ -325,25 +325,40 @@ continuation_scores_jit = eqx.filter_jit(continuation_scores)
 
 
 # ---- downstream multiple choice ------------------------------------------------------------------
-def load_task(path: str) -> tuple[list[dict], list[dict]]:
+def load_task(path: str, num_fewshot: int = 0) -> tuple[list[dict], list[dict]]:
     """(docs, few-shot pool) of a local multiple-choice task: jsonl lines with "context" (str),
-    "choices" (list of str) and "gold" (int). Few-shot examples come from `<name>.fewshot.jsonl`
-    next to it when present, else from the other documents of the task."""
+    "choices" (list of non-empty str) and "gold" (int). Few-shot examples come from
+    `<name>.fewshot.jsonl` next to it when present (lines of the same form), else from the other
+    documents of the task; a pool with fewer than `num_fewshot` is refused, naming its file."""
+    docs = _task_documents(path)
+    shots_path = path[:-len(".jsonl")] + ".fewshot.jsonl" if path.endswith(".jsonl") else None
+    pool = _task_documents(shots_path) if shots_path and os.path.exists(shots_path) else None
+    have = len(pool) if pool is not None else len(docs) - 1
+    if num_fewshot > have:
+        raise ValueError(f"{shots_path if pool is not None else path}: num_fewshot={num_fewshot} but "
+                         + (f"it holds {have} examples" if pool is not None else
+                            f"each document takes its shots from the other {have} (no {shots_path or '<name>.fewshot.jsonl'})"))
+    return docs, pool
+
+
+def _task_documents(path: str) -> list[dict]:
+    """The documents of one task file, each checked: a bad one is named before anything is scored."""
     docs = read_jsonl(path)
     if not docs:
         raise ValueError(f"{path}: no documents; a task file holds one JSON object per line with 'context', "
                          "'choices' and 'gold'")
     for i, d in enumerate(docs):
-        if not (isinstance(d.get("context"), str) and isinstance(d.get("choices"), list) and d["choices"]
+        if not (isinstance(d, dict) and isinstance(d.get("context"), str) and isinstance(d.get("choices"), list)
+                and d["choices"] and all(isinstance(c, str) and c for c in d["choices"])
                 and isinstance(d.get("gold"), int) and not isinstance(d["gold"], bool)):
-            raise ValueError(f"{path}: document {i} needs 'context' (str), 'choices' (non-empty list) and "
-                             f"'gold' (an index into choices); got keys {sorted(d)}")
+            raise ValueError(f"{path}: document {i} needs 'context' (str), 'choices' (a non-empty list of non-empty "
+                             f"strings) and 'gold' (an index into choices); got "
+                             + (f"keys {sorted(d)}" if isinstance(d, dict) else type(d).__name__)
+                             + (f", choices {d['choices']!r:.80}" if isinstance(d, dict) and "choices" in d else ""))
         if not 0 <= d["gold"] < len(d["choices"]):
             raise ValueError(f"{path}: document {i} has 'gold' {d['gold']}, not an index into its "
                              f"{len(d['choices'])} choices (0..{len(d['choices']) - 1})")
-    shots_path = path[:-len(".jsonl")] + ".fewshot.jsonl" if path.endswith(".jsonl") else None
-    pool = read_jsonl(shots_path) if shots_path and os.path.exists(shots_path) else None
-    return docs, pool
+    return docs
 
 
 def fewshot_prompt(doc: dict, index: int, docs: list[dict], pool: Optional[list[dict]], k: int,

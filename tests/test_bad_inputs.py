@@ -116,6 +116,9 @@ def world(tmp_path_factory):
     os.makedirs(w / "ckfile")
     (w / "ckfile" / "checkpoints").write_text("")
     (w / "empty.jsonl").write_text("")
+    for d in ("ta", "tb"):   # two tasks of one file name
+        os.makedirs(w / d)
+        (w / d / "mc.jsonl").write_text('{"context": "a", "choices": ["x", "y"], "gold": 0}\n')
     return w
 
 
@@ -287,6 +290,10 @@ def _cases(w):
          "--eval_batch_size must be >= 1"),
         ("eval_yarn_factor_zero", "eval.py", [f"--model={w / 'run'}", "--yarn", "--yarn_factor=0",
                                               "--yarn_original_max_position=16"], 2, "--yarn_factor must be >= 1"),
+        ("eval_tasks_of_one_name", "eval.py", [f"--model={w / 'run'}", f"--tasks={w / 'ta' / 'mc.jsonl'},"
+                                                                         f"{w / 'tb' / 'mc.jsonl'}"], 2,
+         f"--tasks: {w / 'ta' / 'mc.jsonl'} and {w / 'tb' / 'mc.jsonl'} are both named 'mc', and results are keyed "
+         "by file name"),   # the second's numbers replaced the first's, exit 0
         ("eval_position_buckets_not_numbers", "eval.py", [f"--model={w / 'run'}", "--position_buckets=a,1"], 2,
          "--position_buckets: position buckets ['a', '1']: give fractions"),
         ("eval_unknown_olmo_task", "eval.py", [f"--model={w / 'run'}", "--olmo_tasks=bogus"], 2,

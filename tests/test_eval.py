@@ -449,7 +449,7 @@ def test_local_multiple_choice_task_end_to_end():
     """acc / acc_norm from hand-built prompts and per-choice log-likelihoods of full forwards."""
     model = olmo3.OLMo3(CFG, jax.random.key(3))
     tok = ByteTokenizer()
-    path = os.path.join(FIXTURES, "tiny_mc.jsonl")
+    path, pool_path = (os.path.join(FIXTURES, f"tiny_mc{s}.jsonl") for s in ("", ".fewshot"))
     docs, pool = scoring.load_task(path)
     got = eval_script.downstream_report(model, [path], num_fewshot=1, tokenizer=tok)
     shot = pool[0]
@@ -466,7 +466,7 @@ def test_local_multiple_choice_task_end_to_end():
     assert got["task/tiny_mc/acc"] == pytest.approx(np.mean(acc))
     assert got["task/tiny_mc/acc_norm"] == pytest.approx(np.mean(acc_norm))
     assert got["task/tiny_mc/acc_stderr"] == pytest.approx(np.std(acc, ddof=1) / math.sqrt(len(acc)))
-    with pytest.raises(ValueError, match="num_fewshot=2 but only 1"):
+    with pytest.raises(ValueError, match=re.escape(f"{pool_path}: num_fewshot=2 but it holds 1 examples")):
         eval_script.downstream_report(model, [path], num_fewshot=2, tokenizer=tok)
 
 
@@ -1307,13 +1307,30 @@ def test_heldout_domains_from_a_data_mix(tmp_path, monkeypatch):
 
 def test_local_task_with_a_bad_document_names_it(tmp_path):
     """A 'gold' out of range names the document and its choices (the message listed keys that
-    were all present); a line that is not an object says so."""
-    for lines, says in ((['{"context": "a", "choices": ["x", "y"], "gold": 0}', '{"context": "b", "choices": ["x"], "gold": 3}'],
-                         "document 1 has 'gold' 3, not an index into its 1 choices (0..0)"),
-                        (['[1, 2]'], "1: a JSON list, not an object")):
+    were all present); a line that is not an object says so. Choices that are no strings (a
+    TypeError traceback, exit 1, after the model and held-out loss) or empty, and a few-shot pool
+    of other documents (KeyError) or of too few, are named by file and document too."""
+    good = '{"context": "a", "choices": ["x", "y"], "gold": 0}'
+    for lines, shots, says in (
+            ([good, '{"context": "b", "choices": ["x"], "gold": 3}'], None,
+             "document 1 has 'gold' 3, not an index into its 1 choices (0..0)"),
+            (['[1, 2]'], None, "1: a JSON list, not an object"),
+            (['{"context": "b", "choices": [2, 3], "gold": 0}'], None,
+             "document 0 needs 'context' (str), 'choices' (a non-empty list of non-empty strings) and 'gold' (an "
+             "index into choices); got keys ['choices', 'context', 'gold'], choices [2, 3]"),
+            (['{"context": "b", "choices": ["", "y"], "gold": 0}'], None,
+             "document 0 needs 'context' (str), 'choices' (a non-empty list of non-empty strings) and 'gold' (an "
+             "index into choices); got keys ['choices', 'context', 'gold'], choices ['', 'y']"),
+            ([good], ['{"context": "s", "answer": "x"}'], "document 0 needs 'context' (str)"),
+            ([good, good], None, "num_fewshot=2 but each document takes its shots from the other 1"),
+            ([good], [good], "num_fewshot=2 but it holds 1 examples")):
         (tmp_path / "t.jsonl").write_text("\n".join(lines) + "\n")
-        with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 't.jsonl'}") + ":? ?" + re.escape(says)):
-            scoring.load_task(str(tmp_path / "t.jsonl"))
+        (tmp_path / "t.fewshot.jsonl").unlink(missing_ok=True)
+        if shots:
+            (tmp_path / "t.fewshot.jsonl").write_text("\n".join(shots) + "\n")
+        where = tmp_path / ("t.fewshot.jsonl" if shots else "t.jsonl")
+        with pytest.raises(ValueError, match=re.escape(f"{where}") + ":? ?" + re.escape(says)):
+            scoring.load_task(str(tmp_path / "t.jsonl"), num_fewshot=2)
 
 
 def test_cli_quiets_library_logs_before_jax_starts(monkeypatch):
