@@ -546,7 +546,8 @@ def main(argv):
                  f" | MFU = write-up FLOPs ({flops['writeup'] / tokens_per_step / 1e6:,.1f} MFLOP/token: 6 x "
                  f"non-embedding params + full causal attention, DESIGN §6) / {peak.describe()}")
         log.info(f"mesh {dict(mesh.shape)}, {microbatches} microbatch(es), {tokens_per_step:,} tokens/step, "
-                 f"steps {start + 1}..{max_steps}" + (f" | tuning: {'; '.join(tuned)}" if tuned else ""))
+                 + (f"steps {start + 1}..{max_steps}" if start < max_steps else "no step to train")
+                 + (f" | tuning: {'; '.join(tuned)}" if tuned else ""))
         if start >= max_steps:   # a finished run submitted again, or a horizon lowered below the checkpoint
             log.info(f"Nothing to train: the checkpoint is at step {start}, and this run stops at step {max_steps} "
                      f"({'--max_steps' if F.max_steps is not None else '--total_steps'}); raise it to train on")
@@ -641,10 +642,10 @@ def main(argv):
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("olmo3: preemption checkpoint written")
         if is_main:
-            logging.warning("Stopped by SIGTERM after step %d: checkpoint %d is in %s; exit status %d "
-                            "(run again with --resume to continue)", step, step, ckpt.directory,
-                            preemption.EXIT_STATUS)
-        sys.exit(preemption.EXIT_STATUS)
+            logging.warning("Stopped by %s after step %d: checkpoint %d is in %s; exit status %d "
+                            "(run again with --resume to continue)", notice.signal_name, step, step, ckpt.directory,
+                            notice.exit_status)
+        sys.exit(notice.exit_status)
 
 
 def model_config():

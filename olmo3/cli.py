@@ -11,7 +11,11 @@
     exit 1   anything else (a lost host, an I/O error mid-run, a bug): a traceback, retried.
     exit 143 train.py was sent SIGTERM (a preemption, a time limit) and saved a checkpoint of the
              step it was on first (olmo3/preemption.py). Retried, unless the launcher was sent
-             SIGTERM, SIGINT or SIGHUP too.
+             SIGTERM, SIGINT or SIGHUP too. Any script sent SIGTERM elsewhere (preparing data,
+             converting, evaluating) ends with one line and 143 too, what it was writing removed
+             (`Stopped`: the default action ended it at once, temporaries left behind).
+    exit 130 Ctrl-C (SIGINT): in train.py's loop, after saving the step it was on (a second
+             Ctrl-C does not wait for that); elsewhere at once, with one line.
 
 What counts as a user's error is decided by the exception's type, at the one place every
 script ends (`run`): our own `UserError`, absl's flag and usage errors, and the built-in types
@@ -37,6 +41,7 @@ import errno
 import math
 import os
 import re
+import signal
 import sys
 import traceback
 from typing import Any, Callable, Iterable, Iterator, NoReturn
@@ -58,6 +63,13 @@ class UserError(ValueError):
 
 class NonFiniteError(FloatingPointError):
     """The training state or a loss is NaN / inf; the message names the last good checkpoint."""
+
+
+class Stopped(BaseException):
+    """SIGTERM outside train.py's loop, raised where the process is: the `finally` and `except
+    BaseException` cleanups on the way out remove what was being written (a temporary directory,
+    a half-written token file). A BaseException, as KeyboardInterrupt: no `except Exception`
+    takes it for an error to handle."""
 
 
 USER_ERRORS = (UserError, app.UsageError, flags.Error, ValueError, FileNotFoundError, FileExistsError,
@@ -326,9 +338,30 @@ def run(main: Callable[[list[str]], None]) -> None:
             main(argv)
         except SystemExit:
             raise
+        except (KeyboardInterrupt, Stopped) as e:   # a traceback, and from SIGTERM nothing at all
+            if _verbose():
+                traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+            sig = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+            print(f"{prog}: stopped by {'Ctrl-C (SIGINT)' if sig == signal.SIGINT else 'SIGTERM'}",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            # Not sys.exit: the cleanups above have run, and the interpreter's own shutdown, with
+            # XLA's threads mid-compile, ended in a segmentation fault (exit 139, retried).
+            os._exit(128 + sig)
         except BaseException as e:  # noqa: BLE001 -- every ending goes through fail()
-            if isinstance(e, KeyboardInterrupt):
-                raise
             fail(prog, e)
 
+    signal.signal(signal.SIGTERM, _raise_stopped(os.getpid()))
     app.run(guarded, flags_parser=parse)
+
+
+def _raise_stopped(owner: int):
+    """The SIGTERM handler `run` installs: Stopped in the process that ran `run`. A forked worker
+    inherits it and dies of the signal, as before (a pool's terminate sends its workers SIGTERM)."""
+    def handler(signum, frame):
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Stopped()
+    return handler

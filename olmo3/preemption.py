@@ -10,6 +10,10 @@ ends the process at once and the steps since the last checkpoint are trained aga
 train.py asks `Notice.reached(step)` after every step and, on True, saves checkpoint `step`,
 waits for it to be written and exits with status 143.
 - One process: a Python SIGTERM handler only sets a flag; the step that finishes next is saved.
+  Ctrl-C (SIGINT) does the same and exits with 130, as a shell reports a process it ended: the
+  steps since the last save were lost, with a traceback. A second Ctrl-C stops at once (cli.run:
+  one line, 130, nothing saved). Under `--resume_until_done` the launcher turns a terminal's
+  Ctrl-C into SIGTERM too (olmo3/launch.py): one notice, one save.
 - Several processes (jax.distributed): JAX's preemption sync manager, which
   jax.distributed.initialize starts with its own SIGTERM handler, spreads a notice that reached
   any one process to all of them (a preempted TPU VM or GPU node is signalled alone) and answers
@@ -43,26 +47,43 @@ class Notice:
         """`start`: the step this attempt starts after (the restored checkpoint's)."""
         import jax
         self._start = start
-        self._received = False   # a plain bool: the handler must take no lock (below)
-        self._previous = None
+        self._received: int | None = None   # the first stop signal: a plain value, the handler takes no lock (below)
+        self._interrupts = 0
+        self._previous = {}
         self._mode = "jax" if jax.process_count() > 1 else "signal"
         if self._mode == "signal":
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         # Only that, and no lock: the handler may interrupt the main thread anywhere, also inside
         # itself. Under srun a second SIGTERM follows the first by microseconds (Slurm signals the
         # launcher and the child, the launcher forwards its own), and a nested Event.set() waited
         # forever on the lock the outer one held (helper repro: 1 hang in ~30 to ~1,100 pairs).
-        self._received = True
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:   # Ctrl-C again: the user will not wait for the save
+                raise KeyboardInterrupt
+        if self._received is None:
+            self._received = signum
+
+    @property
+    def signal_name(self) -> str:
+        """The signal that stopped the run: SIGTERM (also every multi-process notice) or SIGINT."""
+        return signal.Signals(self._received or signal.SIGTERM).name
+
+    @property
+    def exit_status(self) -> int:
+        """143 after SIGTERM (retried by --resume_until_done unless it was told too), 130 after Ctrl-C."""
+        return 128 + (self._received or signal.SIGTERM)
 
     def reached(self, step: int) -> bool:
         """True at the step to checkpoint before stopping (the same step on every process). Call
         it after every step, on every process, from the same first step on."""
         if self._mode == "signal":
-            if self._received:
-                logging.warning("SIGTERM received: saving checkpoint %d, then exiting", step)
-            return self._received
+            if self._received is not None:
+                logging.warning("%s received: saving checkpoint %d, then exiting%s", self.signal_name, step,
+                                " (Ctrl-C again stops at once, without it)" if self._interrupts else "")
+            return self._received is not None
         if self._mode == "off":
             return False
         from jax.experimental import multihost_utils
@@ -75,7 +96,7 @@ class Notice:
             return False
 
     def close(self) -> None:
-        """Give SIGTERM back its previous handler."""
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        """Give SIGTERM and SIGINT back their previous handlers."""
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}

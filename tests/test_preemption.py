@@ -92,3 +92,65 @@ def test_close_gives_sigterm_back():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     p = subprocess.run([sys.executable, "-c", CLOSE], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == -signal.SIGTERM and p.stdout.split() == ["notice", "True"], (p.returncode, p.stdout, p.stderr)
+
+
+CTRL_C = r"""
+import os, signal, time
+from olmo3.preemption import Notice
+notice = Notice(1000)
+os.kill(os.getpid(), signal.SIGINT)    # Ctrl-C: a notice, as SIGTERM (it was a KeyboardInterrupt: nothing saved)
+time.sleep(0.2)
+os.kill(os.getpid(), signal.SIGTERM)   # the launcher's forwarded SIGTERM after it: the same notice
+time.sleep(0.2)
+print("notice", notice.reached(1001), notice.signal_name, notice.exit_status, flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGINT)   # Ctrl-C again: the user does not wait for the save
+    time.sleep(10)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+notice.close()
+print("restored", signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+"""
+
+
+def test_ctrl_c_is_a_notice_and_twice_stops_at_once():
+    """One process: SIGINT sets the notice as SIGTERM does (reported as SIGINT, exit status 130),
+    a second SIGINT raises KeyboardInterrupt, and `close` gives SIGINT back to Python."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", CTRL_C], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["notice", "True", "SIGINT", "130", "interrupted", "restored", "True"], p.stdout
+
+
+STOPPED = r"""
+import os, signal, sys, time
+from absl import flags
+from olmo3 import cli
+from olmo3.checkpoint import new_directory
+
+def main(argv):
+    with new_directory(os.environ["OUT"] + "/out", "test output") as tmp:
+        open(os.path.join(tmp, "part"), "w").write("half")
+        if os.fork() == 0:   # a forked worker inherits the handler and dies of the signal, as before
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+            os._exit(0)
+        _, status = os.wait()
+        print("worker", os.waitstatus_to_exitcode(status), flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)   # a time limit while the output is half-written
+        time.sleep(10)
+
+cli.run(main)
+"""
+
+
+def test_sigterm_outside_the_training_loop_cleans_up_and_says_so(tmp_path):
+    """Any script run by cli.run (data.prepare_sft, convert.py, eval.py, train.py before its loop):
+    SIGTERM ended it at once, without a word, its temporary directory left behind. Now the
+    cleanups run, one line says it, exit 143; a forked worker still dies of the signal."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, OUT=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", STOPPED], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 143, p.stderr[-3000:]
+    assert p.stdout.split() == ["worker", "-15"], p.stdout
+    assert p.stderr.strip().splitlines() == ["-c: stopped by SIGTERM"], p.stderr
+    assert os.listdir(tmp_path) == []   # no .tmp-out-* left

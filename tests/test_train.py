@@ -125,8 +125,8 @@ def test_sigkill_during_async_save_then_resume(uninterrupted, docs, tmp_path):
     print("killed during a save in progress:", caught_tmp)
 
 
-def sigterm_after(logged_step, run_dir, docs, data_dir, *args):
-    """train.py (SMALL and `args`) sent SIGTERM as soon as it logs step `logged_step`: (exit status, stderr)."""
+def sigterm_after(logged_step, run_dir, docs, data_dir, *args, sig=signal.SIGTERM):
+    """train.py (SMALL and `args`) sent SIGTERM (`sig`) as soon as it logs step `logged_step`: (exit status, stderr)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}", f"--data_dir={data_dir}",
@@ -136,7 +136,7 @@ def sigterm_after(logged_step, run_dir, docs, data_dir, *args):
     for line in proc.stderr:
         err.append(line)
         if re.match(rf"step +{logged_step} \|", line):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     err += proc.stderr.readlines()
     return proc.wait(timeout=300), "".join(err)
@@ -166,6 +166,17 @@ def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, d
     assert all(evaluated[s] for s in range(1, stop + 1))   # the stop's step too, once resumed
     for s, held_out in evaluated.items():
         assert held_out == {k: a[s][k] for k in held_out}, s  # exact as well
+
+
+def test_ctrl_c_saves_the_step_in_progress_too(uninterrupted, docs, tmp_path):
+    """Ctrl-C (SIGINT) at a terminal was a KeyboardInterrupt traceback that saved nothing: every
+    step since the last save was lost. Now it stops as SIGTERM does, with exit status 130."""
+    status, err = sigterm_after(2, tmp_path, docs, uninterrupted / "data", "--max_steps=6", "--save_interval=1000",
+                                sig=signal.SIGINT)
+    assert status == 130, err[-3000:]
+    saved = sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit())
+    assert len(saved) == 1 and 2 <= saved[0] < 6, saved
+    assert f"Stopped by SIGINT after step {saved[0]}: checkpoint {saved[0]} is in" in err and "Traceback" not in err
 
 
 def test_sigterm_during_the_last_step_ends_the_run_as_an_uninterrupted_one(uninterrupted, docs, tmp_path):
