@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from absl import logging
@@ -140,10 +140,16 @@ def warn_rows(path: str, rows: list[int], noun: str, what: str, why: str) -> Non
 
 
 def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
-    """parse(row) of every non-empty line of a JSONL file (a byte-order mark opening it is skipped).
-    A bad line (not JSON, or `parse` raises ValueError) becomes one ValueError naming `path:line`,
-    the problem and `what` a line must hold."""
-    out = []
+    """iter_jsonl's rows, as a list (a file that fits in memory: chats to answer)."""
+    return list(iter_jsonl(path, parse, what))
+
+
+def iter_jsonl(path: str, parse: Callable[[object], object], what: str) -> Iterator:
+    """parse(row) of every non-empty line of a JSONL file (a byte-order mark opening it is skipped),
+    a line at a time: SFT and DPO sets run to tens of billions of tokens. A bad line (not JSON, or
+    `parse` raises ValueError) becomes one ValueError naming `path:line`, the problem and `what` a
+    line must hold; so does a file with no line."""
+    rows = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
@@ -156,16 +162,17 @@ def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
             if not line.strip():
                 continue
             try:
-                out.append(parse(json.loads(line)))
+                row = parse(json.loads(line))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not a JSON object ({e.msg}); {what}") from None
             except RecursionError:   # nested deeper than Python's recursion limit
                 raise ValueError(f"{path}:{n}: nested too deeply to be a conversation; {what}") from None
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: {e}; {what}") from None
-    if not out:
+            rows += 1
+            yield row
+    if not rows:
         raise ValueError(f"{path}: nothing in the file; {what}")
-    return out
 
 
 def check_prepare_paths(input_path: str, out_dir: str, max_seq_length: int | None, what: str) -> None:

