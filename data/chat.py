@@ -124,6 +124,15 @@ def check_messages(messages, template: str = INSTRUCT, field: str = "messages") 
                              "functions offered on system and user turns only")
         if not isinstance(m["content"], str) and not (m["content"] is None and calls is not None):
             raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
+        for key in ("content", "functions", "function_calls"):   # JSON's "\ud800" alone: the tokenizer wrote U+FFFD
+            text = m.get(key)
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"message {i} {key} holds a lone UTF-16 surrogate ({text[e.start]!r} at character "
+                                     f"{e.start}), which is no character; escape a character outside the BMP as its "
+                                     "surrogate pair, or write it as UTF-8") from None
 
 
 def answer_only(messages: Sequence[dict]) -> bool:

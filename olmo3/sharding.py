@@ -111,7 +111,7 @@ def make_mesh(spec: Optional[str] = None, devices: Optional[list] = None) -> Mes
         if not part:
             continue
         name, sep, value = part.partition(":")
-        if not sep or name not in (DATA, FSDP, CONTEXT) or not value.isdigit() or int(value) < 1:
+        if not sep or name not in (DATA, FSDP, CONTEXT) or not (value.isascii() and value.isdigit()) or int(value) < 1:
             raise ValueError(f"--mesh={spec!r}: each entry must be 'fsdp:N' or 'data:M' (or "
                              f"'context:C') with a positive integer, e.g. --mesh=fsdp:{n},data:1")
         if name in sizes:

@@ -173,7 +173,9 @@ def test_instruct_template_default_system_and_tool_use():
     ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),   # a RecursionError traceback
     ('[{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]',
      'the line is an array, not an object {"messages": [...]}'),   # it said '"messages" ... got null'
-], ids=["not_json", "no_messages", "bad_role", "no_reply", "nested_too_deeply", "array"])
+    ('{"messages": [{"role": "user", "content": "Hi\\ud800"}, {"role": "assistant", "content": "b"}]}',
+     "message 0 content holds a lone UTF-16 surrogate ('\\ud800' at character 2)"),   # tokenized as U+FFFD, exit 0
+], ids=["not_json", "no_messages", "bad_role", "no_reply", "nested_too_deeply", "array", "lone_surrogate"])
 def test_prepare_sft_bad_input_names_file_and_line(tmp_path, line, why):
     good = '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}'
     (tmp_path / "in.jsonl").write_text(good + "\n" + line + "\n")

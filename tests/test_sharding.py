@@ -324,6 +324,8 @@ def test_bad_inputs():
         sh.make_mesh("tp:8")
     with pytest.raises(ValueError, match="with a positive integer"):
         sh.make_mesh("fsdp:0,data:8")
+    with pytest.raises(ValueError, match="with a positive integer"):   # str.isdigit's '²': int() raised, naming no flag
+        sh.make_mesh("fsdp:\u00b2")
     with pytest.raises(ValueError, match="axis 'fsdp' given twice"):
         sh.make_mesh("fsdp:8,fsdp:8")
     mesh = sh.make_mesh(None)
