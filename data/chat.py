@@ -164,6 +164,8 @@ def iter_jsonl(path: str, parse: Callable[[object], object], what: str) -> Itera
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
+                if n == 1 and raw.startswith(b"\x1f\x8b"):   # gzip's magic number
+                    raise ValueError(f"{path} is gzip-compressed; decompress it (e.g. --input=<(zcat {path}))") from None
                 raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
                                  f"{what}") from None
             if n == 1:   # an editor's "UTF-8 with BOM": json.loads refused the first line

@@ -7,6 +7,7 @@ optimizer an SFT warm start carries over (OLMo-core loads it when the checkpoint
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -227,6 +228,10 @@ def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_p
     assert p.returncode == 0, p.stderr
     assert "1 conversation(s) have no turn before the answer (first: conversation 2)" in p.stderr
     assert json.loads((tmp_path / "out" / prepare_sft.MANIFEST).read_text())["conversations"] == 2
+    import gzip
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(json.dumps(rows[0]).encode()))   # was "...:1: not UTF-8 text"
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'c.jsonl.gz'} is gzip-compressed; decompress it")):
+        chat.read_jsonl(str(tmp_path / "c.jsonl.gz"), lambda row: row, "")
     (tmp_path / "bom.jsonl").write_text("\ufeff" + json.dumps(rows[0]) + "\n")   # saved as "UTF-8 with BOM"
     assert chat.read_jsonl(str(tmp_path / "bom.jsonl"), lambda row: row, "") == [rows[0]]
     p = subprocess.run([*cmd, "--out_dir="], input="", capture_output=True, text=True, env=env, cwd=tmp_path,
