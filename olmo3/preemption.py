@@ -10,9 +10,9 @@ ends the process at once and the steps since the last checkpoint are trained aga
 train.py asks `Notice.reached(step)` after every step and, on True, saves checkpoint `step`,
 waits for it to be written and exits with status 143.
 - One process: a Python SIGTERM handler only sets a flag; the step that finishes next is saved.
-  Ctrl-C (SIGINT) does the same and exits with 130, as a shell reports a process it ended: the
-  steps since the last save were lost, with a traceback. A second Ctrl-C stops at once (cli.run:
-  one line, 130, nothing saved). Under `--resume_until_done` the launcher turns a terminal's
+  Ctrl-C (SIGINT) does the same and exits with 130, as a shell reports a process it ended (it
+  was a KeyboardInterrupt: a traceback, and the steps since the last save lost). A second Ctrl-C
+  stops at once (cli.run: one line, 130, nothing saved). Under `--resume_until_done` the launcher turns a terminal's
   Ctrl-C into SIGTERM too (olmo3/launch.py): one notice, one save.
 - Several processes (jax.distributed): JAX's preemption sync manager, which
   jax.distributed.initialize starts with its own SIGTERM handler, spreads a notice that reached
