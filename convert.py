@@ -590,13 +590,21 @@ def orbax_to_olmo_core(src: str, dst: str) -> "olmo3.Config":
     groups = {}
     if with_opt:  # param groups as OLMo-core's flattened optimizer state dict holds them. On load
         # OLMo-core keeps its own config's initial_lr (OptimConfig.fixed_fields) and its scheduler
-        # resets lr every step; betas, eps and weight decay come from here: our recipe's.
-        lr = float((extra.get("flags") or {}).get("lr") or schedules.STAGE1_PEAK)
+        # resets lr every step; betas, eps and weight decay come from here: the run's.
+        run_flags = extra.get("flags") or {}
+        lr = float(run_flags.get("lr") or schedules.STAGE1_PEAK)
+        adam = {"b1": optim.BETAS[0], "b2": optim.BETAS[1], "eps": optim.EPS, "weight_decay": optim.WEIGHT_DECAY}
+        if not set(adam) <= set(run_flags):   # saved before train.py recorded them (or by convert.py)
+            logging.warning("%s does not record its run's AdamW settings: the OLMo-core param groups get the "
+                            "recipe's (betas %s, eps %g, weight decay %g); a run trained with others (DPO's b2 "
+                            "0.999, SFT and DPO's weight decay 0) resumes in OLMo-core with these", src,
+                            optim.BETAS, optim.EPS, optim.WEIGHT_DECAY)
+        adam.update({k: float(run_flags[k]) for k in adam if run_flags.get(k) is not None})
         for _, _, name, _ in olmo_core.param_names(config.n_layers):
-            wd = 0.0 if name == "embeddings.weight" else optim.WEIGHT_DECAY  # the recipe's groups (olmo3/model.py)
+            wd = 0.0 if name == "embeddings.weight" else adam["weight_decay"]  # the recipe's groups (olmo3/model.py)
             groups.update({f"optim.param_groups.{name}.lr": lr, f"optim.param_groups.{name}.initial_lr": lr,
-                           f"optim.param_groups.{name}.betas": tuple(optim.BETAS),
-                           f"optim.param_groups.{name}.eps": optim.EPS,
+                           f"optim.param_groups.{name}.betas": (adam["b1"], adam["b2"]),
+                           f"optim.param_groups.{name}.eps": adam["eps"],
                            f"optim.param_groups.{name}.weight_decay": wd})
     try:
         with checkpoint.new_directory(dst, "OLMo-core checkpoint") as tmp:
@@ -746,9 +754,12 @@ def main(argv):
             config = orbax_to_olmo_core(src, dst)
         print(f"converted {src_kind}:{src} -> {dst_kind}:{dst}: {config.num_params():,} parameters in "
               f"{time.time() - t0:.1f} s, peak RSS {_peak_rss_gb():.2f} GB")
-        if dst_kind == "olmo-core":
-            print(f"OLMo-core: load_path={os.path.join(dst, olmo_core.MODEL_AND_OPTIM)}, load_trainer_state=False, "
-                  f"load_optim_state=True (the model and optimizer state; {dst} itself holds no trainer state)")
+        if dst_kind == "olmo-core":   # OLMo-core's load asks for optimizer state by default, and fails without it
+            dcp = os.path.join(dst, olmo_core.MODEL_AND_OPTIM)
+            moments = any(k.startswith("optim.state.") for k in olmo_core.DistCheckpointReader(dcp).tensors)
+            print(f"OLMo-core: load_path={dcp}, load_trainer_state=False, load_optim_state={moments} ("
+                  + ("the model and optimizer state" if moments else "the model's weights only")
+                  + f"; {dst} itself holds no trainer state)")
         return
     if src_kind == "hf":
         config = hf_to_orbax(src, dst, step=F.step, param_dtype=F.param_dtype or "float32",

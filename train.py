@@ -520,7 +520,9 @@ def main(argv):
         extra = {"loader": loader.state(), "stage": F.stage, "model_config": config_to_dict(config),
                  "doc_lengths": bool(use_segments), "eval_padded": bool(F.eval_padded),
                  "repetition_filter": bool(F.repetition_filter), "precision": precision(config),
-                 "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr")}}
+                 # AdamW's settings too: convert.py writes them into an OLMo-core checkpoint's param groups
+                 "flags": {k: getattr(F, k) for k in ("seed", "global_batch", "seq_len", "lr", "b1", "b2", "eps",
+                                                      "weight_decay")}}
         if F.stage == "dpo":   # the reference the cached log-probs belong to (checked on resume)
             extra["dpo"] = {"reference": ref_identity, "loss": F.dpo_loss, "beta": F.dpo_beta}
         if owed:   # evaluations a preemption stop skipped at this step: the resumed run does them first

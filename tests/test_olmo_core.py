@@ -327,6 +327,38 @@ def test_back_to_olmo_core_loads_in_olmo_core_bit_exact(ref, tmp_path):
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
+def test_back_to_olmo_core_carries_the_runs_adamw_settings(ref, tmp_path, caplog):
+    """The param groups OLMo-core loads are the run's betas, eps and weight decay (train.py
+    records them: a DPO run's b2 0.999 and weight decay 0 came out as the recipe's 0.95 and 0.1,
+    without a word), still none on the embedding; a checkpoint that records none says so. A
+    weights-only conversion prints load_optim_state=False (True made OLMo-core's load fail)."""
+    import shutil
+    from olmo_core.nn.attention import AttentionBackendName
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.train.checkpoint import Checkpointer
+    shutil.copytree(ref["dir"] / "orbax", tmp_path / "dpo")
+    meta = next((tmp_path / "dpo" / "checkpoints").glob("*/extra/metadata"))
+    extra = json.loads(meta.read_text())
+    extra["flags"] = {**extra.get("flags", {}), "lr": 5e-7, "b1": 0.9, "b2": 0.999, "eps": 1e-6, "weight_decay": 0.0}
+    meta.write_text(json.dumps(extra))
+    convert.orbax_to_olmo_core(str(tmp_path / "dpo"), str(tmp_path / "back"))
+    assert "does not record its run's AdamW settings" not in caplog.text
+    cfg = TransformerConfig.from_dict(json.load(open(tmp_path / "back" / "config.json"))["model"])
+    cfg.block.sequence_mixer.backend = AttentionBackendName.torch
+    tm = R.train_module(cfg.build(init_device="cpu"), torch)
+    Checkpointer(work_dir=str(tmp_path / "work")).load(str(tmp_path / "back" / "model_and_optim"), tm,
+                                                       load_trainer_state=False)
+    assert {(tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in tm.optim.param_groups} == {((0.9, 0.999), 1e-6, 0.0)}
+    convert.orbax_to_olmo_core(str(ref["dir"] / "orbax"), str(tmp_path / "recipe"))   # from OLMo-core: no flags
+    assert "does not record its run's AdamW settings: the OLMo-core param groups get the recipe's" in caplog.text
+    convert.olmo_core_to_orbax(str(ref["dir"] / "run" / "step2"), str(tmp_path / "w"), with_optimizer_state=False)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), f"--from=orbax:{tmp_path / 'w'}",
+                        f"--to=olmo-core:{tmp_path / 'wo'}"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "load_trainer_state=False, load_optim_state=False (the model's weights only" in r.stdout
+
+
 def test_weights_only_and_step_label(ref, tmp_path):
     """--nowith_optimizer_state: the model alone (train.py --init_weights_only); --step relabels."""
     convert.olmo_core_to_orbax(str(ref["dir"] / "run" / "step2"), str(tmp_path / "w"), step=0, with_optimizer_state=False)
