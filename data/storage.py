@@ -418,7 +418,11 @@ def load_manifest(path: str) -> dict[str, int]:
             doc = json.load(f)
         if doc.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format is {doc.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        return {str(u): int(e["bytes"]) for u, e in doc["files"].items()}
+        sizes = {str(u): int(e["bytes"]) for u, e in doc["files"].items()}
+        negative = next((u for u, n in sizes.items() if n < 0), None)
+        if negative is not None:   # an edited entry: the dataset counted it as less than nothing, skipping files
+            raise ValueError(f"{negative} has {sizes[negative]} bytes")
+        return sizes
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"size manifest {path} is unreadable ({e}); delete it and it will be rebuilt") from e
 

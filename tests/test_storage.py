@@ -5,6 +5,7 @@ server below serves a temporary directory, handles HEAD and `Range: bytes=a-b`, 
 faults (503s, dropped connections, bodies cut short), and shuts itself down after a deadline.
 """
 import http.server
+import json
 import os
 import re
 import socket
@@ -530,7 +531,9 @@ def test_manifest_errors(tmp_path):
     storage.save_manifest(str(path), {"http://a/x.npy": 8})
     storage.save_manifest(str(path), {"http://a/y.npy": 12})  # merges
     assert storage.load_manifest(str(path)) == {"http://a/x.npy": 8, "http://a/y.npy": 12}
-    for text in ("{not json", '{"format": "some other cache", "files": {"http://a/x.npy": {"bytes": 8}}}'):
+    fmt = json.dumps(storage.MANIFEST_FORMAT)   # a size edited below 0 made the dataset skip a file
+    for text in ("{not json", '{"format": "some other cache", "files": {"http://a/x.npy": {"bytes": 8}}}',
+                 '{"format": ' + fmt + ', "files": {"http://a/x.npy": {"bytes": -4}}}'):
         path.write_text(text)
         with pytest.raises(ValueError, match=re.escape(str(path)) + ".*delete it"):
             storage.load_manifest(str(path))
