@@ -36,7 +36,7 @@ from absl import app, flags, logging
 
 import data
 from data import chat, prepare
-from olmo3 import atomic, cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
+from olmo3 import atomic, checkpoint, cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
 from olmo3.config import config_diff, config_from_dict, precision
 
 # ---------------------------------------------------------------------------------------------
@@ -120,14 +120,16 @@ cli.require([
     ("max_eval_batches", lambda v: v >= 1, ">= 1"),
     ("kl_instances", lambda v: v >= 1, ">= 1"),
     ("olmo_batch_rows", lambda v: 1 <= v < 2**31, f">= 1 and < {2**31:,}"),
-    ("train_loss_window", lambda v: v >= 3, ">= 3 (its noise is the spread about a line fitted through it)"),
+    ("train_loss_window", lambda v: v >= comparison.MIN_TRAIN_POINTS,
+     f">= {comparison.MIN_TRAIN_POINTS} (its noise is the spread about a line fitted through it: comparison.py)"),
     ("z", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
     ("tol", lambda v: cli.finite(v) and v >= 0, "finite and >= 0"),
     ("num_fewshot", lambda v: v >= 0, ">= 0"),
     ("yarn_factor", lambda v: v is None or (cli.finite(v) and v >= 1), ">= 1 (the context extension factor)"),
     ("yarn_original_max_position", lambda v: v is None or v >= 1, ">= 1"),
     ("limit", lambda v: v is None or v >= 1, ">= 1 (leave it out for every document)"),
-    ("steps", lambda v: v is None or all(s.strip().isdigit() for s in v), "checkpoint step numbers, e.g. 1000,2000")])
+    ("steps", lambda v: v is None or (bool(v) and all(s.strip().isascii() and s.strip().isdigit() for s in v)),
+     "checkpoint step numbers, e.g. 1000,2000")])
 
 
 def context_length(info: dict, requested: Optional[int]) -> int:
@@ -143,8 +145,16 @@ def context_length(info: dict, requested: Optional[int]) -> int:
 
 
 def write_json(out_dir: str, name: str, obj, *, indent: int) -> None:
-    """out_dir/name, written whole or not at all (olmo3/atomic.py)."""
-    atomic.write_json(os.path.join(out_dir, name), obj, indent=indent)
+    """out_dir/name, written whole or not at all (olmo3/atomic.py). A number that is none (NaN:
+    the standard error of one document, a bucket no document reaches) is written null: Python's
+    NaN is no JSON, and strict readers (jq, JSON.parse) refused the whole file."""
+    def strict(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: strict(v) for k, v in x.items()}
+        return [strict(v) for v in x] if isinstance(x, (list, tuple)) else x
+    atomic.write_json(os.path.join(out_dir, name), strict(obj), indent=indent, allow_nan=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +183,12 @@ def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) ->
     elif "=" in spec:
         paths = {}
         for item in spec.split(","):
-            domain, _, path = item.partition("=")
+            domain, _, path = (x.strip() for x in item.partition("="))
+            if not domain or "/" in domain or not path:   # logged as eval/<domain>/loss: read back by its name
+                raise app.UsageError(f"--heldout={spec!r}: {item!r} is not domain=file (a domain name without '/', "
+                                     "then a token file); a corpus name and domain=file items cannot be mixed")
+            if path in paths.get(domain, []):   # its instances counted twice
+                raise app.UsageError(f"--heldout={spec!r}: {path} is listed twice for domain {domain!r}")
             paths.setdefault(domain, []).append(path)
     else:   # where train.py prepares it for a run under runs/
         splits = data.ensure_corpus(data_dir or os.path.join("runs", "data", prepare.default_dir_name(spec)), spec)
@@ -275,6 +290,8 @@ def yarn_override():
             raise app.UsageError("--yarn_factor / --yarn_original_max_position only apply with --yarn")
         return {}
     if not F.yarn:
+        cli.refuse_given(("yarn_factor", "yarn_original_max_position"), "configures YaRN, which --noyarn turns off: "
+                                                                         "drop {flag}")
         return {"yarn": None}
     if F.yarn_factor is None or F.yarn_original_max_position is None:
         raise app.UsageError("--yarn needs --yarn_factor and --yarn_original_max_position (e.g. 4 and 256 for "
@@ -513,7 +530,7 @@ def _unmeasured(metrics: list, step: int, window: int, train_se: float, batches:
     why = []
     if not math.isfinite(train_se):
         logged = min(sum(step - window < s <= step and "train/loss" in m for s, m in run.items()) for run in metrics)
-        why.append(f"{logged} logged training losses in the {window}-step window, need 3")
+        why.append(f"{logged} logged training losses in the {window}-step window, need {comparison.MIN_TRAIN_POINTS}")
     if not math.isfinite(heldout_se):
         why.append(f"{batches} held-out batch(es), need 2")
     return f"noise not measurable ({', '.join(why)}); widen --train_loss_window, raise --max_eval_batches, or give --tol"
@@ -620,8 +637,9 @@ def main(argv):
     for names, applies, reason in (
             (("steps", "train_loss_window", "tol", "z"), F.compare,
              "applies only with --compare=A,B (two runs, step by step); add it, or drop {flag}"),
-            (("kl_instances",), F.compare or F.model_b,
-             "applies only with --model_b or --compare (the KL between two models); drop {flag}, or add one"),
+            (("kl_instances",), F.compare or (F.model_b and not F.position_buckets),
+             "applies only with --model_b or --compare (the KL between two models; with --position_buckets none is "
+             "computed); drop {flag}"),
             (("num_fewshot",), F.tasks or F.lm_eval_tasks,
              "applies only with --tasks or --lm_eval_tasks (an --olmo_tasks label names its own shots, e.g. "
              "arc_easy_rc_5shot); drop {flag}, or add one"),
@@ -634,8 +652,9 @@ def main(argv):
             (("max_length",), scored or chatting,
              "applies only to what the scorer feeds the model (--tasks, --olmo_tasks, --lm_eval_tasks, --chat, "
              "--chat_file); held-out instances are --eval_seq_len long: drop {flag}"),
-            (("eval_padded",), not F.position_buckets,
-             "does not apply with --position_buckets, which always scores padded documents: drop {flag}"),
+            (("eval_padded", "doc_lengths"), not F.position_buckets,
+             "does not apply with --position_buckets, which always scores padded documents, each attending "
+             "within itself: drop {flag}"),
             (("heldout",), not F.data_mix, "is replaced by --data_mix's held-out domains; give one of the two"),
             (("eval_data_dir",), not F.data_mix and "=" not in F.heldout,
              "applies only where --heldout names a corpus to prepare (not domain=file lists, not --data_mix); "
@@ -701,6 +720,9 @@ def main(argv):
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, attention=F.attention,
                                   float8=F.float8, **yarn_override())
     if F.model_b:   # loaded and checked before A's evaluation, which can take minutes
+        if F.model_step is not None and checkpoint.locate(F.model_b)[1] is None:   # B loaded its newest, unsaid
+            raise app.UsageError(f"--model_step={F.model_step} picks --model's checkpoint only; give --model_b as "
+                                 f"the checkpoint to compare with (<run>/checkpoints/<step>), or drop --model_step")
         model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype, attention=F.attention,
                                            float8=F.float8)
         # YaRN rescales positions only: a stage-3 model and its stage-2 start share inputs and vocabulary
@@ -720,10 +742,15 @@ def main(argv):
     if F.model_b:
         warn_other_precision(info_b)
     max_length = context_length(info, F.max_length)
+    for flag, n in (("--max_length", max_length), ("--eval_seq_len", None if chatting else F.eval_seq_len)):
+        if n is not None and n > info["config"].max_position_embeddings:   # scored on, unsaid
+            raise app.UsageError(f"{flag}={n} exceeds the model's max_position_embeddings="
+                                 f"{info['config'].max_position_embeddings}; give at most that (or --yarn to extend it)")
     use_segments = segments_for(info, F.doc_lengths)
     if chatting:
         return chat_report(model, max_length)
-    results = {"model": F.model, "step": info["step"]}
+    results = {"model": F.model, "step": info["step"]} | ({"model_b": F.model_b, "step_b": info_b["step"]}
+                                                           if F.model_b else {})
     if F.position_buckets:  # padded held-out documents, loss per position bucket (long-context evidence)
         sets = sets_fn(info["config"], padded=True)
         rows_a = {}

@@ -48,12 +48,20 @@ def train_loss_at(metrics: Mapping[int, dict], step: int, window: int) -> float:
     return float(np.mean(vals))
 
 
+# Logged training losses a window needs before its noise counts as measured. The residual std of a
+# line through n points has n - 2 degrees of freedom, and a band of Z of them assumes many: with
+# 3 points two clean runs (seeds apart) were flagged at 4.7% of steps, with 5 at 1.2%, with 20 at
+# 0.27% (a helper's simulation of linear trend + Gaussian noise through this module's bands).
+MIN_TRAIN_POINTS = 10
+
+
 def train_loss_se(metrics: Mapping[int, dict], step: int, window: int) -> float:
     """Standard error of train_loss_at's window mean: the residual std of train/loss about a
     least-squares line through the window (the loss still falls inside it; the line takes the
-    trend out, what is left is batch-to-batch noise), over sqrt(n). NaN with fewer than 3 steps."""
+    trend out, what is left is batch-to-batch noise), over sqrt(n). NaN with fewer than
+    MIN_TRAIN_POINTS steps."""
     pts = sorted((s, m["train/loss"]) for s, m in metrics.items() if step - window < s <= step and "train/loss" in m)
-    if len(pts) < 3:
+    if len(pts) < MIN_TRAIN_POINTS:
         return float("nan")
     x, y = np.asarray(pts, np.float64).T
     resid = y - np.polyval(np.polyfit(x, y, 1), x)
@@ -78,7 +86,7 @@ Z = 3.0
 def bands(train_se: float, heldout_se: float, z: float = Z, tol: float = 0.0) -> tuple[float, float]:
     """(train band, gap band) in nats. train_se is sqrt(se_A^2 + se_B^2) of the two windows; the
     gap train_delta - heldout_delta has variance train_se^2 + heldout_se^2. A standard error that
-    could not be measured (NaN: under 3 logged steps in the window, under 2 held-out batches)
+    could not be measured (NaN: under MIN_TRAIN_POINTS logged steps in the window, under 2 held-out batches)
     leaves --tol alone as the band, and with no --tol an infinite one: unknown noise flags nothing."""
     unknown = 0.0 if tol > 0 else math.inf
     t = train_se if np.isfinite(train_se) else unknown

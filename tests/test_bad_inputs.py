@@ -290,6 +290,26 @@ def _cases(w):
          "--eval_batch_size must be >= 1"),
         ("eval_yarn_factor_zero", "eval.py", [f"--model={w / 'run'}", "--yarn", "--yarn_factor=0",
                                               "--yarn_original_max_position=16"], 2, "--yarn_factor must be >= 1"),
+        ("eval_steps_empty", "eval.py", [f"--compare={w / 'run'},{w / 'run'}", "--steps="], 2,
+         "--steps must be checkpoint step numbers"),   # an IndexError traceback, exit 1
+        ("eval_model_step_with_model_b_run", "eval.py", [f"--model={w / 'run'}", "--model_step=2",
+                                                         f"--model_b={w / 'run'}"], 2,
+         "--model_step=2 picks --model's checkpoint only; give --model_b as the checkpoint to compare with"),
+        ("eval_heldout_file_twice", "eval.py", [f"--model={w / 'run'}", f"--heldout=code={w / 'x.npy'},code={w / 'x.npy'}"],
+         2, f"is listed twice for domain 'code'"),   # its instances counted twice
+        ("eval_heldout_corpus_and_file", "eval.py", [f"--model={w / 'run'}", f"--heldout=stdlib,code={w / 'x.npy'}"], 2,
+         "'stdlib' is not domain=file (a domain name without '/', then a token file)"),
+        ("eval_max_length_past_positions", "eval.py", [f"--model={w / 'run'}", "--chat=hi", "--max_length=70000"], 2,
+         "--max_length=70000 exceeds the model's max_position_embeddings=65536"),   # answered, exit 0
+        ("eval_kl_with_position_buckets", "eval.py", [f"--model={w / 'run'}", f"--model_b={w / 'run'}",
+                                                      "--position_buckets=0.5,1", "--kl_instances=4"], 2,
+         "--kl_instances applies only with --model_b or --compare (the KL between two models; with "
+         "--position_buckets none is computed)"),   # ignored
+        ("eval_doc_lengths_with_position_buckets", "eval.py", [f"--model={w / 'run'}", "--position_buckets=0.5,1",
+                                                               "--nodoc_lengths"], 2,
+         "--doc_lengths does not apply with --position_buckets"),   # ignored
+        ("eval_yarn_factor_with_noyarn", "eval.py", [f"--model={w / 'run'}", "--noyarn", "--yarn_factor=4"], 2,
+         "--yarn_factor configures YaRN, which --noyarn turns off: drop --yarn_factor"),   # ignored
         ("eval_tasks_of_one_name", "eval.py", [f"--model={w / 'run'}", f"--tasks={w / 'ta' / 'mc.jsonl'},"
                                                                          f"{w / 'tb' / 'mc.jsonl'}"], 2,
          f"--tasks: {w / 'ta' / 'mc.jsonl'} and {w / 'tb' / 'mc.jsonl'} are both named 'mc', and results are keyed "
@@ -354,7 +374,7 @@ def _cases(w):
                                                            "--position_buckets=0.5,1"], 2,
          "--position_buckets does not apply with --compare"),
         ("eval_train_loss_window_two", "eval.py", [f"--compare={w / 'run'},{w / 'run'}", "--train_loss_window=2"], 2,
-         "--train_loss_window must be >= 3"),
+         "--train_loss_window must be >= 10"),
         ("eval_metrics_not_json", "eval.py", [f"--compare={w / 'run'},{w / 'badmetrics'}", f"--out={w / 'report'}",
                                               f"--heldout={w / 'docs'}"], 2, "metrics.jsonl:"),
         ("convert_bad_spec", "convert.py", ["--from=foo", f"--to=hf:{w / 'out'}"], 2, "--from='foo'"),

@@ -1040,7 +1040,7 @@ def test_unmeasurable_noise_flags_nothing_and_says_so(runs, tmp_path):
     kw = dict(sets_fn=runs["sets_fn"], train_loss_window=2, max_batches=2, steps=[90])
     r = eval_script.compare_runs(runs["clean0"], runs["repeat"], out_dir=str(tmp_path / "u"), **kw)
     assert not r["flagged"] and r["rows"][0]["flag"].startswith(
-        "undetermined: noise not measurable (2 logged training losses in the 2-step window, need 3)")
+        "undetermined: noise not measurable (2 logged training losses in the 2-step window, need 10)")
     assert r["verdict"].startswith("step 90 undetermined") and "--train_loss_window" in r["verdict"]
     assert eval_script.compare_runs(runs["clean0"], runs["repeat"], tol=0.1, out_dir=str(tmp_path / "t"), **kw)["flagged"]
 
@@ -1356,3 +1356,14 @@ def test_cli_quiets_library_logs_before_jax_starts(monkeypatch):
             eval_script.main(["eval.py"])
     finally:
         F.unparse_flags()
+
+
+def test_results_files_are_strict_json(tmp_path):
+    """eval.json held NaN (the standard error of one document, a bucket no document reaches),
+    which strict JSON readers (jq, JSON.parse) refuse for the whole file: it is null now."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is no JSON")
+    eval_script.write_json(str(tmp_path), "eval.json", {"a": float("nan"), "b": [1.5, float("-inf")], "c": "x"},
+                           indent=1)
+    assert json.loads((tmp_path / "eval.json").read_text(), parse_constant=refuse) == {"a": None, "b": [1.5, None],
+                                                                                       "c": "x"}
