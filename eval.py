@@ -36,7 +36,7 @@ from absl import app, flags, logging
 
 import data
 from data import chat, prepare
-from olmo3 import atomic, checkpoint, cli, comparison, heldout, icl_metrics, load, oe_tasks, scoring
+from olmo3 import atomic, checkpoint, cli, comparison, heldout, hf, icl_metrics, load, oe_tasks, scoring
 from olmo3.config import config_diff, config_from_dict, precision
 
 # ---------------------------------------------------------------------------------------------
@@ -717,12 +717,13 @@ def main(argv):
             raise app.UsageError(f"--position_buckets: {e}") from None
     if F.lm_eval_tasks:   # names checked before the models load
         lm_eval_tasks(F.lm_eval_tasks, F.lm_eval_include)
+    if (F.model_b and F.model_step is not None and not hf.is_hf_dir(F.model_b)
+            and checkpoint.locate(F.model_b)[1] is None):   # B loaded its newest checkpoint, unsaid
+        raise app.UsageError(f"--model_step={F.model_step} picks --model's checkpoint only; give --model_b as "
+                             f"the checkpoint to compare with (<run>/checkpoints/<step>), or drop --model_step")
     model, info = load.load_model(F.model, F.model_step, compute_dtype=F.compute_dtype, attention=F.attention,
                                   float8=F.float8, **yarn_override())
     if F.model_b:   # loaded and checked before A's evaluation, which can take minutes
-        if F.model_step is not None and checkpoint.locate(F.model_b)[1] is None:   # B loaded its newest, unsaid
-            raise app.UsageError(f"--model_step={F.model_step} picks --model's checkpoint only; give --model_b as "
-                                 f"the checkpoint to compare with (<run>/checkpoints/<step>), or drop --model_step")
         model_b, info_b = load.load_model(F.model_b, compute_dtype=F.compute_dtype, attention=F.attention,
                                            float8=F.float8)
         # YaRN rescales positions only: a stage-3 model and its stage-2 start share inputs and vocabulary
