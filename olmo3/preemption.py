@@ -51,8 +51,9 @@ class Notice:
         self._interrupts = 0
         self._previous = {}
         self._mode = "jax" if jax.process_count() > 1 else "signal"
-        if self._mode == "signal":
-            self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        if self._mode == "signal":   # not a SIGINT the process ignores: a shell's background job (`cmd &`)
+            self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)
+                              if signal.getsignal(s) is not signal.SIG_IGN}
 
     def _on_signal(self, signum, frame) -> None:
         # Only that, and no lock: the handler may interrupt the main thread anywhere, also inside

@@ -97,6 +97,10 @@ def test_close_gives_sigterm_back():
 CTRL_C = r"""
 import os, signal, time
 from olmo3.preemption import Notice
+signal.signal(signal.SIGINT, signal.SIG_IGN)   # a shell's background job: ignored, and left so
+Notice(1000).close()
+ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+signal.signal(signal.SIGINT, signal.default_int_handler)   # a process at a terminal (it may inherit SIG_IGN here)
 notice = Notice(1000)
 os.kill(os.getpid(), signal.SIGINT)    # Ctrl-C: a notice, as SIGTERM (it was a KeyboardInterrupt: nothing saved)
 time.sleep(0.2)
@@ -109,17 +113,19 @@ try:
 except KeyboardInterrupt:
     print("interrupted", flush=True)
 notice.close()
-print("restored", signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+print("restored", signal.getsignal(signal.SIGINT) is signal.default_int_handler, "ignored", ignored, flush=True)
 """
 
 
 def test_ctrl_c_is_a_notice_and_twice_stops_at_once():
     """One process: SIGINT sets the notice as SIGTERM does (reported as SIGINT, exit status 130),
-    a second SIGINT raises KeyboardInterrupt, and `close` gives SIGINT back to Python."""
+    a second SIGINT raises KeyboardInterrupt, and `close` gives SIGINT its handler back. A SIGINT
+    the process ignores (a shell's `cmd &`) stays ignored."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     p = subprocess.run([sys.executable, "-c", CTRL_C], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.split() == ["notice", "True", "SIGINT", "130", "interrupted", "restored", "True"], p.stdout
+    assert p.stdout.split() == ["notice", "True", "SIGINT", "130", "interrupted", "restored", "True", "ignored",
+                                "True"], p.stdout
 
 
 STOPPED = r"""

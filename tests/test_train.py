@@ -131,7 +131,9 @@ def sigterm_after(logged_step, run_dir, docs, data_dir, *args, sig=signal.SIGTER
     env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *SMALL, f"--data={docs}", f"--data_dir={data_dir}",
            f"--run_dir={run_dir}", *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # SIGINT as at a terminal: a suite run as a shell's background job (`cmd &`) passes it on ignored
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err = []
     for line in proc.stderr:
         err.append(line)
