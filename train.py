@@ -312,9 +312,9 @@ def main(argv):
     heldout = {name.split("/", 1)[1]: heldout_set(paths, F.seq_len)
                for name, paths in splits.items() if name.startswith("heldout/") and paths}
     if F.label_masks:   # a conversation longer than --seq_len loses its later turns, maybe every answer
-        for said, ds in ({f"--data={F.data}": train_set}
-                         | {f"--sft_heldout={d}": heldout[k] for k, d in named_sets(F.sft_heldout, "").items()}).items():
-            check_trained(ds, said, "trains" if said.startswith("--data") else "scores", warn=is_main)
+        check_trained(train_set, f"--data={F.data}", "trains", warn=is_main)
+        for k, d in named_sets(F.sft_heldout, "").items():
+            check_trained(heldout[k], f"--sft_heldout={d}", "scores", warn=is_main)
     if config.vocab_size < data.VOCAB_SIZE:
         raise app.UsageError(f"--vocab_size={config.vocab_size} is smaller than the tokenizer's {data.VOCAB_SIZE}")
     cluster.check_same_everywhere(   # every process the same files, sizes and so the same order

@@ -23,7 +23,6 @@ import os
 import sys
 from collections.abc import Iterator
 
-
 from data import chat
 from data.preference import write_pairs
 
