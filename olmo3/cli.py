@@ -335,6 +335,10 @@ def run(main: Callable[[list[str]], None]) -> None:
     def guarded(argv: list[str]) -> None:
         try:
             refuse_positional(argv)   # no script takes one: `python -m data.prepare corpus/` ignored corpus/
+            from olmo3 import runtime
+            problem = runtime.xla_flags_problem()   # XLA would abort at start-up: exit 1, a C++ log line
+            if problem:
+                raise app.UsageError(problem)
             main(argv)
         except SystemExit:
             raise

@@ -363,6 +363,26 @@ def user_xla_flags() -> list[str]:
         return []
 
 
+def xla_flags_problem() -> str | None:
+    """What in the user's XLA_FLAGS would end the process when JAX starts XLA, with XLA's own
+    words and exit 1 (retried by a resubmission loop): a file of flags that cannot be read, or a
+    flag the installed jaxlib does not define. None when XLA will read it."""
+    value = os.environ.get("XLA_FLAGS", "").strip()
+    if value and not value.startswith("-"):
+        try:
+            open(value).close()
+        except OSError as e:
+            return (f"XLA_FLAGS={value!r} is read as a file of flags, which cannot be opened ({e.strerror}); give "
+                    "the flags themselves (XLA_FLAGS='--xla_...') or a readable file")
+    unknown = unknown_xla_flags({flag_name(t) for t in user_xla_flags() if t.startswith("-")})
+    if unknown:
+        from importlib import metadata
+        names = " ".join(f"--{n}" for n in sorted(unknown))
+        return (f"XLA_FLAGS: {names} is not a flag of the installed jaxlib {metadata.version('jaxlib')}; remove "
+                "it from XLA_FLAGS, or install the jaxlib that has it")
+    return None
+
+
 def add_xla_flags(defaults: tuple[str, ...] | list[str]) -> list[str]:
     """Append to XLA_FLAGS each default whose flag the user has not set and the installed jaxlib
     knows; returns those added (and a note naming any left out). Flag by flag: a user's own

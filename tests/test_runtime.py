@@ -11,6 +11,8 @@ import pytest
 
 from olmo3 import runtime
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 # Calls a jitted op with a 128 MB temporary (exp(x), the dot's operand) a few times, then counts
 # the minor page faults of five more calls and keeps the fewest: glibc's default mmaps and unmaps
 # such a block on every call; the tuned heap reuses it once it has settled (a call may still grow
@@ -222,6 +224,34 @@ def test_xla_flags_naming_a_file(tmp_path):
     out = probe("tune", XLA_FLAGS=str(flagfile))
     assert out["xla_flags"] == str(flagfile) and out["applied"][0].startswith("malloc")   # the user's choice wins
 
+
+
+@pytest.mark.parametrize("value, says", [
+    ("--xla_force_host_platform_device_count=2 --xla_no_such_flag=1",
+     "XLA_FLAGS: --xla_no_such_flag is not a flag of the installed jaxlib"),
+    ("{missing}", "XLA_FLAGS='{missing}' is read as a file of flags, which cannot be opened"),
+    ("{bad_file}", "XLA_FLAGS: --xla_no_such_flag is not a flag of the installed jaxlib"),
+])
+def test_a_bad_xla_flags_is_one_line_before_xla_aborts(tmp_path, value, says):
+    """XLA ends the process at its start on an unknown flag or an unreadable file of flags, with
+    exit 1 (retried by a resubmission loop) and a C++ log line; every script's cli.run names
+    XLA_FLAGS and the fix first, exit 2. The check knows what XLA reads: a file's flags, and the
+    flags every test here runs with."""
+    names = {"missing": str(tmp_path / "no.flags"), "bad_file": str(tmp_path / "bad.flags")}
+    (tmp_path / "bad.flags").write_text("--xla_force_host_platform_device_count=2\n--xla_no_such_flag=1\n")
+    env = dict(os.environ, XLA_FLAGS=value.format(**names), JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--flagfile=tiny.flags", "--max_steps=1",
+                          f"--run_dir={tmp_path / 'run'}"], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("train.py: error: " + says.format(**names))
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "good.flags").write_text("--xla_force_host_platform_device_count=2 " + runtime.YNN_DOTS_ONLY)
+    for good in ("", "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x", str(tmp_path / "good.flags"),
+                 " ".join(runtime.GPU_XLA_FLAGS)):
+        env["XLA_FLAGS"] = good
+        check = "import sys; from olmo3 import runtime; sys.exit(runtime.xla_flags_problem() is not None)"
+        assert subprocess.run([sys.executable, "-c", check], env=env, cwd=ROOT).returncode == 0, good
 
 
 def test_bf16_compute_leaves_the_dot_library_alone():
