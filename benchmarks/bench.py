@@ -77,6 +77,8 @@ cli.require([
     ("batch", lambda v: v >= 1, ">= 1"),
     ("seq_len", lambda v: v >= 2, ">= 2 (an input token and its target)"),
     ("micro_batch", lambda v: v is None or v >= 1, ">= 1"),
+    ("doc_len", lambda v: v is None or v >= 1, ">= 1"),
+    ("torch_threads", lambda v: v is None or v >= 1, ">= 1"),
     ("loss_chunk", lambda v: v >= 1, ">= 1"),
     ("matmul_n", lambda v: v >= 1, ">= 1"),
     ("steps", lambda v: v >= 1, ">= 1"),
@@ -233,9 +235,27 @@ def timed(fn) -> tuple[float, float]:
     t, c = time.perf_counter(), time.process_time()
     loss = fn()
     dt, dc = time.perf_counter() - t, time.process_time() - c
-    if not math.isfinite(loss):
-        raise FloatingPointError(f"non-finite loss {loss} in the benchmark step")
+    check_loss(loss)
     return dt, dc
+
+
+def check_loss(loss: float) -> None:
+    """Every step's loss, the untimed ones' too: a step that diverged times something else."""
+    if not math.isfinite(loss):
+        raise cli.NonFiniteError(f"non-finite loss {loss} in the benchmark step: these flags do not train "
+                                 "(try --param_dtype=float32, or a smaller model)")
+
+
+def tune() -> list[str]:
+    """The process settings train.py runs with (--tune_cpu, --tune_gpu), before JAX starts."""
+    from olmo3 import runtime
+    return ((runtime.tune_cpu(dots=F.compute_dtype != "bfloat16") if F.tune_cpu else [])
+            + (runtime.tune_gpu() if F.tune_gpu else []))
+
+
+def check(config, platform: str) -> None:
+    """The flags' model on `platform`: the attention kernel runs there and --seq_len fits (exit 2)."""
+    cli.check_model(config.attention, config.max_position_embeddings, F.seq_len, platform)
 
 
 def main(argv):
@@ -244,8 +264,7 @@ def main(argv):
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     from olmo3 import logs, runtime
     logs.quiet_library_logs()   # our lines only, unless --verbosity asks for the libraries' logs
-    tuned = ((runtime.tune_cpu(dots=F.compute_dtype != "bfloat16") if F.tune_cpu else [])
-             + (runtime.tune_gpu() if F.tune_gpu else []))
+    tuned = tune()
     from olmo3 import cluster   # one process: under srun / mpirun with N > 1 tasks, stop (or --independent_runs)
     cluster.start("bench.py", multi_process=False, independent_runs=F.independent_runs)
 
@@ -255,9 +274,7 @@ def main(argv):
     from olmo3 import metrics as metrics_lib
 
     config = config_from_flags()
-    cli.check_model(config.attention, config.max_position_embeddings, F.seq_len, jax.devices()[0].platform)
-    if F.doc_len is not None and F.doc_len < 1:
-        raise app.UsageError(f"--doc_len={F.doc_len} must be >= 1")
+    check(config, jax.devices()[0].platform)
     if F.compare_torch and (config.param_dtype, config.compute_dtype) == ("bfloat16", "float32"):
         raise app.UsageError("--compare_torch with --param_dtype=bfloat16 --compute_dtype=float32: torch's "
                              "autocast only lowers precision, so its reference cannot compute wider than its "
@@ -292,7 +309,7 @@ def main(argv):
     t0 = time.perf_counter()
     ours, n_devices = build_ours(config, tokens_np)
     for _ in range(F.warmup):
-        ours()
+        check_loss(ours())
     print(f"ours: built + {F.warmup} warmup step(s) in {time.perf_counter() - t0:.1f} s")
     mem = metrics_lib.memory_bytes()   # before torch allocates anything in this process
     print("memory: " + ", ".join(f"{k.split('/')[1]} {v:.2f} GB" for k, v in mem.items()))
@@ -313,7 +330,7 @@ def main(argv):
         for impl in impls:
             fn = build_torch(config, tokens_np, impl, torch_on)
             for _ in range(F.warmup):   # as many untimed steps as ours
-                fn()
+                check_loss(fn())
             dt = timed(fn)[0] if len(impls) > 1 else 0.0
             print(f"torch: attn_implementation={impl}" + (f" one step {dt:.2f} s" if dt else "") +
                   f", {torch.get_num_threads()} threads")

@@ -20,7 +20,6 @@ import numpy as np
 from absl import app, flags
 
 import data
-from data import storage
 from olmo3 import cli
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -37,7 +36,7 @@ flags.DEFINE_integer("open_files", 1000, "files for the open-time (size manifest
 cli.require([*[(name, lambda v: v >= 1, ">= 1") for name in ("global_batch", "files", "tokens_per_file", "steps",
                                                              "open_files")],
              ("seq_len", lambda v: v >= 2, ">= 2"),
-             ("workers", lambda v: all(w.isdigit() for w in v), "worker counts >= 0"),
+             ("workers", lambda v: len(v) >= 1 and all(w.isdigit() for w in v), "one or more worker counts >= 0"),
              ("latency_ms", lambda v: cli.finite(v) and v >= 0, "finite and >= 0")])
 FLAGS = flags.FLAGS
 
@@ -93,7 +92,6 @@ def main(argv):
                 data.FSLDataset(urls, FLAGS.seq_len)
                 print(f"open {len(urls)} remote files, {label} (latency {FLAGS.latency_ms:g} ms/request): "
                       f"{time.perf_counter() - t0:.2f} s")
-            print(f"size manifest: {storage.default_manifest_path()}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ flags.DEFINE_float("peak_tflops", 989.0, "Accelerator dense bf16 peak (H100 SXM:
 flags.DEFINE_float("mfu", 0.4, "Assumed model FLOP utilisation of the scoring forward pass on the accelerator.")
 flags.DEFINE_integer("measure_limit", 0, "Documents per task for the measured CPU rate (0: skip).")
 cli.require([("max_length", lambda v: v >= 1, ">= 1"), ("rows", lambda v: v >= 1, ">= 1"),
-             ("devices", lambda v: all(d.isdigit() and int(d) >= 1 for d in v), "device counts >= 1"),
+             ("tasks", lambda v: len(v) >= 1, "one or more task labels or groups"),
+             ("devices", lambda v: len(v) >= 1 and all(d.isdigit() and int(d) >= 1 for d in v),
+              "one or more device counts >= 1"),
              ("peak_tflops", lambda v: cli.finite(v) and v > 0, "finite and > 0"), ("mfu", lambda v: 0 < v <= 1, "in (0, 1]"),
              ("measure_limit", lambda v: v >= 0, ">= 0 (0: skip)")])
 

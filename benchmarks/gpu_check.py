@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -382,6 +383,14 @@ class Terminated(BaseException):
 def main(argv):
     del argv
     from olmo3 import runtime
+    # The full shapes on a CPU run every row into its timeout (7.5 minutes, the 7B-wide stage-3
+    # step in Pallas interpret mode). nvidia-smi: a GPU host whose JAX is packaged in a way
+    # gpu_backend_expected does not know still runs.
+    if not (F.smoke or F.emit_rows or runtime.gpu_backend_expected()) and (
+            os.environ.get("JAX_PLATFORMS", "").strip() or not shutil.which("nvidia-smi")):
+        raise app.UsageError("no NVIDIA GPU for JAX here (JAX_PLATFORMS="
+                             f"{os.environ.get('JAX_PLATFORMS', '')!r}, no jax CUDA plugin): run on a GPU host "
+                             "after pip install -U 'jax[cuda13]', or give --smoke for tiny shapes on any backend")
     runtime.tune_gpu()   # the same process settings train.py runs with (GPU hosts only)
     import jax
 

@@ -22,6 +22,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -52,27 +53,62 @@ def phase(op_name: str) -> str:
     return "optimizer, embedding, other"
 
 
+# bench.py's flags that time or compare, which one traced step does not: each would be ignored.
+BENCH_ONLY = ("steps", "matmul_n", "peak_tflops", "compare_torch", "torch_threads", "independent_runs")
+
+
+def check_trace_dir(trace_dir: str) -> None:
+    """--trace_dir is a writable directory, and the profiler's plugins/profile in it can be made
+    (a file there failed after the profile, FAILED_PRECONDITION). Before the step compiles."""
+    from absl import app
+
+    from olmo3 import atomic
+    atomic.check_writable(trace_dir, "--trace_dir")
+    for sub in ("plugins", os.path.join("plugins", "profile")):
+        if os.path.exists(os.path.join(trace_dir, sub)) and not os.path.isdir(os.path.join(trace_dir, sub)):
+            raise app.UsageError(f"--trace_dir={trace_dir}: {os.path.join(trace_dir, sub)} is not a directory, "
+                                 "and the profiler writes its traces there; give another --trace_dir")
+
+
+def traced(run_step, trace_dir: str | None) -> tuple[float, str]:
+    """(seconds, the trace file) of one step under jax.profiler. With `trace_dir` the trace is
+    written beside it first and moved into its plugins/profile/ whole (an interrupted profile
+    leaves nothing there); else it stays in a temporary directory."""
+    import jax
+    where = tempfile.mkdtemp(prefix=".olmo3_trace_", dir=trace_dir)
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+        t = time.perf_counter()
+        run_step()
+        step_s = time.perf_counter() - t
+    runs = sorted(glob.glob(os.path.join(where, "plugins", "profile", "*")))
+    if not runs or not glob.glob(os.path.join(runs[-1], "*.trace.json.gz")):
+        raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {where}; this JAX's profiler plugin "
+                           "may be missing (pip install -U jax jaxlib)")
+    run = runs[-1]
+    if trace_dir is not None:
+        os.makedirs(os.path.join(trace_dir, "plugins", "profile"), exist_ok=True)
+        run = os.path.join(trace_dir, "plugins", "profile", os.path.basename(runs[-1]))
+        os.rename(runs[-1], run)
+        shutil.rmtree(where, ignore_errors=True)
+    return step_s, sorted(glob.glob(os.path.join(run, "*.trace.json.gz")))[-1]
+
+
 def main(argv):
     del argv
-    from olmo3 import atomic, runtime
-    if F.trace_dir:   # before the step compiles and runs: a file there failed after the profile (FAILED_PRECONDITION)
-        atomic.check_writable(F.trace_dir, "--trace_dir")
-    if F.tune_cpu:   # as bench.py: YNNPACK's dots in float32 compute only (olmo3/runtime.py)
-        runtime.tune_cpu(dots=F.compute_dtype != "bfloat16")
+    cli.refuse_given(BENCH_ONLY, "is bench.py's: profile_step.py traces one step after --warmup; drop {flag}")
+    if F.trace_dir:
+        check_trace_dir(F.trace_dir)
+    bench.tune()   # as bench.py (olmo3/runtime.py): what is traced is the step bench.py times
     import jax
     import numpy as np
 
     config = bench.config_from_flags()
+    bench.check(config, jax.devices()[0].platform)
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
     run_step, _ = bench.build_ours(config, tokens)
-    for _ in range(max(F.warmup, 1)):
-        run_step()
-    trace_dir = F.trace_dir or tempfile.mkdtemp(prefix="olmo3_trace_")
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        t = time.perf_counter()
-        run_step()
-        step_s = time.perf_counter() - t
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+    for _ in range(F.warmup):   # bench.py's flag: >= 1, the first step compiles
+        bench.check_loss(run_step())
+    step_s, path = traced(run_step, F.trace_dir)
     hlo = run_step.hlo_text()
     instructions = set(re.findall(r"^\s*(?:ROOT )?%(\S+) = ", hlo, re.M))
     op_names = dict(re.findall(r'^\s*(?:ROOT )?%(\S+) = .*?op_name="([^"]*)"', hlo, re.M))

@@ -18,6 +18,9 @@ import sys
 
 from absl import app, flags
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from olmo3 import atomic, cli  # noqa: E402  (absl only: the triton venv needs no jax)
+
 flags.DEFINE_string("dump", None, "Write the kernels' Triton IR to this folder (needs jax).")
 flags.DEFINE_string("compile", None, "Compile the IR in this folder (needs triton).")
 F = flags.FLAGS
@@ -25,7 +28,6 @@ CONFIGS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("f32", 128)]
 
 
 def dump(folder):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
     import jax.export  # `import jax` does not load it in JAX 0.6
     import jax.numpy as jnp
@@ -42,10 +44,8 @@ def dump(folder):
         warps, stages = ((sizes.fwd_warps, sizes.fwd_stages) if state["n"] == 1
                          else (sizes.bwd_warps, sizes.bwd_stages))
         stem = os.path.join(folder, f"{state['tag']}_{('fwd', 'dq', 'dkv')[state['n'] - 1]}")
-        with open(stem + ".ttir", "w") as f:
-            f.write(result.module.operation.get_asm(enable_debug_info=False))
-        with open(stem + ".json", "w") as f:
-            json.dump({"num_warps": warps, "num_stages": stages}, f)
+        atomic.write_text(stem + ".ttir", result.module.operation.get_asm(enable_debug_info=False))
+        atomic.write_json(stem + ".json", {"num_warps": warps, "num_stages": stages})
         return result
 
     lowering.lower_jaxpr_to_triton_module = capture
@@ -64,8 +64,14 @@ def dump(folder):
 
 
 def compile_all(folder):
-    import triton
-    from triton.backends.compiler import GPUTarget
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+    except ImportError as e:
+        raise app.UsageError(f"--compile needs triton ({e}): pip install triton in a separate venv (it must not "
+                             "shadow the project's packages) and run this script with that venv's python") from None
+    if not any(f.endswith(".ttir") for f in os.listdir(folder)):
+        raise app.UsageError(f"--compile={folder} holds no .ttir kernels; write them with --dump={folder} first")
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                          "ptxas-blackwell")   # the bundled ptxas that reads Triton 3.9's PTX
@@ -77,8 +83,7 @@ def compile_all(folder):
             options = json.load(f)
         kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32), options=options)
         ptx = path[:-5] + ".ptx"
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
+        atomic.write_text(ptx, kernel.asm["ptx"])
         out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.devnull],
                              capture_output=True, text=True)
         info = [line.split("info    : ")[-1].strip() for line in out.stderr.splitlines()
@@ -88,13 +93,17 @@ def compile_all(folder):
 
 
 def main(_):
+    if not (F.dump or F.compile):
+        raise app.UsageError("pass --dump=FOLDER and/or --compile=FOLDER")
+    if F.dump:
+        atomic.check_writable(F.dump, "--dump")
+    if F.compile and not os.path.isdir(F.compile):
+        raise app.UsageError(f"--compile={F.compile} is not a directory; write the kernels there with --dump first")
     if F.dump:
         dump(F.dump)
     if F.compile:
         compile_all(F.compile)
-    if not (F.dump or F.compile):
-        raise app.UsageError("pass --dump=FOLDER and/or --compile=FOLDER")
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)   # a bad flag: one line, exit 2

@@ -75,7 +75,7 @@ def test_bench_smoke_with_torch():
 # against the same arithmetic written out from the definitions (tokens / median step, FLOPs by hand).
 SCRIPTED = textwrap.dedent(r"""
     import json, sys, types
-    root, platform, scale, nan_step, argv = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5:]
+    root, platform, scale, argv = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4:]
     sys.path[:0] = [root, root + "/benchmarks"]
     import jax
     import bench
@@ -91,7 +91,7 @@ SCRIPTED = textwrap.dedent(r"""
             dt = next(it) * scale
             clock.wall, clock.cpu = clock.wall + dt, clock.cpu + dt / 2
             calls.append(name)
-            return float("nan") if len(calls) == nan_step else 2.0
+            return 2.0
         return step
 
     peaks = iter([1.0, 3.0, 2.0, 5.0])   # the first, then one after each timed step
@@ -108,9 +108,9 @@ SCRIPTED = textwrap.dedent(r"""
 """)
 
 
-def scripted_bench(platform, *flags, scale=1.0, nan_step=0):
+def scripted_bench(platform, *flags, scale=1.0):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", SCRIPTED, ROOT, platform, str(scale), str(nan_step), "--model=tiny",
+    return subprocess.run([sys.executable, "-c", SCRIPTED, ROOT, platform, str(scale), "--model=tiny",
                            *TOY, "--steps=3", "--warmup=2", "--notune_cpu", "--notune_gpu",
                            f"--max_position_embeddings={T}", *flags],   # seq_len may equal it
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -169,18 +169,12 @@ def test_bench_figures_from_scripted_steps(platform):
     assert per_cpu_s == pytest.approx(tokens / (med / 2), rel=1e-5)   # CPU seconds: half the wall ones
 
 
-def test_bench_stops_on_a_non_finite_loss():
-    out = scripted_bench("cpu", nan_step=4)   # the second timed step (after 2 warmup steps)
-    assert out.returncode != 0 and "non-finite loss nan in the benchmark step" in out.stderr, out.stderr[-2000:]
-    assert not any(LAST.match(line) for line in out.stdout.splitlines())
-
-
 @pytest.mark.parametrize("flags,says", [
     # It would time our compile (torch always had an untimed step).
     (["--warmup=0"], "--warmup must be >= 1"),
     # torch's autocast cannot compute wider than its parameters: no like-for-like reference.
     (["--peak_tflops=nan"], "--peak_tflops must be finite and > 0"),
-    (["--doc_len=0"], "--doc_len=0 must be >= 1"),   # not "one document per instance"
+    (["--doc_len=0"], "--doc_len must be >= 1"),   # not "one document per instance"
     (["--param_dtype=bfloat16", "--compute_dtype=float32"], "--compare_torch with --param_dtype=bfloat16 "
                                                             "--compute_dtype=float32")])
 def test_bench_refuses_unfair_comparisons(flags, says):
@@ -197,6 +191,46 @@ def test_bench_rejects_bad_seq_len():
     assert out.returncode != 0 and "--seq_len=100000 exceeds the model's max_position_embeddings" in out.stderr
 
 
+@pytest.mark.parametrize("nan_step", [1, 4])
+def test_bench_stops_on_a_non_finite_loss(nan_step):
+    """A benchmark step whose loss is NaN, in the warmup (step 1) or timed (step 4, the second
+    timed after 2 warmup steps): it went unseen in the warmup, and timed it ended bench.py with a
+    FloatingPointError traceback (exit 1); now cli.NonFiniteError, one line, exit 3, at once."""
+    code = textwrap.dedent(r'''
+        import sys
+        sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+        nan_step, sys.argv = int(sys.argv[2]), ["bench.py", *sys.argv[3:]]
+        import bench
+        from olmo3 import cli
+        calls = []
+        def build_ours(config, tokens):
+            def step():
+                calls.append(1)
+                print("step", len(calls), flush=True)
+                return float("nan") if len(calls) == nan_step else 2.0
+            return step, 1
+        bench.build_ours = build_ours
+        cli.run(bench.main)
+    ''')
+    out = subprocess.run([sys.executable, "-c", code, ROOT, str(nan_step), *TOY, "--matmul_n=64", "--warmup=2",
+                          "--steps=3"], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "non-finite loss nan in the benchmark step" in out.stderr.strip().splitlines()[-1]
+    assert out.stdout.count("step ") == nan_step and not any(LAST.match(line) for line in out.stdout.splitlines())
+
+
+def test_profile_step_trace_dir_the_profiler_cannot_use(tmp_path):
+    """--trace_dir whose plugins/ is a file: the profiler failed there after the build, the warmup
+    and the traced step (FAILED_PRECONDITION, a traceback)."""
+    (tmp_path / "plugins").write_text("")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_step.py"),
+                          f"--trace_dir={tmp_path}"], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"{tmp_path / 'plugins'} is not a directory" in out.stderr.strip().splitlines()[-1]
+
+
 def test_profile_step_names_the_phases(tmp_path):
     """benchmarks/profile_step.py: one traced step of the same toy config, its thunks summed by phase."""
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")   # one host device
@@ -211,7 +245,9 @@ def test_profile_step_names_the_phases(tmp_path):
     assert set(rows) == {"layers forward", "layers backward", "lm_head + cross entropy"}, out.stdout
     assert all(float(ms) > 0 for ms in rows.values())   # each phase ran matmuls
     assert len(re.findall(r"^\s+\S+\s+\S+", out.stdout.split("ops (ms, summed over calls):")[1], re.M)) == 3
-    assert list(tmp_path.rglob("*.trace.json.gz"))
+    traces = list(tmp_path.rglob("*.trace.json.gz"))   # moved whole into plugins/profile/<run>/
+    assert traces and all(t.parent.parent == tmp_path / "plugins" / "profile" for t in traces)
+    assert sorted(os.listdir(tmp_path)) == ["plugins"]   # the temporary directory it was written to is gone
 
 
 # The torch reference as bench.py builds it, for one set of flags: one training step through a spy
@@ -412,6 +448,18 @@ def test_downstream_cost_shapes_are_oe_tasks_batches():
      "--time_window applies to the interpret timing, which --time_seq=0 skips"),   # ignored
     ("bench_remote.py", ["--tokens_per_file=16", "--seq_len=64"],
      "--tokens_per_file=16 holds no instance of --seq_len=64 tokens"),   # it named a temporary file
+    ("bench_remote.py", ["--workers="], "--workers must be one or more worker counts"),   # no loader rows
+    ("downstream_cost.py", ["--tasks="], "--tasks must be one or more task labels"),      # a total of 0 tasks
+    ("downstream_cost.py", ["--devices="], "--devices must be one or more device counts"),  # no cost lines
+    ("bench.py", ["--compare_torch", "--torch_threads=0"], "--torch_threads must be >= 1"),  # 0: ignored
+    ("bench.py", ["--compare_torch", "--torch_threads=-1"], "--torch_threads must be >= 1"),  # after our warmup
+    ("profile_step.py", ["--doc_len=-3"], "--doc_len must be >= 1"),   # traced negative segment ids
+    ("profile_step.py", ["--steps=7"], "--steps is bench.py's: profile_step.py traces one step"),   # ignored
+    ("profile_step.py", ["--compare_torch"], "--compare_torch is bench.py's"),   # ignored
+    ("profile_step.py", ["--attention=cudnn"], "cuDNN"),   # a traceback, exit 1
+    # The full shapes on a CPU ran every row into its timeout (the kernel rows at 32 heads x 4096
+    # in interpret mode, a 1.5B bench.py): 455 s for a table of FAILED rows.
+    ("gpu_check.py", ["--only=kernel"], "no NVIDIA GPU for JAX here"),
 ])
 def test_benchmark_bad_flags_are_one_line(script, args, says):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
