@@ -116,6 +116,11 @@ class Config:
             errors.append(f"attention={self.attention!r}: choose xla, splash or cudnn")
         if self.remat not in ("none", "full", "save_proj", "save_dots"):
             errors.append(f"remat={self.remat!r}: choose none, full, save_proj or save_dots")
+        if self.float8 and len(self.float8_left_out()) == len(self.projection_shapes()):   # float8 did nothing
+            errors.append("float8=True, but no projection has both dimensions multiples of 16 ("
+                          + ", ".join(self.float8_left_out()) + "), torchao's condition for Float8Linear: choose "
+                          "d_model, n_heads x head_dim, n_kv_heads x head_dim and mlp_hidden as multiples of 16, "
+                          "or leave float8 off")
         if errors:
             raise ValueError("Invalid olmo3.Config: " + "; ".join(errors))
 
@@ -161,6 +166,18 @@ class Config:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each layer's seven linears, (in, out) as the model keeps their weights."""
+        d, q, kv, mlp = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.mlp_hidden
+        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+                "gate_proj": (d, mlp), "up_proj": (d, mlp), "down_proj": (mlp, d)}
+
+    def float8_left_out(self) -> list[str]:
+        """With float8: the projections that stay in the compute dtype, 'name (in x out)', a
+        dimension not a multiple of 16 (olmo3.model.uses_float8; torchao's Float8Linear filter)."""
+        return [f"{n} ({a}x{b})" for n, (a, b) in self.projection_shapes().items()
+                if self.float8 and (a % 16 or b % 16)]
 
     @property
     def n_groups(self) -> int:

@@ -4,6 +4,9 @@ stage-3 recipe trains with, run in torchao's emulation mode on CPU under FSDP as
 transformers `Olmo3ForCausalLM` converted the way OLMo-core converts it (every linear but the LM
 head)."""
 import contextlib
+import os
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -17,6 +20,8 @@ torchao_float8 = pytest.importorskip("torchao.float8")
 
 from olmo3 import float8, hf  # noqa: E402
 from test_model import hf_config, random_hf_model  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -167,6 +172,34 @@ def test_model_equals_transformers_converted_by_torchao():
         effect = np.abs(np.asarray(plain_grads[name]) - theirs).max()
         err = np.abs(np.asarray(grads[name]) - theirs).max()
         assert err < 1e-3 * effect + 1e-7, (name, err, effect)
+
+
+def test_float8_names_the_linears_it_leaves_out_and_refuses_none(tmp_path):
+    """Config.float8_left_out against the model itself: the projections whose weights
+    olmo3.model.uses_float8 keeps in the compute dtype (a dimension not a multiple of 16: torchao's
+    Float8Linear condition). A config where that is all seven did train, bit for bit as without
+    --float8, while its checkpoints said float8: refused, by train.py with exit 2 before any work."""
+    import olmo3
+    from olmo3.model import uses_float8
+    def config(**over):
+        return olmo3.Config.tiny(**{"vocab_size": 512, "d_model": 64, "n_heads": 2, "n_kv_heads": 1, "head_dim": 24,
+                                    "mlp_hidden": 200, "n_layers": 4, **over})
+    partial = config(float8=True)   # q 48, kv 24, mlp 200
+    layer = olmo3.OLMo3(partial, jax.random.key(0)).layers
+    left = {n for n in partial.projection_shapes() if not uses_float8(partial, n, getattr(layer, n).shape)}
+    assert left == {"k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"}
+    assert partial.float8_left_out() == ["k_proj (64x24)", "v_proj (64x24)", "gate_proj (64x200)",
+                                         "up_proj (64x200)", "down_proj (200x64)"]
+    assert config().float8_left_out() == [] and _tiny(float8=True).float8_left_out() == []
+    with pytest.raises(ValueError, match="no projection has both dimensions multiples of 16"):
+        config(float8=True, d_model=72)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--flagfile=tiny.flags", "--float8",
+                          "--d_model=72", "--n_heads=4", "--n_kv_heads=4", "--head_dim=18", "--mlp_hidden=200",
+                          "--max_steps=1", f"--run_dir={tmp_path / 'run'}"],
+                         cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "float8=True, but no projection has both dimensions multiples of 16" in out.stderr.splitlines()[-1]
 
 
 def _tiny(**over):
