@@ -39,6 +39,7 @@ A Kubernetes pod whose JAX cannot read the API is refused, not run alone.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import importlib.util
@@ -46,10 +47,12 @@ import ipaddress
 import os
 import random
 import re
+import signal
 import socket
 import sys
+import threading
 import time
-from typing import Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 from absl import logging
 
@@ -173,12 +176,78 @@ _COUNT_VARIABLES = {"OMPI_COMM_WORLD_SIZE": ("process count", _LAUNCHER_SETS_IT)
 
 
 def _count_problem(env: Mapping[str, str]) -> Optional[str]:
-    """The first count variable that is set but not a whole number >= 1, said with its fix, or None."""
+    """The first count variable that is set but not a whole number >= 1, said with its fix, or None;
+    then the first rank or id variable JAX converts with int() that is not a whole number (its
+    ValueError read as the SLURM variables disagreeing, or named nothing), and JAX_LOCAL_DEVICE_IDS."""
     for var, (what, fix) in _COUNT_VARIABLES.items():
         value = env.get(var)
         if value is not None and not (_int(value) or 0) >= 1:
             return f"{var}={value!r} is not a {what}: it must be a whole number >= 1. Fix: {fix}"
+    for var in _ID_VARIABLES:
+        value = env.get(var)
+        if value is not None and _int(value) is None:
+            return f"{var}={value!r} is not a whole number >= 0. Fix: {_LAUNCHER_SETS_IT}"
+    return _local_ids_problem(env)
+
+
+def _local_ids_problem(env: Mapping[str, str]) -> Optional[str]:
+    """JAX_LOCAL_DEVICE_IDS, which jax.distributed.initialize reads with int() when it is not given
+    local_device_ids: 'invalid literal for int()' named no variable."""
+    ids = env.get("JAX_LOCAL_DEVICE_IDS")
+    if ids is not None and not all(_int(i) is not None for i in ids.split(",")):
+        return (f"JAX_LOCAL_DEVICE_IDS={ids!r} is not a comma-separated list of device numbers (e.g. 0,1,2,3). "
+                "Fix: correct it, or unset it for the launcher's binding")
     return None
+
+
+# The ranks, local ranks and ids JAX's Open MPI and SLURM detection read with int().
+_ID_VARIABLES = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_RANK")
+# This task's rank and the task count of the launcher that started it, in the order a task sees
+# them: mpirun / mpiexec inside an sbatch allocation keeps the batch step's SLURM_PROCID (0).
+_LAUNCHER_RANKS = (("OMPI_COMM_WORLD_RANK", ("OMPI_COMM_WORLD_SIZE",)), ("PMI_RANK", ("PMI_SIZE",)),
+                   ("SLURM_PROCID", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")))
+
+
+def _rank_problem(process_id: int, env: Mapping[str, str]) -> Optional[str]:
+    """An explicit process id that is not this task's rank in a launch of several tasks: written as
+    --process_id=$SLURM_PROCID in an sbatch script (expanded once, by the batch shell) or a stale
+    exported JAX_PROCESS_ID, every task claimed one id, and JAX aborted in C++ (exit 134, retried)
+    or waited 5 minutes."""
+    for rank_var, size_vars in _LAUNCHER_RANKS:
+        rank = _int(env.get(rank_var))
+        size = next((_int(env.get(v)) for v in size_vars if env.get(v) is not None), None)
+        if rank is not None:
+            if (size or 1) > 1 and rank != process_id:
+                return (f"--process_id / JAX_PROCESS_ID = {process_id}, but {rank_var}={rank} is this task's rank "
+                        f"among {size}: each task must pass its own (a ${rank_var} in a batch script is expanded "
+                        f"once, for every task). Fix: drop --process_id and JAX_PROCESS_ID (the launcher's ranks "
+                        f"are joined), or expand ${rank_var} in each task, e.g. srun bash -c 'python train.py ... "
+                        f"--process_id=${rank_var}'")
+            return None
+    return None
+
+
+@contextlib.contextmanager
+def _signals_end_the_join() -> Iterator[None]:
+    """SIGTERM and SIGINT take their default action, ending the process, while
+    jax.distributed.initialize waits for every process (up to 5 minutes, inside C++, where the
+    Python handler cli.run installs never runs: scancel, a preemption and Ctrl-C waited for JAX's
+    timeout). Nothing is written before the join; a signal the process ignores stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        handler = signal.getsignal(sig)
+        if handler not in (signal.SIG_IGN, signal.SIG_DFL, None):
+            saved[sig] = handler
+            signal.signal(sig, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 # All five make JAX's SLURM detection join the step (jax/_src/clusters/slurm_cluster.py); it is
@@ -267,7 +336,9 @@ def claim_run_dir(run_dir: str, env: Mapping[str, str] = os.environ) -> None:
     if others:
         raise ClusterError(f"--run_dir={run_dir} is shared by the {INDEPENDENT_FLAG} copies of one launch (ranks "
                            f"{', '.join([rank] + others)} of {job}): each trains alone and needs its own. Fix: give "
-                           "each its own --run_dir, e.g. ending in $SLURM_PROCID, or join them (drop the flag)")
+                           "each its own --run_dir, e.g. srun bash -c 'python train.py ... --run_dir=runs/r$SLURM_PROCID' (srun starts "
+                           "python without a shell, and a batch script expands $SLURM_PROCID once, for every task), "
+                           "or join them (drop the flag)")
 
 
 def _cuda_device_count(visible: str) -> Optional[int]:
@@ -384,19 +455,25 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
                                             ("--process_id / JAX_PROCESS_ID", process_id)) if v is None]
             raise ClusterError(f"multi-process launch needs all of: {', '.join(missing)} missing")
         if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
-            raise ClusterError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+            raise ClusterError(f"--process_id / JAX_PROCESS_ID = {process_id} must be in [0, --num_processes / "
+                               f"JAX_NUM_PROCESSES = {num_processes})")
+        problem = (_rank_problem(process_id, env) if process_id is not None else None) or _local_ids_problem(env)
+        if problem:
+            raise ClusterError(problem)
         if (num_processes or 1) > 1:   # JAX waits for every process (5 minutes), then aborts in C++
             logging.info("cluster: joining %d processes at %s as process %s; waiting for all of them",
                          num_processes, coordinator, process_id)
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, local_device_ids=local_gpu_ids(detected, env))
+        with _signals_end_the_join():
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                       process_id=process_id, local_device_ids=local_gpu_ids(detected, env))
         engine = "flags" if len(given) == 3 else f"flags + {detected.engine}"
         return dataclasses.replace(detected, engine=engine)
     if detected.auto:
         if detected.processes == 1:   # one task: nothing to join (and JAX would pin it to one GPU)
             return detected
         try:
-            jax.distributed.initialize(local_device_ids=local_gpu_ids(detected, env))
+            with _signals_end_the_join():
+                jax.distributed.initialize(local_device_ids=local_gpu_ids(detected, env))
         except ValueError as e:   # JAX found no engine after all (e.g. TPU variables on a CPU host)
             if (detected.processes or 1) > 1:
                 # SLURM's / Open MPI's variables were all there (auto), so they disagree: their fix

@@ -10,6 +10,7 @@ one checkpoint directory, and a single process must resume it to the uninterrupt
 import json
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
@@ -287,6 +288,79 @@ def test_unparseable_process_count_is_refused(env, var, monkeypatch):
     assert e.value.code == 2
 
 
+@pytest.mark.parametrize("var, value", [("SLURM_PROCID", "abc"), ("SLURM_PROCID", ""), ("SLURM_LOCALID", "x"),
+                                        ("SLURM_JOB_ID", "abc"), ("SLURM_JOB_ID", "")])
+def test_unparseable_rank_or_job_id_is_named(var, value, monkeypatch):
+    """JAX's int() of a malformed rank, local rank or job id failed inside jax.distributed.initialize,
+    said as "the task's SLURM variables disagree" (naming none of them); now the variable and its
+    value, before JAX is called."""
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
+    env = {**_SLURM_TASK, "SLURM_NTASKS": "2", var: value}
+    with pytest.raises(ClusterError, match=rf"^{var}={re.escape(repr(value))} is not a whole number >= 0"):
+        cluster.initialize(env=env)
+
+
+def test_local_device_ids_jax_cannot_read_are_named(monkeypatch):
+    """JAX_LOCAL_DEVICE_IDS=a: "invalid literal for int() with base 10: 'a'" (explicit flags) or
+    the SLURM variables blamed (a launcher's); the variable is named either way."""
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
+    for args, env in ((("10.0.0.1:1234", 2, 0), {}), ((), {**_SLURM_TASK, "SLURM_NTASKS": "2"})):
+        with pytest.raises(ClusterError, match=r"^JAX_LOCAL_DEVICE_IDS='0,a' is not a comma-separated list"):
+            cluster.initialize(*args, env={**env, "JAX_LOCAL_DEVICE_IDS": "0,a"})
+
+
+def test_a_process_id_that_is_not_the_launchers_rank_is_refused(monkeypatch):
+    """--process_id=$SLURM_PROCID in an sbatch script is expanded once, by the batch shell: every
+    task claimed process 0 and JAX aborted in C++ (exit 134, retried by --resume_until_done) or
+    waited 5 minutes. An id that is the task's rank is joined; so are ids where the launcher says
+    nothing of it: two one-task srun steps, and mpirun inside an allocation (the batch step's
+    SLURM_PROCID=0 is inherited; Open MPI's rank is the task's)."""
+    import jax
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw["process_id"]))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)   # no gloo for this test process
+    task_1 = fake_srun.srun_env(job_id=7, rank=1, ntasks=2, nodes=2)
+    for pid, env in ((0, task_1), (None, {**task_1, "JAX_PROCESS_ID": "0"})):   # the flag, a stale export
+        with pytest.raises(ClusterError, match=r"^--process_id / JAX_PROCESS_ID = 0, but SLURM_PROCID=1 is this "
+                                               r"task's rank among 2: each task must pass its own"):
+            cluster.initialize("10.0.0.1:1234", 2, pid, env=env)
+    with pytest.raises(ClusterError, match=r"= 2, but OMPI_COMM_WORLD_RANK=3 is this task's rank among 4"):
+        cluster.initialize("10.0.0.1:1234", 4, 2, env=fake_srun.mpirun_env(3, 4, 61500))
+    cluster.initialize("10.0.0.1:1234", 2, 1, env=task_1)
+    cluster.initialize("10.0.0.1:1234", 2, 1, env=fake_srun.srun_env(job_id=8, rank=0, ntasks=1, nodes=1))
+    batch = {"SLURM_JOB_ID": "9", "SLURM_NTASKS": "4", "SLURM_PROCID": "0"}
+    cluster.initialize("10.0.0.1:1234", 4, 3, env={**batch, "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3"})
+    assert joined == [1, 1, 3]
+
+
+def test_sigterm_ends_a_process_waiting_for_its_peers(tmp_path):
+    """jax.distributed.initialize waits in C++ for every process (5 minutes): the SIGTERM handler
+    cli.run installs never ran there, so scancel, a preemption or a dead launcher's PDEATHSIG were
+    ignored until JAX gave up. Now the signal's default action ends it at once."""
+    import signal
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--flagfile=tiny.flags",
+                             f"--run_dir={tmp_path / 'run'}", f"--coordinator=127.0.0.1:{port}", "--num_processes=2",
+                             "--process_id=0"], cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:   # the line logged just before the join
+            if "waiting for all of them" in line:
+                break
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_detect_prefers_what_jax_can_join():
     """srun of an Open MPI 5 program: the SLURM step is joinable, the MPI variables are not."""
     env = {**SLURM_STEP, "OMPI_COMM_WORLD_SIZE": "64", "OMPI_COMM_WORLD_RANK": "3"}
@@ -390,7 +464,8 @@ def test_initialize_refuses_before_touching_jax(monkeypatch):
         cluster.initialize(env={"JAX_NUM_PROCESSES": "0"})
     # A process id outside [0, count): the coordinator would wait for a process that never comes.
     for pid in (2, -1):
-        with pytest.raises(ClusterError, match=rf"process_id={pid} must be in \[0, num_processes=2\)"):
+        with pytest.raises(ClusterError, match=rf"--process_id / JAX_PROCESS_ID = {pid} must be in \[0, "
+                                               r"--num_processes / JAX_NUM_PROCESSES = 2\)"):
             cluster.initialize("10.0.0.1:1234", 2, pid, env={})
     # `srun -n1` (no -E): a one-task step that JAX could "join" is one process; nothing is joined.
     one = cluster.initialize(env=fake_srun.srun_env(job_id=5, rank=0, ntasks=1, nodes=1))
@@ -681,7 +756,7 @@ def test_independent_copies_of_one_launch_may_not_share_a_run_dir(tmp_path):
     cluster.claim_run_dir(run, env={**job, "SLURM_PROCID": "0"})
     cluster.claim_run_dir(run, env={**job, "SLURM_PROCID": "0"})   # its restart
     with pytest.raises(ClusterError, match=r"--run_dir=.* is shared by the --independent_runs copies of one launch "
-                                           r"\(ranks 1, 0 of slurm:77\).*its own --run_dir"):
+                                           r"\(ranks 1, 0 of slurm:77\).*its own --run_dir, e\.g\. srun bash -c"):
         cluster.claim_run_dir(run, env={**job, "SLURM_PROCID": "1"})
     cluster.claim_run_dir(run, env={"SLURM_JOB_ID": "78", "SLURM_PROCID": "1"})   # a later job resuming it
     cluster.claim_run_dir(str(tmp_path / "alone"), env={})   # no launcher: nothing to tell apart
