@@ -18,6 +18,9 @@ CASES = [
     ("mha_window_lt_seq", dict(num_attention_heads=4, num_key_value_heads=4), 48),
     ("gqa", dict(num_attention_heads=6, num_key_value_heads=2), 40),
     ("seq_shorter_than_window", dict(num_attention_heads=4, num_key_value_heads=4, sliding_window=64), 33),
+    # window < seq <= 2 x window: the one-block path reference_attention takes (the 7B at seq 8192,
+    # window 4096, on --attention=xla); above 2 x window it is local_attention's.
+    ("window_lt_seq_le_2window", dict(num_attention_heads=4, num_key_value_heads=2), 12),
     ("yarn_full_layers", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters={
         "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
                            "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0},
