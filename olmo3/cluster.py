@@ -336,9 +336,9 @@ def claim_run_dir(run_dir: str, env: Mapping[str, str] = os.environ) -> None:
     if others:
         raise ClusterError(f"--run_dir={run_dir} is shared by the {INDEPENDENT_FLAG} copies of one launch (ranks "
                            f"{', '.join([rank] + others)} of {job}): each trains alone and needs its own. Fix: give "
-                           "each its own --run_dir, e.g. srun bash -c 'python train.py ... --run_dir=runs/r$SLURM_PROCID' (srun starts "
-                           "python without a shell, and a batch script expands $SLURM_PROCID once, for every task), "
-                           "or join them (drop the flag)")
+                           "each its own --run_dir, e.g. srun bash -c 'python train.py ... "
+                           "--run_dir=runs/r$SLURM_PROCID' (srun starts python without a shell, and a batch script "
+                           "expands $SLURM_PROCID once, for every task), or join them (drop the flag)")
 
 
 def _cuda_device_count(visible: str) -> Optional[int]:
