@@ -75,7 +75,8 @@ flags.DEFINE_bool("yarn", None, "Evaluate --model with YaRN on its full-attentio
 flags.DEFINE_float("yarn_factor", None, "With --yarn: the context extension factor.")
 flags.DEFINE_integer("yarn_original_max_position", None, "With --yarn: the context the model was trained at.")
 flags.DEFINE_list("tasks", [], "Local multiple-choice tasks: jsonl files with context/choices/gold.")
-flags.DEFINE_integer("num_fewshot", 0, "Few-shot examples per prompt.")
+flags.DEFINE_integer("num_fewshot", 0, "Few-shot examples per prompt (--tasks: default 0; --lm_eval_tasks: default "
+                     "each task's own, as lm-eval's command line).")
 flags.DEFINE_integer("limit", None, "At most this many documents per task.")
 flags.DEFINE_list("lm_eval_tasks", [], "lm-eval-harness task names run through our adapter (needs lm-eval).")
 flags.DEFINE_string("lm_eval_include", None, "lm-eval: a directory of extra task YAMLs (local tasks).")
@@ -343,36 +344,76 @@ def _task_manager(include: str | None):
     return TaskManager(include_path=include)
 
 
+def _task_yaml_problem(path: str) -> Optional[str]:
+    """Why lm-eval cannot read the task YAML at `path` (not YAML, or no task, group or class in it),
+    or None. lm-eval's own tags (!function) are read as placeholders: only the shape is checked."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    try:
+        with open(path, "rb") as f:
+            cfg = yaml.load(f, Loader=Loader)  # noqa: S506 -- a SafeLoader; the tags construct nothing
+    except (OSError, yaml.YAMLError) as e:
+        return " ".join(f"not YAML ({e})".split())
+    if not isinstance(cfg, dict) or not ({"task", "group", "class", "include"} & set(cfg)):
+        return "not an lm-eval task: no 'task', 'group' or 'class' key"
+    return None
+
+
 def lm_eval_tasks(task_names, include=None):
     """lm-eval's TaskManager after checking that each name is a task, group or tag it knows, or a
-    YAML file; a UsageError names the others. Called before any model loads: an unknown name was
-    a KeyError traceback (exit 1) after them."""
+    task YAML file; a UsageError names the others. Called before any model loads: an unknown name
+    was a KeyError traceback (exit 1) after them, a YAML file that was no task a yaml traceback."""
     try:
         import lm_eval.tasks  # noqa: F401
     except ImportError as e:
         raise app.UsageError(f"--lm_eval_tasks needs lm-eval: pip install lm-eval ({e})") from e
     if include is not None and not os.path.isdir(include):
         raise app.UsageError(f"--lm_eval_include={include!r} is not a directory; give a directory of task YAMLs")
+    for n in task_names:
+        problem = _task_yaml_problem(n) if os.path.isfile(n) else None
+        if problem:
+            raise app.UsageError(f"--lm_eval_tasks={n}: {problem}; give a task YAML file or a task name")
     tm = _task_manager(include)
     unknown = [n for n in task_names if n not in tm.all_tasks and not os.path.isfile(n)]
     if unknown:
+        broken = [] if include is None else [
+            f"{os.path.relpath(p, include)} ({problem})" for p in sorted(
+                os.path.join(d, f) for d, _, fs in os.walk(include) for f in fs if f.endswith((".yaml", ".yml")))
+            if (problem := _task_yaml_problem(p))]   # lm-eval leaves out a YAML it cannot read, unsaid
         raise app.UsageError(f"--lm_eval_tasks: unknown task {', '.join(map(repr, unknown))}"
                              + (f" (with --lm_eval_include={include!r})" if include else "")
-                             + "; give names lm-eval knows (its tasks, groups and tags) or a task YAML file")
+                             + "; give names lm-eval knows (its tasks, groups and tags) or a task YAML file"
+                             + (f"; these YAMLs under --lm_eval_include were not read: {'; '.join(broken)}"
+                                if broken else ""))
     return tm
 
 
-def lm_eval_report(model, task_names, *, num_fewshot=0, limit=None, include=None, max_length=2048) -> dict:
-    """The real harness (pip install lm-eval) driving our adapter."""
+def lm_eval_report(model, task_names, *, num_fewshot=None, limit=None, include=None, max_length=2048) -> dict:
+    """The real harness (pip install lm-eval) driving our adapter. `num_fewshot` None: each task's
+    own (a YAML's num_fewshot; lm-eval's command line leaves it so)."""
     tm = lm_eval_tasks(task_names, include)
     import lm_eval
-    results = lm_eval.simple_evaluate(
-        model=scoring.lm_eval_adapter(model, max_length=max_length), tasks=list(task_names),
-        num_fewshot=num_fewshot, limit=limit, task_manager=tm)
+    adapter = scoring.lm_eval_adapter(model, max_length=max_length)
+    try:
+        results = lm_eval.simple_evaluate(model=adapter, tasks=list(task_names), num_fewshot=num_fewshot,
+                                          limit=limit, task_manager=tm)
+    except (ValueError, FileNotFoundError) as e:   # the harness's and the adapter's: which tasks, which flags
+        said = (f"--lm_eval_tasks={','.join(task_names)} (--max_length={max_length}"
+                + (f", --num_fewshot={num_fewshot}" if num_fewshot is not None else "") + f"): {e}")
+        raise (FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError)(said) from e
+    if adapter.truncated:   # as HFLM cuts them at its max_length (by default the model's max_position_embeddings)
+        logging.warning("--lm_eval_tasks: %d of %d requests were cut from the left to fit --max_length=%d, so their "
+                        "scores saw less context; give a larger --max_length (at most max_position_embeddings) to "
+                        "score them whole", adapter.truncated, adapter.requests, max_length)
     out = {}
     for task, metrics in results["results"].items():
         for k, v in metrics.items():
-            if isinstance(v, (int, float)) and k != "alias":
+            if k == "sample_len":   # a count of documents, not a score (no delta against --model_b)
+                out[f"lm_eval/{task}/n"] = float(v)
+            elif isinstance(v, (int, float)) and k != "alias":
                 # "<metric>,<filter>": a task with several filters (gsm8k: strict-match,
                 # flexible-extract) scores each; one key per filter, its stderr beside it
                 metric, _, filt = k.partition(",")
@@ -399,8 +440,8 @@ def tasks_report(model, max_length: int) -> dict:
         out.update(olmo_tasks_report(model, F.olmo_tasks, limit=F.limit, max_length=max_length,
                                      batch_rows=F.olmo_batch_rows))
     if F.lm_eval_tasks:
-        out.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot, limit=F.limit,
-                                  include=F.lm_eval_include, max_length=max_length))
+        out.update(lm_eval_report(model, F.lm_eval_tasks, num_fewshot=F.num_fewshot if F["num_fewshot"].present
+                                  else None, limit=F.limit, include=F.lm_eval_include, max_length=max_length))
     return out
 
 

@@ -162,6 +162,7 @@ class Scorer:
 
     def __init__(self, model: OLMo3, tokenizer=None, max_length: int = 2048):
         self.model, self.tokenizer, self.max_length = model, tokenizer, max_length
+        self.truncated = 0   # loglikelihood requests whose context was cut from the left to fit
 
     def _check(self, tokens: list) -> None:
         top = max(tokens, default=0)
@@ -188,7 +189,8 @@ class Scorer:
             raise ValueError("loglikelihood: an empty context needs a prefix token (e.g. eos)")
         if len(continuation) > self.max_length:   # as lm-eval's HFLM asserts
             raise ValueError(f"loglikelihood: a continuation of {len(continuation)} tokens does not fit "
-                             f"max_length={self.max_length}")
+                             f"max_length={self.max_length}; give a max_length of at least {len(continuation)}")
+        self.truncated += len(context) + len(continuation) > self.max_length + 1
         seq = (context + continuation)[-(self.max_length + 1):]
         lp, greedy = self._scores(seq)
         k = len(continuation)
@@ -413,11 +415,19 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
         def __init__(self):
             super().__init__()
             self.scorer = Scorer(model, tok, max_length)
+            self.requests, self.cut = 0, 0   # requests answered; generation contexts cut to fit
+
+        @property
+        def truncated(self) -> int:
+            """Requests whose context was cut from the left to fit max_length (HFLM cuts the same)."""
+            return self.scorer.truncated + self.cut
 
         def loglikelihood(self, requests, disable_tqdm: bool = False):
+            self.requests += len(requests)
             return [self.scorer.loglikelihood(*self.scorer.split_encode(*r.args)) for r in requests]
 
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):   # windows: nothing is cut
+            self.requests += len(requests)
             return [self.scorer.loglikelihood_rolling(encode(tok, r.args[0]), tok.eot_token) for r in requests]
 
         def generate_until(self, requests, disable_tqdm: bool = False):
@@ -446,7 +456,9 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                 # HFLM keeps the last max_length - max_gen_toks tokens of the context, so that the
                 # whole max_gen_toks can be generated
                 stop = lambda ids: any(u in tok.decode(ids) for u in until)  # noqa: E731
-                ids = self.scorer.generate(encode(tok, context)[-room:], n, stop=stop,
+                prompt = encode(tok, context)
+                self.requests, self.cut = self.requests + 1, self.cut + (len(prompt) > room)
+                ids = self.scorer.generate(prompt[-room:], n, stop=stop,
                                            eos_id=tok.eot_token, vocab_size=getattr(tok, "n_vocab", None))
                 text = tok.decode(ids)
                 for u in filter(None, until):   # as HFLM: "" stops at the first token (every text holds it), cuts nothing

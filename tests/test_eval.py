@@ -613,6 +613,55 @@ filter_list:
         assert got[f"lm_eval/tiny_gen_filters/{f}/exact_match_stderr"] == want[f"exact_match_stderr,{f}"]
 
 
+def test_lm_eval_report_keeps_a_tasks_shots_and_says_what_it_cut(tmp_path, monkeypatch, caplog):
+    """eval.py passed --num_fewshot's default 0 to lm-eval, which then overwrote a task YAML's own
+    num_fewshot (2 here: scored 0-shot under the task's name); without the flag the task's own holds,
+    as on lm-eval's command line. Contexts cut from the left to fit --max_length were cut without a
+    word: now counted and said. lm-eval's sample_len is a document count (/n), not a score."""
+    lm_eval = pytest.importorskip("lm_eval")
+    lm_eval_task(tmp_path, "tiny_mc_2shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{gold}}"
+num_fewshot: 2
+fewshot_split: test
+metric_list:
+  - metric: acc
+""")
+    runs, evaluate = [], lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: runs.append(evaluate(**kw)) or runs[-1])
+    model = olmo3.OLMo3(CFG.replace(vocab_size=data.VOCAB_SIZE), jax.random.key(4))
+    got = eval_script.lm_eval_report(model, ["tiny_mc_2shot"], include=str(tmp_path), max_length=256)
+    assert runs[0]["n-shot"]["tiny_mc_2shot"] == 2
+    assert got["lm_eval/tiny_mc_2shot/n"] == 6 and "lm_eval/tiny_mc_2shot/sample_len" not in got
+    assert not [r for r in caplog.records if "were cut from the left" in r.getMessage()]
+    eval_script.lm_eval_report(model, ["tiny_mc_2shot"], num_fewshot=0, include=str(tmp_path), max_length=256)
+    assert runs[1]["n-shot"]["tiny_mc_2shot"] == 0
+    with caplog.at_level("WARNING"):   # 2-shot prompts of ~40 tokens: every request cut at 24
+        eval_script.lm_eval_report(model, ["tiny_mc_2shot"], include=str(tmp_path), max_length=24)
+    said = [r.getMessage() for r in caplog.records if "were cut from the left" in r.getMessage()]
+    assert said == ["--lm_eval_tasks: 18 of 18 requests were cut from the left to fit --max_length=24, so their "
+                    "scores saw less context; give a larger --max_length (at most max_position_embeddings) to "
+                    "score them whole"]
+
+
+def test_lm_eval_task_yamls_that_are_no_tasks_are_named_before_any_model(tmp_path):
+    """A YAML file given as --lm_eval_tasks that is not YAML, or not a task, failed after the model
+    loaded (a yaml traceback, exit 1; 'Unknown config shape' naming no file); a YAML under
+    --lm_eval_include that lm-eval cannot read was left out unsaid, its task then 'unknown'."""
+    pytest.importorskip("lm_eval")
+    (tmp_path / "notyaml.yaml").write_text("a: [1\n b: 2\n")
+    (tmp_path / "notask.yaml").write_text("foo: 1\n")
+    for name, says in (("notyaml.yaml", "not YAML"), ("notask.yaml", "not an lm-eval task: no 'task', 'group' or")):
+        with pytest.raises(app.UsageError, match=f"--lm_eval_tasks={re.escape(str(tmp_path / name))}: {says}"):
+            eval_script.lm_eval_tasks([str(tmp_path / name)])
+    (tmp_path / "fn.yaml").write_text("task: uses_a_function\nprocess_docs: !function utils.process\n")
+    assert eval_script._task_yaml_problem(str(tmp_path / "fn.yaml")) is None   # lm-eval's tags are read
+    with pytest.raises(app.UsageError, match=r"unknown task 'nope'.*these YAMLs under --lm_eval_include were not "
+                                             r"read: notask\.yaml \(not an lm-eval task.*notyaml\.yaml \(not YAML"):
+        eval_script.lm_eval_tasks(["nope"], include=str(tmp_path))
+
+
 def test_generate_compiles_few_shapes_for_prompts_of_every_length(monkeypatch):
     """A chat file's or a generation task's prompts, 31 lengths from 5 to 1,775 tokens with room for
     256 new ones, compile 22 shapes of the prefill and the decode step (each minutes for the 7B on
