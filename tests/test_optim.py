@@ -248,15 +248,19 @@ def test_threshold_uses_bessel_std_of_previous_values(z, skipped):
     assert bool(met["optim/step_skipped"]) == skipped
 
 
-def test_matches_olmo_core_skip_step_adamw():
+@pytest.mark.parametrize("norm_scale", [1.0, 2.5])
+def test_matches_olmo_core_skip_step_adamw(norm_scale):
     """Against OLMo-core itself: `SkipStepAdamW` (foreach, as SkipStepAdamWConfig builds it) driven
     the way its TransformerTrainModule drives it: latest_loss, total norm + clip_grads_with_norm_
     at 1.0, latest_grad_norm, lr set on every group, step(). Embedding group at weight decay 0.
     Same skip decision on every step (spikes before and after the window fills, a window that
-    wraps, a NaN loss at the end), then the same params, moments and Adam step counts."""
+    wraps, a NaN loss at the end), then the same params, moments and Adam step counts. At 2.5x
+    the norms (~2, every step clipped) the window must hold the norms before clipping, as
+    OLMo-core's latest_grad_norm: a window of clipped 1.0s had no spread and went unseen at 0.8."""
     torch = pytest.importorskip("torch")
     oc_optim = pytest.importorskip("olmo_core.optim")
     loss, gnorm, rng = scripted()
+    gnorm = gnorm * norm_scale
     loss[225] = np.nan              # skipped by both; the NaN then fills both windows' statistics
     sched = linear_schedule(peak=1e-2, warmup=10, total=400)
     model = tiny()

@@ -67,11 +67,12 @@ def test_7b_frequencies_and_tables_equal_transformers_and_olmo_core():
     (32, 100.0, 4.0, 4096, 32.0, 1.0),    # the slow end clamps at head_dim - 1 (past head_dim // 2)
     (16, 5e5, 4.0, 16, 32.0, 5.0),        # both ends clamp to 0: a zero-width ramp, widened by 0.001
     (64, 1e4, 16.0, 2048, 16.0, 2.0),
+    (64, 1e4, 1.0, 2048, 32.0, 1.0),      # factor 1: no interpolation, attention factor 1 (its mscale's else)
 ])
 def test_yarn_ramp_edges_match_transformers(head_dim, theta, factor, original, beta_fast, beta_slow):
-    """YaRN frequencies at the correction range's clamps, against transformers'
-    _compute_yarn_parameters (via Olmo3RotaryEmbedding): the range is cut to [0, head_dim - 1]
-    and a zero-width one widened by 0.001 (a 0/0 ramp would make NaN frequencies)."""
+    """YaRN frequencies at the correction range's clamps, and its attention factor, against
+    transformers' _compute_yarn_parameters (via Olmo3RotaryEmbedding): the range is cut to
+    [0, head_dim - 1] and a zero-width one widened by 0.001 (a 0/0 ramp would make NaN frequencies)."""
     pytest.importorskip("torch")
     from transformers import Olmo3Config
     from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
@@ -80,11 +81,13 @@ def test_yarn_ramp_edges_match_transformers(head_dim, theta, factor, original, b
     cfg = Olmo3Config(hidden_size=2 * head_dim, num_attention_heads=2, max_position_embeddings=int(original * factor),
                       rope_parameters={"full_attention": yarn,
                                        "sliding_attention": {"rope_type": "default", "rope_theta": theta}})
-    want = Olmo3RotaryEmbedding(cfg).full_attention_inv_freq.numpy()
-    got, _ = rope.inv_frequencies(head_dim, theta, YaRN(factor=factor, original_max_position=original,
-                                                        beta_fast=beta_fast, beta_slow=beta_slow))
+    theirs = Olmo3RotaryEmbedding(cfg)
+    want = theirs.full_attention_inv_freq.numpy()
+    ours = YaRN(factor=factor, original_max_position=original, beta_fast=beta_fast, beta_slow=beta_slow)
+    got, _ = rope.inv_frequencies(head_dim, theta, ours)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+    assert ours.mscale == pytest.approx(theirs.full_attention_attention_scaling, rel=1e-12)
 
 
 def test_yarn_without_betas_in_config_json_takes_transformers_defaults():

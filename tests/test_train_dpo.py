@@ -67,6 +67,16 @@ def test_bf16_and_float8_first_step_is_log_2(pairs, tmp_path):
          f"--reference_cache={tmp_path / 'ref.npz'}"], tmp_path / "run", pairs)
     m = metrics(tmp_path / "run")
     assert m[1]["train/loss"] == pytest.approx(0.6931472, abs=1e-6) and m[1]["train/rewards/margin"] == 0.0, m[1]
+    # MFU's numerator: every token of both sides of each pair (4 pairs of 2 x 64 tokens), at the
+    # checkpoint's model's FLOPs per token, in either convention (olmo3.Config.train_flops_per_token).
+    from olmo3.checkpoint import CheckpointManager
+    from olmo3.config import config_from_dict
+    mgr = CheckpointManager(str(tmp_path / "run"), read_only=True)
+    config = config_from_dict(mgr.read_extra(1)["model_config"])
+    perf = metrics_by_step(tmp_path / "run")[1]
+    for c in ("writeup", "sliding"):
+        assert perf[f"perf/tflops_per_s_{c}"] * perf["perf/step_time_s"] * 1e12 == pytest.approx(
+            config.train_flops_per_token(64, c) * 4 * 2 * 64, rel=1e-6), c
 
 
 def test_dpo_resume_is_bit_exact_and_reference_is_checked(pairs, tmp_path):
