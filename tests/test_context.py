@@ -98,18 +98,19 @@ def test_splash_query_chunk_matches_reference():
         np.testing.assert_allclose(g, r, atol=2e-6)
 
 
-def test_context_splash_attention_is_the_whole_sequences_in_context_order():
-    """Splash attention on context:2 (each rank attends its two query chunks to the gathered K/V
+@pytest.mark.parametrize("C", [2, 4])
+def test_context_splash_attention_is_the_whole_sequences_in_context_order(C):
+    """Splash attention on context:C (each rank attends its two query chunks to the gathered K/V
     at their static global offsets, one lax.switch branch per rank): the rows of
     reference_attention over the whole sequence, in context order. Forward only (xla and the
     gradients: test_context_grads_*; splash gradients: the slow test below)."""
-    T, C = 32, 2
+    T = 32
     rng = np.random.default_rng(8)
     q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((4, T, 16), (2, T, 16), (2, T, 16)))
     seg = jnp.asarray(np.cumsum(rng.random(T) < 0.1), jnp.int32)
     want = attn.reference_attention(q, k, v, window=8, segment_ids=seg)
     order = sh.context_order(T, C)
-    mesh = sh.make_mesh("context:2", devices=jax.devices()[:2])
+    mesh = sh.make_mesh(f"context:{C}", devices=jax.devices()[:C])
 
     def attend(q, k, v):
         return sh._context_attention(CFG.replace(attention="splash"), seg, head_stride=2)(q, k, v, window=8)
@@ -210,13 +211,16 @@ def test_context_rows_are_the_whole_rows_labels_in_context_order(label_mask):
     assert "label_mask" not in out
 
 
-def test_context_eval_equals_single_device_fast(single_device):
-    """Held-out CE sum and counted tokens on context:2 (2 devices): each rank's chunks summed
-    over data x fsdp x context equal the whole rows' on one device (rtol 1e-6, count exact)."""
+@pytest.mark.parametrize("spec, n", [("context:2", 2), ("data:2,context:2", 4), ("context:4", 4)])
+def test_context_eval_equals_single_device_fast(single_device, spec, n):
+    """Held-out CE sum and counted tokens on a context mesh: each rank's chunks summed over data x
+    fsdp x context equal the whole rows' on one device (rtol 1e-6, count exact). With data
+    replicas (their CE left out of the sum went unseen by the default suite), and at C = 4, where
+    the second chunk's offset 2C - 1 - rank differs from the C + 1 - rank of C = 2."""
     model, batch = single_device[:2]
     want_ce, want_n = eqx.filter_jit(eval_loss)(model, {k: jnp.asarray(v) for k, v in batch.items()},
                                                 chunk=64, use_segments=True)
-    mesh = sh.make_mesh("context:2", devices=jax.devices()[:2])
+    mesh = sh.make_mesh(spec, devices=jax.devices()[:n])
     m = sh.shard_state(model, SkipStepAdamW(lambda s: 1e-3).init(model), mesh)[0]
     ce, n = sh.make_eval_fn(mesh, sh.param_specs(m, mesh), chunk=64, use_segments=True)(m, sh.global_batch(batch, mesh))
     np.testing.assert_allclose(float(ce), float(want_ce), rtol=1e-6)
@@ -314,7 +318,6 @@ def test_memory_report_stage3_context():
     assert sh.memory_report(cfg, 64, data=1, context=8)["param_bytes"] == 4 * n // 64
 
 
-@pytest.mark.slow
 def random_score_batch(rng, rows: int, seq: int, choices: int) -> dict:
     """A random batch for olmo3.scoring.continuation_scores (byte vocabulary): tokens, targets,
     half the positions weighted, a random choice position per row and `choices` choice tokens."""

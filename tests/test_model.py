@@ -121,6 +121,31 @@ def test_parity_unrolled_layer_groups():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4 * float(jnp.abs(b).max()))
 
 
+@pytest.mark.parametrize("remat", ["none", "full", "save_proj", "save_dots"])
+def test_every_remat_policy_gives_transformers_gradients(remat):
+    """Config.remat decides what the backward recomputes, never what it computes: each policy's
+    gradient of the mean next-token cross entropy equals torch autograd's through transformers on
+    the same weights (full and save_dots were run by no test: a stop_gradient in the remat'd
+    layer zeroed every layer weight's gradient unseen)."""
+    cfg = hf_config(**next(over for name, over, _ in CASES if name == "odd_sizes"))
+    ref = random_hf_model(cfg)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, size=(1, 23))
+    ref.zero_grad()
+    ref(torch.tensor(tokens), labels=torch.tensor(tokens)).loss.backward()
+    theirs = {name: p.grad.float().numpy() for name, p in ref.named_parameters()}
+    model = hf.from_hf({k: v for k, v in ref.state_dict().items()}, hf.config_from_hf(cfg.to_dict()).replace(remat=remat))
+
+    def loss(m):
+        lp = jax.nn.log_softmax(m(jnp.asarray(tokens[0], jnp.int32))[:-1])
+        return -jnp.mean(jnp.take_along_axis(lp, jnp.asarray(tokens[0, 1:, None]), axis=-1))
+
+    ours = hf.state_dict(eqx.filter_jit(eqx.filter_grad(loss))(model))   # torch's names and layout
+    assert set(ours) == set(theirs)
+    for name, want in theirs.items():
+        np.testing.assert_allclose(np.asarray(ours[name]), want, rtol=1e-4, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=name)
+
+
 def test_parity_bf16_compute_reported(capsys):
     cfg = hf_config(num_attention_heads=4, num_key_value_heads=4)
     ref = random_hf_model(cfg)
@@ -139,10 +164,20 @@ def test_to_hf_round_trip(tmp_path):
     c = olmo3.Config.tiny(vocab_size=101, d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, mlp_hidden=48,
                           n_layers=4, window=5)
     model = olmo3.OLMo3(c, jax.random.key(3))
-    model = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(jax.random.key(4), a.shape) if a.ndim <= 2 and
-                         a.shape[-1] == c.d_model else a, model)  # non-trivial norms
+    # Non-trivial norms, each leaf its own: with one key the norms of a shape came out identical
+    # and an export that swapped two of them (post-attention / post-feedforward) passed.
+    leaves, tree = jax.tree.flatten(model)
+    model = jax.tree.unflatten(tree, [a + 0.05 * jax.random.normal(jax.random.fold_in(jax.random.key(4), i), a.shape)
+                                      for i, a in enumerate(leaves)])
     hf.to_hf(model, tmp_path / "hf")
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    theirs = ref.state_dict()   # transformers' names for the norms, read by transformers
+    for i in range(c.n_layers):
+        for name, ours in (("self_attn.q_norm", "q_norm"), ("self_attn.k_norm", "k_norm"),
+                           ("post_attention_layernorm", "post_attention_norm"),
+                           ("post_feedforward_layernorm", "post_feedforward_norm")):
+            np.testing.assert_array_equal(theirs[f"model.layers.{i}.{name}.weight"].numpy(),
+                                          np.asarray(getattr(model.layers, ours)[i]), err_msg=f"{i} {name}")
     tokens = np.random.default_rng(5).integers(0, c.vocab_size, size=(1, 20))
     with torch.no_grad():
         ref_logits = ref(torch.tensor(tokens)).logits.numpy()[0]
