@@ -72,14 +72,18 @@ def check_trace_dir(trace_dir: str) -> None:
 
 def traced(run_step, trace_dir: str | None) -> tuple[float, str]:
     """(seconds, the trace file) of one step under jax.profiler. With `trace_dir` the trace is
-    written beside it first and moved into its plugins/profile/ whole (an interrupted profile
-    leaves nothing there); else it stays in a temporary directory."""
+    written into a hidden temporary directory in it, then moved into its plugins/profile/ whole
+    (a failed or interrupted profile leaves nothing there); else it stays in a temporary directory."""
     import jax
     where = tempfile.mkdtemp(prefix=".olmo3_trace_", dir=trace_dir)
-    with jax.profiler.trace(where, create_perfetto_trace=True):
-        t = time.perf_counter()
-        run_step()
-        step_s = time.perf_counter() - t
+    try:
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            t = time.perf_counter()
+            run_step()
+            step_s = time.perf_counter() - t
+    except BaseException:
+        shutil.rmtree(where, ignore_errors=True)
+        raise
     runs = sorted(glob.glob(os.path.join(where, "plugins", "profile", "*")))
     if not runs or not glob.glob(os.path.join(runs[-1], "*.trace.json.gz")):
         raise RuntimeError(f"jax.profiler wrote no *.trace.json.gz under {where}; this JAX's profiler plugin "
