@@ -189,11 +189,11 @@ def test_rows_leave_out_documents_whose_continuation_exceeds_the_context():
 @pytest.mark.parametrize("content, says", [
     (b"this is not gzip", "is damaged \\(BadGzipFile"),                       # a traceback, exit 1 (retried)
     (gzip.compress(b'{"doc_id": 0, "idx": 0, "label": 0, "request": {"context": "a", "continuation": "b"}}\n'
-                   * 50)[:60], "is damaged \\(EOFError"),                      # cut short: the same
-    (gzip.compress(b'{"doc_id": 0,\n'), "is damaged \\(JSONDecodeError"),     # no file or task named
-    (gzip.compress(b'{"doc": 0}\n'), "is damaged \\(KeyError"),
-    (gzip.compress(b""), "holds no request"),                                   # every metric NaN, exit 0
-])
+                   * 50, mtime=0)[:60], "is damaged \\(EOFError"),                      # cut short: the same
+    (gzip.compress(b'{"doc_id": 0,\n', mtime=0), "is damaged \\(JSONDecodeError"),     # no file or task named
+    (gzip.compress(b'{"doc": 0}\n', mtime=0), "is damaged \\(KeyError"),
+    (gzip.compress(b"", mtime=0), "holds no request"),                                   # every metric NaN, exit 0
+], ids=["not_gzip", "cut_short", "not_json", "not_a_request", "empty"])   # ids: the same on every xdist worker
 def test_a_damaged_requests_file_names_itself_and_the_reinstall(tmp_path, monkeypatch, content, says):
     task = oe_tasks.TASKS["arc_easy_rc_5shot"]
     path = tmp_path / task.path / task.regime / "requests.jsonl.gz"
