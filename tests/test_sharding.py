@@ -360,9 +360,9 @@ def test_initialize_distributed_reads_env(monkeypatch):
     with pytest.raises(ValueError, match=r"--process_id / JAX_PROCESS_ID missing"):
         sh.initialize_distributed()
     monkeypatch.setenv("JAX_PROCESS_ID", "2")
-    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+    with pytest.raises(ValueError, match=r"--process_id / JAX_PROCESS_ID = 2 must be in \[0, --num_processes / JAX_NUM_PROCESSES = 2\)"):
         sh.initialize_distributed()
-    with pytest.raises(ValueError, match=r"process_id=7 must be in \[0, num_processes=2\)"):
+    with pytest.raises(ValueError, match=r"--process_id / JAX_PROCESS_ID = 7 must be in \[0, --num_processes / JAX_NUM_PROCESSES = 2\)"):
         sh.initialize_distributed(process_id=7)          # the flag wins over JAX_PROCESS_ID=2
 
 
