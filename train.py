@@ -272,9 +272,9 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     config = model_config()
     cli.check_model(config.attention, config.max_position_embeddings, F.seq_len, jax.devices()[0].platform)
-    if config.float8_left_out():   # all of them: refused by Config
+    if left_out := config.float8_left_out():   # all of them: refused by Config
         logging.warning("--float8: %s stay in %s, a dimension not a multiple of 16 (torchao's condition, as "
-                        "OLMo-core converts)", ", ".join(config.float8_left_out()), config.compute_dtype)
+                        "OLMo-core converts)", ", ".join(left_out), config.compute_dtype)
     # Out of device memory before the first step is these numbers' fault: exit 2 with this advice
     # (after it, exit 1 and a rerun: olmo3/cli.py).
     rows_per_micro = F.global_batch // row_groups // microbatches

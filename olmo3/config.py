@@ -28,6 +28,12 @@ def matmul_precision(dtype) -> Optional[str]:
     return "highest" if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def float8_eligible(shape: tuple[int, ...]) -> bool:
+    """Whether a linear weight of (..., in, out) `shape` may run in float8: both matrix dimensions
+    multiples of 16, torchao's condition for Float8Linear (its float8 matmul's alignment)."""
+    return shape[-2] % 16 == 0 and shape[-1] % 16 == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class YaRN:
     """YaRN context extension (Peng et al. 2023) as configured for OLMo 3 stage 3."""
@@ -177,7 +183,7 @@ class Config:
         """With float8: the projections that stay in the compute dtype, 'name (in x out)', a
         dimension not a multiple of 16 (olmo3.model.uses_float8; torchao's Float8Linear filter)."""
         return [f"{n} ({a}x{b})" for n, (a, b) in self.projection_shapes().items()
-                if self.float8 and (a % 16 or b % 16)]
+                if self.float8 and not float8_eligible((a, b))]
 
     @property
     def n_groups(self) -> int:

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, jaxtyped
 
 from olmo3 import float8, rope
 from olmo3.attention import attention
-from olmo3.config import Config, matmul_precision
+from olmo3.config import Config, float8_eligible, matmul_precision
 
 # Names of the projection outputs the "save_proj" remat policy keeps (DESIGN §6: the policy
 # that fit the 7B saves the attention and MLP projections and recomputes the rest).
@@ -66,7 +66,7 @@ def uses_float8(cfg: Config, name: str, shape: tuple[int, ...]) -> bool:
     """Whether the layer weight `name` of (whole, unsharded) `shape` runs through float8: the
     stage-3 recipe's torchao Float8Linear (olmo3/float8.py) on the linears OLMo-core's
     Float8Config converts, those whose every dimension is a multiple of 16."""
-    return cfg.float8 and name in _PROJ_NAMES and shape[-2] % 16 == 0 and shape[-1] % 16 == 0
+    return cfg.float8 and name in _PROJ_NAMES and float8_eligible(shape)
 
 
 def _proj(cfg: Config, x: jax.Array, w: jax.Array, name: str) -> jax.Array:
