@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import glob
 import importlib.util
 import ipaddress
@@ -248,6 +249,61 @@ def _signals_end_the_join() -> Iterator[None]:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def _join(env: Mapping[str, str], given: Optional[str], **kwargs) -> None:
+    """jax.distributed.initialize(**kwargs), ended by SIGTERM / SIGINT while it waits. Process 0
+    serves the coordinator; a port another process holds on this host was a traceback and exit 1
+    ("Failed to start RPC server") or, in 5 tries of 8 with jaxlib 0.10.2, a segmentation fault
+    (exit 139), both retried into the same clash. Where this process is known to be process 0
+    and its port is known, the port is tried first. `given`: the flag or variable that chose the
+    coordinator, None where JAX derives it from the launcher (its port from the job id)."""
+    import jax
+    coordinator = kwargs.get("coordinator_address")
+    bind = env.get("JAX_COORDINATOR_BIND_ADDRESS") or (coordinator and "[::]:" + coordinator.rsplit(":", 1)[1])
+    if kwargs.get("process_id") == 0 and bind and _port_taken(bind):
+        raise ClusterError(_port_taken_message(coordinator, given, env))
+    with _signals_end_the_join():
+        try:
+            jax.distributed.initialize(**kwargs)
+        except Exception as e:   # jax.errors.JaxRuntimeError; its class moved between releases
+            if "Failed to start RPC server" not in str(e):
+                raise
+            from jax._src import distributed   # where JAX keeps the address it derived
+            address = getattr(distributed.global_state, "coordinator_address", None)
+            raise ClusterError(_port_taken_message(address, given, env)) from e
+
+
+def _port_taken(bind: str) -> bool:
+    """Whether another socket listens on the port of the `host:port` that process 0's coordinator
+    service binds (JAX's default: [::]:PORT, every address), tried as gRPC binds: SO_REUSEADDR, so
+    connections of an earlier attempt waiting out TIME_WAIT do not count."""
+    port = bind.rsplit(":", 1)[-1]
+    if not _is_port(port):
+        return False   # JAX's own error names it
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):   # dual-stack first
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((host, int(port)))
+                return False
+        except OSError as e:   # no IPv6 on this host: the IPv4 wildcard
+            if e.errno == errno.EADDRINUSE:
+                return True
+    return False
+
+
+def _port_taken_message(address: Optional[str], given: Optional[str], env: Mapping[str, str]) -> str:
+    bind = env.get("JAX_COORDINATOR_BIND_ADDRESS")
+    if bind:
+        fix = f"JAX_COORDINATOR_BIND_ADDRESS={bind} must be a free host:port of this host: fix or unset it"
+    elif given:
+        fix = f"give a free port in {given}"
+    else:
+        fix = ("JAX derives the port from the job id: set JAX_COORDINATOR_PORT to a free port for every process "
+               "(or --coordinator=HOST:PORT)")
+    return (f"process 0 could not serve the coordinator at {address or 'the address JAX derived'}: the port is "
+            f"taken on this host (another job, or a process of an earlier attempt still running); {fix}")
 
 
 # All five make JAX's SLURM detection join the step (jax/_src/clusters/slurm_cluster.py); it is
@@ -463,17 +519,18 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         if (num_processes or 1) > 1:   # JAX waits for every process (5 minutes), then aborts in C++
             logging.info("cluster: joining %d processes at %s as process %s; waiting for all of them",
                          num_processes, coordinator, process_id)
-        with _signals_end_the_join():
-            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                       process_id=process_id, local_device_ids=local_gpu_ids(detected, env))
+        _join(env, f"--coordinator / JAX_COORDINATOR_ADDRESS={coordinator}" if coordinator else None,
+              coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+              local_device_ids=local_gpu_ids(detected, env))
         engine = "flags" if len(given) == 3 else f"flags + {detected.engine}"
         return dataclasses.replace(detected, engine=engine)
     if detected.auto:
         if detected.processes == 1:   # one task: nothing to join (and JAX would pin it to one GPU)
             return detected
         try:
-            with _signals_end_the_join():
-                jax.distributed.initialize(local_device_ids=local_gpu_ids(detected, env))
+            _join(env, None, local_device_ids=local_gpu_ids(detected, env))
+        except ClusterError:   # a ValueError too: already the line to print
+            raise
         except ValueError as e:   # JAX found no engine after all (e.g. TPU variables on a CPU host)
             if (detected.processes or 1) > 1:
                 # SLURM's / Open MPI's variables were all there (auto), so they disagree: their fix

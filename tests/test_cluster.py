@@ -772,3 +772,45 @@ def test_a_coordinator_port_that_is_no_port_is_refused(port, monkeypatch):
     env = {**_SLURM_TASK, "SLURM_NTASKS": "2", "JAX_COORDINATOR_PORT": port}
     with pytest.raises(ClusterError, match=rf"^JAX_COORDINATOR_PORT={re.escape(repr(port))} is not a port"):
         cluster.initialize(env=env)
+
+
+def test_a_coordinator_port_in_use_is_named_before_the_join(monkeypatch):
+    """Process 0 serves the coordinator: a port another process listens on was JAX's traceback
+    ("Failed to start RPC server", exit 1) or a segmentation fault (exit 139, 5 tries of 8), both retried into
+    the same clash. Now it is tried first, as gRPC binds it (every address, SO_REUSEADDR)."""
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)   # no gloo for this test process
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ClusterError, match=rf"^process 0 could not serve the coordinator at 127.0.0.1:{port}: "
+                                               rf"the port is taken on this host .*; give a free port in "
+                                               rf"--coordinator / JAX_COORDINATOR_ADDRESS=127.0.0.1:{port}$"):
+            cluster.initialize(f"127.0.0.1:{port}", 2, 0, env={})
+        bind = f"[::]:{port}"   # JAX_COORDINATOR_BIND_ADDRESS decides the port process 0 listens on
+        with pytest.raises(ClusterError, match=rf"JAX_COORDINATOR_BIND_ADDRESS={re.escape(bind)} must be a free"):
+            cluster.initialize("127.0.0.1:1", 2, 0, env={"JAX_COORDINATOR_BIND_ADDRESS": bind})
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw["process_id"]))
+    cluster.initialize(f"127.0.0.1:{port}", 2, 0, env={})   # released: joined
+    with socket.socket() as held:   # process 1 serves nothing: not tried
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        cluster.initialize(f"127.0.0.1:{port}", 2, 1, env={})
+    assert joined == [0, 1]
+
+
+def test_a_coordinator_port_jax_derived_and_found_taken_is_named(monkeypatch):
+    """Under srun JAX derives process 0's port from the job id; two jobs whose ids agree modulo
+    4096 on one node clash. JAX's error becomes a line that says how to choose the port."""
+    import jax
+
+    def clash(**kw):
+        raise jax.errors.JaxRuntimeError("UNKNOWN: Failed to start RPC server")
+    monkeypatch.setattr(jax.distributed, "initialize", clash)
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    with pytest.raises(ClusterError, match=r"^process 0 could not serve the coordinator at .*: the port is taken "
+                                           r"on this host .*set JAX_COORDINATOR_PORT to a free port for every process"):
+        cluster.initialize(env=fake_srun.srun_env(job_id=5, rank=0, ntasks=2, nodes=1))
