@@ -260,6 +260,9 @@ def _join(env: Mapping[str, str], given: Optional[str], **kwargs) -> None:
     coordinator, None where JAX derives it from the launcher (its port from the job id)."""
     import jax
     coordinator = kwargs.get("coordinator_address")
+    if coordinator and given and _unknown_host(coordinator):   # dialled for 5 minutes, then exit 134
+        raise ClusterError(f"{given}: no host is called {coordinator.rpartition(':')[0]!r} (the name does not "
+                           "resolve here); give the host name or IP address of process 0")
     bind = env.get("JAX_COORDINATOR_BIND_ADDRESS") or (coordinator and "[::]:" + coordinator.rsplit(":", 1)[1])
     if kwargs.get("process_id") == 0 and bind and _port_taken(bind):
         raise ClusterError(_port_taken_message(coordinator, given, env))
@@ -272,6 +275,24 @@ def _join(env: Mapping[str, str], given: Optional[str], **kwargs) -> None:
             from jax._src import distributed   # where JAX keeps the address it derived
             address = getattr(distributed.global_state, "coordinator_address", None)
             raise ClusterError(_port_taken_message(address, given, env)) from e
+
+
+def _unknown_host(address: str) -> bool:
+    """Whether the host of `address` (host:port) is a name that the resolver says does not exist
+    (EAI_NONAME; a resolver that is down, EAI_AGAIN, may answer on the next try). Addresses pass."""
+    host = address.rpartition(":")[0]
+    if host.startswith("["):
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return False
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        return e.errno == socket.EAI_NONAME
+    return False
 
 
 def _port_taken(bind: str) -> bool:

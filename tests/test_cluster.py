@@ -205,6 +205,7 @@ def test_coordinator_forms_jax_can_dial_are_joined(monkeypatch):
     joined = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw["coordinator_address"]))
     monkeypatch.setattr(jax.config, "update", lambda *a: None)   # no gloo for this test process
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, port: [])   # every name resolves
     good = ["node001:12345", "10.0.0.1:1234", "my-host.example.com:80", "[::1]:1234", "[fd00::1]:12345",
             "[fe80::1%eth0]:1234"]
     for address in good:
@@ -814,3 +815,29 @@ def test_a_coordinator_port_jax_derived_and_found_taken_is_named(monkeypatch):
     with pytest.raises(ClusterError, match=r"^process 0 could not serve the coordinator at .*: the port is taken "
                                            r"on this host .*set JAX_COORDINATOR_PORT to a free port for every process"):
         cluster.initialize(env=fake_srun.srun_env(job_id=5, rank=0, ntasks=2, nodes=1))
+
+
+def test_a_coordinator_host_that_does_not_exist_is_named(monkeypatch):
+    """A misspelt coordinator host was dialled for 5 minutes, then JAX aborted (exit 134, retried).
+    A resolver that does not answer (EAI_AGAIN) is left to JAX: it may answer on the next try."""
+    import jax
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw["coordinator_address"]))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+
+    def resolver(host, port):
+        if host == "node0001":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        if host == "node0002":
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return []
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    with pytest.raises(ClusterError, match=r"^--coordinator / JAX_COORDINATOR_ADDRESS=node0001:1234: no host is "
+                                           r"called 'node0001' \(the name does not resolve here\); give"):
+        cluster.initialize("node0001:1234", 2, 1, env={})
+    with pytest.raises(ClusterError, match=r"^--coordinator / JAX_COORDINATOR_ADDRESS=node0001:1234: no host"):
+        cluster.initialize(env={"JAX_COORDINATOR_ADDRESS": "node0001:1234", "JAX_NUM_PROCESSES": "2",
+                                "JAX_PROCESS_ID": "1"})
+    for address in ("node0002:1234", "10.0.0.1:1234", "[::1]:1234"):
+        cluster.initialize(address, 2, 1, env={})
+    assert joined == ["node0002:1234", "10.0.0.1:1234", "[::1]:1234"]
