@@ -161,6 +161,22 @@ def _tpu_variables_problem(env: Mapping[str, str]) -> Optional[str]:
         return (f"{var}={value!r} has an empty entry{shadows}: JAX's detection counts it as a host "
                 f"({len(value.split(','))} in all) and every process would wait for it. Fix: list each "
                 f"host once, comma-separated, with no empty entries" + (", or unset it" if shadows else ""))
+    # JAX's process id is TPU_WORKER_ID + MEGASCALE_SLICE_ID x hosts, each read with int(): one
+    # that is no number was "could not join"; one out of range a process id JAX refused, or
+    # another host's (worker 2 of 2 in slice 0 is worker 0 of slice 1), whose place both waited for.
+    if env.get("MEGASCALE_NUM_SLICES") is not None and not (_int(env["MEGASCALE_NUM_SLICES"]) or 0) >= 1:
+        return None   # _count_problem names it
+    hosts, slices = len(value.split(",")), _int(env.get("MEGASCALE_NUM_SLICES")) or 1
+    for name, count, what in (("TPU_WORKER_ID", hosts, f"{var}'s {hosts} hosts"),
+                              ("MEGASCALE_SLICE_ID", slices, f"MEGASCALE_NUM_SLICES={slices} slices")):
+        got = env.get(name)
+        if name == "MEGASCALE_SLICE_ID" and not got:   # JAX reads unset or empty as slice 0
+            continue
+        index = _int(got)
+        if index is None or not 0 <= index < count:
+            return (f"{name}={got!r} is not this host's index among {what}: it must be a whole number from 0 "
+                    f"to {count - 1}. Fix: leave it to the TPU launcher (GKE's TPU webhook, a JobSet) that sets "
+                    f"{var}, or set it on each host to that host's index")
     return None
 
 

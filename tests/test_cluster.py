@@ -841,3 +841,42 @@ def test_a_coordinator_host_that_does_not_exist_is_named(monkeypatch):
     for address in ("node0002:1234", "10.0.0.1:1234", "[::1]:1234"):
         cluster.initialize(address, 2, 1, env={})
     assert joined == ["node0002:1234", "10.0.0.1:1234", "[::1]:1234"]
+
+
+@pytest.mark.parametrize("ids, name", [
+    ({"TPU_WORKER_ID": "2"}, "TPU_WORKER_ID"),              # 2 hosts: 0 or 1
+    ({"TPU_WORKER_ID": "one"}, "TPU_WORKER_ID"),
+    ({}, "TPU_WORKER_ID"),                                  # JAX read int('None')
+    ({"TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "3"}, "MEGASCALE_SLICE_ID"),   # 3 slices: 0 to 2
+    ({"TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "-1"}, "MEGASCALE_SLICE_ID"),
+    ({"TPU_WORKER_ID": "1", "MEGASCALE_SLICE_ID": "2"}, None),
+    ({"TPU_WORKER_ID": "0", "MEGASCALE_SLICE_ID": ""}, None),   # JAX: slice 0
+], ids=["worker_2_of_2", "worker_one", "worker_unset", "slice_3_of_3", "slice_minus_1", "slice_2", "slice_empty"])
+def test_tpu_worker_and_slice_ids_jax_cannot_place_are_named(ids, name, monkeypatch):
+    """JAX's GKE TPU detection makes the process id TPU_WORKER_ID + MEGASCALE_SLICE_ID x hosts,
+    each with int(): where that is no process id in [0, hosts x slices) (the reference: JAX's own
+    get_process_id), the variable is named before the join."""
+    tpu = pytest.importorskip("jax._src.clusters.cloud_tpu_cluster")
+    for var in list(os.environ):
+        if var.startswith(fake_srun.LAUNCHER_PREFIXES):
+            monkeypatch.delenv(var)
+    env = {"TPU_WORKER_HOSTNAMES": "h0,h1", "MEGASCALE_NUM_SLICES": "3", "MEGASCALE_SLICE_ID": "0", **ids}
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(tpu, "running_in_cloud_tpu_vm", True)
+    try:
+        jax_id = tpu.GkeTpuCluster.get_process_id()
+    except ValueError:
+        jax_id = None
+    # A place for this host: an id in range that no other (worker, slice) pair also gets.
+    placed = (jax_id is not None and 0 <= jax_id < tpu.GkeTpuCluster.get_process_count()
+              and divmod(jax_id, 2) == (int(env["MEGASCALE_SLICE_ID"] or 0), int(env["TPU_WORKER_ID"])))
+    assert (name is None) == placed
+    import jax
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: None)
+    if name is None:
+        assert cluster.initialize(env=env).processes == 6
+    else:
+        with pytest.raises(ClusterError, match=rf"^{name}={re.escape(repr(ids.get(name)))} is not this host's index "
+                                               rf"among .*: it must be a whole number from 0 to [12]\. Fix: leave it"):
+            cluster.initialize(env=env)
