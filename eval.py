@@ -404,6 +404,10 @@ def lm_eval_report(model, task_names, *, num_fewshot=None, limit=None, include=N
         said = (f"--lm_eval_tasks={','.join(task_names)} (--max_length={max_length}"
                 + (f", --num_fewshot={num_fewshot}" if num_fewshot is not None else "") + f"): {e}")
         raise (FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError)(said) from e
+    kept = sorted(t for t, shots in results.get("n-shot", {}).items() if num_fewshot is not None and shots != num_fewshot)
+    if kept:   # lm-eval keeps a YAML's num_fewshot: 0 over the caller's, saying so at INFO only
+        logging.warning("--num_fewshot=%d: lm-eval scored %s with the shots its YAML fixes (%s), not %d",
+                        num_fewshot, ", ".join(kept), ", ".join(str(results["n-shot"][t]) for t in kept), num_fewshot)
     if adapter.truncated:   # as HFLM cuts them at its max_length (by default the model's max_position_embeddings)
         logging.warning("--lm_eval_tasks: %d of %d requests were cut from the left to fit --max_length=%d, so their "
                         "scores saw less context; give a larger --max_length (at most max_position_embeddings) to "

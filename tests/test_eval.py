@@ -616,7 +616,7 @@ filter_list:
 def test_lm_eval_report_keeps_a_tasks_shots_and_says_what_it_cut(tmp_path, monkeypatch, caplog):
     """eval.py passed --num_fewshot's default 0 to lm-eval, which then overwrote a task YAML's own
     num_fewshot (2 here: scored 0-shot under the task's name); without the flag the task's own holds,
-    as on lm-eval's command line. Contexts cut from the left to fit --max_length were cut without a
+    as on lm-eval's command line; a YAML's 0 shots win over the flag, now said. Contexts cut from the left to fit --max_length were cut without a
     word: now counted and said. lm-eval's sample_len is a document count (/n), not a score."""
     lm_eval = pytest.importorskip("lm_eval")
     lm_eval_task(tmp_path, "tiny_mc_2shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
@@ -624,6 +624,15 @@ doc_to_text: "{{context}}"
 doc_to_choice: "{{choices}}"
 doc_to_target: "{{gold}}"
 num_fewshot: 2
+fewshot_split: test
+metric_list:
+  - metric: acc
+""")
+    lm_eval_task(tmp_path, "tiny_mc_0shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{gold}}"
+num_fewshot: 0
 fewshot_split: test
 metric_list:
   - metric: acc
@@ -637,6 +646,12 @@ metric_list:
     assert not [r for r in caplog.records if "were cut from the left" in r.getMessage()]
     eval_script.lm_eval_report(model, ["tiny_mc_2shot"], num_fewshot=0, include=str(tmp_path), max_length=256)
     assert runs[1]["n-shot"]["tiny_mc_2shot"] == 0
+    with caplog.at_level("WARNING"):   # a YAML's 0 shots win over --num_fewshot (lm-eval said it at INFO)
+        eval_script.lm_eval_report(model, ["tiny_mc_0shot", "tiny_mc_2shot"], num_fewshot=1, include=str(tmp_path),
+                                   max_length=256)
+    assert runs[2]["n-shot"] == {"tiny_mc_0shot": 0, "tiny_mc_2shot": 1}
+    assert [r.getMessage() for r in caplog.records if "shots its YAML fixes" in r.getMessage()] == [
+        "--num_fewshot=1: lm-eval scored tiny_mc_0shot with the shots its YAML fixes (0), not 1"]
     with caplog.at_level("WARNING"):   # 2-shot prompts of ~40 tokens: every request cut at 24
         eval_script.lm_eval_report(model, ["tiny_mc_2shot"], include=str(tmp_path), max_length=24)
     said = [r.getMessage() for r in caplog.records if "were cut from the left" in r.getMessage()]
