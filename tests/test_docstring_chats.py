@@ -87,6 +87,19 @@ def test_preference_rows_reject_a_wrong_answer_that_fits():
             assert wrong in {a for _, a in pairs} and fits(row["rejected"])
 
 
+def test_preference_rows_draw_every_other_answer_and_never_their_own():
+    """An even row's rejected answer is drawn from the other functions' answers, each of them
+    possible (the last one included) and never the row's own: over 200 seeds, row 0 of three
+    pairs gets both others, row 2 both of its others."""
+    pairs = [("def a(): pass", "Return a."), ("def b(): pass", "Return b."), ("def c(): pass", "Return c.")]
+    drawn = {0: set(), 2: set()}
+    for seed in range(200):
+        rows = dc.preference_rows(pairs, seed=seed)
+        for i in drawn:
+            drawn[i].add(rows[i]["rejected"][1]["content"])
+    assert drawn == {0: {"Return b.", "Return c."}, 2: {"Return a.", "Return b."}}
+
+
 def test_corrupt_always_differs():
     rng = random.Random(0)
     for answer in ("one", "same same", "Return the value.", "a b c d e f"):

@@ -124,6 +124,8 @@ def test_instruct_template_default_system_and_tool_use():
     # "<functions>" is no marker (dolma2 does not have it)
     assert [data.tokenizer.ADDED_TOKENS[f"<|extra_id_{i}|>"] for i in range(1, 5)] == [FUNCS, FUNCS_END, CALLS, CALLS_END]
     assert chat.decode([FUNCS] + text("x") + [CALLS_END]) == "<functions>x</function_calls>" and text("<functions>") != [FUNCS]
+    assert chat.decode([FUNCS, FUNCS_END, CALLS] + text("f()") + [CALLS_END]) == \
+        "<functions></functions><function_calls>f()</function_calls>"
     # content never places a marker (dolma2 matches "<|extra_id_1|>" in documents: id 100266)
     assert data.tokenizer.encode("<|extra_id_1|>") == [FUNCS] and FUNCS not in chat.encode_pieces(["a <|extra_id_1|>"])
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
@@ -227,6 +229,8 @@ def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_p
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "1 conversation(s) have no turn before the answer (first: conversation 2)" in p.stderr
+    answers = [{"role": "assistant", "content": "b"}] * 2   # several answer turns and nothing else: the same
+    assert chat.answer_only(answers) and not chat.answer_only([{"role": "system", "content": "s"}, *answers])
     assert json.loads((tmp_path / "out" / prepare_sft.MANIFEST).read_text())["conversations"] == 2
     import gzip
     (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(json.dumps(rows[0]).encode()))   # was "...:1: not UTF-8 text"
