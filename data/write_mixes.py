@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 
-from absl import flags
+from absl import flags, logging
 
 from data import mixes
 from olmo3 import atomic
@@ -39,25 +39,33 @@ def _git_dir(root: str) -> str | None:
 
 
 def read_source(root: str, name: str, rev: str = "HEAD") -> tuple[str, str]:
-    """(text of <name>.txt, a description of where it came from)."""
+    """(text of <name>.txt, a description of where it came from). In a git checkout (or a bare
+    git directory) the list as committed at `rev`, whose commit the description names: the
+    working tree was read whatever --rev said, its uncommitted edits under a clean commit's name,
+    and a --rev git does not know was written into the header as given."""
     path = os.path.join(root, MIX_DIR, name + ".txt")
     git = _git_dir(root)
-    commit = ""
-    if git:
-        commit = subprocess.run(["git", f"--git-dir={git}", "rev-parse", rev], capture_output=True,
-                                text=True).stdout.strip()
+    if not git:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist; is --olmo_core an OLMo-core checkout?")
+        with open(path) as f:
+            return f.read(), f"allenai/OLMo-core: {MIX_DIR}/{name}.txt"
+    r = subprocess.run(["git", f"--git-dir={git}", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise ValueError(f"--rev={rev!r} is no commit of {root}; give a commit, tag or branch it has "
+                         "(git fetch it first)")
+    commit = r.stdout.strip()
+    r = subprocess.run(["git", f"--git-dir={git}", "show", f"{commit}:{MIX_DIR}/{name}.txt"],
+                       capture_output=True, text=True)
+    if r.returncode:
+        raise FileNotFoundError(f"{MIX_DIR}/{name}.txt is not in {root} at {rev}: {r.stderr.strip()}")
     if os.path.isfile(path):
         with open(path) as f:
-            text = f.read()
-    elif git:
-        r = subprocess.run(["git", f"--git-dir={git}", "show", f"{rev}:{MIX_DIR}/{name}.txt"],
-                           capture_output=True, text=True)
-        if r.returncode:
-            raise FileNotFoundError(f"{MIX_DIR}/{name}.txt is not in {root} at {rev}: {r.stderr.strip()}")
-        text = r.stdout
-    else:
-        raise FileNotFoundError(f"{path} does not exist; is --olmo_core an OLMo-core checkout?")
-    return text, f"allenai/OLMo-core{' @ ' + commit if commit else ''}: {MIX_DIR}/{name}.txt"
+            if f.read() != r.stdout:
+                logging.warning("%s differs from its copy at --rev=%s (%s): the committed list is written", path,
+                                rev, commit[:12])
+    return r.stdout, f"allenai/OLMo-core @ {commit}: {MIX_DIR}/{name}.txt"
 
 
 def normalize(name: str, text: str, source: str) -> str:

@@ -51,6 +51,25 @@ def test_tokenizer_expansion_and_root(tmp_path):
     assert list(mixes.by_label(want).items()) == [("web", [want[0][1], want[1][1]]), ("code", [want[2][1]])]
 
 
+def test_a_list_with_windows_line_ends_or_trailing_spaces_reads_the_same(tmp_path):
+    """OLMo-core's DataMix.build strips each line: a list saved with CRLF line ends would otherwise
+    give URLs ending in '.npy\\r', never found."""
+    d = _mix_dir(tmp_path, {"toy": TOY})
+    (tmp_path / "mixes" / "crlf.txt").write_bytes(TOY.replace("\n", "  \r\n").encode())
+    assert mixes.read_mix("crlf", mixes_dir=d) == mixes.read_mix("toy", mixes_dir=d)
+    assert len(mixes.read_mix("toy", mixes_dir=d)) == 3
+
+
+def test_the_stage_mixes_are_the_stage_flagfiles_data():
+    """STAGE_MIXES (what python -m data.write_mixes writes by default) names the mix each stage's
+    flagfile trains on (OLMo-core's official OLMo 3 7B scripts)."""
+    for stage, name in mixes.STAGE_MIXES.items():
+        with open(os.path.join(REPO, f"stage{stage}.flags")) as f:
+            assert f"--data=mix:{name}" in f.read().splitlines(), stage
+    assert mixes.STAGE_MIXES == {1: "OLMo-mix-0625-official", 2: "OLMo-midtraining-mix-0625-100B",
+                                 3: "OLMo-longmino-mix-0625"}
+
+
 def test_unknown_mix_lists_the_available_ones(tmp_path):
     d = _mix_dir(tmp_path, {"toy": TOY, "other-mix": TOY})
     with pytest.raises(ValueError, match=r"unknown data mix 'nope'.*other-mix.*toy.*write_mixes"):
@@ -165,8 +184,8 @@ def _git(*args):
 
 
 def test_write_mixes_reads_a_bare_git_directory_at_a_revision_and_refuses_bad_lists(tmp_path):
-    """--olmo_core as a bare git directory: the list as it was at --rev (`git show`), its commit in
-    the header; a list of comments only or a line with a third field is refused, not written. (In
+    """--olmo_core as a bare git directory or a checkout: the list as it was at --rev (`git show`;
+    a checkout's working tree was read whatever --rev said), its commit in the header; a list of comments only or a line with a third field is refused, not written. (In
     one interpreter: write_mixes' flags would clash with other scripts' in the test process.)"""
     work = tmp_path / "work"
     src = work / "src" / "olmo_core" / "data" / "mixes"
@@ -181,18 +200,23 @@ def test_write_mixes_reads_a_bare_git_directory_at_a_revision_and_refuses_bad_li
     _git("-C", str(work), "commit", "-qam", "two")
     bare = tmp_path / "OLMo-core.git"
     _git("clone", "-q", "--bare", str(work), str(bare))
+    (src / "toy.txt").write_text("edited,preprocessed/toy/{TOKENIZER}/e/000000.npy\n")   # uncommitted
     first = subprocess.run(["git", f"--git-dir={bare}", "rev-parse", "HEAD~1"], capture_output=True,
                            text=True, check=True).stdout.strip()
     script = f"""
 import json
 from data import write_mixes as w
 out = {{}}
-for name, rev in (("toy", "HEAD~1"), ("toy", "HEAD"), ("comments", "HEAD"), ("extra", "HEAD")):
+for root, name, rev in (({str(bare)!r}, "toy", "HEAD~1"), ({str(bare)!r}, "toy", "HEAD"),
+                        ({str(bare)!r}, "comments", "HEAD"), ({str(bare)!r}, "extra", "HEAD"),
+                        ({str(bare)!r}, "toy", "v9-no-such-tag"), ({str(work)!r}, "toy", "HEAD~1"),
+                        ({str(work)!r}, "toy", "HEAD")):
+    key = ("work:" if root == {str(work)!r} else "") + name + "@" + rev
     try:
-        text, source = w.read_source({str(bare)!r}, name, rev)
-        out[name + "@" + rev] = w.normalize(name, text, source)
+        text, source = w.read_source(root, name, rev)
+        out[key] = w.normalize(name, text, source)
     except ValueError as e:
-        out[name + "@" + rev] = "ValueError: " + str(e)
+        out[key] = "ValueError: " + str(e)
 print(json.dumps(out))
 """
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -204,6 +228,13 @@ print(json.dumps(out))
     assert got["toy@HEAD"].splitlines()[1:] == ["new,preprocessed/toy/{TOKENIZER}/new/000000.npy"]
     assert got["comments@HEAD"].startswith("ValueError: ") and "lists no files" in got["comments@HEAD"]
     assert got["extra@HEAD"].startswith("ValueError: ") and "extra.txt line 1" in got["extra@HEAD"]
+    # a revision git does not know was written into the header as given
+    assert got["toy@v9-no-such-tag"] == f"ValueError: --rev='v9-no-such-tag' is no commit of {bare}; give a " \
+                                        "commit, tag or branch it has (git fetch it first)"
+    # a checkout with a working tree: the list at --rev, not the working tree's (edited, uncommitted)
+    assert got["work:toy@HEAD~1"] == got["toy@HEAD~1"]
+    assert got["work:toy@HEAD"] == got["toy@HEAD"]
+    assert "differs from its copy at --rev=HEAD" in r.stderr
 
 
 def test_every_installed_olmo_core_mix_resolves_as_olmo_core_builds_it():
