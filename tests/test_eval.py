@@ -386,6 +386,12 @@ def test_loglikelihood_refuses_a_continuation_without_a_token_before_it():
     ll, _ = scorer.loglikelihood([5], list(range(1, 9)))   # 8 tokens: each has the one before it
     lp = log_softmax64(forward(scorer.model, [5] + list(range(1, 8))))
     np.testing.assert_allclose(ll, sum(lp[j, j + 1] for j in range(8)), rtol=1e-5)
+    # max_length + 1 tokens in all lose nothing (the first is only a context); one more is cut
+    assert scorer.truncated == 0
+    scorer.loglikelihood([5, 6, 7], [1, 2, 3, 4, 5, 6])
+    assert scorer.truncated == 0
+    scorer.loglikelihood([4, 5, 6, 7], [1, 2, 3, 4, 5, 6])
+    assert scorer.truncated == 1
 
 
 def test_scorer_scores_long_windows_in_head_chunks(monkeypatch):

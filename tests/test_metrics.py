@@ -443,6 +443,10 @@ def test_benign_warnings_top_level_scripts_and_the_cpp_log_level(monkeypatch):
     for benign in ("Given directory is read only=/runs/a/checkpoints", "Type handler registry overriding type x"):
         assert not f.filter(record(library, benign)) and f.filter(record(ours, benign))
     assert f.filter(record(library, "Given a directory that is not read only"))
+    for package in ("olmo3", "data", "benchmarks"):   # every package of ours keeps its INFO lines
+        path = os.path.join(os.path.dirname(os.path.dirname(ours)), package, "x.py")
+        assert logs.is_ours(path) and f.filter(std_logging.LogRecord("absl", std_logging.INFO, path, 1, "m", None, None))
+    assert not f.filter(std_logging.LogRecord("absl", std_logging.INFO, library, 1, "m", None, None))
     monkeypatch.setattr(sys.modules["__main__"], "__file__", "/work/scripts/train.py", raising=False)
     assert logs.is_ours("/work/scripts/eval.py") and not logs.is_ours("/work/other/eval.py")
     handler = absl_logging.get_absl_handler()
@@ -456,3 +460,14 @@ def test_benign_warnings_top_level_scripts_and_the_cpp_log_level(monkeypatch):
     assert logs.quiet_library_logs() and os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1"
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "0")
     assert logs.quiet_library_logs() and os.environ["TF_CPP_MIN_LOG_LEVEL"] == "0"
+
+
+def test_host_peak_rss_is_the_kernels_high_water_mark_in_gb():
+    """mem/host_peak_rss_gb: getrusage's ru_maxrss is in KiB on Linux; the kernel's VmHWM (kB) is
+    the reference. A wrong unit was a 1024x error that nothing checked."""
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc (not Linux)")
+    got = metrics.memory_bytes()["mem/host_peak_rss_gb"]
+    with open("/proc/self/status") as f:
+        hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    assert got == pytest.approx(hwm_kb / 2**20, rel=0.05)
