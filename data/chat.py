@@ -198,7 +198,7 @@ def check_prepare_paths(input_path: str, out_dir: str, max_seq_length: int | Non
         raise ValueError("--out_dir is empty; give a new directory")
     if max_seq_length is not None and max_seq_length < 1:
         raise ValueError(f"--max_seq_length={max_seq_length} must be positive")
-    out = os.path.abspath(out_dir)
+    out = os.path.realpath(out_dir)   # a symlink is followed, as new_directory follows it
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise FileExistsError(f"--out_dir={out_dir!r} exists and is not an empty directory; choose a new directory")
     from olmo3 import atomic   # a directory can be made and renamed there (the output is renamed into place)

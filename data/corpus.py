@@ -94,11 +94,13 @@ def directory_documents(root: str, domain: str | None = None) -> Iterator[Docume
     domain = domain or os.path.basename(os.path.normpath(root)) or "user"
     found = False
     seen = {os.path.realpath(root)}
-    not_utf8 = []
+    not_utf8, left_out = [], []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and _first_visit(dirpath, d, seen)]
         for fn in sorted(filenames):
             if not fn.endswith((".txt", ".jsonl", ".jsonl.gz")):
+                if not fn.startswith(".") and _looks_like_text(fn):
+                    left_out.append(os.path.relpath(os.path.join(dirpath, fn), root).replace(os.sep, "/"))
                 continue
             found = True
             path = os.path.join(dirpath, fn)
@@ -117,9 +119,20 @@ def directory_documents(root: str, domain: str | None = None) -> Iterator[Docume
                 yield from _jsonl_documents(path, rel, domain)
     if not found:
         raise ValueError(f"corpus directory {root!r} holds no .txt, .jsonl or .jsonl.gz files")
+    if left_out:   # Dolma's shards are *.json.gz: a corpus of them was read as its few .txt files, unsaid
+        logging.warning("corpus %s: %d file(s) left out, only .txt, .jsonl and .jsonl.gz are read (e.g. %s); "
+                        "decompress them, or rename gzipped JSON lines to .jsonl.gz", root, len(left_out),
+                        ", ".join(left_out[:3]))
     if not_utf8:
         logging.warning("corpus %s: %d .txt file(s) hold bytes that are not UTF-8, read as U+FFFD (e.g. %s); "
                         "is it another encoding, or a binary file?", root, len(not_utf8), ", ".join(not_utf8[:3]))
+
+
+def _looks_like_text(name: str) -> bool:
+    """A file name of documents in a form the corpus reader does not take: JSON or text under
+    another name or compression (a.json.gz, a.jsonl.zst, a.txt.gz, a.json), or compressed."""
+    name = name.lower()
+    return ".json" in name or ".txt" in name or name.endswith((".gz", ".zst", ".bz2", ".xz", ".parquet"))
 
 
 def _jsonl_documents(path: str, rel: str, domain: str) -> Iterator[Document]:

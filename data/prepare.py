@@ -313,11 +313,9 @@ def _mix(out_dir: str, parts: list[tuple[dict, float]], total: int | None, max_t
     asked = total is not None
     if total is None:
         total = int(min(a / f for a, f in zip(available, frac)))
-    # Before, a large mixture_tokens wrote until the disk was full. An earlier build's train/ parts
-    # are replaced one by one as the new ones are written, so their space counts as free.
-    train_dir = os.path.join(out_dir, "train")
-    old = [os.path.join(train_dir, n) for n in os.listdir(train_dir)] if os.path.isdir(train_dir) else []
-    free = shutil.disk_usage(train_dir if old else out_dir).free + sum(os.path.getsize(p) for p in old)
+    # Before, a large mixture_tokens wrote until the disk was full. An earlier build's files are
+    # gone by now (_remove_leftovers), their space free.
+    free = shutil.disk_usage(out_dir).free
     if total * 4 > free:
         what = (f"mixture_tokens={total:,}" if asked
                 else f"the mixture's {total:,} train tokens (the default: the most that repeats no source)")
@@ -362,6 +360,9 @@ def prepare(
                          f"('a:w,b:w'); {source!r} is one source: drop it, or name the sources to mix")
     if os.path.isfile(out_dir):
         raise ValueError(f"out_dir {out_dir!r} is a file; give a directory for the token files")
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):   # makedirs said only "File exists"
+        raise ValueError(f"out_dir {out_dir!r} is a symlink to {os.readlink(out_dir)!r}, which does not exist; "
+                         "create that directory, or give another out_dir")
     atomic.check_writable(out_dir, "out_dir")   # /proc/x was a bare errno, after the tokenizer loaded
     _require_ours(out_dir)
     made = not os.path.exists(out_dir)
@@ -458,15 +459,13 @@ PACKING = "packing"   # train.py --packed's default cache of the packings of the
 
 
 def _remove_leftovers(out_dir: str) -> None:
-    """Before a build: the packings cached from the token files it replaces, and the hidden
-    temporaries of a build that was killed (a SIGKILL runs no cleanup; each up to a whole token
-    file's size, and no later build removed them). One build writes a directory at a time."""
-    shutil.rmtree(os.path.join(out_dir, PACKING), ignore_errors=True)
-    for split in _SPLIT_DIRS:
-        for dirpath, _, files in os.walk(os.path.join(out_dir, split)):
-            for name in files:
-                if name.startswith(".") and ".tmp" in name:   # olmo3/atomic.py temporary_name
-                    os.remove(os.path.join(dirpath, name))
+    """Before a build, whose manifest is gone: every file an earlier build wrote beside it (its
+    token files, which the new manifest need not all list: a smaller source left the old build's
+    later files there, for a glob of train/*.npy to mix in, and its disk never freed), the hidden
+    temporaries of a build that was killed (a SIGKILL runs no cleanup), and the packings cached
+    from the token files it replaces. One build writes a directory at a time."""
+    for name in (PACKING, *_SPLIT_DIRS):
+        shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,6 +485,12 @@ def load_manifest(out_dir: str) -> dict:
         for split in manifest["splits"].values():
             for entry in split["files"]:
                 _ = entry["path"], int(entry["tokens"]), entry["sha256"]
+        # what verify and ensure_corpus compare (a KeyError there was a traceback, exit 1: retried)
+        for key, kind in (("tokenizer", dict), ("inputs", list), ("heldout_fraction", dict)):
+            if not isinstance(manifest[key], kind):
+                raise TypeError(f"{key!r} is a {type(manifest[key]).__name__}, not a JSON "
+                                f"{'object' if kind is dict else 'array'}")
+        _ = manifest["max_tokens_per_file"], manifest["mixture_tokens"], manifest["heldout_fraction"]["default"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise ValueError(f"{path}: unreadable manifest ({type(e).__name__}: {e}); delete it and rebuild "
                          f"with `python -m data.prepare --out_dir={out_dir}`") from e

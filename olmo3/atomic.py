@@ -88,9 +88,9 @@ def existing_directory(path: str | os.PathLike, flag: str, given: str | None = N
     `path` starts with a '~' nobody expanded (the shell does not, after --flag=, nor in a flagfile):
     it made a directory named '~' in the working directory."""
     said = f"{flag}={given if given is not None else os.fspath(path)!r}: "
-    if os.fspath(path).startswith("~"):
+    if os.fspath(path).startswith("~") or (given or "").startswith("~"):   # `given`: before an abspath
         raise UserError(f"{said}'~' is not expanded after --flag= or in a flagfile; write the whole path "
-                        f"({os.path.expanduser(os.fspath(path))})")
+                        f"({os.path.expanduser(given if (given or '').startswith('~') else os.fspath(path))})")
     where = os.path.abspath(os.fspath(path))
     while not os.path.exists(where):
         where = os.path.dirname(where)

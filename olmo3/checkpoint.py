@@ -26,11 +26,13 @@ abstract state via eqx.combine. Dtypes follow the abstract state (orbax casts).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 import threading
@@ -314,21 +316,52 @@ def tensor_checksums(flat: dict[str, Any]) -> dict[str, list[int]]:
 def new_directory(path: Union[str, os.PathLike], what: str = "checkpoint"):
     """Yields a temporary sibling of `path` to fill; on success it is renamed into place, on
     failure removed. A crash never leaves a half-written `what` at `path`, and `path` must be
-    new or empty (HF and OLMo-core checkpoints written by convert.py; Orbax does its own)."""
-    path = os.path.abspath(os.fspath(path))
+    new or empty (HF and OLMo-core checkpoints written by convert.py, SFT and DPO data; Orbax
+    does its own). A symlink at `path` is followed: the output lands where it points (renaming
+    onto the link failed after all the work). The temporary's name holds this process's id and
+    host: one that a killed writer left (SIGKILL runs no cleanup; a 7B conversion's is tens of
+    GB) is removed by the next writer of `path` on that host, one whose writer still runs is not.
+    Another process that fills `path` meanwhile wins: this one's output is removed and said."""
+    path = os.path.realpath(os.fspath(path))
     if os.path.exists(path) and os.listdir(path):
         raise FileExistsError(f"{path!r} exists and is not empty; choose a new directory for the {what}")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(path)}-", dir=os.path.dirname(path))
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    _remove_dead_temporaries(parent, name)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-{os.getpid()}@{socket.gethostname()}-", dir=parent)
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; what it becomes is not
     try:
         yield tmp
-        if os.path.exists(path):
-            os.rmdir(path)
-        os.rename(tmp, path)
+        try:
+            if os.path.exists(path):
+                os.rmdir(path)
+            os.rename(tmp, path)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise FileExistsError(f"{path!r} was filled by another process while this one wrote its {what}, "
+                                  "which was removed; choose a new directory") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _remove_dead_temporaries(parent: str, name: str) -> None:
+    """new_directory's temporaries for `name` in `parent` whose writer, on this host, has exited."""
+    here = socket.gethostname()
+    # mkdtemp's random suffix has no '-': the host is everything between '@' and the last '-'
+    pattern = re.compile(rf"\.tmp-{re.escape(name)}-(\d+)@(.+)-[^-]+")
+    for entry in os.listdir(parent):
+        m = pattern.fullmatch(entry)
+        if not (m and m.group(2) == here):
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:   # gone: what it left is nobody's
+            logging.warning("removing %s, left by a writer of %s that was killed", os.path.join(parent, entry), name)
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        except OSError:   # alive (another user's): still writing
+            pass
 
 
 class CheckpointManager:

@@ -38,6 +38,56 @@ def test_a_new_directory_is_renamed_whole_and_readable_as_mkdir_makes_it(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "made"] and (tmp_path / "ckpt" / "weights").read_text() == "w"
 
 
+def test_a_new_directory_follows_a_symlink_and_removes_what_a_killed_writer_left(tmp_path):
+    """new_directory at a symlink (SFT / DPO --out_dir, convert.py --to) wrote everything, then
+    failed to rename onto the link with a bare errno; it now fills where the link points, a dangling
+    link included. A writer killed by SIGKILL left its temporary for good (tens of GB for a 7B
+    conversion): the next writer of the same path on this host removes it, never a live one's."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from olmo3.checkpoint import new_directory
+    (tmp_path / "target").mkdir()
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    for link, target in (("link", "target"), ("dangling", "nowhere")):
+        with new_directory(tmp_path / link) as tmp:
+            (tmp_path / os.path.basename(tmp) / "f").write_text(link)
+        assert os.path.islink(tmp_path / link) and (tmp_path / target / "f").read_text() == link
+    out = tmp_path / "out"
+    killed = subprocess.Popen([sys.executable, "-c", "import os, sys, time\nfrom olmo3.checkpoint import new_directory\n"
+                               "with new_directory(sys.argv[1]) as tmp:\n    open(os.path.join(tmp, 'part'), 'w')"
+                               ".write('x')\n    print(tmp, flush=True)\n    time.sleep(600)", str(out)],
+                              stdout=subprocess.PIPE, text=True)
+    left = killed.stdout.readline().strip()
+    alive = tmp_path / f".tmp-out-{os.getpid()}@{socket.gethostname()}-live1234"   # this process: running
+    elsewhere = tmp_path / f".tmp-out-{killed.pid}@not-{socket.gethostname()}-abcd_123"   # another host's
+    alive.mkdir()
+    elsewhere.mkdir()
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert os.path.isdir(left) and os.path.basename(left).startswith(f".tmp-out-{killed.pid}@")
+    with new_directory(out) as tmp:
+        assert not os.path.exists(left) and alive.is_dir() and elsewhere.is_dir()
+    assert sorted(os.listdir(tmp_path)) == sorted(["target", "link", "dangling", "nowhere", "out", alive.name,
+                                                  elsewhere.name])
+
+
+def test_a_new_directory_another_process_filled_meanwhile_is_said_and_kept(tmp_path):
+    """Two writers of one new directory: the second to finish ended in a traceback (Directory not
+    empty, exit 1, retried). The first one's output stays; the second's is removed and said."""
+    from olmo3.checkpoint import new_directory
+    out = tmp_path / "out"
+    with pytest.raises(FileExistsError, match=r"was filled by another process while this one wrote its SFT data, "
+                                              r"which was removed; choose a new directory"):
+        with new_directory(out, "SFT data") as tmp:
+            (tmp_path / os.path.basename(tmp) / "mine").write_text("2")
+            out.mkdir()
+            (out / "theirs").write_text("1")
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["theirs"]
+
+
 def test_an_error_leaves_the_old_file_and_no_temporary(tmp_path):
     path = tmp_path / "out.txt"
     path.write_text("old")

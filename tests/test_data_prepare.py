@@ -318,12 +318,16 @@ def test_bad_corpus_leaves_nothing_half_written(tmp_path, monkeypatch):
         prep.prepare(f"{good}:1,{good}:1", str(tmp_path / "new"), workers=1, progress=False,
                      mixture_tokens=10**9)
     assert not os.path.exists(tmp_path / "new")
-    # A rebuild replaces the earlier train/ parts as it writes: their space counts as free.
+    # A rebuild first removes the earlier build's files: a disk it filled holds the rebuild. The
+    # disk: exactly the first build's bytes, its free space what the files under mix/ leave.
     other, _ = _make_corpus(tmp_path, "other", 30, 6)
     mix = str(tmp_path / "mix")
     built = prep.prepare(f"{good}:1,{other}:1", mix, workers=1, progress=False, max_tokens_per_file=100)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))   # full
+    used = lambda: sum(os.path.getsize(p) for p in _all_files(mix))   # noqa: E731
+    capacity = used()
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(capacity, used(), capacity - used()))
     assert prep.prepare(f"{good}:1,{other}:1", mix, workers=1, progress=False, max_tokens_per_file=100) == built
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))   # full
     with pytest.raises(ValueError, match=r"the mixture's [\d,]+ train tokens \(the default: the most that repeats no source\) needs .* "
                                          r"which has 0\.0 GiB free; ask for fewer tokens \(--mixture_tokens\)"):
         prep.prepare(f"{good}:1,{other}:1", str(tmp_path / "mix2"), workers=1, progress=False)
@@ -410,6 +414,7 @@ def test_cli_matches_library(tmp_path):
     (["--workers=100000"], "at most 4 per CPU core of this machine"),   # was the OOM killer, without a word
     (["--source=SRC_FILE"], "is a file; pass a directory"),
     (["--out_dir=SRC_FILE"], "is a file; give a directory"),
+    (["--out_dir=DANGLING"], "which does not exist; create that directory, or give another out_dir"),   # File exists
     (["--out_dir=MINE", "--source=stdlib-docs"], "holds ['notes.txt']; a prepared corpus is written into a new"),
     (["--out_dir=THEIRS", "--source=stdlib-docs"], "holds a manifest.json that is not a prepared corpus's"),
     (["--mixture_tokens=1000", "--source=stdlib-docs"], "sizes a mixture of sources ('a:w,b:w'); 'stdlib-docs' is "
@@ -425,7 +430,8 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, args, says):
         (tmp_path / name / entry).write_text('{"mine": true}')
     before = {p: p.read_text() for p in tmp_path.glob("*/*")}
     args = [a.replace("SRC_FILE", str(tmp_path / "f.txt")).replace("MINE", str(tmp_path / "mine"))
-            .replace("THEIRS", str(tmp_path / "theirs")) for a in args]
+            .replace("THEIRS", str(tmp_path / "theirs")).replace("DANGLING", str(tmp_path / "dangling")) for a in args]
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     if not any(a.startswith("--out_dir") for a in args):
         args.append(f"--out_dir={tmp_path / 'out'}")
     r = subprocess.run([sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True,
@@ -518,6 +524,22 @@ def test_user_corpus_skips_blank_jsonl_lines_and_hidden_folders(tmp_path):
         ("web/a.jsonl:1", "one", "a.jsonl:1"), ("web/a.jsonl:4", "four", "a.jsonl:4")]
 
 
+def test_documents_in_forms_the_reader_does_not_take_are_named(tmp_path, caplog):
+    """Dolma's *.json.gz shards, zstd or gzipped text beside .jsonl files were left out without a
+    word (the corpus was its few readable files); other files (a README) are not documents."""
+    from data import corpus
+    d = tmp_path / "web"
+    d.mkdir()
+    (d / "a.jsonl").write_text('{"text": "one"}\n')
+    for name in ("b.json.gz", "c.jsonl.zst", "d.txt.gz", "README.md", "LICENSE"):
+        (d / name).write_bytes(b"x")
+    with caplog.at_level("WARNING"):
+        assert [x.name for x in corpus.directory_documents(str(d))] == ["web/a.jsonl:1"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"corpus {d}: 3 file(s) left out, only .txt, .jsonl and .jsonl.gz are read (e.g. b.json.gz, c.jsonl.zst, "
+        "d.txt.gz); decompress them, or rename gzipped JSON lines to .jsonl.gz"]
+
+
 def test_mixture_specs(tmp_path):
     """parse_mixture: weights default to 1, must be finite and > 0; directories normalised (so two spellings
     are the same mixture) and required to exist."""
@@ -579,3 +601,44 @@ def test_a_rebuild_clears_the_packings_and_a_killed_builds_temporaries(tmp_path)
     prep.prepare(web, str(out), workers=1, progress=False)
     assert not (out / prep.PACKING).exists() and not leftover.exists()
     assert data.verify(str(out))["source"] == web
+
+
+def test_a_rebuild_leaves_none_of_the_old_builds_files(tmp_path):
+    """A rebuild from a smaller source left the old build's later token files beside the new
+    ones: unlisted, but read by a glob of train/*.npy (OLMo-core's way) and never freed."""
+    web, _ = _make_corpus(tmp_path, "web", 30, 1)
+    out = tmp_path / "out"
+    prep.prepare(web, str(out), workers=1, progress=False, max_tokens_per_file=300)
+    assert len(glob.glob(str(out / "train" / "*.npy"))) > 2
+    small = tmp_path / "small"
+    small.mkdir()
+    for i in range(3):
+        (small / f"a{i}.txt").write_text(f"short document {i}")
+    manifest = prep.prepare(str(small), str(out), workers=1, progress=False, max_tokens_per_file=300,
+                            heldout_fraction=0.0)
+    listed = sorted(str(out / f["path"]) for split in manifest["splits"].values() for f in split["files"])
+    assert sorted(glob.glob(str(out / "**" / "*.npy"), recursive=True)) == listed
+
+
+@pytest.mark.parametrize("damage", ["no_tokenizer", "tokenizer_null", "inputs_string", "no_mixture_tokens"])
+def test_a_manifest_without_what_verify_compares_is_unreadable(tmp_path, damage):
+    """A manifest lacking a key verify or ensure_corpus reads (an older layout, a hand edit) was a
+    KeyError / AttributeError traceback, exit 1 (retried); now the unreadable-manifest line, exit 2,
+    and ensure_corpus (train.py, eval.py) rebuilds it."""
+    out = tmp_path / "docs"
+    prep.prepare("stdlib-docs", str(out), workers=1, progress=False)
+    manifest = json.loads((out / prep.MANIFEST).read_text())
+    key = {"no_tokenizer": "tokenizer", "tokenizer_null": "tokenizer", "inputs_string": "inputs",
+           "no_mixture_tokens": "mixture_tokens"}[damage]
+    if damage in ("no_tokenizer", "no_mixture_tokens"):
+        del manifest[key]
+    else:
+        manifest[key] = None if damage == "tokenizer_null" else "x"
+    (out / prep.MANIFEST).write_text(json.dumps(manifest))
+    r = subprocess.run([sys.executable, "-m", "data.prepare", "--verify", f"--out_dir={out}"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"{out / prep.MANIFEST}: unreadable manifest (" in r.stderr.strip().splitlines()[-1]
+    assert key in r.stderr.strip().splitlines()[-1]
+    data.ensure_corpus(str(out), "stdlib-docs", workers=1, progress=False)
+    assert data.verify(str(out))["tokenizer"] == prep.TOKENIZER

@@ -216,6 +216,25 @@ def test_sft_and_dpo_sets_are_prepared_a_line_at_a_time(tmp_path, monkeypatch):
     assert seen == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]   # both sides of a line
 
 
+def test_prepare_paths_refuse_an_unexpanded_tilde_and_follow_a_symlink(tmp_path, monkeypatch):
+    """--out_dir=~/x made a folder named '~' in the working directory (the check saw the absolute
+    path); an --out_dir that is a symlink is checked where it points, as new_directory writes there."""
+    from olmo3.cli import UserError
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    with pytest.raises(UserError, match=r"^--out_dir='~/x': '~' is not expanded after --flag= or in a flagfile; "
+                                        r"write the whole path \(/"):
+        chat.check_prepare_paths("in.jsonl", "~/x", None, "chats")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "f").write_text("x")
+    os.symlink(tmp_path / "full", tmp_path / "link")
+    with pytest.raises(FileExistsError, match="--out_dir='link' exists and is not an empty directory"):
+        chat.check_prepare_paths("in.jsonl", "link", None, "chats")
+    os.symlink(tmp_path / "new", tmp_path / "dangling")
+    chat.check_prepare_paths("in.jsonl", "dangling", None, "chats")   # written where it points
+    assert not os.path.exists(tmp_path / "~")
+
+
 def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_path):
     """--input may be a pipe (`--input=<(zcat chats.jsonl.gz)`; it was "does not exist"). A
     conversation of only the answer is kept, trained whole as open-instruct's masking trains it,
