@@ -165,9 +165,9 @@ class Scorer:
         self.truncated = 0   # loglikelihood requests whose context was cut from the left to fit
 
     def _check(self, tokens: list) -> None:
-        top = max(tokens, default=0)
-        if top >= self.model.config.vocab_size or min(tokens, default=0) < 0:
-            raise ValueError(f"token id {top} is outside the model's vocabulary of {self.model.config.vocab_size}: "
+        bad = next((t for t in tokens if not 0 <= t < self.model.config.vocab_size), None)
+        if bad is not None:   # JAX's gather would clamp it: wrong scores, no error
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {self.model.config.vocab_size}: "
                              "the tokenizer does not match the model")
 
     def _scores(self, seq: list) -> tuple[np.ndarray, np.ndarray]:
@@ -304,9 +304,10 @@ CONTINUATION_CHUNK = 128   # LM-head positions per block; oe_tasks pads rows to 
 
 def continuation_scores(model: OLMo3, batch: dict, gather: Optional[Callable] = None
                         ) -> tuple[Float[Array, " rows"], Float[Array, "rows choices"]]:
-    """Per row of a right-padded [B, T] batch: (sum of weights[t] * log p(targets[t] | tokens[:t+1]),
-    log p(choices[k] | tokens[:pos+1]) for each k). The first is a continuation's log-likelihood
-    (targets = the continuation, weighted 1 at the positions that predict it); the second is OLMo's
+    """Per row of a right-padded [B, T] batch: (sum of log p(targets[t] | tokens[:t+1]) over the
+    positions with weights[t] > 0, log p(choices[k] | tokens[:pos+1]) for each k). The first is a
+    continuation's log-likelihood (targets = the continuation, weight 1 at the positions that
+    predict it, 0 elsewhere: a selection, not a scale; padding's log p is never added); the second is OLMo's
     "fast MC": every one-token answer scored at the last context position by one forward pass.
 
     Rows run one at a time (`lax.map`) and the LM head 128 positions at a time (`head_scores`), so
@@ -365,10 +366,15 @@ def _task_documents(path: str) -> list[dict]:
 
 def fewshot_prompt(doc: dict, index: int, docs: list[dict], pool: Optional[list[dict]], k: int,
                    delimiter: str = " ", separator: str = "\n\n", seed: int = 1234) -> str:
-    """k solved examples (context + delimiter + gold choice), then the document's context."""
+    """k solved examples (context + delimiter + gold choice), then the document's context. The
+    examples: k distinct ones of `pool` (a few-shot split), else of the task's other documents,
+    drawn by numpy's generator seeded `seed + index`, so each document's prompt is fixed whatever
+    --limit scores. lm-eval draws from one random.Random(1234) per task instead: its prompts hold
+    other examples (the format is the same). Neither uses a copy of the document itself."""
     if k == 0:
         return doc["context"]
-    candidates = pool if pool is not None else [d for j, d in enumerate(docs) if j != index]
+    candidates = [d for j, d in enumerate(pool if pool is not None else docs)
+                  if d != doc and (pool is not None or j != index)]
     if len(candidates) < k:
         raise ValueError(f"num_fewshot={k} but only {len(candidates)} examples available")
     rng = np.random.default_rng(seed + index)

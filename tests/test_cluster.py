@@ -423,6 +423,8 @@ def test_tasks_sharing_a_nodes_gpus_split_them():
     assert ids(2, 1, SLURM_GPU_BIND="closest", **eight) is None   # may overlap: JAX default
     with pytest.raises(ClusterError, match=r"16 tasks on this node share its 8 GPUs.*task 9 has none"):
         ids(16, 9, **eight)
+    with pytest.raises(ClusterError, match=r"16 tasks on this node share its 8 GPUs"):   # every task: [] is all GPUs
+        ids(16, 3, **eight)
     assert ids(16, 9, JAX_PLATFORMS="cpu", **eight) is None   # no GPU computing: nothing to share out
     assert ids(2, 1, JAX_PLATFORMS="cuda", **eight) == [4, 5, 6, 7]
     # CUDA stops at the first empty entry: "0,1," is two GPUs
@@ -801,6 +803,25 @@ def test_a_coordinator_port_in_use_is_named_before_the_join(monkeypatch):
         held.listen()
         cluster.initialize(f"127.0.0.1:{port}", 2, 1, env={})
     assert joined == [0, 1]
+
+
+def test_a_port_an_earlier_attempt_left_in_time_wait_is_free():
+    """A coordinator that crashed leaves its port's connections in TIME_WAIT for a minute; gRPC
+    binds with SO_REUSEADDR, so the port is free to it, and the probe must say so too: a false
+    'taken' is exit 2, which --resume_until_done never retries (the run would stop for good)."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC's listener (Linux: both need it)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()   # the server's side closes first: its end of the connection waits in TIME_WAIT
+        client.close()
+    assert not cluster._port_taken(f"[::]:{port}")
+    with socket.socket() as s:   # what the probe without SO_REUSEADDR saw: the port in use
+        with pytest.raises(OSError):
+            s.bind(("127.0.0.1", port))
 
 
 def test_a_coordinator_port_jax_derived_and_found_taken_is_named(monkeypatch):

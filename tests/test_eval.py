@@ -518,6 +518,28 @@ def test_fewshot_prompt_from_the_task_itself():
     shots, last = p.split("\n\n")[:-1], p.split("\n\n")[-1]
     assert last == "q2" and len(shots) == 3 and "q2 " not in p
     assert all(s in {f"q{i} {'ab'[i % 2]}" for i in range(6)} for s in shots) and len(set(shots)) == 3
+    # the documented draw: k of the other documents, numpy's generator seeded 1234 + the document's index
+    for i, doc in enumerate(docs):
+        others = [d for d in docs if d is not doc]
+        picks = np.random.default_rng(1234 + i).choice(len(others), size=3, replace=False)
+        assert scoring.fewshot_prompt(doc, i, docs, None, 3) == \
+            "".join(f"{others[j]['context']} {'ab'[others[j]['gold']]}\n\n" for j in picks) + doc["context"]
+    # a document that appears twice is not its own shot (its answer in its prompt), as in lm-eval
+    dup = [docs[0], dict(docs[0]), docs[1], docs[2]]
+    assert scoring.fewshot_prompt(dup[0], 0, dup, None, 2).split("\n\n")[:-1] in (["q1 b", "q2 a"], ["q2 a", "q1 b"])
+    with pytest.raises(ValueError, match="num_fewshot=3 but only 2 examples available"):
+        scoring.fewshot_prompt(dup[0], 0, dup, None, 3)
+
+
+def test_token_ids_outside_the_vocabulary_are_named():
+    """A tokenizer that does not match the model: JAX's gather clamps an id past the vocabulary,
+    so the scores would be wrong without an error. The message named the largest id, not the bad one."""
+    scorer = scoring.Scorer(olmo3.OLMo3(CFG, jax.random.key(0)))
+    scorer._check([0, CFG.vocab_size - 1])
+    for tokens, bad in (([5, CFG.vocab_size], CFG.vocab_size), ([5, -1], -1)):
+        with pytest.raises(ValueError, match=rf"^token id {bad} is outside the model's vocabulary of "
+                                             rf"{CFG.vocab_size}: the tokenizer does not match the model$"):
+            scorer._check(tokens)
 
 
 def lm_eval_task(directory, task: str, data_file: str, spec: str) -> None:
@@ -790,6 +812,10 @@ def test_nucleus_keeps_the_tokens_transformers_top_p_keeps():
     draws = {scoring.Scorer(model, max_length=64).generate(prompt, 1, temperature=0.7, top_p=0.5, seed=s)[0]
              for s in range(40)}
     assert draws <= kept and len(kept) < 512
+    assert len(draws) > 1 or len(kept) == 1   # the seed is used: 40 seeds, not one draw
+    # among tokens tied at the cut-off the lower ids are kept (a stable sort)
+    assert np.flatnonzero(scoring.nucleus(np.array([1.0, 2.0, 1.0, 1.0, 2.0]), 0.6)).tolist() == [0, 1, 4]
+    assert np.flatnonzero(scoring.nucleus(np.array([1.0, 1.0, 1.0, 1.0]), 0.5)).tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("flag", ["--temperature=0.7", "--top_p=0.9", "--max_new_tokens=32", "--sample_seed=3",
@@ -1106,6 +1132,7 @@ def test_unmeasurable_noise_flags_nothing_and_says_so(runs, tmp_path):
     from olmo3 import comparison
     assert comparison.verdict(-0.001, 0.0, train_se=float("nan"), heldout_se=float("nan")) is None
     assert comparison.bands(float("nan"), 0.01, tol=0.05) == (0.05, pytest.approx(max(0.05, 3 * 0.01)))
+    assert comparison.bands(0.01, float("nan")) == (pytest.approx(3 * 0.01), math.inf)   # the gap's noise unknown
     assert not comparison.measurable(0.01, float("nan")) and comparison.measurable(0.01, float("nan"), tol=0.1)
     kw = dict(sets_fn=runs["sets_fn"], train_loss_window=2, max_batches=2, steps=[90])
     r = eval_script.compare_runs(runs["clean0"], runs["repeat"], out_dir=str(tmp_path / "u"), **kw)

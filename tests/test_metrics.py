@@ -371,6 +371,12 @@ def test_read_metrics_streams_and_keeps_only_the_asked_metrics(tmp_path):
     assert len(got) == 4000 and got[4000] == {"train/loss": 9.0} and set(got[1]) == {"train/loss"}
     assert peak < size / 3, (peak, size)   # 0.17x here; parsed whole, 2.5x the file
     assert read_metrics(str(tmp_path))[1]["optim/layer3/grad_norm"] > 0   # all metrics by default
+    # a resumed run's line of owed evaluations at its restart step: merged into the step's values,
+    # and with keys=("train/loss",) it keeps none of them, so it must leave the step's loss alone
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 4000, "eval/all/loss": 3.0}) + "\n")
+    assert read_metrics(str(tmp_path), keys=("train/loss",))[4000] == {"train/loss": 9.0}
+    assert read_metrics(str(tmp_path))[4000]["train/loss"] == 9.0 and read_metrics(str(tmp_path))[4000]["eval/all/loss"] == 3.0
 
 
 def test_tensorboard_points_are_on_disk_when_written(tmp_path):
