@@ -404,7 +404,8 @@ def lm_eval_report(model, task_names, *, num_fewshot=None, limit=None, include=N
         said = (f"--lm_eval_tasks={','.join(task_names)} (--max_length={max_length}"
                 + (f", --num_fewshot={num_fewshot}" if num_fewshot is not None else "") + f"): {e}")
         raise (FileNotFoundError if isinstance(e, FileNotFoundError) else ValueError)(said) from e
-    kept = sorted(t for t, shots in results.get("n-shot", {}).items() if num_fewshot is not None and shots != num_fewshot)
+    kept = sorted(t for t, shots in results.get("n-shot", {}).items()
+                  if num_fewshot is not None and shots != num_fewshot)
     if kept:   # lm-eval keeps a YAML's num_fewshot: 0 over the caller's, saying so at INFO only
         logging.warning("--num_fewshot=%d: lm-eval scored %s with the shots its YAML fixes (%s), not %d",
                         num_fewshot, ", ".join(kept), ", ".join(str(results["n-shot"][t]) for t in kept), num_fewshot)

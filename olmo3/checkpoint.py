@@ -328,7 +328,7 @@ def new_directory(path: Union[str, os.PathLike], what: str = "checkpoint"):
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     _remove_dead_temporaries(parent, name)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-{os.getpid()}@{socket.gethostname()}-", dir=parent)
+    tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-{os.getpid()}@{_this_host()}-", dir=parent)
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; what it becomes is not
     try:
         yield tmp
@@ -346,9 +346,18 @@ def new_directory(path: Union[str, os.PathLike], what: str = "checkpoint"):
         raise
 
 
+def _this_host() -> str:
+    """This host as process ids see it: its name and its PID namespace (containers that share a
+    host name, `docker --network=host`, number their processes apart)."""
+    try:
+        return f"{socket.gethostname()}~{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:   # no /proc: the name alone
+        return socket.gethostname()
+
+
 def _remove_dead_temporaries(parent: str, name: str) -> None:
     """new_directory's temporaries for `name` in `parent` whose writer, on this host, has exited."""
-    here = socket.gethostname()
+    here = _this_host()
     # mkdtemp's random suffix has no '-': the host is everything between '@' and the last '-'
     pattern = re.compile(rf"\.tmp-{re.escape(name)}-(\d+)@(.+)-[^-]+")
     for entry in os.listdir(parent):

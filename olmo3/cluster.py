@@ -174,7 +174,8 @@ def _tpu_variables_problem(env: Mapping[str, str]) -> Optional[str]:
             continue
         index = _int(got)
         if index is None or not 0 <= index < count:
-            return (f"{name}={got!r} is not this host's index among {what}: it must be a whole number from 0 "
+            said = f"{name}={got!r}" if got is not None else f"{name} (unset)"
+            return (f"{said} is not this host's index among {what}: it must be a whole number from 0 "
                     f"to {count - 1}. Fix: leave it to the TPU launcher (GKE's TPU webhook, a JobSet) that sets "
                     f"{var}, or set it on each host to that host's index")
     return None
@@ -314,7 +315,8 @@ def _unknown_host(address: str) -> bool:
 def _port_taken(bind: str) -> bool:
     """Whether another socket listens on the port of the `host:port` that process 0's coordinator
     service binds (JAX's default: [::]:PORT, every address), tried as gRPC binds: SO_REUSEADDR, so
-    connections of an earlier attempt waiting out TIME_WAIT do not count."""
+    the connections an earlier attempt's coordinator left in TIME_WAIT do not count (Linux lets a
+    bind pass them when both sockets set it, and gRPC's listener does)."""
     port = bind.rsplit(":", 1)[-1]
     if not _is_port(port):
         return False   # JAX's own error names it

@@ -61,17 +61,19 @@ def test_a_new_directory_follows_a_symlink_and_removes_what_a_killed_writer_left
                                ".write('x')\n    print(tmp, flush=True)\n    time.sleep(600)", str(out)],
                               stdout=subprocess.PIPE, text=True)
     left = killed.stdout.readline().strip()
-    alive = tmp_path / f".tmp-out-{os.getpid()}@{socket.gethostname()}-live1234"   # this process: running
-    elsewhere = tmp_path / f".tmp-out-{killed.pid}@not-{socket.gethostname()}-abcd_123"   # another host's
-    alive.mkdir()
-    elsewhere.mkdir()
+    from olmo3.checkpoint import _this_host
+    alive = tmp_path / f".tmp-out-{os.getpid()}@{_this_host()}-live1234"   # this process: running
+    elsewhere = tmp_path / f".tmp-out-{killed.pid}@not-{_this_host()}-abcd_123"   # another host's
+    other_ns = tmp_path / f".tmp-out-{killed.pid}@{socket.gethostname()}~1-abcd_123"   # another PID namespace's
+    for d in (alive, elsewhere, other_ns):
+        d.mkdir()
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert os.path.isdir(left) and os.path.basename(left).startswith(f".tmp-out-{killed.pid}@")
     with new_directory(out) as tmp:
-        assert not os.path.exists(left) and alive.is_dir() and elsewhere.is_dir()
+        assert not os.path.exists(left) and alive.is_dir() and elsewhere.is_dir() and other_ns.is_dir()
     assert sorted(os.listdir(tmp_path)) == sorted(["target", "link", "dangling", "nowhere", "out", alive.name,
-                                                  elsewhere.name])
+                                                  elsewhere.name, other_ns.name])
 
 
 def test_a_new_directory_another_process_filled_meanwhile_is_said_and_kept(tmp_path):

@@ -898,6 +898,7 @@ def test_tpu_worker_and_slice_ids_jax_cannot_place_are_named(ids, name, monkeypa
     if name is None:
         assert cluster.initialize(env=env).processes == 6
     else:
-        with pytest.raises(ClusterError, match=rf"^{name}={re.escape(repr(ids.get(name)))} is not this host's index "
+        said = f"{name}={ids[name]!r}" if name in ids else f"{name} (unset)"
+        with pytest.raises(ClusterError, match=rf"^{re.escape(said)} is not this host's index "
                                                rf"among .*: it must be a whole number from 0 to [12]\. Fix: leave it"):
             cluster.initialize(env=env)
