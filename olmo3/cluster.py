@@ -289,9 +289,7 @@ def _join(env: Mapping[str, str], given: Optional[str], **kwargs) -> None:
         except Exception as e:   # jax.errors.JaxRuntimeError; its class moved between releases
             if "Failed to start RPC server" not in str(e):
                 raise
-            from jax._src import distributed   # where JAX keeps the address it derived
-            address = getattr(distributed.global_state, "coordinator_address", None)
-            raise ClusterError(_port_taken_message(address, given, env)) from e
+            raise ClusterError(_port_taken_message(coordinator, given, env)) from e
 
 
 def _unknown_host(address: str) -> bool:
