@@ -343,6 +343,37 @@ def _port_taken_message(address: Optional[str], given: Optional[str], env: Mappi
             f"taken on this host (another job, or a process of an earlier attempt still running); {fix}")
 
 
+# What JAX's Open MPI detection reads once OMPI_MCA_orte_hnp_uri is set (jax/_src/clusters/
+# ompi_cluster.py): os.environ[...] of each, so one left out (a container that passes only some
+# OMPI_* through) was a KeyError traceback, exit 1, that the crash loop retried.
+_OMPI_READ = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
+def _ompi_problem(env: Mapping[str, str], coordinator: Optional[str]) -> Optional[str]:
+    """Why JAX's Open MPI detection, which OMPI_MCA_orte_hnp_uri turns on, cannot read this launch,
+    or None: a rank variable left out, or (with no coordinator given) a URI without the job id and
+    tcp:// or tcp6://[...] address JAX makes the coordinator of ('<jobid>.<vpid>;tcp://<ip>,...:<port>')."""
+    uri = env.get("OMPI_MCA_orte_hnp_uri")
+    if uri is None or _int(env.get("OMPI_COMM_WORLD_SIZE")) == 1:   # `mpirun -np 1`: nothing to join
+        return None
+    fix = ("start every process with mpirun (a container must pass all of OMPI_* through), or unset "
+           "OMPI_MCA_orte_hnp_uri for a process that runs alone")
+    missing = [v for v in _OMPI_READ if v not in env]
+    if missing:
+        return (f"OMPI_MCA_orte_hnp_uri is set (an mpirun launch), but {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not: JAX's Open MPI detection reads all of "
+                f"{', '.join(_OMPI_READ)}. Fix: {fix}")
+    if coordinator is not None:   # the URI is read only for the coordinator address
+        return None
+    address = re.search(r"tcp://(.+?)[,:]|tcp6://\[(.+?)[,\]]", uri)
+    job = uri.split(".", 1)[0]
+    if address and (_int(job) is not None or _is_port(env.get("JAX_COORDINATOR_PORT", ""))):
+        return None
+    return (f"OMPI_MCA_orte_hnp_uri={uri!r} is not mpirun's '<jobid>.<vpid>;tcp://<ip>:<port>': JAX's Open MPI "
+            f"detection makes the coordinator of its job id and first address. Fix: {fix}, or pass "
+            "--coordinator=<host of process 0>:<free port>")
+
+
 # All five make JAX's SLURM detection join the step (jax/_src/clusters/slurm_cluster.py); it is
 # tried after Open MPI's, which OMPI_MCA_orte_hnp_uri alone turns on.
 _SLURM_DETECTED_BY = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
@@ -525,7 +556,7 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
         raise ClusterError(f"--num_processes / JAX_NUM_PROCESSES = {num_processes} must be >= 1; give the count of "
                            "processes, or leave it out for the launcher's")
     if not (coordinator and num_processes is not None and process_id is not None):   # JAX detects the rest
-        problem = (_tpu_variables_problem(env) or _count_problem(env)
+        problem = (_tpu_variables_problem(env) or _count_problem(env) or _ompi_problem(env, coordinator)
                    or (None if coordinator else _slurm_coordinator_problem(env) or _port_problem(env)))
         if problem:
             raise ClusterError(problem)

@@ -256,6 +256,47 @@ def test_slurm_node_lists_jax_can_read_are_joined(nodes, host, monkeypatch):
     assert cluster.initialize(env=env).engine == "slurm" and len(joined) == 1
 
 
+_MPIRUN_RANK_1 = fake_srun.mpirun_env(1, 2, 61500)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": None}, r"but OMPI_COMM_WORLD_LOCAL_RANK is not: "),
+    ({"OMPI_COMM_WORLD_SIZE": None, "OMPI_COMM_WORLD_RANK": None},
+     r"but OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_RANK are not: "),
+    ({"OMPI_MCA_orte_hnp_uri": "garbage"}, r"='garbage' is not mpirun's"),
+    ({"OMPI_MCA_orte_hnp_uri": "4096.0;udp://10.0.0.1:5"}, r"='4096\.0;udp://10\.0\.0\.1:5' is not mpirun's"),
+], ids=["local-rank-unset", "size-and-rank-unset", "uri-without-job-id", "uri-without-tcp-address"])
+def test_open_mpi_variables_jax_cannot_read_are_named(change, named, monkeypatch):
+    """The reference: JAX's Open MPI detection, given the same variables, fails (a KeyError or a
+    RuntimeError was a traceback, exit 1, that the crash loop retried; a ValueError was read as
+    the variables disagreeing). Each is named before the join; `mpirun -np 1`, never joined, and a
+    --coordinator of the user's, which spares the URI, are not refused."""
+    import jax
+    ompi = pytest.importorskip("jax._src.clusters.ompi_cluster")
+    env = {k: v for k, v in {**_MPIRUN_RANK_1, **change}.items() if v is not None}
+    for var in list(os.environ):
+        if var.startswith(fake_srun.LAUNCHER_PREFIXES) or var.startswith("JAX_"):
+            monkeypatch.delenv(var)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    with pytest.raises((KeyError, ValueError, RuntimeError)):
+        ompi.OmpiCluster.get_coordinator_address(None, None)
+        ompi.OmpiCluster.get_process_count(), ompi.OmpiCluster.get_process_id()
+        ompi.OmpiCluster.get_local_process_id()
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail(f"joined {kw}"))
+    with pytest.raises(ClusterError, match=rf"^OMPI_MCA_orte_hnp_uri.*{named}.*Fix: start every process with mpirun"):
+        cluster.initialize(env=env)
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    assert cluster.initialize(env={**env, "OMPI_COMM_WORLD_SIZE": "1"}).processes == 1 and not joined
+    if "OMPI_MCA_orte_hnp_uri" in change:   # the URI is read only for the coordinator
+        cluster.initialize("10.0.0.1:1234", env=env)
+        assert len(joined) == 1
+    cluster.initialize(env=_MPIRUN_RANK_1)
+    assert joined[-1] == {"local_device_ids": None}
+
+
 _SLURM_TASK = {"SLURM_JOB_ID": "4096123", "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "1",
                "SLURM_LOCALID": "0"}
 
