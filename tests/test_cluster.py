@@ -7,6 +7,7 @@ process on 4 devices: two "nodes" x 2 devices launched through the sbatch script
 must give the same per-step losses (rtol 2e-6, float32 reduction order as in test_multiprocess),
 one checkpoint directory, and a single process must resume it to the uninterrupted run's losses.
 """
+import errno
 import json
 import os
 import re
@@ -863,6 +864,24 @@ def test_a_port_an_earlier_attempt_left_in_time_wait_is_free():
     with socket.socket() as s:   # what the probe without SO_REUSEADDR saw: the port in use
         with pytest.raises(OSError):
             s.bind(("127.0.0.1", port))
+
+
+def test_a_host_without_ipv6_probes_the_port_on_ipv4(monkeypatch):
+    """Where the kernel has no IPv6 (socket(AF_INET6) fails), the probe binds the IPv4 wildcard,
+    as gRPC then listens: a port held there is taken, a free one is not."""
+    real = socket.socket
+
+    def no_ipv6(family=socket.AF_INET, *args):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real(family, *args)
+    monkeypatch.setattr(cluster.socket, "socket", no_ipv6)
+    with real() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cluster._port_taken(f"[::]:{port}")
+    assert not cluster._port_taken(f"[::]:{port}")
 
 
 def test_a_coordinator_port_jax_derived_and_found_taken_is_named(monkeypatch):
