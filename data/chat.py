@@ -148,6 +148,14 @@ def warn_rows(path: str, rows: list[int], noun: str, what: str, why: str) -> Non
         logging.warning("%s: %d %s(s) %s (first: %s %d); %s", path, len(rows), noun, what, noun, rows[0] + 1, why)
 
 
+# The files a JSONL set is often shipped as, by their first bytes (their formats' magic numbers).
+_NOT_JSONL = {b"\x1f\x8b": "gzip-compressed: decompress it (e.g. --input=<(zcat {path}))",
+              b"\x28\xb5\x2f\xfd": "zstd-compressed: decompress it (e.g. --input=<(zstdcat {path}))",
+              b"\xfd7zXZ\x00": "xz-compressed: decompress it (e.g. --input=<(xzcat {path}))",
+              b"BZh": "bzip2-compressed: decompress it (e.g. --input=<(bzcat {path}))",
+              b"PAR1": "a Parquet file (a Hugging Face dataset's shard): write its rows as JSON lines first"}
+
+
 def read_jsonl(path: str, parse: Callable[[object], object], what: str) -> list:
     """iter_jsonl's rows, as a list (a file that fits in memory: chats to answer)."""
     return list(iter_jsonl(path, parse, what))
@@ -161,11 +169,12 @@ def iter_jsonl(path: str, parse: Callable[[object], object], what: str) -> Itera
     rows = 0
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
+            kind = next((k for magic, k in _NOT_JSONL.items() if raw.startswith(magic)), None) if n == 1 else None
+            if kind:
+                raise ValueError(f"{path} is {kind.format(path=path)}") from None
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                if n == 1 and raw.startswith(b"\x1f\x8b"):   # gzip's magic number
-                    raise ValueError(f"{path} is gzip-compressed; decompress it (e.g. --input=<(zcat {path}))") from None
                 raise ValueError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start} of the line); "
                                  f"{what}") from None
             if n == 1:   # an editor's "UTF-8 with BOM": json.loads refused the first line

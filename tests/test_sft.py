@@ -5,7 +5,11 @@ ids); OLMo-core's own `NumpyPackedFSLDataset` reading our files; transformers' `
 causal-LM loss with -100 labels; an uninterrupted run for resume; Adam's step count for the
 optimizer an SFT warm start carries over (OLMo-core loads it when the checkpoint has it).
 """
+import bz2
+import gzip
+import importlib.util
 import json
+import lzma
 import os
 import re
 import subprocess
@@ -235,6 +239,43 @@ def test_prepare_paths_refuse_an_unexpanded_tilde_and_follow_a_symlink(tmp_path,
     assert not os.path.exists(tmp_path / "~")
 
 
+def _zstd_frame(data: bytes) -> bytes:
+    """One zstd frame of raw blocks (RFC 8878: magic 0xFD2FB528, a single-segment header, a last
+    raw block), as zstd writes data it cannot shrink."""
+    import struct
+    return (struct.pack("<I", 0xFD2FB528) + bytes([0x20, len(data)])
+            + struct.pack("<I", (len(data) << 3) | 1)[:3] + data)
+
+
+def _parquet(rows: list) -> bytes:
+    import io
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    out = io.BytesIO()
+    pq.write_table(pa.table({"messages": [json.dumps(r["messages"]) for r in rows]}), out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name, write, said", [
+    ("c.jsonl.gz", gzip.compress, "gzip-compressed: decompress it (e.g. --input=<(zcat "),
+    ("c.jsonl.zst", _zstd_frame, "zstd-compressed: decompress it (e.g. --input=<(zstdcat "),
+    ("c.jsonl.xz", lzma.compress, "xz-compressed: decompress it (e.g. --input=<(xzcat "),
+    ("c.jsonl.bz2", bz2.compress, "bzip2-compressed: decompress it (e.g. --input=<(bzcat "),
+    ("train.parquet", None, "a Parquet file (a Hugging Face dataset's shard): write its rows as JSON lines first"),
+], ids=["gzip", "zstd", "xz", "bzip2", "parquet"])
+def test_a_compressed_or_parquet_set_is_named_as_such(name, write, said, tmp_path):
+    """The forms chat sets ship in, written by their own libraries: each was "<file>:1: not UTF-8
+    text" (or, for Parquet, whose first line may decode, "not a JSON object")."""
+    rows = [{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}]
+    path = tmp_path / name
+    path.write_bytes(_parquet(rows) if write is None else write(json.dumps(rows[0]).encode() + b"\n"))
+    with pytest.raises(ValueError, match="^" + re.escape(f"{path} is {said}")):
+        chat.read_jsonl(str(path), lambda row: row, "a line must hold a conversation")
+    if name.endswith(".zst") and importlib.util.find_spec("zstandard"):   # the frame is one zstd reads
+        assert __import__("zstandard").ZstdDecompressor().decompressobj().decompress(path.read_bytes()) == \
+            json.dumps(rows[0]).encode() + b"\n"
+
+
 def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_path):
     """--input may be a pipe (`--input=<(zcat chats.jsonl.gz)`; it was "does not exist"). A
     conversation of only the answer is kept, trained whole as open-instruct's masking trains it,
@@ -251,10 +292,6 @@ def test_prepare_sft_reads_a_pipe_and_says_when_a_chat_is_its_answer_alone(tmp_p
     answers = [{"role": "assistant", "content": "b"}] * 2   # several answer turns and nothing else: the same
     assert chat.answer_only(answers) and not chat.answer_only([{"role": "system", "content": "s"}, *answers])
     assert json.loads((tmp_path / "out" / prepare_sft.MANIFEST).read_text())["conversations"] == 2
-    import gzip
-    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(json.dumps(rows[0]).encode()))   # was "...:1: not UTF-8 text"
-    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'c.jsonl.gz'} is gzip-compressed; decompress it")):
-        chat.read_jsonl(str(tmp_path / "c.jsonl.gz"), lambda row: row, "")
     (tmp_path / "bom.jsonl").write_text("\ufeff" + json.dumps(rows[0]) + "\n")   # saved as "UTF-8 with BOM"
     assert chat.read_jsonl(str(tmp_path / "bom.jsonl"), lambda row: row, "") == [rows[0]]
     p = subprocess.run([*cmd, "--out_dir="], input="", capture_output=True, text=True, env=env, cwd=tmp_path,
