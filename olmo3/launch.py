@@ -113,7 +113,8 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
     Stops on rc 0, on an rc in `no_retry`, or after `max_attempts` consecutive attempts that
     failed without progress (None: never). A child killed by a signal (rc 128 + N, e.g. SIGKILL from
     the OOM killer or a preemption) is retried. `progress()` is the newest checkpoint step (or
-    None): an attempt after which it is larger than before made progress and resets the count.
+    None): an attempt after which it is larger than any seen before made progress and resets the
+    count.
     Without `progress`, an attempt that ran at least `reset_after_s` resets it."""
     if max_attempts is not None and max_attempts < 1:
         raise ValueError(f"max_attempts={max_attempts} must be >= 1 (or None for no limit)")
@@ -121,10 +122,12 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
     rng = rng or random.Random()
     failures = 0
     attempt = 0
+    newest = None   # the largest step `progress` has shown: a listing that failed once (None) is no reset
     while True:
         attempt += 1
         start = time.monotonic()
         before = progress() if progress is not None else None
+        newest = before if newest is None or (before is not None and before > newest) else newest
         rc, told_to_stop = _run_forwarding_sigterm(argv)
         ran = time.monotonic() - start
         if told_to_stop:
@@ -141,9 +144,10 @@ def run_until_done(argv: Sequence[str], max_attempts: Optional[int] = None,
             progressed, since = ran >= reset_after_s, ""
         else:
             after = progress()
-            progressed = after is not None and (before is None or after > before)
+            progressed = after is not None and (newest is None or after > newest)
             since = (f", checkpoint {after} new" if progressed else
-                     f", no checkpoint newer than {before}" if before is not None else ", no checkpoint yet")
+                     f", no checkpoint newer than {newest}" if newest is not None else ", no checkpoint yet")
+            newest = after if progressed else newest
         failures = 0 if progressed else failures + 1   # attempts in a row that failed without progress
         if max_attempts is not None and failures >= max_attempts:
             log(f"[launch] giving up after {failures} consecutive failed attempts without progress "

@@ -93,6 +93,16 @@ def test_a_new_checkpoint_is_progress_and_time_is_not(tmp_path):
     assert _run(third, "1+,1,0", max_attempts=1, progress=lambda: newest_checkpoint(f"{third}/checkpoints"))[:2] == (1, 2)
 
 
+def test_a_listing_that_failed_once_is_no_progress(tmp_path):
+    """The probe said None once (a stale handle on the shared run directory) before an attempt
+    that then failed without saving: the step it listed afterwards, seen before, was counted as
+    new, and a run crashing before each next save was rerun past --max_restarts."""
+    steps, lines = iter([4, 4, None, 4, 4, 6]), []
+    rc, runs, _ = _run(tmp_path, "1,1,1", max_attempts=2, log=lines.append, progress=lambda: next(steps))
+    assert (rc, runs) == (1, 2), lines
+    assert "no checkpoint newer than 4" in lines[1] and lines[-1].startswith("[launch] giving up after 2 ")
+
+
 def test_newest_checkpoint_lists_finished_saves_only(tmp_path):
     assert newest_checkpoint(str(tmp_path / "none")) is None
     for name in ("3", "12", "40.orbax-checkpoint-tmp-7", ".deleted"):
