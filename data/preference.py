@@ -28,6 +28,7 @@ import json
 import os
 
 import numpy as np
+from jaxtyping import Bool, UInt32
 
 from data import storage
 from data.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
@@ -150,6 +151,22 @@ class PairDataset:
         return f"{self.kind}({self.directory!r}: {len(self)} pairs padded to {self.seq_len} tokens)"
 
 
+def _side(ids, mask, max_seq_length: int, where: str) -> tuple[UInt32[np.ndarray, " n"], Bool[np.ndarray, " n"]]:
+    """One rendered sequence as stored, truncated: ids whole numbers in uint32's range, a mask of
+    0 / 1 (or bools) as long as the ids; ValueError naming `where` otherwise. Labels in its place
+    (open-instruct's -100 for an untrained token) read as True, every prompt token trained."""
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    if ids.ndim != 1 or mask.ndim != 1 or len(ids) != len(mask):
+        raise ValueError(f"{where}: token ids {ids.shape} and label mask {mask.shape} must be 1-D of one length")
+    if len(ids) and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() > np.iinfo(np.uint32).max):
+        raise ValueError(f"{where}: token ids must be whole numbers from 0 to 2**32 - 1 (got {ids.dtype}, "
+                         f"{ids.min()} to {ids.max()})")
+    if len(mask) and mask.dtype != bool and not np.isin(mask, (0, 1)).all():
+        raise ValueError(f"{where}: the label mask holds {sorted(set(np.unique(mask).tolist()) - {0, 1})[:3]}; it "
+                         "must be 0 / 1 (1: trained), not labels (-100 for an untrained token)")
+    return ids[:max_seq_length].astype(np.uint32), mask[:max_seq_length].astype(bool)
+
+
 def write_pairs(out_dir: str | os.PathLike, pairs, *, max_seq_length: int, info: dict | None = None,
                 display: str | None = None) -> dict:
     """Write rendered pairs [((chosen_ids, chosen_mask), (rejected_ids, rejected_mask)), ...] into
@@ -157,6 +174,8 @@ def write_pairs(out_dir: str | os.PathLike, pairs, *, max_seq_length: int, info:
     side keeps no trainable token is dropped (open-instruct `preference_tulu_filter_v1`). Files are
     written under temporary names and renamed, the manifest last: a crash leaves no half data set
     that reads as whole. `display`: the directory named in messages. Returns the manifest."""
+    if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, (int, np.integer)) or max_seq_length < 1:
+        raise ValueError(f"max_seq_length={max_seq_length!r} must be a whole number >= 1")   # -1 cut a token off each side
     out_dir = os.fspath(out_dir)
     path = {name: os.path.join(out_dir, name) for name in (TOKENS, MASKS, MANIFEST)}
     lengths, dropped = [], 0
@@ -165,11 +184,9 @@ def write_pairs(out_dir: str | os.PathLike, pairs, *, max_seq_length: int, info:
     # after the old manifest is gone; the new manifest is written after them.
     with atomic.replacing(path[TOKENS]) as tmp_tokens, atomic.replacing(path[MASKS]) as tmp_masks:
         with open(tmp_tokens, "wb") as ft, open(tmp_masks, "wb") as fm:
-            for chosen, rejected in pairs:
-                sides = [(np.asarray(ids, np.uint32)[:max_seq_length], np.asarray(m, bool)[:max_seq_length])
-                         for ids, m in (chosen, rejected)]
-                if any(len(ids) != len(m) for ids, m in sides):
-                    raise ValueError("a rendered sequence has a label mask of another length than its tokens")
+            for n, (chosen, rejected) in enumerate(pairs, 1):
+                sides = [_side(ids, m, max_seq_length, f"pair {n}, {name}")
+                         for name, (ids, m) in (("chosen", chosen), ("rejected", rejected))]
                 if not all(m.any() for _, m in sides):
                     dropped += 1
                     continue

@@ -124,6 +124,30 @@ def test_padded_file_without_eos_is_refused_as_olmo_core(tmp_path, monkeypatch):
     assert len(PaddedFSLDataset([docs, str(tmp_path / "token_ids_2.npy")], 8)) == 2
 
 
+def test_padded_and_packed_honour_another_tokenizers_ids_as_olmo_core(tmp_path, monkeypatch):
+    """eos, pad and the vocabulary of another tokenizer (every other test uses dolma2's): the same
+    instances as OLMo-core given those ids, and an id past that vocabulary refused."""
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 50, 400).astype(np.uint32)
+    ids[rng.random(400) < 0.1] = 9
+    ids = np.append(ids, 9).astype(np.uint32)
+    path = str(tmp_path / "token_ids_0.npy")
+    ids.tofile(path)
+    other = olmo_data.TokenizerConfig(vocab_size=50, eos_token_id=9, pad_token_id=3)
+    for ours, config in ((PaddedFSLDataset, olmo_data.NumpyPaddedFSLDatasetConfig),
+                         (PackedFSLDataset, olmo_data.NumpyPackedFSLDatasetConfig)):
+        theirs = config(tokenizer=other, paths=[path], sequence_length=16, dtype=olmo_data.NumpyDatasetDType.uint32,
+                        work_dir=str(tmp_path / f"work_{ours.kind}")).build()
+        theirs.prepare()
+        assert_same(ours([path], 16, vocab_size=50, eos_id=9, pad_id=3), theirs)
+        with pytest.raises(ValueError, match="token id 49 >= vocab size 49"):
+            ours([path], 16, vocab_size=49, eos_id=9, pad_id=3)
+    ds = PaddedFSLDataset([path], 16, vocab_size=50, eos_id=9, pad_id=3)
+    tails = [ds[i]["tokens"][ds[i]["doc_lens"][0]:] for i in range(len(ds))]
+    assert sum(map(len, tails)) and all((t == 3).all() for t in tails)   # padded with 3
+
+
 def test_segment_ids_and_doc_lengths(tmp_path):
     paths, _ = write_files(tmp_path, 5)
     ds = PackedFSLDataset(paths, 64)
@@ -171,13 +195,20 @@ def test_document_boundaries_fuzz_equal_olmo_core(tmp_path, monkeypatch):
         theirs = np.searchsorted(cu, np.arange(B * T), side="right") - 1   # document of each token, batch flattened
         first = np.concatenate([[0], np.cumsum(ours.max(axis=1) + 1)[:-1]])   # our rows' first document there
         assert (ours + first[:, None]).ravel().tolist() == theirs.tolist(), rows
-    for c in range(300):
+    for c in range(300):   # a file read in one piece, then in pieces of 1, 3 and 7 tokens (a multi-GB file's reads)
         path = str(tmp_path / f"span_{c}.npy")
         tokens(int(rng.integers(1, 40))).tofile(path)
         seq_len = int(rng.integers(1, 12))
+        monkeypatch.setattr(packing, "SCAN_TOKENS", [1 << 26, 1, 3, 7][c % 4])
         want = iter_document_indices_with_max_sequence_length(path, seq_len, eos_token_id=EOS, dtype=np.uint32)
-        ours = packing.document_spans(storage.open_token_files([path])[0], EOS, seq_len)
-        assert ours.tolist() == [list(s) for s in want], np.fromfile(path, np.uint32)
+        ours = packing.document_spans(storage.open_token_files([path])[0], EOS, seq_len, VOCAB)
+        assert ours.tolist() == [list(s) for s in want], (np.fromfile(path, np.uint32), packing.SCAN_TOKENS)
+    x = np.array([1, EOS] * 5, np.uint32)
+    x[9] = VOCAB   # the first id past the vocabulary, in the third piece of 4
+    x.tofile(tmp_path / "past.npy")
+    with pytest.raises(ValueError, match=f"token 9: token id {VOCAB} >= vocab size {VOCAB}"):
+        packing.document_spans(storage.open_token_files([str(tmp_path / "past.npy")])[0], EOS, 5, VOCAB)
+    monkeypatch.setattr(packing, "SCAN_TOKENS", 1 << 26)
     paths = [str(tmp_path / f"token_ids_{f}.npy") for f in range(3)]
     for p in paths:
         np.concatenate([tokens(int(rng.integers(1, 60))), [EOS]]).astype(np.uint32).tofile(p)
@@ -195,6 +226,9 @@ def test_pack_is_best_fit_decreasing():
     order, inst = packing.pack(np.array([3, 5, 1, 4, 3, 2]), 8)
     lens = np.array([3, 5, 1, 4, 3, 2])[order]
     assert sorted(sorted(lens[k] for k in b) for b in inst) == [[1, 3, 4], [2], [3, 5]]
+    for bad in ([0, 3], [5, 9]):   # an empty document opened an empty instance; a long one overfilled one
+        with pytest.raises(ValueError, match=r"document lengths must be in 1\.\.8"):
+            packing.pack(np.array(bad), 8)
 
 
 def test_bad_inputs(tmp_path):

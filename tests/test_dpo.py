@@ -1,6 +1,7 @@
 """DPO: the dpo_norm loss against a numpy transcription of open-instruct's formula, per-sequence
 log-probs and gradients against transformers' Olmo3ForCausalLM, the pair data set under the
 loader's exactly-once order, and the reference cache's fingerprint."""
+import json
 import os
 import re
 
@@ -246,6 +247,55 @@ def test_pairs_round_trip_and_loader_reads_each_pair_once(tmp_path):
     write_pairs(tmp_path / "other", synthetic_pairs(24, seed=1), max_seq_length=12)
     with pytest.raises(ValueError, match="fingerprint"):
         data.Loader.from_state(PairDataset(tmp_path / "other", seq_len=16), state)
+
+
+def test_pair_dataset_bounds_fingerprint_and_reference(tmp_path):
+    """The pair set's own checks: the index range, the vocabulary (dolma2's last id is a token,
+    its size is not), the reference's shape and float32 sums (a log-prob sum of -1234.567 is not
+    a float16), a fingerprint that sees each mask and seq_len (the reference cache and loader
+    state are keyed on it), a mask byte changed in place, seq_len and the manifest's format."""
+    one = lambda last, mask=(0, 1, 1): [(([1, 2, last], list(mask)), ([1, 4, 5], [0, 0, 1]))]  # noqa: E731
+    write_pairs(tmp_path / "p", one(3), max_seq_length=8)
+    ds = PairDataset(tmp_path / "p", 8)
+    with pytest.raises(IndexError):
+        ds[1]
+    assert ds[-1]["tokens"][0, :3].tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"reference log-probs of shape \(1, 3\) for 1 pairs"):
+        ds.attach_reference(np.zeros((1, 3)))
+    ds.attach_reference(np.array([[-1234.567, -2345.678]]))
+    assert ds[0]["ref_logps"].dtype == np.float32 and ds[0]["ref_logps"].tolist() == \
+        np.float32([-1234.567, -2345.678]).tolist()
+    write_pairs(tmp_path / "last", one(data.VOCAB_SIZE - 1), max_seq_length=8)
+    PairDataset(tmp_path / "last", 8)[0]
+    write_pairs(tmp_path / "past", one(data.VOCAB_SIZE), max_seq_length=8)
+    with pytest.raises(ValueError, match=f"token id {data.VOCAB_SIZE} >= vocab size .* another tokenizer"):
+        PairDataset(tmp_path / "past", 8)[0]
+    write_pairs(tmp_path / "mask", one(3, (0, 0, 1)), max_seq_length=8)
+    assert len({PairDataset(tmp_path / "p", 8).fingerprint, PairDataset(tmp_path / "p", 6).fingerprint,
+                PairDataset(tmp_path / "mask", 8).fingerprint}) == 3
+    with pytest.raises(ValueError, match="seq_len must be >= 2, got 1"):
+        PairDataset(tmp_path / "p", 1)
+    masks = tmp_path / "p" / preference.MASKS
+    masks.write_bytes(bytes([masks.read_bytes()[0] ^ 1]) + masks.read_bytes()[1:])
+    with pytest.raises(ValueError, match=r"labels_mask\.npy: its sha256 differs from the one pairs\.json recorded"):
+        PairDataset(tmp_path / "p", 8)
+    manifest = tmp_path / "mask" / preference.MANIFEST
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": "v0"}))
+    with pytest.raises(ValueError, match=f"is not a '{preference.FORMAT}' manifest"):
+        PairDataset(tmp_path / "mask", 8)
+
+
+@pytest.mark.parametrize("chosen, max_seq_length, says", [
+    (([1, 2, 3, 4], [-100, -100, 3, 4]), 8, r"the label mask holds \[-100, 3, 4\]; it must be 0 / 1"),  # open-instruct labels
+    (([1, 2, 3], [0, 1, 1]), -1, r"max_seq_length=-1 must be a whole number >= 1"),   # cut a token off each side
+    (([[1, 2, 3]], [[0, 1, 1]]), 8, r"token ids \(1, 3\) and label mask \(1, 3\) must be 1-D"),  # refused only on reading
+    (([1.7, 2.2], [0, 1]), 8, r"token ids must be whole numbers .*float64"),           # written as 1, 2
+    (([1, -5], [0, 1]), 8, r"token ids must be whole numbers .*-5 to 1"),              # written as 4294967291
+], ids=["labels_as_mask", "negative_length", "two_dimensional", "float_ids", "negative_id"])
+def test_write_pairs_refuses_what_it_would_store_wrong(chosen, max_seq_length, says, tmp_path):
+    with pytest.raises(ValueError, match=says):
+        write_pairs(tmp_path / "out", [(chosen, ([1, 2, 5], [0, 1, 1]))], max_seq_length=max_seq_length)
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
 
 
 def test_a_rewrite_that_dies_before_its_manifest_leaves_no_old_manifest(tmp_path, monkeypatch):
