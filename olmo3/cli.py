@@ -294,6 +294,26 @@ def _flagfiles(argv: list[str]) -> Iterator[tuple[str, list[str] | None]]:
         yield name, lines
 
 
+def _flagfile_loop(args: list[str], chain: tuple[str, ...] = ()) -> list[str] | None:
+    """The chain of flagfiles (as written) from one named in `args` back to itself, or None. absl
+    skips a flagfile already being read ("Hit circular flagfile dependency", on stderr), so a
+    flagfile holding its own name ran on the defaults: the 7B model, on this host."""
+    for name in _flagfile_names(args):
+        name = os.path.expanduser(name)   # as absl opens it
+        real = os.path.realpath(name)
+        if real in (os.path.realpath(c) for c in chain):
+            return [*chain, name]
+        try:
+            with open(name, encoding="utf-8") as f:
+                lines = [line.strip() for line in f if not line.lstrip().startswith(("#", "//"))]
+        except (OSError, UnicodeDecodeError):   # named by absl's own error, or _undecodable_flagfile
+            continue
+        loop = _flagfile_loop(lines, (*chain, name))
+        if loop:
+            return loop
+    return None
+
+
 def _undecodable_flagfile(argv: list[str]) -> str:
     """The first flagfile named in `argv`, or in a flagfile it names, that is not UTF-8 text ('' if
     none is)."""
@@ -318,6 +338,11 @@ def run(main: Callable[[list[str]], None]) -> None:
     prog = os.path.basename(sys.argv[0])
 
     def parse(argv: list[str]) -> list[str]:
+        loop = _flagfile_loop(argv[1:])
+        if loop:
+            fail(prog, flags.Error(f"--flagfile={loop[-1]!r} includes itself ({' -> '.join(loop)}); absl skips such a "
+                                   "file and the run would take the default flags. Fix: remove the --flagfile line "
+                                   "that closes the loop"))
         try:
             return flags.FLAGS(argv)
         except flags.CantOpenFlagFileError as e:   # absl: "ERROR:: Unable to open flagfile: [Errno 2] ..."

@@ -112,6 +112,8 @@ def world(tmp_path_factory):
     (w / "binary.flags").write_bytes(bytes(range(128, 256)))   # a file that is no text (a checkpoint's, say)
     (w / "nested.flags").write_text(f"--max_steps=2\n--flagfile={w / 'binary.flags'}\n")
     (w / "dashless.flags").write_text("# a setting written as in a config file\nlr=3e-4\n")
+    (w / "loop_a.flags").write_text(f"--max_steps=2\n--flagfile={w / 'loop_b.flags'}\n")
+    (w / "loop_b.flags").write_text(f"# back to the first\n--flagfile={w}/./loop_a.flags\n")   # another spelling
     (w / "bom.flags").write_bytes("\ufeff--max_steps=2\n".encode())   # saved by an editor as "UTF-8 with BOM"
     os.makedirs(w / "ckfile")
     (w / "ckfile" / "checkpoints").write_text("")
@@ -186,6 +188,10 @@ def _cases(w):
         # A UnicodeDecodeError traceback from absl (exit 1), naming no file.
         ("flagfile_binary_inside_a_flagfile", "train.py", [f"--flagfile={w / 'nested.flags'}"], 2,
          f"--flagfile='{w / 'binary.flags'}' is not UTF-8 text (invalid start byte at byte 0); give a text file"),
+        # absl skipped the file with a warning, and the 7B defaults ran (45 s of compiling, then out of memory).
+        ("flagfile_including_itself", "train.py", [f"--flagfile={w / 'loop_a.flags'}"], 2,
+         f"--flagfile='{w}/./loop_a.flags' includes itself ({w / 'loop_a.flags'} -> {w / 'loop_b.flags'} -> "
+         f"{w}/./loop_a.flags); absl skips such a file"),
         # "Unknown arguments [...]; every setting is a --flag": no file named, no fix for the line.
         ("flagfile_line_without_dashes", "train.py", [f"--flagfile={w / 'dashless.flags'}", *T, f"--run_dir={new}"],
          2, f"Unknown arguments ['lr=3e-4'], a line of --flagfile='{w / 'dashless.flags'}'; write each setting as "

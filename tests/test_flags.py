@@ -228,3 +228,28 @@ def test_the_recipe_chain_warm_starts_without_a_model_change_warning():
     assert len(said) == 1, said
     assert said[0].startswith("--init_from=<previous stage>: this run's model differs from the checkpoint's (window "
                               "4096 -> 2048, yarn {") and "} -> None); its tensors fit" in said[0], said
+
+
+def test_a_flagfile_loop_is_found_where_absl_would_skip_a_file(tmp_path, capsys):
+    """absl's own reading is the reference: where it says "Hit circular flagfile dependency" (and
+    skips the file, so a run took the defaults) a loop is found; a diamond (two files including a
+    third) and a --flagfile in a comment are none."""
+    from absl import flags
+    from olmo3 import cli
+
+    for case, includes in {"diamond": dict(a="bc", b="d", c="d", d=""), "comment": dict(a="#"),
+                           "self": dict(a="a"), "two": dict(a="b", b="a")}.items():
+        d = tmp_path / case
+        d.mkdir()
+        for name, inner in includes.items():
+            lines = ["--x=1"] + [f"--flagfile={d / i}.flags" for i in inner if i != "#"]
+            if inner == "#":
+                lines += [f"# --flagfile={d / name}.flags", f"// --flagfile={d / name}.flags"]
+            (d / f"{name}.flags").write_text("".join(f"{ln}\n" for ln in lines))
+        args = [f"--flagfile={d / 'a.flags'}"]
+        flags.FlagValues().read_flags_from_files(args)
+        absl_skipped = "Hit circular flagfile dependency" in capsys.readouterr().err
+        loop = cli._flagfile_loop(args)
+        assert (loop is not None) == absl_skipped == (case in ("self", "two")), case
+        if loop:
+            assert loop[0] == loop[-1] == str(d / "a.flags"), loop
