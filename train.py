@@ -762,6 +762,16 @@ def check_flags():
                              f"sets); --stage={F.stage} scores its held-out "
                              + ("chats packed, on their label masks" if F.stage == "sft" else "preference pairs")
                              + ": drop --eval_padded")
+    if F.stage == "dpo":   # each was ignored: the DPO loss is the whole objective, each side of a pair one sequence
+        for name, on, why in (("z_loss", F["z_loss"].present and F.z_loss != 0, "the DPO loss is the whole objective "
+                               "(open-instruct adds no z-loss)"),
+                              ("doc_lengths", F.doc_lengths, "each side of a pair is one sequence, padded"),
+                              ("repetition_filter", F.repetition_filter, "it filters pretraining instances, not pairs")):
+            if on:
+                raise app.UsageError(f"--{name}={F[name].value} has no effect with --stage=dpo: {why}; drop it")
+        if F.eval_batches != F["eval_batches"].default:   # tiny.flags sets it: a warning, not a refusal
+            logging.warning("--eval_batches=%d has no effect with --stage=dpo: every held-out pair is scored",
+                            F.eval_batches)
     for names, stage in ((("sft_heldout",), "sft"),
                          (("dpo_heldout", "reference_cache", "dpo_loss", "dpo_beta"), "dpo")):
         if F.stage != stage:   # each was ignored

@@ -245,6 +245,13 @@ def _cases(w):
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
         ("dpo_beta_zero", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--dpo_beta=0"], 2,
          "--dpo_beta=0.0 must be finite and > 0"),
+        # Each ran, exit 0, doing nothing (the checkpoint even recorded doc_lengths: true).
+        ("z_loss_in_dpo", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--z_loss=1e-3"], 2,
+         "--z_loss=0.001 has no effect with --stage=dpo: the DPO loss is the whole objective"),
+        ("doc_lengths_in_dpo", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--doc_lengths"], 2,
+         "--doc_lengths=True has no effect with --stage=dpo: each side of a pair is one sequence, padded; drop it"),
+        ("repetition_filter_in_dpo", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--repetition_filter"], 2,
+         "--repetition_filter=True has no effect with --stage=dpo"),
         ("eval_padded_sft", "train.py", [*T, "--stage=sft", "--packed", "--label_masks", f"--run_dir={new}",
                                          "--eval_padded"], 2,
          "--eval_padded pads held-out pretraining documents one per row (OLMo-core's validation sets); --stage=sft"),
