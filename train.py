@@ -347,7 +347,7 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     # §4 Optimizer: skip-step AdamW, fp32 moments, no decay on the embedding; schedule per stage.
     # -----------------------------------------------------------------------------------------
-    kind = F.schedule or ("cosine" if F.stage == "1" else "linear")
+    kind = F.schedule or ("cosine" if F.stage == "1" else "linear")   # check_flags: --joined_at needs cosine
     if kind == "cosine":
         schedule = schedules.stage1_schedule(F.lr, F.warmup_steps, F.total_steps, F.final_lr_ratio, F.joined_at)
     elif kind == "linear":
@@ -751,6 +751,11 @@ def check_flags():
         raise app.UsageError(f"--data_dir is where a corpus (stdlib, a directory of documents) is prepared, and with "
                              f"--packed where packings are cached; --data={F.data} is read as it is: drop --data_dir"
                              + (", or give the mirror as --data_root" if F.data.startswith("mix:") else ""))
+    kind = F.schedule or ("cosine" if F.stage == "1" else "linear")   # as §4 picks it
+    if F.joined_at is not None and kind != "cosine":   # it was ignored
+        raise app.UsageError(f"--joined_at={F.joined_at} joins two cosine schedules (AI2's stage 1); this run's "
+                             f"schedule is {kind}" + ("" if F.schedule else f" (--stage={F.stage}'s default)")
+                             + ": add --schedule=cosine, or drop --joined_at")
     if F.joined_at is not None and F.max_steps is None:
         from olmo3 import schedules
         # AI2's joined schedule: the half cosine runs to the 7T-token horizon, the run stops earlier

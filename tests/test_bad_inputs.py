@@ -245,6 +245,11 @@ def _cases(w):
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
         ("dpo_beta_zero", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--dpo_beta=0"], 2,
          "--dpo_beta=0.0 must be finite and > 0"),
+        # Ran on the linear schedule, exit 0.
+        ("joined_at_on_a_linear_schedule", "train.py", [*T, "--stage=2", f"--run_dir={new}", "--joined_at=5",
+                                                        "--max_steps=2"], 2,
+         "--joined_at=5 joins two cosine schedules (AI2's stage 1); this run's schedule is linear (--stage=2's "
+         "default): add --schedule=cosine, or drop --joined_at"),
         # Each ran, exit 0, doing nothing (the checkpoint even recorded doc_lengths: true).
         ("z_loss_in_dpo", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--z_loss=1e-3"], 2,
          "--z_loss=0.001 has no effect with --stage=dpo: the DPO loss is the whole objective"),
