@@ -190,6 +190,9 @@ cli.require([
     ("downstream_batch", lambda v: v is None or v > 0, "> 0"),
     ("eval_batches", lambda v: v >= 0, ">= 0 (0: every held-out document)"),
     ("source_group_size", lambda v: v >= 1, ">= 1"),
+    # These two were refused only after the corpus was prepared (and packed: minutes at scale).
+    ("epochs", lambda v: v is None or 1 <= v < cli.STEP_LIMIT, ">= 1 passes (leave it out for --total_steps)"),
+    ("warmup_fraction", lambda v: v is None or (cli.finite(v) and 0 <= v <= 1), "in [0, 1]"),
     ("yarn_factor", lambda v: cli.finite(v) and v >= 1, ">= 1 (the context extension factor)"),
     ("yarn_original_max_position", lambda v: v >= 1, ">= 1"),
     ("peak_tflops", lambda v: v is None or (cli.finite(v) and v > 0), "finite and > 0"),
@@ -318,8 +321,6 @@ def main(argv):
         check_trained(train_set, f"--data={F.data}", "trains", warn=is_main)
         for k, d in named_sets(F.sft_heldout, "").items():
             check_trained(heldout[k], f"--sft_heldout={d}", "scores", warn=is_main)
-    if config.vocab_size < data.VOCAB_SIZE:
-        raise app.UsageError(f"--vocab_size={config.vocab_size} is smaller than the tokenizer's {data.VOCAB_SIZE}")
     cluster.check_same_everywhere(   # every process the same files, sizes and so the same order
         {"train": train_set.fingerprint} | {f"heldout/{k}": v.fingerprint for k, v in heldout.items()}
         | ({f"dpo_heldout/{k}": v.fingerprint for k, v in dpo_heldout.items()} if F.stage == "dpo" else {}),
@@ -724,7 +725,10 @@ def check_flags():
     if F.tokenizer != "dolma2" and not F.data.startswith("mix:"):   # it would be ignored
         raise app.UsageError(f"--tokenizer={F.tokenizer} picks a data mix's token files (--data=mix:NAME); "
                              f"--data={F.data} is tokenized here, with dolma2")
-    from data import prepare, storage
+    from data import VOCAB_SIZE, prepare, storage
+    if F.vocab_size is not None and F.vocab_size < VOCAB_SIZE:   # was found after the corpus was prepared
+        raise app.UsageError(f"--vocab_size={F.vocab_size} is smaller than the tokenizer's {VOCAB_SIZE}: give at least "
+                             f"{VOCAB_SIZE} (OLMo-core pads to 100352), or leave it out for the preset's")
     if F.data_dir:
         prepare.check_out_dir(F.data_dir, "--data_dir")
     if F.packing_cache and not storage.is_remote(F.packing_cache):   # /proc/x failed mid-packing
@@ -804,13 +808,9 @@ def set_horizon(num_instances: int) -> None:
     """--epochs -> --total_steps (whole global batches per epoch, the tail dropped as data.order
     drops it), --warmup_fraction -> --warmup_steps (Python's round, as OLMo-core's scheduler)."""
     import data
-    if F.epochs is not None:
-        if F.epochs < 1:
-            raise app.UsageError(f"--epochs={F.epochs} must be >= 1")
+    if F.epochs is not None:   # >= 1, and the fraction in [0, 1]: the flags' validators
         F.total_steps = F.epochs * data.steps_per_epoch(num_instances, F.global_batch)
     if F.warmup_fraction is not None:
-        if not 0 <= F.warmup_fraction <= 1:
-            raise app.UsageError(f"--warmup_fraction={F.warmup_fraction} must be in [0, 1]")
         F.warmup_steps = round(F.warmup_fraction * F.total_steps)
     if F.warmup_steps > F.total_steps:   # check_flags left this to the derived horizon
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon ({F.total_steps} steps "

@@ -245,6 +245,12 @@ def _cases(w):
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
         ("dpo_beta_zero", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--dpo_beta=0"], 2,
          "--dpo_beta=0.0 must be finite and > 0"),
+        # Each refused only after the corpus was prepared (and packed: minutes at scale).
+        ("epochs_zero", "train.py", [*T, f"--run_dir={new}", "--epochs=0"], 2, "--epochs must be >= 1 passes"),
+        ("warmup_fraction_nan", "train.py", [*T, f"--run_dir={new}", "--warmup_fraction=nan"], 2,
+         "--warmup_fraction must be in [0, 1]"),
+        ("vocab_smaller_than_the_tokenizer", "train.py", [*T, f"--run_dir={new}", "--vocab_size=100"], 2,
+         "--vocab_size=100 is smaller than the tokenizer's 100278: give at least 100278"),
         # Ran on the linear schedule, exit 0.
         ("joined_at_on_a_linear_schedule", "train.py", [*T, "--stage=2", f"--run_dir={new}", "--joined_at=5",
                                                         "--max_steps=2"], 2,
