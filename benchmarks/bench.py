@@ -122,7 +122,7 @@ def build_ours(config, tokens_np):
     from olmo3.model import decay_mask
 
     mesh = sharding.make_mesh(F.mesh)
-    microbatches = sharding.microbatches(F.batch, F.micro_batch, mesh)
+    microbatches = sharding.microbatches(F.batch, F.micro_batch, mesh, flags=("--batch", "--micro_batch"))
     # Recipe optimizer (stage 1 hyperparameters); a constant lr keeps the step's math the same.
     optimizer = optim.SkipStepAdamW(schedules.constant_schedule(3e-4), decay_mask=decay_mask)
     abstract = sharding.abstract_state(

@@ -681,30 +681,32 @@ def make_train_step(optimizer, mesh: Mesh, specs: PyTree, *, microbatches: int =
 # --------------------------------------------------------------------------------------------
 # Batches
 # --------------------------------------------------------------------------------------------
-def microbatches(global_batch: int, micro_batch_per_device: Optional[int], mesh: Mesh) -> int:
+def microbatches(global_batch: int, micro_batch_per_device: Optional[int], mesh: Mesh, *,
+                 flags: tuple[str, str] = ("--global_batch", "--micro_batch")) -> int:
     """Gradient-accumulation steps for a recipe global batch on this mesh.
 
     The global batch (instances per optimizer step) is the recipe constant; rows per device =
     global_batch / n_devices, split into microbatches of `micro_batch_per_device` rows. Losing
     devices raises the microbatch count, never changes the math (DESIGN §4, bug 4).
-    None: the whole per-device batch in one microbatch."""
+    None: the whole per-device batch in one microbatch. `flags`: the two values' flags, as messages
+    name them (bench.py: --batch)."""
     n = mesh.size // context_size(mesh)   # GLOBAL row groups: the devices of every process,
     devices = (f"{n} global devices" if CONTEXT not in mesh.axis_names   # a context group as one
                else f"{n} row groups ({mesh.size} global devices / context {context_size(mesh)})")
     if micro_batch_per_device is None:
         micro_batch_per_device = max(global_batch // n, 1)
+    batch, micro = flags
     if global_batch < 1 or micro_batch_per_device < 1:
-        raise ValueError(f"global_batch={global_batch} and micro_batch_per_device="
-                         f"{micro_batch_per_device} must be positive")
+        raise ValueError(f"{batch}={global_batch} and {micro}={micro_batch_per_device} (rows per device) must "
+                         "be positive")
     if global_batch % n:
-        raise ValueError(f"global batch {global_batch} is not divisible by the {devices} "
+        raise ValueError(f"{batch}={global_batch}: the global batch {global_batch} is not divisible by the {devices} "
                          f"of the mesh {dict(mesh.shape)}; the global batch is a recipe constant, "
                          "so run on a device count that divides it")
     per_device = global_batch // n
     if per_device % micro_batch_per_device:
-        raise ValueError(f"{per_device} rows per device (global batch {global_batch} / {devices}"
-                         f") are not divisible by micro_batch_per_device="
-                         f"{micro_batch_per_device}; choose a divisor of {per_device}")
+        raise ValueError(f"{micro}={micro_batch_per_device}: {per_device} rows per device ({batch}={global_batch} / "
+                         f"{devices}) are not divisible by it; choose a divisor of {per_device}")
     return per_device // micro_batch_per_device
 
 

@@ -157,7 +157,7 @@ def _cases(w):
         ("run_dir_under_a_file", "train.py", [*T, f"--run_dir={w / 'bad.flags' / 'run'}"], 2,
          f"--run_dir='{w / 'bad.flags' / 'run'}': {w / 'bad.flags'} is a file, not a directory"),
         ("global_batch_indivisible", "train.py", [*T, f"--run_dir={new}", "--global_batch=3"], 2,
-         "global batch 3 is not divisible by the 2 global devices"),
+         "--global_batch=3: the global batch 3 is not divisible by the 2 global devices"),
         ("corpus_missing", "train.py", [*TINY, f"--data={w / 'nowhere'}", f"--run_dir={new}"], 2,
          f"corpus directory '{w / 'nowhere'}' does not exist"),
         ("nan_in_data", "train.py", [*TINY, f"--data={w / 'nan'}", f"--run_dir={new}"], 2,

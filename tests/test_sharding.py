@@ -332,8 +332,11 @@ def test_bad_inputs():
     assert dict(mesh.shape) == {"data": 1, "fsdp": 8}
     with pytest.raises(ValueError, match="global batch 12 is not divisible by the 8 global devices"):
         sh.microbatches(12, 1, mesh)
-    with pytest.raises(ValueError, match="not divisible by micro_batch_per_device=3"):
+    with pytest.raises(ValueError, match=r"^--micro_batch=3: 4 rows per device \(--global_batch=32 / 8 global "
+                                         r"devices\) are not divisible by it"):
         sh.microbatches(32, 3, mesh)
+    with pytest.raises(ValueError, match=r"^--batch=12: the global batch 12 is not divisible"):   # bench.py's flag
+        sh.microbatches(12, 1, mesh, flags=("--batch", "--micro_batch"))
     assert sh.microbatches(512, 1, mesh) == 64 and sh.microbatches(512, None, mesh) == 1
     # 7B vocab 100278 = 2 x 3 x 16713: the embedding falls back to d_model; a d_model that no
     # fsdp size divides leaves no axis at all -> refused, naming the weight.
