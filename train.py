@@ -1011,6 +1011,13 @@ def check_resume(extra: dict, step: int, config) -> None:
             raise app.UsageError(f"--resume: the checkpoint was trained with {spell(saved_value)}, the flags say "
                                  f"{spell(now)}; it cannot change mid-run: add {spell(saved_value)}, or start a new "
                                  f"--run_dir with --init_from=<this checkpoint> to change it")
+    # AdamW's settings may change at a resume (a lowered --lr after a spike, as OLMo-core allows),
+    # but never unsaid: the checkpoints written from here record the new ones (convert.py reads them).
+    changed = [f"--{k} {was} -> {getattr(F, k)}" for k, was in extra.get("flags", {}).items()
+               if k in ("lr", "b1", "b2", "eps", "weight_decay") and was != getattr(F, k)]
+    if changed:
+        logging.warning("--resume: the optimizer settings differ from the checkpoint's (%s); the run goes on with "
+                        "the flags' values", ", ".join(changed))
     # The precision decides every number a step computes (bf16 rounding, float8 casts): resumed
     # under another one (a resubmitted command with another flagfile), the run went on silently
     # unlike the uninterrupted one, and a DPO run kept the reference log-probs its checkpoint's
