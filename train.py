@@ -291,6 +291,18 @@ def main(argv):
     # scans every token of its files for eos before the first run's packing cache exists).
     if F.init_from and not (F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None):
         checkpoint.locate(F.init_from)
+    # So does a resume its newest checkpoint refuses (another stage, recipe constant, model or
+    # precision): its JSON record is read now, the arrays in §5 (which checks an older one it falls back to).
+    checked = None
+    if F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None:
+        records = checkpoint.CheckpointManager(F.run_dir, read_only=True)
+        try:
+            if (checked := records.latest_step()) is not None:
+                check_resume(records.read_extra(checked), checked, config)
+        except checkpoint.DamagedCheckpointError:   # §5 moves it aside and falls back
+            checked = None
+        finally:
+            records.close()
 
     # -----------------------------------------------------------------------------------------
     # §3 Data: OLMo-core fixed-length or packed instances, one seeded permutation per epoch,
@@ -372,7 +384,8 @@ def main(argv):
     as_dict = lambda s: {"model": s[0], "opt": s[1]}  # noqa: E731  (names tensors "model.*", "opt.*")
     start, state, extra = None, None, {}
     if F.resume:  # the newest checkpoint that reads back; a damaged newer one is moved aside
-        start, state, extra = ckpt.restore_intact(as_dict(abstract), lambda e, step: check_resume(e, step, config))
+        start, state, extra = ckpt.restore_intact(as_dict(abstract),
+                                                  lambda e, step: step == checked or check_resume(e, step, config))
         if start is None:   # a first launch (a cluster command passes --resume every time), or a mistyped --run_dir
             logging.info("--resume: %s holds no checkpoint yet; a new run from step 0",
                          os.path.abspath(os.path.join(F.run_dir, "checkpoints")))

@@ -324,9 +324,11 @@ def test_resume_keeps_the_precision(uninterrupted, docs):
         last = p.stderr.strip().splitlines()[-1]
         assert p.returncode == 2, p.stderr[-2000:]
         assert f"trained with --compute_dtype=float32 --nofloat8, the flags say {now}" in last, last
-    # AdamW's settings may change at a resume, but not unsaid (here said before the precision's refusal)
-    p = run(["--max_steps=6", "--resume", "--float8", "--lr=0.01", "--b2=0.9"], uninterrupted / "a", docs,
-            uninterrupted / "data", check=False)
+    # AdamW's settings may change at a resume, but not unsaid (here said before the precision's refusal);
+    # the refusal comes before §3 reads the data (a missing corpus is not reached; stage 3 packed first)
+    p = run(["--max_steps=6", "--resume", "--float8", "--lr=0.01", "--b2=0.9", f"--data={docs}_gone"],
+            uninterrupted / "a", docs, uninterrupted / "data", check=False)
+    assert "trained with --compute_dtype=float32 --nofloat8" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
     assert p.returncode == 2 and ("--resume: the optimizer settings differ from the checkpoint's (--lr 0.002 -> 0.01, "
                                   "--b2 0.95 -> 0.9); the run goes on with the flags' values") in p.stderr, p.stderr[-2000:]
 
