@@ -167,9 +167,10 @@ class Watchdog:
                     last = f" (it took {took:.1f} s)" if took is not None else ""
                     if not self._first:
                         what = f"no training step finished for {waited:.0f} s after step {step}{last}"
-                    elif self._compiled:
+                    elif self._compiled:   # or a step slower than the timeout: its fix is said too
                         what = (f"step {step + 1}, the first of this run, has not finished {waited:.0f} s after "
-                                f"its compilation")
+                                f"its compilation (a step of this model on these devices may take longer: then "
+                                f"raise --hang_timeout_s)")
                     else:
                         what = (f"step {step + 1}, the first of this run, has waited {waited:.0f} s and not yet "
                                 f"compiled (its first batch's read?)")
