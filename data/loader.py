@@ -64,7 +64,13 @@ def _rows(dataset, instances: list, repetition_filter: bool = False) -> dict:
         out = {"tokens": raw, "segment_ids": segment_ids(raw, dataset.eos_id)}
     raw = out["tokens"]
     out["tokens"] = raw.astype(np.int32)  # ids < 100278 fit; int32 is what the model embeds
-    out["instance_mask"] = repetition_mask(raw) if repetition_filter else np.ones(len(raw), dtype=bool)
+    if not repetition_filter:
+        out["instance_mask"] = np.ones(len(raw), dtype=bool)
+    elif isinstance(dataset, PaddedFSLDataset):   # OLMo-core filters the document before padding it: its pad
+        out["instance_mask"] = np.array([repetition_mask(row[None, :x["doc_lens"][0]])[0]   # run is no repetition
+                                         for row, x in zip(raw, instances)])
+    else:
+        out["instance_mask"] = repetition_mask(raw)
     return out
 
 

@@ -149,3 +149,10 @@ def test_matches_olmo_core_validate_instance():
         hi, count = int(rng.integers(lo, 14)), int(rng.integers(3, 10))
         keep = all(m.times < count for m in find_periodic_sequences(x, hi, lo))
         assert repetition_mask(x[None], hi, lo, count).tolist() == [keep], (x.tolist(), lo, hi, count)
+    for p in range(1, 14):   # a run one short of the count at the start, its gram again at the very end:
+        for n in (32 * p + 40, 32 * p + 41, 32 * p + 39 + p):   # a comparison that wrapped around joined them
+            x = rng.integers(1000, 50000, size=n)
+            gram = rng.integers(0, 1000, size=p)
+            x[:31 * p], x[n - p:] = np.tile(gram, 31), gram
+            keep = all(m.times < MAX_COUNT for m in find_periodic_sequences(x, MAX_PERIOD, MIN_PERIOD))
+            assert repetition_mask(x[None].astype(np.uint32)).tolist() == [keep], (p, n)

@@ -52,6 +52,9 @@ def test_batch_layout_and_exactly_once_per_epoch(ds):
                     assert b["instance_mask"].dtype == bool and b["instance_mask"].all()
                     assert b["segment_ids"].dtype == np.int32 and b["segment_ids"].shape == b["tokens"].shape
                     seen += [by_bytes[row.astype(np.uint32).tobytes()] for row in b["tokens"]]
+                    # each epoch its own permutation (data.order), not epoch 0's again
+                    assert seen[-len(b["tokens"]):] == data.batch_indices(len(ds), GB, 5, epoch, s - epoch * spe, r,
+                                                                          num_ranks).tolist()
             assert len(seen) == len(set(seen)) == spe * GB  # each instance at most once, whole batches only
 
 

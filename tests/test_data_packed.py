@@ -124,6 +124,26 @@ def test_padded_file_without_eos_is_refused_as_olmo_core(tmp_path, monkeypatch):
     assert len(PaddedFSLDataset([docs, str(tmp_path / "token_ids_2.npy")], 8)) == 2
 
 
+def test_padded_repetition_filter_reads_the_document_as_olmo_core(tmp_path, monkeypatch):
+    """OLMo-core's padded dataset filters each document before padding it; ours filtered the
+    padded row, whose run of pad ids (a document 32+ tokens short of seq_len) read as a repetition."""
+    from olmo_core.data.numpy_dataset import InstanceFilterConfig
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(10, 50000, n) for n in (20, 100, 60)]
+    docs[2][:40] = 7   # a repetition of its own: filtered by both
+    path = str(tmp_path / "token_ids_0.npy")
+    np.concatenate([np.append(d, EOS) for d in docs]).astype(np.uint32).tofile(path)
+    theirs = olmo_data.NumpyPaddedFSLDatasetConfig(
+        tokenizer=tokenizer(), paths=[path], sequence_length=128, dtype=olmo_data.NumpyDatasetDType.uint32,
+        work_dir=str(tmp_path / "work"), instance_filter_config=InstanceFilterConfig()).build()
+    theirs.prepare()
+    want = [bool(theirs[i]["instance_mask"]) for i in range(len(theirs))]
+    assert want == [True, True, False]
+    ours = PaddedFSLDataset([path], 128)
+    assert data.loader._rows(ours, [ours[i] for i in range(3)], repetition_filter=True)["instance_mask"].tolist() == want
+
+
 def test_padded_and_packed_honour_another_tokenizers_ids_as_olmo_core(tmp_path, monkeypatch):
     """eos, pad and the vocabulary of another tokenizer (every other test uses dolma2's): the same
     instances as OLMo-core given those ids, and an id past that vocabulary refused."""

@@ -217,6 +217,11 @@ for root, name, rev in (({str(bare)!r}, "toy", "HEAD~1"), ({str(bare)!r}, "toy",
         out[key] = w.normalize(name, text, source)
     except ValueError as e:
         out[key] = "ValueError: " + str(e)
+for line in ("a,p/{{TOKENIZER}}/f.npy", "a,p/{{TOKENIZER}}/f.json", "a,p/dolma2/f.npy", "a p/{{TOKENIZER}}/f.npy"):
+    try:
+        out["line " + line] = w.normalize("x", line + "\\n", "src").splitlines()[1]
+    except ValueError as e:
+        out["line " + line] = "ValueError: " + str(e)
 print(json.dumps(out))
 """
     r = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -235,6 +240,10 @@ print(json.dumps(out))
     assert got["work:toy@HEAD~1"] == got["toy@HEAD~1"]
     assert got["work:toy@HEAD"] == got["toy@HEAD"]
     assert "differs from its copy at --rev=HEAD" in r.stderr
+    # a line is 'label,path' with the {TOKENIZER} directory and a .npy file, as DataMix.build reads it
+    assert got["line a,p/{TOKENIZER}/f.npy"] == "a,p/{TOKENIZER}/f.npy"
+    for bad in ("a,p/{TOKENIZER}/f.json", "a,p/dolma2/f.npy", "a p/{TOKENIZER}/f.npy"):
+        assert got["line " + bad].startswith("ValueError: src line 1: expected 'label,path/{TOKENIZER}/...npy'"), bad
 
 
 def test_every_installed_olmo_core_mix_resolves_as_olmo_core_builds_it():
