@@ -339,14 +339,22 @@ def unknown_xla_flags(names: Iterable[str]) -> set[str]:
     """Those of `names` that the installed jaxlib does not define. XLA aborts the process on an
     unknown name in XLA_FLAGS ('Unknown flag in XLA_FLAGS'), and experimental flags come and go
     between releases, so a default is added only when its name is in the library's flag table
-    (a NUL-terminated string there; ~20 ms per name). Nothing is unknown when the library is not
+    (a NUL-terminated string there, not the tail of a longer name: 'cpu_use_onednn', the end of
+    'xla_cpu_use_onednn', is no flag; ~20 ms per name). Nothing is unknown when the library is not
     found (a layout this does not know)."""
     import mmap
     path = _xla_library()
     if path is None:
         return set()
+
+    def defined(table: mmap.mmap, name: bytes) -> bool:
+        at = table.find(name)
+        while at > 0 and (table[at - 1:at].isalnum() or table[at - 1:at] == b"_"):   # a longer name's tail
+            at = table.find(name, at + 1)
+        return at >= 0
+
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as table:
-        return {n for n in names if table.find(n.encode() + b"\0") < 0}
+        return {n for n in names if not defined(table, n.encode() + b"\0")}
 
 
 def user_xla_flags() -> list[str]:

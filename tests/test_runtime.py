@@ -231,6 +231,8 @@ def test_xla_flags_naming_a_file(tmp_path):
      "XLA_FLAGS: --xla_no_such_flag is not a flag of the installed jaxlib"),
     ("{missing}", "XLA_FLAGS='{missing}' is read as a file of flags, which cannot be opened"),
     ("{bad_file}", "XLA_FLAGS: --xla_no_such_flag is not a flag of the installed jaxlib"),
+    # the tail of a real flag's name (--xla_cpu_use_onednn without 'xla_'): XLA aborts on it too
+    ("--cpu_use_onednn=false", "XLA_FLAGS: --cpu_use_onednn is not a flag of the installed jaxlib"),
 ])
 def test_a_bad_xla_flags_is_one_line_before_xla_aborts(tmp_path, value, says):
     """XLA ends the process at its start on an unknown flag or an unreadable file of flags, with
@@ -252,6 +254,17 @@ def test_a_bad_xla_flags_is_one_line_before_xla_aborts(tmp_path, value, says):
         env["XLA_FLAGS"] = good
         check = "import sys; from olmo3 import runtime; sys.exit(runtime.xla_flags_problem() is not None)"
         assert subprocess.run([sys.executable, "-c", check], env=env, cwd=ROOT).returncode == 0, good
+
+
+def test_the_tail_of_a_flag_name_is_no_flag_to_xla():
+    """The reference for the check above: XLA itself ends the process on a name that is only the
+    end of one of its flags' names (exit 1, 'Unknown flag in XLA_FLAGS'); the full name runs."""
+    code = "import jax; print(float(jax.numpy.ones(2).sum()))"
+    for flags, runs in (("--cpu_use_onednn=false", False), ("--xla_cpu_use_onednn=false", True)):
+        env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert (out.returncode == 0) == runs and (runs or "Unknown flag" in out.stderr), (flags, out.stderr[-2000:])
+        assert runtime.unknown_xla_flags({runtime.flag_name(flags)}) == (set() if runs else {"cpu_use_onednn"})
 
 
 def test_bf16_compute_leaves_the_dot_library_alone():
