@@ -283,7 +283,7 @@ def _flagfiles(argv: list[str]) -> Iterator[tuple[str, list[str] | None]]:
             continue
         seen.add(name)
         try:
-            with open(name, encoding="utf-8") as f:
+            with open(os.path.expanduser(name), encoding="utf-8") as f:   # as absl opens it
                 lines = [line.strip() for line in f]
         except UnicodeDecodeError:
             yield name, None

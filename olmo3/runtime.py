@@ -454,6 +454,7 @@ def compilation_cache(directory: str | None) -> list[str]:
         return [f"compilation cache {os.environ['JAX_COMPILATION_CACHE_DIR']} (JAX_COMPILATION_CACHE_DIR)"]
     if not directory:
         return []
+    directory = os.path.expanduser(directory)   # '~/cc' (a flag's value, unexpanded): it made ./~/cc
     if "://" not in directory:   # a speed-up, never a reason to stop a run: JAX would raise mid-compile
         # JAX makes the directory at the first compile; a run stopped by bad input before that
         # leaves none behind. Here: the nearest existing ancestor must be a writable directory.

@@ -253,3 +253,14 @@ def test_a_flagfile_loop_is_found_where_absl_would_skip_a_file(tmp_path, capsys)
         assert (loop is not None) == absl_skipped == (case in ("self", "two")), case
         if loop:
             assert loop[0] == loop[-1] == str(d / "a.flags"), loop
+
+
+def test_a_flagfile_given_with_a_tilde_is_named(tmp_path, monkeypatch):
+    """absl expands '~' in a flagfile's name; the messages that name a flagfile (not UTF-8 text, a
+    line without dashes, a loop) read it the same way: it was named as '' or not at all."""
+    from olmo3 import cli
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "bin.flags").write_bytes(b"\x80\x81")
+    (tmp_path / "self.flags").write_text("--flagfile=~/self.flags\n")
+    assert cli._undecodable_flagfile(["--flagfile=~/bin.flags"]) == "~/bin.flags"
+    assert cli._flagfile_loop(["-flagfile", "~/self.flags"]) == [str(tmp_path / "self.flags")] * 2

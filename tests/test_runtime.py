@@ -406,3 +406,8 @@ def test_compilation_cache_never_stops_a_run(tmp_path, monkeypatch):
                          env={k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}, timeout=120)
     assert out.stdout.split() == ["['compilation", "cache", f"{tmp_path / 'new' / 'c'}']", str(tmp_path / "new" / "c")]
     assert not (tmp_path / "new").exists()
+    # '~' after --compilation_cache= (no shell expands it there): the home directory, not ./~ (HOME: tmp_path)
+    out = subprocess.run([sys.executable, "-c", probe, "~/cc"], capture_output=True, text=True, cwd=tmp_path,
+                         env={**{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
+                              "HOME": str(tmp_path / "home")}, timeout=120)
+    assert out.stdout.split()[-1] == str(tmp_path / "home" / "cc"), out.stdout + out.stderr[-2000:]
