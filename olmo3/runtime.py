@@ -358,17 +358,51 @@ def unknown_xla_flags(names: Iterable[str]) -> set[str]:
 
 
 def user_xla_flags() -> list[str]:
-    """The user's XLA flags as XLA reads XLA_FLAGS: its value's tokens, or, when the value does
-    not start with '-', the tokens of the file it names (XLA's parse_flags_from_env.cc). A file
-    that cannot be read: [] (XLA itself then names it)."""
+    """The user's XLA flags as XLA reads XLA_FLAGS: its value's flags, or, when the value does not
+    start with '-', the flags of the file it names (XLA's parse_flags_from_env.cc; `_xla_text`).
+    A file that cannot be read: [] (XLA itself then names it)."""
+    return xla_flag_tokens(_xla_text() or "")
+
+
+def _xla_text() -> str | None:
+    """The text XLA reads its flags from: XLA_FLAGS itself, or the file it names (None: unreadable)."""
     value = os.environ.get("XLA_FLAGS", "").strip()
     if not value or value.startswith("-"):
-        return value.split()
+        return value
     try:
         with open(value) as f:
-            return f.read().split()
-    except OSError:
-        return []
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+_XLA_SPACE = " \t\r\n"
+
+
+def xla_flag_tokens(text: str) -> list[str]:
+    """The flags of `text` as XLA's parse_flags_from_env.cc splits them: from each '-' after
+    whitespace, a name of letters, digits, '-' and '_', then a value up to the next whitespace,
+    or, written ='...' or ="..." (a backslash escaping in double quotes), up to the closing
+    quote, spaces and all. XLA stops at a word that does not start with '-'."""
+    out, i, n = [], 0, len(text)
+    while True:
+        while i < n and text[i] in _XLA_SPACE:
+            i += 1
+        if i == n or text[i] != "-":
+            return out
+        j = i
+        while j < n and text[j].isascii() and (text[j].isalnum() or text[j] in "-_"):
+            j += 1
+        if j + 1 < n and text[j] == "=" and text[j + 1] in "'\"":
+            quote, j = text[j + 1], j + 2
+            while j < n and text[j] != quote:
+                j += 2 if quote == '"' and text[j] == "\\" and j + 1 < n else 1
+            j = min(j + 1, n)
+        else:
+            while j < n and text[j] not in _XLA_SPACE:
+                j += 1
+        out.append(text[i:j])
+        i = j
 
 
 def xla_flags_problem() -> str | None:
@@ -378,11 +412,15 @@ def xla_flags_problem() -> str | None:
     value = os.environ.get("XLA_FLAGS", "").strip()
     if value and not value.startswith("-"):
         try:
-            open(value).close()
+            with open(value) as f:
+                f.read()
         except OSError as e:
             return (f"XLA_FLAGS={value!r} is read as a file of flags, which cannot be opened ({e.strerror}); give "
                     "the flags themselves (XLA_FLAGS='--xla_...') or a readable file")
-    unknown = unknown_xla_flags({flag_name(t) for t in user_xla_flags() if t.startswith("-")})
+        except UnicodeDecodeError as e:   # the bare codec error named no XLA_FLAGS
+            return (f"XLA_FLAGS={value!r} is read as a file of flags, which is not UTF-8 text ({e.reason} at byte "
+                    f"{e.start}); give the flags themselves (XLA_FLAGS='--xla_...') or a text file of them")
+    unknown = unknown_xla_flags({flag_name(t) for t in user_xla_flags()})
     if unknown:
         from importlib import metadata
         names = " ".join(f"--{n}" for n in sorted(unknown))
@@ -397,11 +435,10 @@ def add_xla_flags(defaults: tuple[str, ...] | list[str]) -> list[str]:
     value for any one flag wins, the other defaults still apply. An XLA_FLAGS that names a file
     of flags becomes that file's flags plus ours (appended to a file name, XLA would read the
     whole value as one file name and stop the process); an unreadable one is left to XLA."""
-    value = os.environ.get("XLA_FLAGS", "").strip()
-    if value and not value.startswith("-") and not os.path.isfile(value):
+    current = _xla_text()
+    if current is None:
         return []
-    current = " ".join(user_xla_flags())
-    user = {flag_name(t) for t in current.split() if t.startswith("-")}
+    user = {flag_name(t) for t in xla_flag_tokens(current)}
     added = [f for f in defaults if flag_name(f) not in user]
     unknown = unknown_xla_flags({flag_name(f) for f in added})
     skipped = [f for f in added if flag_name(f) in unknown]

@@ -210,6 +210,18 @@ def test_user_xla_flags_win():
     assert out["xla_flags"] == user and runtime.YNN_DOTS_ONLY not in out["applied"]
 
 
+def test_a_quoted_xla_flag_value_is_kept_as_xla_reads_it(tmp_path):
+    """XLA reads --flag="..." (or '...') to the closing quote, spaces and all: such a value was
+    split on its spaces ('-v2' refused as no flag, exit 2) and rewritten with single spaces (the
+    dump went elsewhere). XLA itself is the reference: it dumps into the quoted directory."""
+    dump = tmp_path / "dump  here -v2"
+    user = f'--xla_dump_to="{dump}" --xla_force_host_platform_device_count=2'
+    assert runtime.xla_flag_tokens(user) == [f'--xla_dump_to="{dump}"', "--xla_force_host_platform_device_count=2"]
+    out = probe("tune", XLA_FLAGS=user)
+    assert out["xla_flags"] == f"{user} {runtime.YNN_DOTS_ONLY}" and out["devices"] == 2
+    assert dump.is_dir() and os.listdir(dump)
+
+
 def test_xla_flags_naming_a_file(tmp_path):
     """XLA_FLAGS that names a file of flags (XLA reads a value not starting with '-' as a file
     name): the file's flags count as the user's, ours go beside them inline; appended to the
@@ -233,13 +245,18 @@ def test_xla_flags_naming_a_file(tmp_path):
     ("{bad_file}", "XLA_FLAGS: --xla_no_such_flag is not a flag of the installed jaxlib"),
     # the tail of a real flag's name (--xla_cpu_use_onednn without 'xla_'): XLA aborts on it too
     ("--cpu_use_onednn=false", "XLA_FLAGS: --cpu_use_onednn is not a flag of the installed jaxlib"),
+    # the bare "'utf-8' codec can't decode byte 0x80 ..." named no XLA_FLAGS
+    ("{binary}", "XLA_FLAGS='{binary}' is read as a file of flags, which is not UTF-8 text (invalid start byte at "
+                 "byte 0)"),
 ])
 def test_a_bad_xla_flags_is_one_line_before_xla_aborts(tmp_path, value, says):
     """XLA ends the process at its start on an unknown flag or an unreadable file of flags, with
     exit 1 (retried by a resubmission loop) and a C++ log line; every script's cli.run names
     XLA_FLAGS and the fix first, exit 2. The check knows what XLA reads: a file's flags, and the
     flags every test here runs with."""
-    names = {"missing": str(tmp_path / "no.flags"), "bad_file": str(tmp_path / "bad.flags")}
+    names = {"missing": str(tmp_path / "no.flags"), "bad_file": str(tmp_path / "bad.flags"),
+             "binary": str(tmp_path / "binary.flags")}
+    (tmp_path / "binary.flags").write_bytes(b"\x80--xla_force_host_platform_device_count=2")
     (tmp_path / "bad.flags").write_text("--xla_force_host_platform_device_count=2\n--xla_no_such_flag=1\n")
     env = dict(os.environ, XLA_FLAGS=value.format(**names), JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--flagfile=tiny.flags", "--max_steps=1",
