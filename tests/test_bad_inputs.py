@@ -618,11 +618,16 @@ def test_exit_status_before_and_after_the_first_step(monkeypatch):
     # from an async checkpoint write (it was final, 2); an INTERNAL one once the run is going.
     flaky = [ValueError("UNAVAILABLE: Error writing local file \"/ckpt/3000/d/x\""),
              ValueError("DEADLINE_EXCEEDED: gcsfuse read"), OSError(errno.ESTALE, "Stale file handle"),
-             ValueError("INTERNAL: tensorstore write")]
-    assert [cli.exit_status(e) for e in flaky] == [1, 1, 1, 2]
+             ValueError("INTERNAL: tensorstore write"), ValueError("ABORTED: write"), ValueError("CANCELLED: read")]
+    assert [cli.exit_status(e) for e in flaky] == [1, 1, 1, 2, 1, 1]
+    # A full disk or spent quota said by errno alone; a permission a rerun cannot get; an
+    # out-of-memory text in a ValueError (no XLA error) is not device memory.
+    final = [OSError(errno.EDQUOT, ""), PermissionError(errno.EACCES, "Permission denied"),
+             ValueError("RESOURCE_EXHAUSTED: Out of memory allocating 8 bytes")]
+    assert [cli.exit_status(e) for e in final] == [2, 2, 1] and not cli.is_out_of_memory(final[2])
     cli.mark_running()
     assert [cli.exit_status(e) for e in cases] == [1, 2, 2, 3, 1, 1, 1, 1, 1, 1, 1]
-    assert [cli.exit_status(e) for e in flaky] == [1, 1, 1, 1]
+    assert [cli.exit_status(e) for e in flaky] == [1, 1, 1, 1, 1, 1]
 
 
 FINITE = """

@@ -264,3 +264,13 @@ def test_a_flagfile_given_with_a_tilde_is_named(tmp_path, monkeypatch):
     (tmp_path / "self.flags").write_text("--flagfile=~/self.flags\n")
     assert cli._undecodable_flagfile(["--flagfile=~/bin.flags"]) == "~/bin.flags"
     assert cli._flagfile_loop(["-flagfile", "~/self.flags"]) == [str(tmp_path / "self.flags")] * 2
+
+
+def test_seq_len_may_be_the_models_positions_not_more():
+    """Stage 3 trains at exactly the model's max_position_embeddings (65,536 with YaRN): allowed;
+    one token more is refused by name."""
+    from absl import app
+    from olmo3 import cli
+    cli.check_model("xla", 65536, 65536, "cpu")
+    with pytest.raises(app.UsageError, match=r"^--seq_len=65537 exceeds the model's max_position_embeddings=65536$"):
+        cli.check_model("xla", 65536, 65537, "cpu")
