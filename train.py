@@ -292,13 +292,19 @@ def main(argv):
     if F.init_from and not (F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None):
         checkpoint.locate(F.init_from)
     # So does a resume its newest checkpoint refuses (another stage, recipe constant, model or
-    # precision): its JSON record is read now, the arrays in §5 (which checks an older one it falls back to).
+    # precision): its JSON record is read now, the arrays in §5 (which checks an older one it falls
+    # back to). One process only: Orbax's manager is a barrier, which a process whose listing failed
+    # would skip (several: §5's restore_intact checks, with the listing synced).
     checked = None
-    if F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None:
+    if (F.resume and jax.process_count() == 1
+            and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None):
         records = checkpoint.CheckpointManager(F.run_dir, read_only=True)
         try:
-            if (checked := records.latest_step()) is not None:
+            checked = records.latest_step()
+            if checked is not None and not records.marked_damaged(checked):   # §5 skips a marked one unread
                 check_resume(records.read_extra(checked), checked, config)
+            else:
+                checked = None
         except checkpoint.DamagedCheckpointError:   # §5 moves it aside and falls back
             checked = None
         finally:

@@ -646,7 +646,7 @@ class CheckpointManager:
         (DamagedElsewhereError, exit 1: the others stop too, through JAX's heartbeat); the rerun
         reads the marks first, on every process alike, and all skip and move aside those steps."""
         steps = self.all_steps()
-        marked = {s for s in steps if os.path.exists(self._pending(s))}
+        marked = {s for s in steps if self.marked_damaged(s)}
         if jax.process_count() > 1:   # every process has listed the same steps and marks before any acts
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("olmo3: restore_intact listed")
@@ -691,6 +691,11 @@ class CheckpointManager:
 
     def _pending(self, step: int) -> str:
         return os.path.join(os.path.dirname(self.directory), "damaged", f"pending-{step}")
+
+    def marked_damaged(self, step: int) -> bool:
+        """Another process of an earlier attempt found checkpoint `step` damaged (restore_intact
+        skips it, unread)."""
+        return os.path.exists(self._pending(step))
 
     def _move_aside(self, step: int) -> None:
         """Rename a damaged step directory to <run_dir>/damaged/ (process 0; the others wait)."""

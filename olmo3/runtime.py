@@ -433,8 +433,10 @@ def add_xla_flags(defaults: tuple[str, ...] | list[str]) -> list[str]:
     """Append to XLA_FLAGS each default whose flag the user has not set and the installed jaxlib
     knows; returns those added (and a note naming any left out). Flag by flag: a user's own
     value for any one flag wins, the other defaults still apply. An XLA_FLAGS that names a file
-    of flags becomes that file's flags plus ours (appended to a file name, XLA would read the
-    whole value as one file name and stop the process); an unreadable one is left to XLA."""
+    of flags becomes ours plus that file's text (appended to a file name, XLA would read the
+    whole value as one file name and stop the process); an unreadable one is left to XLA. Ours
+    go first: XLA stops reading at a word that is no flag (a '# comment') and an unclosed quote
+    runs to the end, so behind the user's text they could be read as nothing, or as its value."""
     current = _xla_text()
     if current is None:
         return []
@@ -444,7 +446,7 @@ def add_xla_flags(defaults: tuple[str, ...] | list[str]) -> list[str]:
     skipped = [f for f in added if flag_name(f) in unknown]
     added = [f for f in added if flag_name(f) not in unknown]
     if added:
-        os.environ["XLA_FLAGS"] = " ".join([current.strip()] + added).strip()
+        os.environ["XLA_FLAGS"] = " ".join(added + [current.strip()]).strip()
     return added + ([f"left out (unknown to this jaxlib): {' '.join(skipped)}"] if skipped else [])
 
 

@@ -218,19 +218,34 @@ def test_a_quoted_xla_flag_value_is_kept_as_xla_reads_it(tmp_path):
     user = f'--xla_dump_to="{dump}" --xla_force_host_platform_device_count=2'
     assert runtime.xla_flag_tokens(user) == [f'--xla_dump_to="{dump}"', "--xla_force_host_platform_device_count=2"]
     out = probe("tune", XLA_FLAGS=user)
-    assert out["xla_flags"] == f"{user} {runtime.YNN_DOTS_ONLY}" and out["devices"] == 2
+    assert out["xla_flags"] == f"{runtime.YNN_DOTS_ONLY} {user}" and out["devices"] == 2
     assert dump.is_dir() and os.listdir(dump)
+
+
+def test_our_flags_go_where_xla_reads_them(tmp_path):
+    """XLA stops at a word that is no flag and reads an unclosed quote to the end: behind a file
+    whose first line is a comment ours made XLA_FLAGS a value not starting with '-', a file name
+    XLA could not open (the process aborted); behind an unclosed quote they became its value.
+    Ours go first; XLA (the probe's devices, its run) is the reference."""
+    flagfile = tmp_path / "xla.flags"
+    flagfile.write_text("# my flags\n--xla_force_host_platform_device_count=2\n")
+    out = probe("tune", XLA_FLAGS=str(flagfile))
+    assert out["xla_flags"].startswith(runtime.YNN_DOTS_ONLY + " # my flags") and out["devices"] == 1   # as XLA alone
+    user = f'--xla_force_host_platform_device_count=2 --xla_dump_to="{tmp_path}/d'   # the quote left open
+    out = probe("tune", XLA_FLAGS=user)
+    assert out["xla_flags"] == f"{runtime.YNN_DOTS_ONLY} {user}" and out["devices"] == 2
+    assert runtime.xla_flag_tokens(out["xla_flags"])[0] == runtime.YNN_DOTS_ONLY
 
 
 def test_xla_flags_naming_a_file(tmp_path):
     """XLA_FLAGS that names a file of flags (XLA reads a value not starting with '-' as a file
-    name): the file's flags count as the user's, ours go beside them inline; appended to the
+    name): the file's flags count as the user's, ours go before them inline; appended to the
     name, XLA would have stopped the process ('Could not open file'). A file XLA cannot open
     is left for XLA to name."""
     flagfile = tmp_path / "xla.flags"
     flagfile.write_text("--xla_force_host_platform_device_count=2\n")
     out = probe("tune", XLA_FLAGS=str(flagfile))
-    assert out["xla_flags"].split() == ["--xla_force_host_platform_device_count=2", runtime.YNN_DOTS_ONLY]
+    assert out["xla_flags"].split() == [runtime.YNN_DOTS_ONLY, "--xla_force_host_platform_device_count=2"]
     assert out["devices"] == 2
     flagfile.write_text("--xla_cpu_experimental_ynn_fusion_type=\n")
     out = probe("tune", XLA_FLAGS=str(flagfile))
@@ -363,7 +378,7 @@ def test_gpu_user_flags_win_one_by_one():
     user = "--xla_gpu_enable_triton_gemm=true --xla_gpu_all_gather_combine_threshold_bytes=1024"
     out = gpu_probe(XLA_FLAGS=user, CUDA_DEVICE_MAX_CONNECTIONS="8")
     tokens = out["xla_flags"].split()
-    assert tokens[:2] == user.split()
+    assert tokens[-2:] == user.split()
     for name in ("xla_gpu_enable_triton_gemm", "xla_gpu_all_gather_combine_threshold_bytes"):
         assert [runtime.flag_name(t) for t in tokens].count(name) == 1, tokens
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in tokens   # the others still apply
