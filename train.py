@@ -289,15 +289,15 @@ def main(argv):
         + ("" if F.stage == "dpo" else "; a context axis cuts every sequence") + ")"))
     # A mistyped --init_from stops here, not after §3 has listed the remote mix or packed it (stage 3
     # scans every token of its files for eos before the first run's packing cache exists).
-    if F.init_from and not (F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None):
+    resuming = F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None
+    if F.init_from and not resuming:
         checkpoint.locate(F.init_from)
     # So does a resume its newest checkpoint refuses (another stage, recipe constant, model or
     # precision): its JSON record is read now, the arrays in §5 (which checks an older one it falls
     # back to). One process only: Orbax's manager is a barrier, which a process whose listing failed
     # would skip (several: §5's restore_intact checks, with the listing synced).
     checked = None
-    if (F.resume and jax.process_count() == 1
-            and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None):
+    if resuming and jax.process_count() == 1:
         records = checkpoint.CheckpointManager(F.run_dir, read_only=True)
         try:
             checked = records.latest_step()
@@ -366,7 +366,7 @@ def main(argv):
     # -----------------------------------------------------------------------------------------
     # §4 Optimizer: skip-step AdamW, fp32 moments, no decay on the embedding; schedule per stage.
     # -----------------------------------------------------------------------------------------
-    kind = F.schedule or ("cosine" if F.stage == "1" else "linear")   # check_flags: --joined_at needs cosine
+    kind = schedule_kind()
     if kind == "cosine":
         schedule = schedules.stage1_schedule(F.lr, F.warmup_steps, F.total_steps, F.final_lr_ratio, F.joined_at)
     elif kind == "linear":
@@ -695,6 +695,11 @@ def use_yarn() -> bool:
     return F.yarn if F.yarn is not None else F.stage in ("3", "sft", "dpo")
 
 
+def schedule_kind() -> str:
+    """--schedule, by default cosine for stage 1 and linear for the others."""
+    return F.schedule or ("cosine" if F.stage == "1" else "linear")
+
+
 def doc_lengths() -> bool:
     """Whether the run attends within documents: --doc_lengths, default on for stage 3 and SFT."""
     return F.doc_lengths if F.doc_lengths is not None else F.stage in ("3", "sft")
@@ -774,10 +779,9 @@ def check_flags():
         raise app.UsageError(f"--data_dir is where a corpus (stdlib, a directory of documents) is prepared, and with "
                              f"--packed where packings are cached; --data={F.data} is read as it is: drop --data_dir"
                              + (", or give the mirror as --data_root" if F.data.startswith("mix:") else ""))
-    kind = F.schedule or ("cosine" if F.stage == "1" else "linear")   # as §4 picks it
-    if F.joined_at is not None and kind != "cosine":   # it was ignored
+    if F.joined_at is not None and schedule_kind() != "cosine":   # it was ignored
         raise app.UsageError(f"--joined_at={F.joined_at} joins two cosine schedules (AI2's stage 1); this run's "
-                             f"schedule is {kind}" + ("" if F.schedule else f" (--stage={F.stage}'s default)")
+                             f"schedule is {schedule_kind()}" + ("" if F.schedule else f" (--stage={F.stage}'s default)")
                              + ": add --schedule=cosine, or drop --joined_at")
     if F.joined_at is not None and F.max_steps is None:
         from olmo3 import schedules

@@ -283,8 +283,7 @@ def _flagfiles(argv: list[str]) -> Iterator[tuple[str, list[str] | None]]:
             continue
         seen.add(name)
         try:
-            with open(os.path.expanduser(name), encoding="utf-8") as f:   # as absl opens it
-                lines = [line.strip() for line in f]
+            lines = _flagfile_lines(name)
         except UnicodeDecodeError:
             yield name, None
             continue
@@ -292,6 +291,13 @@ def _flagfiles(argv: list[str]) -> Iterator[tuple[str, list[str] | None]]:
             continue
         names += _flagfile_names(lines)
         yield name, lines
+
+
+def _flagfile_lines(name: str) -> list[str]:
+    """The stripped lines of flagfile `name`, opened as absl opens it ('~' expanded, as text);
+    OSError / UnicodeDecodeError as open and read raise them."""
+    with open(os.path.expanduser(name), encoding="utf-8") as f:
+        return [line.strip() for line in f]
 
 
 def _flagfile_loop(args: list[str], chain: tuple[str, ...] = ()) -> list[str] | None:
@@ -304,8 +310,7 @@ def _flagfile_loop(args: list[str], chain: tuple[str, ...] = ()) -> list[str] | 
         if real in (os.path.realpath(c) for c in chain):
             return [*chain, name]
         try:
-            with open(name, encoding="utf-8") as f:
-                lines = [line.strip() for line in f if not line.lstrip().startswith(("#", "//"))]
+            lines = [line for line in _flagfile_lines(name) if not line.startswith(("#", "//"))]
         except (OSError, UnicodeDecodeError):   # named by absl's own error, or _undecodable_flagfile
             continue
         loop = _flagfile_loop(lines, (*chain, name))
