@@ -762,6 +762,13 @@ def check_flags():
     if F.downstream_tasks:   # an unknown task stops here, not after the model is built
         from olmo3 import oe_tasks
         oe_tasks.resolve(F.downstream_tasks, "--downstream_tasks")
+    # Each was overwritten without a word by the one derived from the data (set_horizon).
+    if F.epochs is not None:
+        cli.refuse_given(("total_steps",), f"would be ignored: --epochs={F.epochs} derives it from the data (epochs x "
+                                           "whole global batches); drop {flag} (a shorter run: --max_steps), or --epochs")
+    if F.warmup_fraction is not None:
+        cli.refuse_given(("warmup_steps",), f"would be ignored: --warmup_fraction={F.warmup_fraction} derives it "
+                                            "(round(fraction x total steps)); drop {flag}, or --warmup_fraction")
     if F.warmup_steps > F.total_steps and F.epochs is None and F.warmup_fraction is None:
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps and F.epochs is None:
