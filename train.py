@@ -288,10 +288,17 @@ def main(argv):
         f"logits), or more devices (--mesh, now {','.join(f'{k}:{v}' for k, v in mesh.shape.items())}"
         + ("" if F.stage == "dpo" else "; a context axis cuts every sequence") + ")"))
     # A mistyped --init_from stops here, not after §3 has listed the remote mix or packed it (stage 3
-    # scans every token of its files for eos before the first run's packing cache exists).
+    # scans every token of its files for eos before the first run's packing cache exists), and so
+    # does one whose tensors the flags' model does not fit (one process only, as below).
     resuming = F.resume and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None
     if F.init_from and not resuming:
-        checkpoint.locate(F.init_from)
+        run, step = checkpoint.locate(F.init_from)
+        if jax.process_count() == 1:
+            source = checkpoint.CheckpointManager(run, read_only=True)
+            try:
+                source.check_fits(step, {"model": eqx.filter_eval_shape(olmo3.OLMo3, config, jax.random.key(0))})
+            finally:
+                source.close()
     # So does a resume its newest checkpoint refuses (another stage, recipe constant, model or
     # precision): its JSON record is read now, the arrays in §5 (which checks an older one it falls
     # back to). One process only: Orbax's manager is a barrier, which a process whose listing failed

@@ -559,13 +559,9 @@ class CheckpointManager:
         meta = self._state_metadata(step)
         return {k: tuple(v.shape) for k, v in dict(meta.tree if hasattr(meta, "tree") else meta).items()}
 
-    def restore(self, step: Optional[int], abstract_state: PyTree) -> tuple[PyTree, dict]:
-        """Read checkpoint `step` (None: the latest) into the structure, shapes, dtypes and
-        shardings of `abstract_state`. Returns (state, extra).
-
-        The checkpoint may hold more tensors than asked for (e.g. restore only {"model": ...}
-        from a {"model", "opt"} checkpoint); every tensor asked for must exist with its shape."""
-        step = self._resolve(step)
+    def _fitting(self, step: int, abstract_state: PyTree) -> tuple[dict, dict]:
+        """({name: abstract tensor} of `abstract_state`, {name: Orbax's metadata} of checkpoint
+        `step`), once every tensor asked for is there with its shape."""
         want = {k: _abstract(v) for k, v in tensor_names(abstract_state).items()}
         meta = self._state_metadata(step)
         stored = dict(meta.tree if hasattr(meta, "tree") else meta)
@@ -582,6 +578,21 @@ class CheckpointManager:
                                  f"{tuple(stored[name].shape)} but the model expects "
                                  f"{tuple(a.shape)}; check the model flags against the "
                                  "checkpoint's config")
+        return want, stored
+
+    def check_fits(self, step: Optional[int], abstract_state: PyTree) -> None:
+        """restore's checks without reading an array: checkpoint `step` (None: the latest) holds
+        every tensor of `abstract_state` with its shape (MissingTensorsError, ValueError if not)."""
+        self._fitting(self._resolve(step), abstract_state)
+
+    def restore(self, step: Optional[int], abstract_state: PyTree) -> tuple[PyTree, dict]:
+        """Read checkpoint `step` (None: the latest) into the structure, shapes, dtypes and
+        shardings of `abstract_state`. Returns (state, extra).
+
+        The checkpoint may hold more tensors than asked for (e.g. restore only {"model": ...}
+        from a {"model", "opt"} checkpoint); every tensor asked for must exist with its shape."""
+        step = self._resolve(step)
+        want, stored = self._fitting(step, abstract_state)
         # Tensors with a checksum are read as stored, compared, then cast to the dtype asked for (a
         # warm start with another --param_dtype): a cast before the comparison would skip it.
         extra = self._extra(step)

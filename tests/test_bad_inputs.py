@@ -927,3 +927,18 @@ def test_init_from_missing_stops_before_the_data_are_prepared_or_packed(tmp_path
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert f"checkpoint {tmp_path / 'run2' / 'checkpoints' / '40'} does not exist" in last, last
     assert not (tmp_path / "data").exists()   # <run_dir>/../data: nothing prepared, nothing packed
+
+
+def test_init_from_another_model_stops_before_the_data_are_prepared(world, tmp_path):
+    """A warm start whose checkpoint the flags' model does not fit (here --d_model) was refused only
+    once §5 read it: after the corpus was prepared (at scale: a mix listed, stage 3's packing), with
+    the new run's checkpoints/ made. Its tensors' shapes are read before the data section now."""
+    os.makedirs(tmp_path / "docs")
+    shutil.copy(os.path.join(ROOT, "olmo3", "model.py"), tmp_path / "docs" / "model.py.txt")
+    p = script("train.py", *TINY, f"--data={tmp_path / 'docs'}", "--stage=2", "--d_model=64",
+               f"--run_dir={tmp_path / 'run'}", f"--init_from={world / 'run'}")
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert (f"checkpoint {world / 'run' / 'checkpoints' / '4'}: tensor 'model.embed' has shape (100278, 32) "
+            "but the model expects (100278, 64)") in last, last
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run" / "checkpoints").exists()
