@@ -81,6 +81,7 @@ cli.require([
     ("verify_seq", lambda v: v >= 1, ">= 1"),
     ("verify_batch", lambda v: v >= 1, ">= 1"),
     ("shard_gb", lambda v: cli.finite(v) and v > 0, "finite and > 0"),
+    ("hf_vocab_size", lambda v: v is None or v >= 1, ">= 1 rows (leave it out for the checkpoint's real tokens)"),
     # 10**25 was written as a label no run could resume (train.py's steps are int32).
     ("step", lambda v: 0 <= v < cli.STEP_LIMIT, f">= 0 and < {cli.STEP_LIMIT:,} (a checkpoint label: the steps "
                                                 "trained)")])
@@ -327,7 +328,8 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     config = config_from_dict(extra["model_config"])
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     out_dtype = np.dtype(getattr(jax.numpy, hf_dtype or config.param_dtype))
-    hf_vocab = hf_vocab_size or extra.get("hf_vocab_size") or unpadded_vocab(config.vocab_size)
+    hf_vocab = (hf_vocab_size if hf_vocab_size is not None   # 0 was taken for "unset"
+                else extra.get("hf_vocab_size") or unpadded_vocab(config.vocab_size))
     floor = extra.get("hf_vocab_size") or unpadded_vocab(config.vocab_size)   # the real tokens' rows
     if not floor <= hf_vocab <= config.vocab_size:   # only padding rows may be dropped
         raise ValueError(f"--hf_vocab_size={hf_vocab}: keep between the {floor} rows of real tokens and the "

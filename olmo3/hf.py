@@ -58,9 +58,25 @@ def _pattern(layer_types: list[str], n_layers: int) -> tuple[str, ...]:
 def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
     """(theta, YaRN or None) from either `rope_parameters` (per layer type) or old `rope_scaling`."""
     params = hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"HF config rope_parameters={params!r}; expected an object per layer type")
+    if params and "full_attention" not in params and "sliding_attention" not in params:
+        # transformers 5 fills in default per-layer-type entries and its Olmo3 reads only those:
+        # this one would be ignored there (theta 500,000, no YaRN) and applied here
+        raise ValueError(f"HF config rope_parameters={params!r} has no 'full_attention' / 'sliding_attention' entry, "
+                         "which transformers 5's Olmo3 reads (it ignores the rest); write the parameters per layer "
+                         "type, or as rope_theta + rope_scaling (transformers 4.x)")
     if "full_attention" in params or "sliding_attention" in params:
         full = dict(params.get("full_attention") or {})
         sliding = dict(params.get("sliding_attention") or {})
+        top = _field(hf, "rope_theta", float, None)
+        if top not in (None, 500_000.0) and (full.get("rope_theta") is None or sliding.get("rope_theta") is None):
+            raise ValueError(f"HF config has rope_theta={top} beside a rope_parameters entry without one, which "
+                             "transformers 5 reads as 500,000 or as rope_theta by the entries' order; give "
+                             "rope_theta in both rope_parameters entries")
+        for entry in (full, sliding):   # transformers 5's Olmo3Config default for an entry without one
+            if entry.get("rope_theta") is None:
+                entry["rope_theta"] = 500_000.0
     else:  # old flat format: rope_theta + rope_scaling applied to full layers (transformers)
         full = dict(params)
         full.update(hf.get("rope_scaling") or {})
@@ -207,7 +223,7 @@ def read_hf_config(path: str, **overrides) -> Config:
                          "download or convert the model again")
     try:
         return config_from_hf(raw, **overrides)
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:   # AttributeError: a list for an object
         raise ValueError(f"{cfg_path!r}: {e}") from None
 
 

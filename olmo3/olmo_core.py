@@ -292,7 +292,7 @@ def read_config(step_dir: str, reader: DistCheckpointReader, **overrides) -> tup
             except NotOLMo3 as e:
                 raise UserError(f"{path}: {e}; this codebase computes OLMo 3 only and cannot convert this "
                                 "model") from None
-            except (ValueError, KeyError, TypeError) as e:
+            except (ValueError, KeyError, TypeError, AttributeError) as e:   # a list or a string for a section
                 raise UserError(f"{path}: not an OLMo-core experiment config with a 'model' section "
                                 f"({e}); remove it to infer the model from the tensor shapes") from None
     names = reader.tensors
@@ -315,6 +315,8 @@ def layer_windows(sliding_window: dict, n_layers: int) -> list[int]:
     (`SlidingWindowAttentionConfig._get_window_size`): the first and last layers are forced full
     when asked (both default to True), and a forced first layer shifts the pattern by one."""
     pattern = [int(w) for w in sliding_window.get("pattern", [-1])]
+    if not pattern:   # OLMo-core would divide by its length
+        raise ValueError("sliding_window.pattern is empty; OLMo 3's is [4096, 4096, 4096, -1]")
     first = sliding_window.get("force_full_attention_on_first_layer", True)
     last = sliding_window.get("force_full_attention_on_last_layer", True)
     out = []

@@ -460,6 +460,9 @@ def _cases(w):
         ("convert_hf_vocab_below_the_tokenizer", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}",
                                                                 "--hf_vocab_size=10"], 2,
          "--hf_vocab_size=10: keep between the 100278 rows of real tokens"),
+        # Read as unset: the checkpoint's vocabulary was written, exit 0.
+        ("convert_hf_vocab_zero", "convert.py", [f"--from=orbax:{w / 'run'}", f"--to=hf:{w / 'out'}",
+                                                 "--hf_vocab_size=0"], 2, "--hf_vocab_size must be >= 1 rows"),
         ("convert_to_url", "convert.py", [f"--from=orbax:{w / 'run'}", "--to=hf:gs://bucket/hf"], 2,
          "--to='hf:gs://bucket/hf': hf: takes a local or mounted directory, not a URL"),
         ("convert_wrong_model_type", "convert.py", [f"--from=hf:{w / 'hf_llama'}", f"--to=orbax:{w / 'out'}"], 2,

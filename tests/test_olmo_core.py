@@ -191,6 +191,14 @@ def test_settings_olmo3_lacks_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model": cases["embed_scale"]}))
     with pytest.raises(olmo_core.UserError, match=r"config\.json: embed_scale is 8\.0 where OLMo 3 has None; .*OLMo 3 only"):
         olmo_core.read_config(str(tmp_path), object.__new__(olmo_core.DistCheckpointReader))   # not read
+    # Sections of another type, and an empty window pattern: an AttributeError / ZeroDivisionError
+    # traceback (exit 1), where a config.json of another shape is one line naming it.
+    empty = as_json(base)
+    empty["block"]["sequence_mixer"]["sliding_window"]["pattern"] = []
+    for model in ({"block": "x"}, {"block": {"sequence_mixer": ["x"]}}, empty):
+        (tmp_path / "config.json").write_text(json.dumps({"model": model}))
+        with pytest.raises(olmo_core.UserError, match=r"config\.json: not an OLMo-core experiment config"):
+            olmo_core.read_config(str(tmp_path), object.__new__(olmo_core.DistCheckpointReader))
 
 
 @pytest.mark.parametrize("pattern,first,last,n_layers", [

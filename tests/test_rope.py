@@ -157,3 +157,54 @@ def test_a_packed_documents_offset_changes_rounding_only():
     from_zero = np.asarray(model.hidden(tokens[20:]))
     np.testing.assert_allclose(packed, at_offset, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(packed, from_zero, rtol=1e-5, atol=1e-5)
+
+
+_YARN4 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+_ROPE_CONFIGS = [   # (id, the config.json's rope fields, whether hf.config_from_hf refuses it)
+    ("flat_yarn_rope_parameters", {"rope_parameters": {**_YARN4, "rope_theta": 1e4}}, True),   # transformers 5: ignored
+    ("flat_default_rope_parameters", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, True),
+    ("full_entry_only", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}}, True),
+    ("entries_without_theta", {"rope_parameters": {"full_attention": {"rope_type": "default"},
+                                                   "sliding_attention": {"rope_type": "default"}}}, False),
+    ("yarn_entry_without_theta", {"rope_parameters": {"full_attention": dict(_YARN4),
+                                                      "sliding_attention": {"rope_type": "default"}}}, False),
+    ("theta_beside_entries_without_one", {"rope_theta": 1e4, "rope_parameters": {
+        "full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}}, True),
+    ("theta_beside_entries_with_it", {"rope_theta": 1e4, "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, False),
+    ("yarn_on_sliding_layers", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                                    "sliding_attention": {**_YARN4, "rope_theta": 5e5}}}, True),
+    ("transformers_4_yarn", {"rope_theta": 5e5, "rope_scaling": dict(_YARN4)}, False),   # AI2's long-context format
+    ("transformers_4_default", {"rope_theta": 5e5, "rope_scaling": None}, False),
+]
+
+
+@pytest.mark.parametrize("fields,refused", [c[1:] for c in _ROPE_CONFIGS], ids=[c[0] for c in _ROPE_CONFIGS])
+def test_rope_fields_of_a_config_json_read_as_transformers_computes_them_or_refused(tmp_path, fields, refused):
+    """Each layer type's frequencies and scale as transformers 5's Olmo3 computes them from the same
+    config.json, or a refusal: a flat rope_parameters (transformers fills in default entries and
+    ignores it) and a top-level rope_theta beside an entry without one were read here as the
+    parameters of every layer, a model other than transformers'. (A transformers 4.x config.json
+    with a rope_theta other than 500,000 is left out: transformers 5.24 gives it to the
+    full-attention layers only, 4.57, OLMo 3's release, to all of them, as here.)"""
+    pytest.importorskip("torch")
+    import json
+
+    from transformers import AutoConfig
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RotaryEmbedding
+
+    from olmo3 import hf
+    raw = {"model_type": "olmo3", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 4, "num_attention_heads": 2, "max_position_embeddings": 256, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    if refused:
+        with pytest.raises(ValueError, match="config.json"):
+            hf.read_hf_config(str(tmp_path))
+        return
+    c = hf.read_hf_config(str(tmp_path))
+    ref = Olmo3RotaryEmbedding(AutoConfig.from_pretrained(str(tmp_path)))
+    for layer_type, yarn in (("sliding_attention", None), ("full_attention", c.yarn)):
+        inv_freq, scale = rope.inv_frequencies(c.head_dim, c.rope_theta, yarn)
+        np.testing.assert_allclose(inv_freq, getattr(ref, f"{layer_type}_inv_freq").numpy(), rtol=1e-6, atol=0)
+        assert scale == pytest.approx(getattr(ref, f"{layer_type}_attention_scaling"), rel=1e-6)
