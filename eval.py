@@ -117,6 +117,7 @@ flags.DEFINE_string("out", None, "Write results here: eval.json, chat.json with 
                     "report.{md,csv,png} with --compare (default there: eval_report).")
 cli.require([
     ("eval_seq_len", lambda v: v >= 2, ">= 2 (an input token and its target)"),
+    ("max_length", lambda v: v is None or v >= 1, ">= 1 tokens (leave it out for the model's trained context)"),
     ("eval_batch_size", lambda v: v >= 1, ">= 1"),
     ("max_eval_batches", lambda v: v >= 1, ">= 1"),
     ("kl_instances", lambda v: v >= 1, ">= 1"),
@@ -142,7 +143,17 @@ def context_length(info: dict, requested: Optional[int]) -> int:
         if requested <= 0:
             raise app.UsageError(f"--max_length={requested} must be positive")
         return requested
-    return min(info.get("seq_len") or PRETRAIN_SEQ_LEN, info["config"].max_position_embeddings)
+    return min(info.get("seq_len") or PRETRAIN_SEQ_LEN, position_limit(info))
+
+
+def position_limit(info: dict) -> int:
+    """The model's max_position_embeddings, or with --yarn the context YaRN extends it to where
+    that is longer (factor x original: what convert.py writes to config.json, and transformers
+    reads max_position_embeddings as). Only eval.py's bound: the model computes any position."""
+    config = info["config"]
+    if config.yarn is None or not F.yarn:
+        return config.max_position_embeddings
+    return max(config.max_position_embeddings, int(config.yarn.factor * config.yarn.original_max_position))
 
 
 def write_json(out_dir: str, name: str, obj, *, indent: int) -> None:
@@ -168,8 +179,10 @@ def heldout_sets(spec: str, seq_len: int, vocab_size: int, *, padded: bool = Fal
     """{domain: FSLDataset}, fixed-length windows; `padded`: {domain: PaddedFSLDataset}, every
     held-out document as one instance from its first token."""
     paths = heldout_paths(spec, data_dir=data_dir, data_mix=data_mix, data_root=data_root)
-    kind = data.PaddedFSLDataset if padded else data.FSLDataset
-    return {d: kind(p, seq_len, vocab_size=vocab_size) for d, p in sorted(paths.items())}
+    if padded:
+        return {d: data.PaddedFSLDataset(p, seq_len, vocab_size=vocab_size) for d, p in sorted(paths.items())}
+    return {d: data.FSLDataset(p, seq_len, vocab_size=vocab_size, seq_len_flag="--eval_seq_len")
+            for d, p in sorted(paths.items())}
 
 
 def heldout_paths(spec: str, *, data_dir=None, data_mix=None, data_root=None) -> dict:
@@ -791,9 +804,13 @@ def main(argv):
         warn_other_precision(info_b)
     max_length = context_length(info, F.max_length)
     for flag, n in (("--max_length", max_length), ("--eval_seq_len", None if chatting else F.eval_seq_len)):
-        if n is not None and n > info["config"].max_position_embeddings:   # scored on, unsaid
-            raise app.UsageError(f"{flag}={n} exceeds the model's max_position_embeddings="
-                                 f"{info['config'].max_position_embeddings}; give at most that (or --yarn to extend it)")
+        if n is not None and n > position_limit(info):   # scored on, unsaid
+            raise app.UsageError(
+                f"{flag}={n} exceeds the model's max_position_embeddings={info['config'].max_position_embeddings}"
+                + (f" and the context --yarn extends it to (--yarn_factor x --yarn_original_max_position); give at "
+                   f"most {position_limit(info)}" if F.yarn else
+                   "; give at most that, or --yarn with --yarn_factor x --yarn_original_max_position at least "
+                   f"{n} to extend it"))
     use_segments = segments_for(info, F.doc_lengths)
     if chatting:
         return chat_report(model, max_length)

@@ -23,7 +23,8 @@ class FSLDataset:
     """Fixed-length instances over token files: `len(ds)`, `ds[i] -> uint32[seq_len]`, `ds.fingerprint`.
 
     `expected_tokens` (one count per file, e.g. from a prepare manifest) turns a short file into an
-    error instead of silently fewer instances.
+    error instead of silently fewer instances. `seq_len_flag`: the flag the error for files too
+    short for one instance names (eval.py's is --eval_seq_len).
     """
 
     def __init__(
@@ -35,6 +36,7 @@ class FSLDataset:
         eos_id: int = EOS_ID,
         pad_id: int = PAD_ID,
         expected_tokens: Sequence[int] | None = None,
+        seq_len_flag: str = "--seq_len",
     ):
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
@@ -63,7 +65,7 @@ class FSLDataset:
         self._ends = np.cumsum(counts)  # global index of the first instance after file k
         if self._ends[-1] == 0:
             raise ValueError(f"no file holds a full instance of {self.seq_len} tokens (the largest holds "
-                             f"{max(self.file_sizes) // ITEMSIZE:,}): {paths}; give a shorter --seq_len or more text "
+                             f"{max(self.file_sizes) // ITEMSIZE:,}): {paths}; give a shorter {seq_len_flag} or more text "
                              "(a held-out set: --eval_padded scores its documents one per row, whatever their length)")
 
     def __len__(self) -> int:

@@ -110,7 +110,9 @@ def get_eval_batch(dataset: FSLDataset | PackedFSLDataset, rows: int, batch: int
     idx = np.arange(batch * rows, (batch + 1) * rows)[rank::num_ranks]
     order = np.arange(n) if isinstance(dataset, PaddedFSLDataset) else eval_order(n)
     packed = isinstance(dataset, PackedFSLDataset)
-    filler = np.full(dataset.seq_len, dataset.pad_id, np.uint32)
+    # Masked, so any token of the vocabulary: dolma2's pad is none of a smaller one (eval.py's
+    # held-out files of a model of another tokenizer), and its bytes were looked up out of range.
+    filler = np.full(dataset.seq_len, dataset.pad_id if dataset.pad_id < dataset.vocab_size else 0, np.uint32)
     if packed:
         filler = {"tokens": filler, "label_mask": np.zeros(dataset.seq_len, bool),
                   "doc_lens": np.array([dataset.seq_len], np.int32)}

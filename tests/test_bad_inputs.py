@@ -118,6 +118,7 @@ def world(tmp_path_factory):
     os.makedirs(w / "ckfile")
     (w / "ckfile" / "checkpoints").write_text("")
     (w / "empty.jsonl").write_text("")
+    np.arange(10, dtype=np.uint32).tofile(w / "short.npy")   # ten tokens: no window of 32
     for d in ("ta", "tb"):   # two tasks of one file name
         os.makedirs(w / d)
         (w / d / "mc.jsonl").write_text('{"context": "a", "choices": ["x", "y"], "gold": 0}\n')
@@ -330,6 +331,13 @@ def _cases(w):
          "'stdlib' is not domain=file (a domain name without '/', then a token file)"),
         ("eval_max_length_past_positions", "eval.py", [f"--model={w / 'run'}", "--chat=hi", "--max_length=70000"], 2,
          "--max_length=70000 exceeds the model's max_position_embeddings=65536"),   # answered, exit 0
+        # Refused only once the model had loaded (here: the missing model was named instead).
+        ("eval_max_length_zero", "eval.py", [f"--model={w / 'nowhere'}", "--chat=hi", "--max_length=0"], 2,
+         "--max_length must be >= 1 tokens"),
+        # Named train.py's --seq_len.
+        ("eval_heldout_shorter_than_a_window", "eval.py", [f"--model={w / 'run'}", f"--heldout=h={w / 'short.npy'}",
+                                                           "--eval_seq_len=32"], 2,
+         "give a shorter --eval_seq_len or more text"),
         ("eval_kl_with_position_buckets", "eval.py", [f"--model={w / 'run'}", f"--model_b={w / 'run'}",
                                                       "--position_buckets=0.5,1", "--kl_instances=4"], 2,
          "--kl_instances applies only with --model_b or --compare (the KL between two models; with "

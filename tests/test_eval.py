@@ -105,6 +105,22 @@ def test_heldout_equals_training_loss_and_numpy_oracle(tmp_path):
                                rtol=1e-5)
 
 
+def test_heldout_of_a_smaller_vocabulary_with_a_part_filled_batch(tmp_path):
+    """A last batch filled with dolma2's pad (100277) crashed bpb's byte lookup (IndexError) for a
+    model of a smaller vocabulary (eval.py's held-out token files of another tokenizer) whenever
+    a domain's windows do not fill whole batches. The five windows score as the numpy oracle."""
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    rows = np.random.default_rng(1).integers(0, 500, size=(5, 17))
+    ds = data.FSLDataset(token_file(tmp_path / "h.npy", rows), 17, vocab_size=512)
+    lengths = heldout.token_byte_lengths(512)
+    got = heldout.heldout(model, ds, batch_size=4, byte_lengths=lengths)
+    lp = log_softmax64(np.stack([forward(model, r) for r in rows]))
+    ce = -np.take_along_axis(lp[:, :-1], rows[:, 1:, None], -1).sum()
+    assert got["batches"] == 2 and got["tokens"] == 5 * 16 and got["bytes"] == lengths[rows[:, 1:]].sum()
+    np.testing.assert_allclose(got["loss"], ce / (5 * 16), rtol=1e-5)
+    np.testing.assert_allclose(got["bpb"], ce / (math.log(2) * lengths[rows[:, 1:]].sum()), rtol=1e-5)
+
+
 def test_token_bytes_add_up_to_the_texts_bytes():
     """bpb's denominator: the tokens of a text count its UTF-8 bytes, PII masks (added tokens matched
     in text) included; eos, pad and the rows past the tokenizer (OLMo-core pads to 100352) count none."""
@@ -1269,7 +1285,8 @@ def test_olmo_core_ce_equals_olmo_cores_lm_evaluator(tmp_path):
 def test_context_length_defaults_to_the_trained_context():
     """eval.py scores at the run's own --seq_len (as train.py's in-loop evaluation does), an HF
     model at OLMo 3's 8192 (OLMo-core's in-loop length), never past the model's positions."""
-    info = lambda seq_len, positions: {"seq_len": seq_len, "config": SimpleNamespace(max_position_embeddings=positions)}  # noqa: E731
+    info = lambda seq_len, positions: {"seq_len": seq_len,  # noqa: E731
+                                       "config": SimpleNamespace(max_position_embeddings=positions, yarn=None)}
     assert eval_script.context_length(info(256, 4096), None) == 256
     assert eval_script.context_length(info(None, 65536), None) == 8192
     assert eval_script.context_length(info(None, 4096), None) == 4096
@@ -1464,3 +1481,35 @@ def test_results_files_are_strict_json(tmp_path):
                            indent=1)
     assert json.loads((tmp_path / "eval.json").read_text(), parse_constant=refuse) == {"a": None, "b": [1.5, None],
                                                                                        "c": "x"}
+
+
+def test_yarn_extends_the_positions_eval_scores_up_to(tmp_path):
+    """--eval_seq_len past max_position_embeddings advised '--yarn to extend it', and with --yarn the
+    same error came back: --yarn set YaRN's factor, never the bound. With --yarn the bound is the
+    context YaRN extends to (factor x original, convert.py's config.json), and the score at that
+    length is the one heldout() gives the YaRN model."""
+    F = eval_script.F
+    hf.to_hf(olmo3.OLMo3(RUN_CFG.replace(max_position_embeddings=16), jax.random.key(0)), tmp_path / "hf")
+    held = token_file(tmp_path / "h.npy", chain(np.random.default_rng(3), 4))
+    common = [f"--model={tmp_path / 'hf'}", f"--heldout=h={held}", f"--out={tmp_path / 'out'}"]
+    yarn = ["--yarn", "--yarn_factor=2", "--yarn_original_max_position=16"]
+    for args, says in (([], "--eval_seq_len=32 exceeds the model's max_position_embeddings=16; give at most that, or "
+                            "--yarn with --yarn_factor x --yarn_original_max_position at least 32 to extend it"),
+                       (["--eval_seq_len=64", *yarn], "--eval_seq_len=64 exceeds the model's max_position_embeddings"
+                                                      "=16 and the context --yarn extends it to (--yarn_factor x "
+                                                      "--yarn_original_max_position); give at most 32")):
+        F.unparse_flags()
+        F(["eval.py", *common, *args] + ([] if args else ["--eval_seq_len=32"]))
+        try:
+            with pytest.raises(app.UsageError, match=re.escape(says)):
+                eval_script.main(["eval.py"])
+        finally:
+            F.unparse_flags()
+    F(["eval.py", *common, "--eval_seq_len=32", *yarn])
+    try:
+        eval_script.main(["eval.py"])
+    finally:
+        F.unparse_flags()
+    model, _ = load.load_model(str(tmp_path / "hf"), yarn=olmo3.YaRN(factor=2.0, original_max_position=16))
+    want = heldout.heldout(model, data.FSLDataset([held], 32, vocab_size=512), batch_size=8)["loss"]
+    assert json.load(open(tmp_path / "out" / "eval.json"))["eval/h/loss"] == pytest.approx(want, rel=1e-6)
