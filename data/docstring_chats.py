@@ -5,7 +5,8 @@
         user:      "Write the docstring of this Python function.\\n\\n" + its source, docstring removed
         assistant: the docstring's first paragraph (inspect.cleandoc)
     split by the module's corpus split (data/corpus.py): functions of held-out documents are
-    held out, so neither the base model nor SFT has seen them
+    held out, but for those a training document holds too, so neither the base model nor SFT
+    has seen them
     out/sft_{train,heldout}.jsonl   {"messages": [user, assistant]}               (data.prepare_sft)
     out/dpo_{train,heldout}.jsonl   {"chosen": [user, real], "rejected": [user, wrong]}
         wrong = another function's docstring that fits --max_tokens too (even rows), or the real one
@@ -66,11 +67,20 @@ def build(max_tokens: int, template: str, seed: int, max_train: int | None, max_
             if n <= max_tokens:
                 found[split].append((n, doc.name, source, summary))
     rng = random.Random(seed)
+    # The same function can sit in several modules (three_way_cmp: unittest/util.py, a training
+    # module, and ctypes/test/test_libc.py, a held-out one): a held-out function whose code a
+    # training module holds was seen by the base model, and is dropped; so is a repeat within a
+    # split. After the shuffle, so that the other functions keep their places.
+    seen = {source for _, _, source, _ in found["train"]}
     out = {}
     for split, limit in (("train", max_train), ("heldout", max_heldout)):
         rows = sorted(set(found[split]))   # a fixed order before the shuffle
         rng.shuffle(rows)
-        out[split] = [(s, d) for _, _, s, d in rows[:limit]]
+        kept = {}   # insertion-ordered
+        for _, _, source, summary in rows:
+            if split == "train" or source not in seen:
+                kept.setdefault((source, summary), None)
+        out[split] = list(kept)[:limit]
     return out
 
 
@@ -79,12 +89,18 @@ def conversation(source: str, answer: str) -> list[dict]:
 
 
 def corrupt(answer: str, rng: random.Random) -> str:
+    """`answer` with its words shuffled (with " not" added where they are all one word): never
+    the answer itself, whatever its spacing."""
     words = answer.split()
     for _ in range(8):
         rng.shuffle(words)
-        if " ".join(words) != " ".join(answer.split()) or len(set(words)) < 2:
+        if words != answer.split() or len(set(words)) < 2:
             break
-    return " ".join(words) + ("" if len(set(words)) > 1 else " not")
+    if len(set(words)) < 2:
+        return " ".join(words) + " not"
+    if words == answer.split():   # eight shuffles gave it back: a rotation, which cannot
+        words = words[1:] + words[:1]
+    return " ".join(words)
 
 
 def preference_rows(pairs: list[tuple[str, str]], seed: int, fits=lambda conv: True) -> list[dict]:

@@ -42,15 +42,17 @@ def test_functions_with_docstrings_strips_the_docstring_and_keeps_the_first_para
     assert dc.functions_with_docstrings("def broken(:\n") == []
 
 
-def _fake_corpus(monkeypatch, n_docs=12):
+def _fake_corpus(monkeypatch, n_docs=12, extra=()):
     docs = []
     for k in range(n_docs):
         body = "".join(f'def f{k}_{i}(x):\n    """Doc {k} {i}{" word" * i}."""\n    return x + {i}\n\n'
                        for i in range(4))
         docs.append(corpus.Document(name=f"mod{k}.py", text=body, domain="code"))
+    docs += [corpus.Document(name=name, text=text, domain="code") for name, text in extra]
     monkeypatch.setattr(corpus, "documents", lambda source: iter(docs))
-    heldout = {"mod1.py", "mod5.py"}
-    monkeypatch.setattr(corpus, "split_of", lambda doc, fraction=None: "heldout" if doc.name in heldout else "train")
+    heldout = {"mod1.py", "mod5.py"} | {name for name, _ in extra if name.startswith("held")}
+    # as data/corpus.py names a held-out document's split: heldout/<domain>
+    monkeypatch.setattr(corpus, "split_of", lambda doc, fraction=None: "heldout/code" if doc.name in heldout else "train")
     return heldout
 
 
@@ -100,10 +102,31 @@ def test_preference_rows_draw_every_other_answer_and_never_their_own():
     assert drawn == {0: {"Return b.", "Return c."}, 2: {"Return a.", "Return b."}}
 
 
+def test_a_function_of_a_training_module_is_never_held_out_nor_trained_on_twice(monkeypatch):
+    """One function in a training module and a held-out one (three_way_cmp: unittest/util.py and
+    ctypes/test/test_libc.py) was a held-out pair the base model had trained on; one in two
+    training modules was two training pairs."""
+    def twice(name):
+        return (f"{name}.py", 'def twice(x):\n    """Twice."""\n    return 2 * x\n')
+    _fake_corpus(monkeypatch)
+    base = dc.build(51, TEMPLATE, seed=0, max_train=None, max_heldout=None)
+    _fake_corpus(monkeypatch, extra=[twice("train_a"), twice("train_b"), twice("held_a")])
+    sets = dc.build(51, TEMPLATE, seed=0, max_train=None, max_heldout=None)
+    assert not {s for s, _ in sets["train"]} & {s for s, _ in sets["heldout"]}
+    assert set(sets["heldout"]) == set(base["heldout"]) and len(sets["heldout"]) == len(base["heldout"])
+    assert sets["train"].count(("def twice(x):\n    return 2 * x", "Twice.")) == 1
+    assert sorted(p for p in sets["train"] if p[1] != "Twice.") == sorted(base["train"])
+
+
 def test_corrupt_always_differs():
     rng = random.Random(0)
     for answer in ("one", "same same", "Return the value.", "a b c d e f"):
         assert dc.corrupt(answer, rng) != answer
+    # Eight shuffles of two words give them back once in 256 draws (seed 439 here): the answer
+    # itself was the rejected side. Whatever its spacing, never the answer's words in order.
+    for answer in ("Return self.", "Return the\n    value."):
+        for seed in range(2000):
+            assert dc.corrupt(answer, random.Random(seed)).split() != answer.split(), (answer, seed)
 
 
 def test_readme_command_fits_every_side_in_the_tiny_sequence(tmp_path):
