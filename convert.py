@@ -182,8 +182,7 @@ def hf_to_orbax(src: str, dst: str, *, step: int = 0, param_dtype: str = "float3
     sd = hf.SafetensorsReader(src)
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     dtype = np.dtype(config.pdtype)
-    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
-        f"model.layers.{i}.{s}" for i in range(config.n_layers) for _, s, _ in hf.LAYER_MAP}
+    expected = hf.tensor_names(config)
     extra_names = sorted(k for k in sd if k not in expected and "rotary_emb" not in k)
     missing = sorted(expected - set(sd))
     if missing or extra_names:

@@ -407,6 +407,12 @@ def require_finite(name: str, a: np.ndarray, where: str = "HF checkpoint") -> np
     return a
 
 
+def tensor_names(c: Config) -> set[str]:
+    """The names of an HF Olmo3 checkpoint's tensors for config `c` (rotary buffers aside)."""
+    return {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
+        f"model.layers.{i}.{suffix}" for i in range(c.n_layers) for _, suffix, _ in LAYER_MAP}
+
+
 def from_hf(path_or_state_dict: Union[str, os.PathLike, Mapping[str, Any]], config: Optional[Config] = None,
             **overrides) -> OLMo3:
     """Load an HF Olmo3 checkpoint (a directory with config.json + safetensors, or a state dict)."""
@@ -421,8 +427,7 @@ def from_hf(path_or_state_dict: Union[str, os.PathLike, Mapping[str, Any]], conf
             raise ValueError("from_hf(state_dict) needs config=olmo3.Config(...) (or pass an HF directory)")
     c = config
     dt = c.pdtype
-    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} | {
-        f"model.layers.{i}.{suffix}" for i in range(c.n_layers) for _, suffix, _ in LAYER_MAP}
+    expected = tensor_names(c)
     extra = sorted(k for k in sd if k not in expected and "rotary_emb" not in k)
     if extra:
         raise ValueError(f"HF checkpoint has {len(extra)} tensors the config does not expect, e.g. "

@@ -371,6 +371,42 @@ def test_bad_inputs(tmp_path):
             hf.SafetensorsReader(str(tmp_path / "stale"))
 
 
+def test_hf_directories_read_as_transformers_reads_them_or_refused(tmp_path):
+    """from_hf(directory) (eval.py's and load's reader) and hf_to_orbax against the same damaged
+    or extended directories: a tensor the config has no place for (a q_proj bias: transformers'
+    attention_bias=True) and a NaN weight are refused by both; model.safetensors beside a stale
+    index and its shards is read alone, as transformers' from_pretrained reads it."""
+    from safetensors.torch import load_file, save_file
+    ref = random_hf_dir(tmp_path / "hf")
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    bias = "model.layers.0.self_attn.q_proj.bias"
+    for name, tensors, culprit in (
+            ("bias", {**weights, bias: torch.zeros(weights[bias.replace("bias", "weight")].shape[0])},
+             re.escape(bias)),
+            ("nan", {**weights, "model.norm.weight": torch.full_like(weights["model.norm.weight"], float("nan"))},
+             r"'model.norm.weight' holds NaN")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+        save_file(tensors, str(tmp_path / name / "model.safetensors"))
+        with pytest.raises(ValueError, match=culprit):
+            hf.from_hf(str(tmp_path / name))
+        with pytest.raises(ValueError, match=culprit):
+            convert.hf_to_orbax(str(tmp_path / name), str(tmp_path / f"o_{name}"))
+        assert not os.path.exists(tmp_path / f"o_{name}")
+    # A sharded copy of another model left beside model.safetensors (a re-download in the same directory)
+    random_hf_dir(tmp_path / "other", seed=1).save_pretrained(str(tmp_path / "other"), max_shard_size="200KB")
+    for f in os.listdir(tmp_path / "other"):
+        if f.startswith("model-") or f.endswith(".index.json"):
+            os.replace(tmp_path / "other" / f, tmp_path / "hf" / f)
+    assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    ours = hf.from_hf(str(tmp_path / "hf"))
+    for theirs in (loaded, ref):
+        np.testing.assert_array_equal(np.asarray(ours.embed), theirs.model.embed_tokens.weight.detach().numpy())
+        np.testing.assert_array_equal(np.asarray(ours.layers.q_proj[0]),
+                                      theirs.model.layers[0].self_attn.q_proj.weight.detach().numpy().T)
+
+
 # ---- slow -----------------------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("pad_vocab", [None, 100352], ids=["hf_vocab", "pad_vocab"])
