@@ -717,3 +717,26 @@ def test_sliding_flops_of_a_gqa_model_are_olmo_core_s(seq_len):
     theirs = cfg.build(init_device="meta").num_flops_per_token(seq_len)   # exact: q_dim 64 is a multiple of seq_len
     norms = 6 * 2 * c.d_model * c.n_layers
     assert c.train_flops_per_token(seq_len, "sliding") - norms == pytest.approx(theirs, rel=1e-12)
+
+
+def test_yarn_olmo_core_cannot_express_and_adam_counts_that_disagree():
+    """An attention factor other than OLMo-core's 0.1 ln(factor) + 1 (transformers' config.json
+    may carry one) has no field in YaRNRoPEScalingConfig: refused, not written as the default.
+    Parameters whose Adam `step` differ (a frozen one never steps) give the largest count."""
+    from olmo_core.nn.transformer import TransformerConfig
+
+    from olmo3.config import Config, YaRN
+    c = Config.tiny(yarn=YaRN(factor=4.0, original_max_position=64))
+    assert TransformerConfig.from_dict(olmo_core.config_to_olmo_core(c)).block_overrides
+    with pytest.raises(ValueError, match=r"attention factor 1\.5 is not OLMo-core's 0\.1 ln\(4\.0\) \+ 1"):
+        olmo_core.config_to_olmo_core(Config.tiny(yarn=YaRN(factor=4.0, original_max_position=64,
+                                                            attention_factor=1.5)))
+
+    class Steps(olmo_core.DistCheckpointReader):   # a DCP's tensors, without a DCP
+        def __init__(self, values):
+            self.path, self.tensors = "ck", values
+
+        def read(self, name):
+            return self.tensors[name]
+    reader = Steps({"optim.state.a.step": 5.0, "optim.state.b.step": 3.0, "model.a": 0.0})
+    assert olmo_core.adam_count(reader) == (5, {3.0, 5.0})
