@@ -765,15 +765,19 @@ def test_generate_never_cuts_the_prompt_or_the_answer():
         scorer.generate(tokens[:4], 2, top_p=0.9)
 
 
-def test_chat_prompt_that_does_not_fit_is_an_error_and_a_long_one_caps_the_answer(caplog):
+def test_chat_prompt_that_does_not_fit_is_an_error_and_a_long_one_caps_the_answer(caplog, monkeypatch):
     model = olmo3.OLMo3(CFG.replace(vocab_size=data.VOCAB_SIZE), jax.random.key(0))
     messages = [{"role": "user", "content": "word " * 60}]
     n = len(data.chat.generation_prompt(messages))
     with pytest.raises(ValueError, match=f"prompt is {n} tokens, the model's context \\(--max_length\\) {n}"):
         eval_script.chat_answer(model, messages, max_new_tokens=4, max_length=n)
+    asked, generate = [], scoring.Scorer.generate
+    monkeypatch.setattr(scoring.Scorer, "generate", lambda self, prompt, new, **kw: asked.append(new) or generate(
+        self, prompt, new, **kw))
     with caplog.at_level("WARNING"):
         eval_script.chat_answer(model, messages, max_new_tokens=8, max_length=n + 3)
     assert f"leave room for 3 of --max_new_tokens=8 in --max_length={n + 3}" in caplog.text
+    assert asked == [3]   # the prompt and the answer fill the context exactly
 
 
 def test_chat_answer_reads_from_the_think_its_prompt_opened():
@@ -1156,6 +1160,11 @@ def test_unmeasurable_noise_flags_nothing_and_says_so(runs, tmp_path):
         "undetermined: noise not measurable (2 logged training losses in the 2-step window, need 10)")
     assert r["verdict"].startswith("step 90 undetermined") and "--train_loss_window" in r["verdict"]
     assert eval_script.compare_runs(runs["clean0"], runs["repeat"], tol=0.1, out_dir=str(tmp_path / "t"), **kw)["flagged"]
+    one_set = {"chain_a": runs["sets_fn"](None)["chain_a"]}   # one domain, one batch: no spread between batches
+    one = eval_script.compare_runs(runs["clean0"], runs["repeat"], out_dir=str(tmp_path / "o"),
+                                   **{**kw, "max_batches": 1, "sets_fn": lambda *a, **k: one_set})
+    assert one["rows"][0]["flag"].startswith("undetermined: noise not measurable (2 logged training losses in the "
+                                             "2-step window, need 10, 1 held-out batch(es), need 2)")
 
 
 def test_compare_on_padded_documents(runs, tmp_path):
@@ -1348,11 +1357,16 @@ def test_cli_one_model_two_models_and_two_runs(runs, tmp_path):
     common = [f"--heldout={files}", "--eval_seq_len=32", "--max_eval_batches=2"]
     F.unparse_flags()
     F(["eval.py", f"--model={runs['clean0']}", f"--model_b={runs['clean0']}/checkpoints/30", *common,
-       f"--out={tmp_path / 'one'}"])
+       f"--out={tmp_path / 'one'}", "--kl_instances=3"])
     eval_script.main(["eval.py"])
     res = json.load(open(tmp_path / "one" / "eval.json"))
     assert res["step"] == 90 and res["eval/chain_a/loss_delta"] > 0.1 and res["kl/mean"] > 0.01
     model, _ = load.load_model(runs["clean0"])
+    # KL(A || B) over the first --kl_instances windows of each domain (model_agreement: the direct formulas' above)
+    rows = np.concatenate([np.stack([ds[i] for i in range(3)]) for _, ds in sorted(runs["sets_fn"](None).items())])
+    agree = heldout.model_agreement(model, load.load_model(runs["clean0"], step=30)[0], rows.astype(np.int32))
+    assert [res[f"kl/{k}"] for k in ("mean", "max", "top1", "top10")] == pytest.approx(
+        [agree[k] for k in ("kl_mean", "kl_max", "top1", "top10")], rel=1e-6)
     want = heldout.heldout(model, runs["sets_fn"](None)["chain_a"], batch_size=8, max_batches=2)["loss"]
     assert res["eval/chain_a/loss"] == pytest.approx(want, rel=1e-6)
     F.unparse_flags()
@@ -1513,3 +1527,15 @@ def test_yarn_extends_the_positions_eval_scores_up_to(tmp_path):
     model, _ = load.load_model(str(tmp_path / "hf"), yarn=olmo3.YaRN(factor=2.0, original_max_position=16))
     want = heldout.heldout(model, data.FSLDataset([held], 32, vocab_size=512), batch_size=8)["loss"]
     assert json.load(open(tmp_path / "out" / "eval.json"))["eval/h/loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_task_deltas_and_the_doc_lengths_flag_over_the_checkpoints_setting():
+    """--model_b's deltas: B - A per score, standard errors in quadrature, nothing for a count
+    (`/n`) or for a standard error itself. --doc_lengths / --nodoc_lengths win over the setting
+    the checkpoint's run scored with; left out, that setting (off where unknown: an HF model)."""
+    a = {"arc/acc": 0.5, "arc/acc_stderr": 0.03, "arc/n": 100, "mmlu/bpb": 1.2}
+    b = {"arc/acc": 0.6, "arc/acc_stderr": 0.04, "arc/n": 100, "mmlu/bpb": 1.0}
+    assert eval_script.task_deltas(a, b) == pytest.approx({"arc/acc_delta": 0.1, "arc/acc_delta_stderr": 0.05,
+                                                           "mmlu/bpb_delta": -0.2})
+    for flag, saved, want in ((True, False, True), (False, True, False), (None, True, True), (None, None, False)):
+        assert eval_script.segments_for({"doc_lengths": saved}, flag) is want

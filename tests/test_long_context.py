@@ -253,6 +253,9 @@ def test_eval_position_report_and_paired_deltas(tmp_path):
     n = np.concatenate([rows_a["x"]["tokens"], rows_a["y"]["tokens"]])
     assert ra["pos/all/16-32/loss"] == pytest.approx(ce[:, 1].sum() / n[:, 1].sum())
     assert ra["pos/x/0-16/loss"] == pytest.approx(rows_a["x"]["loss"][0])
+    nb = np.concatenate([rows_a["x"]["bytes"], rows_a["y"]["bytes"]])   # by_position's: the numpy oracle's above
+    assert ra["pos/all/16-32/bpb"] == pytest.approx(ce[:, 1].sum() / (math.log(2) * nb[:, 1].sum()))
+    assert ra["pos/x/0-16/bpb"] == pytest.approx(rows_a["x"]["bpb"][0])
     for k, bucket in enumerate(("0-16", "16-32")):   # se over the documents that reach the bucket (7, then 5)
         reach = n[:, k] > 0
         c, t = ce[reach, k], n[reach, k]
