@@ -149,6 +149,13 @@ def test_bench_figures_from_scripted_steps(platform):
         mfu_pct = float(re.search(r"MFU ([\d.]+)% of measured", line).group(1))
         assert mfu_pct == pytest.approx(100 * rate / peak, abs=0.05)
         assert ("of nominal" in line) == (platform == "gpu")
+    # torch: one process on one device, its FLOP/s against the same peak
+    line = next(l for l in lines if l.startswith("torch writeup FLOPs:"))
+    torch_rate = flops["writeup"] * tokens / tmed
+    assert float(re.search(r"FLOPs: (\S+) TFLOP/s", line).group(1)) * 1e12 == pytest.approx(torch_rate, rel=1e-3)
+    assert float(re.search(r"MFU ([\d.]+)% of measured", line).group(1)) == pytest.approx(100 * torch_rate / peak,
+                                                                                         abs=0.05)
+    assert f"ours/torch: {tmed / med:.2f}x tokens/s, {tmed / med:.2f}x tokens/CPU-second" in line   # 2.50x, not 0.40x
     m = LAST.match(lines[-2])
     assert m, lines[-2]
     tps, ttps, ratio, mfu, mfu_nominal = map(float, m.groups())
@@ -490,3 +497,82 @@ def test_data_and_checkpoint_benchmarks_run(script, args, lines):
     assert out.returncode == 0, out.stderr[-3000:]
     got = [line for line in out.stdout.splitlines() if any(re.match(p, line) for p in lines)]
     assert len(got) == len(lines) and all(re.match(p, g) for p, g in zip(lines, got)), out.stdout
+
+
+# The data and checkpoint benchmarks with their clocks scripted (the work itself runs, on toy
+# sizes): every figure is arithmetic on the scripted seconds, checked against it written out.
+SCRIPTED_CHECKPOINT = textwrap.dedent(r"""
+    import sys, types
+    sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+    import bench_checkpoint as b
+    from olmo3 import checkpoint
+    clock = types.SimpleNamespace(t=0.0)
+    b.time = types.SimpleNamespace(perf_counter=lambda: clock.t)
+
+    def costs(name, seconds):   # the first call compiles (untimed), then the --repeats timed ones
+        real, it = getattr(checkpoint, name), iter(seconds)
+        def f(flat):
+            clock.t += next(it, 0.0)
+            return real(flat)
+        setattr(checkpoint, name, f)
+    costs("nonfinite_tensors", [100.0, 0.3, 0.1, 0.2])
+    costs("tensor_checksums", [50.0, 0.6, 0.2, 0.4])
+    b.F(["bench_checkpoint", *sys.argv[2:]])
+    b.main([])
+""")
+
+SCRIPTED_DATA = textwrap.dedent(r"""
+    import sys, types
+    import numpy as np
+    root, tmp = sys.argv[1], sys.argv[2]
+    sys.path[:0] = [root, root + "/benchmarks"]
+    import bench_data as b
+    import data
+    clock = types.SimpleNamespace(t=0.0)
+    b.time = types.SimpleNamespace(perf_counter=lambda: clock.t)
+    b._cpu_seconds = lambda: clock.t / 4   # a quarter of the wall seconds on the CPU
+
+    def prepare(corpus, out_dir, workers, progress):
+        clock.t += 2.0
+        return {"splits": {"train": {"tokens": 3_000_000, "documents": 70},
+                           "heldout/code": {"tokens": 1_000_000, "documents": 30}}}
+    b.prep.prepare = prepare
+    np.arange(64 * 40, dtype=np.uint32).tofile(tmp + "/t.npy")
+    b.data.open_split = lambda out_dir, split, seq_len: data.FSLDataset([tmp + "/t.npy"], seq_len)
+
+    class Loader(data.Loader):   # the first batch of each loader: start-up, untimed
+        def __next__(self):
+            clock.t += 5e-7 if getattr(self, "started", False) else 100.0
+            self.started = True
+            return super().__next__()
+    b.data.Loader = Loader
+    b.FLAGS(["bench_data", *sys.argv[3:]])
+    b.main([])
+""")
+
+
+def test_checkpoint_and_data_benchmark_figures_from_scripted_clocks(tmp_path):
+    """bench_checkpoint: checks of 0.3, 0.1, 0.2 s (after a 100 s compile) are a median of 0.2 s,
+    so 2 x 4 MiB = 0.0084 GB at 0.042 GB/s, and the 7B state's 87.6 GB over 64 devices takes
+    1.368 GB / rate. bench_data: preparing 4M tokens (train and held-out) in 2 s is 2M tokens/s,
+    8M per CPU-second; 3 loader steps of 4 x 64 tokens at 0.5 us each (after a 100 s start)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", SCRIPTED_CHECKPOINT, ROOT, "--tensors=2", "--mib=4", "--repeats=3",
+                          "--saves=1", "--devices_7b=64"], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    gb = 2 * 4 * 2**20 / 1e9
+    per_device = 7_298_011_136 * 4 * 3 / 1e9 / 64   # fp32 parameters and both Adam moments (DESIGN §2)
+    assert f"finiteness check: 0.01 GB in 200 ms (median of 3, min 100): {gb / 0.2:.2f} GB/s" in out.stdout
+    assert f"checksums: 0.01 GB in 400 ms (median of 3, min 200): {gb / 0.4:.2f} GB/s" in out.stdout
+    assert (f"7B state 87.6 GB = {per_device:.2f} GB per device on 64 devices: finiteness check "
+            f"{per_device / (gb / 0.2):.2f} s, checksums {per_device / (gb / 0.4):.2f} s") in out.stdout, out.stdout
+    out = subprocess.run([sys.executable, "-c", SCRIPTED_DATA, ROOT, str(tmp_path), "--prepare_workers=1", "--steps=3",
+                          "--loader_workers=0", "--seq_len=64", "--global_batch=4"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("prepare stdlib, 1 process(es): 100 docs, 4,000,000 tokens in 2.00 s = 2.00M tokens/s wall (incl. "
+            "process start-up and writes); 8.00M tokens per CPU-second") in out.stdout, out.stdout
+    for f in ("off", "on "):
+        assert (f"loader seq_len=64 global_batch=4 workers=0 filter={f}: {3 * 4 * 64 / 1.5e-6 / 1e6:.2f}M tokens/s "
+                f"({3 / 1.5e-6:.0f} steps/s)") in out.stdout, out.stdout
