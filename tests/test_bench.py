@@ -576,3 +576,35 @@ def test_checkpoint_and_data_benchmark_figures_from_scripted_clocks(tmp_path):
     for f in ("off", "on "):
         assert (f"loader seq_len=64 global_batch=4 workers=0 filter={f}: {3 * 4 * 64 / 1.5e-6 / 1e6:.2f}M tokens/s "
                 f"({3 / 1.5e-6:.0f} steps/s)") in out.stdout, out.stdout
+
+
+def test_downstream_cost_figures_are_forward_flops_by_hand():
+    """downstream_cost's total: each batch of its (rows, T) shapes (those oe_tasks.score runs,
+    test above) costs rows x T x the 7B's forward FLOPs per token, a third of the write-up's
+    training count (6 x non-embedding-and-head parameters + 6 x T x heads x head_dim x layers);
+    seconds = FLOPs / (devices x MFU x peak)."""
+    code = textwrap.dedent(r"""
+        import json, sys
+        sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+        import data, downstream_cost, olmo3
+        from olmo3 import oe_tasks
+        rows = oe_tasks.rows("copycolors_10way_fast", oe_tasks.load_requests("copycolors_10way_fast"),
+                             data.tokenizer.encode, 8192)
+        c = olmo3.Config.preset("olmo3_7b")
+        print(json.dumps([downstream_cost.padded_shapes(rows, 8), [c.d_model, c.n_layers, c.n_heads, c.n_kv_heads,
+                                                                   c.head_dim, c.mlp_hidden, c.vocab_size]]))
+    """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code, ROOT], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shapes, (D, L, H, KV, HD, MLP, V) = json.loads(out.stdout.strip().splitlines()[-1])
+    per_layer = 2 * D * H * HD + 2 * D * KV * HD + 2 * H * HD + 3 * D * MLP + 2 * D   # q, o; k, v; qk-norm; MLP; norms
+    flops = sum(r * T * (6 * (L * per_layer + D + D * V) + 6 * T * H * HD * L) / 3 for r, T in shapes)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "downstream_cost.py"),
+                          "--tasks=copycolors_10way_fast", "--rows=8", "--devices=2", "--mfu=0.5",
+                          "--peak_tflops=0.001"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{sum(r * T for r, T in shapes):,} padded tokens, {flops / 1e15:.1f} PFLOP at 7B" in out.stdout
+    seconds = float(re.search(r"2 devices at 50% of 0.001 TFLOP/s: +([\d.]+) s", out.stdout).group(1))
+    assert seconds == pytest.approx(flops / (2 * 0.5 * 1e9), abs=0.06)
