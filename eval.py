@@ -143,15 +143,15 @@ def context_length(info: dict, requested: Optional[int]) -> int:
         if requested <= 0:
             raise app.UsageError(f"--max_length={requested} must be positive")
         return requested
-    return min(info.get("seq_len") or PRETRAIN_SEQ_LEN, position_limit(info))
+    return min(info.get("seq_len") or PRETRAIN_SEQ_LEN, position_limit(info["config"]))
 
 
-def position_limit(info: dict) -> int:
-    """The model's max_position_embeddings, or with --yarn the context YaRN extends it to where
-    that is longer (factor x original: what convert.py writes to config.json, and transformers
-    reads max_position_embeddings as). Only eval.py's bound: the model computes any position."""
-    config = info["config"]
-    if config.yarn is None or not F.yarn:
+def position_limit(config) -> int:
+    """The model's max_position_embeddings, or the context its YaRN (its own, or --yarn's) extends
+    it to where that is longer: factor x original, what convert.py writes to config.json and
+    transformers reads max_position_embeddings as. Only eval.py's bound: the model computes any
+    position."""
+    if config.yarn is None:
         return config.max_position_embeddings
     return max(config.max_position_embeddings, int(config.yarn.factor * config.yarn.original_max_position))
 
@@ -803,14 +803,18 @@ def main(argv):
     if F.model_b:
         warn_other_precision(info_b)
     max_length = context_length(info, F.max_length)
+    if F.model_b and F.max_length is None:   # B scores the same rows
+        max_length = min(max_length, position_limit(info_b["config"]))
     for flag, n in (("--max_length", max_length), ("--eval_seq_len", None if chatting else F.eval_seq_len)):
-        if n is not None and n > position_limit(info):   # scored on, unsaid
-            raise app.UsageError(
-                f"{flag}={n} exceeds the model's max_position_embeddings={info['config'].max_position_embeddings}"
-                + (f" and the context --yarn extends it to (--yarn_factor x --yarn_original_max_position); give at "
-                   f"most {position_limit(info)}" if F.yarn else
-                   "; give at most that, or --yarn with --yarn_factor x --yarn_original_max_position at least "
-                   f"{n} to extend it"))
+        for name, i in (("the model", info), ("--model_b", info_b if F.model_b else None)):   # --yarn: A's only
+            c = i["config"] if i else None
+            if n is not None and c is not None and n > position_limit(c):   # scored on, unsaid
+                raise app.UsageError(
+                    f"{flag}={n} exceeds {name}'s max_position_embeddings={c.max_position_embeddings}"
+                    + (f" and the context its YaRN extends it to ({c.yarn.factor:g} x {c.yarn.original_max_position})"
+                       if c.yarn else "") + f"; give at most {position_limit(c)}"
+                    + ("" if c.yarn or name != "the model" else
+                       f", or --yarn with --yarn_factor x --yarn_original_max_position at least {n} to extend it"))
     use_segments = segments_for(info, F.doc_lengths)
     if chatting:
         return chat_report(model, max_length)

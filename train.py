@@ -769,13 +769,6 @@ def check_flags():
     if F.downstream_tasks:   # an unknown task stops here, not after the model is built
         from olmo3 import oe_tasks
         oe_tasks.resolve(F.downstream_tasks, "--downstream_tasks")
-    # Each was overwritten without a word by the one derived from the data (set_horizon).
-    if F.epochs is not None:
-        cli.refuse_given(("total_steps",), f"would be ignored: --epochs={F.epochs} derives it from the data (epochs x "
-                                           "whole global batches); drop {flag} (a shorter run: --max_steps), or --epochs")
-    if F.warmup_fraction is not None:
-        cli.refuse_given(("warmup_steps",), f"would be ignored: --warmup_fraction={F.warmup_fraction} derives it "
-                                            "(round(fraction x total steps)); drop {flag}, or --warmup_fraction")
     if F.warmup_steps > F.total_steps and F.epochs is None and F.warmup_fraction is None:
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon --total_steps={F.total_steps}")
     if F.max_steps is not None and F.max_steps > F.total_steps and F.epochs is None:
@@ -845,10 +838,21 @@ def set_horizon(num_instances: int) -> None:
     """--epochs -> --total_steps (whole global batches per epoch, the tail dropped as data.order
     drops it), --warmup_fraction -> --warmup_steps (Python's round, as OLMo-core's scheduler)."""
     import data
+    # A given --total_steps / --warmup_steps gives way, with a word: it may be a base flagfile's
+    # (tiny.flags under --epochs), where a refusal could not be followed without editing the file.
     if F.epochs is not None:   # >= 1, and the fraction in [0, 1]: the flags' validators
+        given = F.total_steps
         F.total_steps = F.epochs * data.steps_per_epoch(num_instances, F.global_batch)
+        if F["total_steps"].present and given != F.total_steps:
+            logging.warning("--total_steps=%d gives way to --epochs=%d: %d steps over %d instances (whole global "
+                            "batches); for a shorter run give --max_steps", given, F.epochs, F.total_steps,
+                            num_instances)
     if F.warmup_fraction is not None:
+        given = F.warmup_steps
         F.warmup_steps = round(F.warmup_fraction * F.total_steps)
+        if F["warmup_steps"].present and given != F.warmup_steps:
+            logging.warning("--warmup_steps=%d gives way to --warmup_fraction=%g: %d steps", given,
+                            F.warmup_fraction, F.warmup_steps)
     if F.warmup_steps > F.total_steps:   # check_flags left this to the derived horizon
         raise app.UsageError(f"--warmup_steps={F.warmup_steps} is past the schedule horizon ({F.total_steps} steps "
                              f"= --epochs={F.epochs} over {num_instances} instances): the lr would never reach "

@@ -62,7 +62,10 @@ def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
         raise ValueError(f"HF config rope_parameters={params!r}; expected an object per layer type")
     if params and "full_attention" not in params and "sliding_attention" not in params:
         # transformers 5 fills in default per-layer-type entries and its Olmo3 reads only those:
-        # this one would be ignored there (theta 500,000, no YaRN) and applied here
+        # this one is ignored there (theta 500,000, no YaRN), and refused here unless it says as much
+        if (params.get("rope_type", params.get("type", "default")) == "default"
+                and _field(params, "rope_theta", float, 500_000.0) == 500_000.0):
+            return 500_000.0, None
         raise ValueError(f"HF config rope_parameters={params!r} has no 'full_attention' / 'sliding_attention' entry, "
                          "which transformers 5's Olmo3 reads (it ignores the rest); write the parameters per layer "
                          "type, or as rope_theta + rope_scaling (transformers 4.x)")

@@ -246,11 +246,6 @@ def _cases(w):
         ("warmup_past_horizon", "train.py", [*T, f"--run_dir={new}", "--warmup_steps=9"], 2, "--warmup_steps=9"),
         ("dpo_beta_zero", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--dpo_beta=0"], 2,
          "--dpo_beta=0.0 must be finite and > 0"),
-        # Each overwritten without a word by the one derived from the data.
-        ("total_steps_with_epochs", "train.py", [*T, f"--run_dir={new}", "--epochs=1"], 2,
-         "--total_steps would be ignored: --epochs=1 derives it from the data"),
-        ("warmup_steps_with_warmup_fraction", "train.py", [*T, f"--run_dir={new}", "--warmup_fraction=0.1"], 2,
-         "--warmup_steps would be ignored: --warmup_fraction=0.1 derives it"),
         # Each refused only after the corpus was prepared (and packed: minutes at scale).
         ("epochs_zero", "train.py", [*T, f"--run_dir={new}", "--epochs=0"], 2, "--epochs must be >= 1 passes"),
         ("warmup_fraction_nan", "train.py", [*T, f"--run_dir={new}", "--warmup_fraction=nan"], 2,

@@ -1507,11 +1507,14 @@ def test_yarn_extends_the_positions_eval_scores_up_to(tmp_path):
     held = token_file(tmp_path / "h.npy", chain(np.random.default_rng(3), 4))
     common = [f"--model={tmp_path / 'hf'}", f"--heldout=h={held}", f"--out={tmp_path / 'out'}"]
     yarn = ["--yarn", "--yarn_factor=2", "--yarn_original_max_position=16"]
-    for args, says in (([], "--eval_seq_len=32 exceeds the model's max_position_embeddings=16; give at most that, or "
+    for args, says in (([], "--eval_seq_len=32 exceeds the model's max_position_embeddings=16; give at most 16, or "
                             "--yarn with --yarn_factor x --yarn_original_max_position at least 32 to extend it"),
                        (["--eval_seq_len=64", *yarn], "--eval_seq_len=64 exceeds the model's max_position_embeddings"
-                                                      "=16 and the context --yarn extends it to (--yarn_factor x "
-                                                      "--yarn_original_max_position); give at most 32")):
+                                                      "=16 and the context its YaRN extends it to (2 x 16); give at "
+                                                      "most 32"),
+                       # --yarn is --model's: B, without it, was scored past its positions
+                       (["--eval_seq_len=32", *yarn, f"--model_b={tmp_path / 'hf'}"],
+                        "--eval_seq_len=32 exceeds --model_b's max_position_embeddings=16; give at most 16")):
         F.unparse_flags()
         F(["eval.py", *common, *args] + ([] if args else ["--eval_seq_len=32"]))
         try:

@@ -163,6 +163,8 @@ _YARN4 = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings"
 _ROPE_CONFIGS = [   # (id, the config.json's rope fields, whether hf.config_from_hf refuses it)
     ("flat_yarn_rope_parameters", {"rope_parameters": {**_YARN4, "rope_theta": 1e4}}, True),   # transformers 5: ignored
     ("flat_default_rope_parameters", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, True),
+    ("flat_rope_parameters_as_transformers_reads_them", {"rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 5e5}}, False),
     ("full_entry_only", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}}, True),
     ("entries_without_theta", {"rope_parameters": {"full_attention": {"rope_type": "default"},
                                                    "sliding_attention": {"rope_type": "default"}}}, False),

@@ -608,6 +608,21 @@ def test_epochs_without_warmup_fraction_is_refused_past_the_horizon():
     assert run("--epochs=2", "--warmup_fraction=0.03").split() == ["12", "0"]
 
 
+def test_a_given_horizon_gives_way_to_epochs_with_a_warning():
+    """--epochs / --warmup_fraction over a --total_steps / --warmup_steps that is given (a base
+    flagfile's: tiny.flags under test_train_dpo's --epochs) replaced it without a word."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-c", _HORIZON, "26", "--global_batch=4", "--epochs=2", "--total_steps=100",
+                        "--warmup_steps=50", "--warmup_fraction=0.5"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120)
+    assert p.stdout.split() == ["12", "6"], p.stderr[-2000:]
+    assert "--total_steps=100 gives way to --epochs=2: 12 steps over 26 instances" in p.stderr
+    assert "--warmup_steps=50 gives way to --warmup_fraction=0.5: 6 steps" in p.stderr
+    p = subprocess.run([sys.executable, "-c", _HORIZON, "26", "--global_batch=4", "--epochs=2", "--warmup_fraction=0.5"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.stdout.split() == ["12", "6"] and "gives way" not in p.stderr
+
+
 # ---- train.py --stage=sft end to end (slow: several train.py runs) -------------------------
 SMALL_MODEL = ["--d_model=32", "--n_heads=2",
                "--n_kv_heads=2", "--head_dim=16", "--mlp_hidden=64", "--seq_len=64", "--global_batch=4",
