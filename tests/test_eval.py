@@ -359,6 +359,17 @@ def test_loglikelihood_and_rolling_against_oracle():
     ll, greedy = scoring.Scorer(model).loglikelihood(t[:15], t[15:])
     np.testing.assert_allclose(ll, sum(lp_full[j - 1, t[j]] for j in range(15, 21)), rtol=1e-5)
     assert greedy == all(lp_full[j - 1].argmax() == t[j] for j in range(15, 21))
+    # is_greedy is every continuation token the argmax (lm-eval's), not the last one: [argmax,
+    # not, argmax] is not greedy, [argmax] x 3 is
+    cont = []
+    for pick in ("argmax", "other", "argmax"):
+        row = log_softmax64(forward(model, t[:15] + cont))[-1][:CFG.vocab_size]
+        cont.append(int(row.argmax()) if pick == "argmax" else int(np.argsort(row)[-2]))
+    assert scoring.Scorer(model).loglikelihood(t[:15], cont)[1] is False
+    assert scoring.Scorer(model).loglikelihood(t[:15], cont[:1])[1] is True
+    cont[1] = int(log_softmax64(forward(model, t[:15] + cont[:1]))[-1].argmax())
+    cont[2] = int(log_softmax64(forward(model, t[:15] + cont[:2]))[-1].argmax())
+    assert scoring.Scorer(model).loglikelihood(t[:15], cont)[1] is True
     # rolling with max_length 8: each token predicted from at most the 8 tokens before it, the
     # windows sharing context (oracle: one forward per token over its own context)
     scorer = scoring.Scorer(model, max_length=8)
