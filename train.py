@@ -297,6 +297,9 @@ def main(argv):
             source = checkpoint.CheckpointManager(run, read_only=True)
             try:
                 source.check_fits(step, {"model": eqx.filter_eval_shape(olmo3.OLMo3, config, jax.random.key(0))})
+                if F.stage in ("1", "2", "3") and not F.init_weights_only and not any(
+                        k.startswith("opt.") for k in source.stored_tensors(step)):
+                    raise no_moments()
             finally:
                 source.close()
     # So does a resume its newest checkpoint refuses (another stage, recipe constant, model or
@@ -423,9 +426,7 @@ def main(argv):
                 if not all(name.startswith("opt.") for name in e.missing):
                     raise
                 if F.stage != "sft":
-                    raise app.UsageError(
-                        f"--init_from={F.init_from} holds no optimizer state; the stage-{F.stage} warm "
-                        "start needs Adam's moments (a train.py checkpoint), or pass --init_weights_only") from e
+                    raise no_moments() from e
         if state is None:
             state, source_extra = source.restore(step, {"model": abstract[0]})
             model = state["model"]
@@ -764,7 +765,7 @@ def check_flags():
         prepare.check_out_dir(F.data_dir, "--data_dir")
     if F.packing_cache and not storage.is_remote(F.packing_cache):   # /proc/x failed mid-packing
         atomic.check_writable(F.packing_cache, "--packing_cache")
-    if F.resume and F.init_from and os.path.isdir(os.path.join(F.run_dir, "checkpoints")):
+    if F.resume and F.init_from and newest_checkpoint(os.path.join(F.run_dir, "checkpoints")) is not None:
         logging.info("--resume with --init_from: resuming the run; --init_from only applies to a fresh run")
     if F.downstream_tasks:   # an unknown task stops here, not after the model is built
         from olmo3 import oe_tasks
@@ -860,6 +861,10 @@ def set_horizon(num_instances: int) -> None:
     if F.max_steps is not None and F.max_steps > F.total_steps:
         raise app.UsageError(f"--max_steps={F.max_steps} is past the schedule horizon ({F.total_steps} steps "
                              f"= --epochs={F.epochs} over {num_instances} instances)")
+    if F.downstream_tasks and F.downstream_eval_interval > F.total_steps:   # check_flags' check, on this horizon
+        raise app.UsageError(f"--downstream_eval_interval={F.downstream_eval_interval} is past the schedule horizon "
+                             f"({F.total_steps} steps = --epochs={F.epochs} over {num_instances} instances), so "
+                             f"--downstream_tasks would never be scored; give an interval <= {F.total_steps}")
     logging.info("Horizon: %d steps, %d warmup", F.total_steps, F.warmup_steps)
 
 
@@ -998,6 +1003,12 @@ def reference_logps(ds, path: str, identity: str, model, compute, elsewhere: str
     logging.info("Reference log-probs of %s: computing once, cached in %s", ds, path)
     sums, _ = reference.load_or_compute(path, fp, compute, write_file=jax.process_index() == 0)
     return sums
+
+
+def no_moments() -> app.UsageError:
+    """The refusal of a stage 1-3 warm start from a checkpoint without Adam's moments."""
+    return app.UsageError(f"--init_from={F.init_from} holds no optimizer state; the stage-{F.stage} warm start "
+                          "needs Adam's moments (a train.py checkpoint), or pass --init_weights_only")
 
 
 def warn_model_change(saved: dict | None, config, init_from: str) -> None:

@@ -111,7 +111,8 @@ for args in json.loads(sys.argv[1]):
     train.F.unparse_flags()
     train.F(["train.py", "--model=tiny", *args])
     yarn = train.model_config().yarn
-    out.append([train.doc_lengths(), None if yarn is None else [yarn.factor, yarn.original_max_position]])
+    out.append([train.doc_lengths(), None if yarn is None else [yarn.factor, yarn.original_max_position],
+                train.schedule_kind()])
 print(json.dumps(out))
 """
 
@@ -120,15 +121,16 @@ def test_stage_defaults_for_doc_lengths_and_yarn():
     """Without --doc_lengths / --yarn each stage gets its recipe's: attention within documents for stage 3
     (OLMo-core long-context L59 generate_doc_lengths=True) and SFT (Olmo-3-7B-SFT.py's packed chats), not for
     stages 1-2 nor DPO's padded pairs; YaRN (factor 8 over 8192) from stage 3 on: SFT and DPO train stage 3's
-    model (DESIGN §8)."""
+    model (DESIGN §8). The schedule: cosine for stage 1 (OLMo-core's CosWithWarmup), linear after it (the
+    stage-2 and long-context scripts' LinearWithWarmup, SFT's, open-instruct's DPO's)."""
     stages = ["1", "2", "3", "sft", "dpo"]
     p = subprocess.run([sys.executable, "-c", _DEFAULTS, json.dumps([[f"--stage={s}"] for s in stages])],
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     got = dict(zip(stages, json.loads(p.stdout.strip().splitlines()[-1])))
     yarn = [8.0, 8192]
-    assert got == {"1": [False, None], "2": [False, None], "3": [True, yarn], "sft": [True, yarn],
-                   "dpo": [False, yarn]}, got
+    assert got == {"1": [False, None, "cosine"], "2": [False, None, "linear"], "3": [True, yarn, "linear"],
+                   "sft": [True, yarn, "linear"], "dpo": [False, yarn, "linear"]}, got
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

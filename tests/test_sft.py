@@ -606,6 +606,13 @@ def test_epochs_without_warmup_fraction_is_refused_past_the_horizon():
     assert "UsageError: --warmup_steps=2000 is past the schedule horizon (12 steps" in run("--epochs=2")
     assert run("--epochs=2", "--warmup_steps=3").split() == ["12", "3"]
     assert run("--epochs=2", "--warmup_fraction=0.03").split() == ["12", "0"]
+    # the horizon's edges: --max_steps at it, a warmup of all of it (the validators' [0, 1])
+    assert run("--epochs=2", "--warmup_fraction=1", "--max_steps=12").split() == ["12", "12"]
+    assert run("--total_steps=10", "--warmup_fraction=0.5").split() == ["10", "5"]   # without --epochs too
+    # check_flags' downstream check, which a horizon from the data skipped: it ran and scored nothing
+    assert ("UsageError: --downstream_eval_interval=100 is past the schedule horizon (12 steps" in
+            run("--epochs=2", "--warmup_fraction=0.03", "--downstream_tasks=copycolors_10way_fast",
+                "--downstream_eval_interval=100"))
 
 
 def test_a_given_horizon_gives_way_to_epochs_with_a_warning():

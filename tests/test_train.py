@@ -292,9 +292,11 @@ def test_bad_inputs(uninterrupted, docs, tmp_path):
     cfg = olmo3.Config.tiny(d_model=32, n_heads=2, n_kv_heads=2, head_dim=16, mlp_hidden=64, window=16)
     mgr.save(0, {"model": olmo3.OLMo3(cfg, jax.random.key(0))}, {})
     mgr.wait()
-    p = run(["--stage=2", "--max_steps=1", f"--init_from={tmp_path / 'weights_only'}"], tmp_path / "s2",
-            docs, base / "data", check=False)
-    assert p.returncode != 0 and "no optimizer state" in p.stderr
+    for stage in ("2", "3"):   # refused before the data section prepares (at scale: packs) the corpus
+        p = run([f"--stage={stage}", "--max_steps=1", f"--init_from={tmp_path / 'weights_only'}"], tmp_path / "s2",
+                docs, tmp_path / f"data_s{stage}", check=False)
+        assert p.returncode == 2 and f"holds no optimizer state; the stage-{stage} warm start" in p.stderr
+        assert not (tmp_path / f"data_s{stage}").exists()
     # ... which --init_weights_only accepts: weights from the checkpoint, Adam fresh.
     run(["--stage=2", "--max_steps=1", "--save_interval=1", "--init_weights_only",
          f"--init_from={tmp_path / 'weights_only'}"], tmp_path / "s2w", docs, base / "data")
