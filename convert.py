@@ -327,9 +327,8 @@ def orbax_to_hf(src: str, dst: str, *, hf_dtype: str | None = None, shard_gb: fl
     config = config_from_dict(extra["model_config"])
     abstract = eqx.filter_eval_shape(OLMo3, config, jax.random.key(0))
     out_dtype = np.dtype(getattr(jax.numpy, hf_dtype or config.param_dtype))
-    hf_vocab = (hf_vocab_size if hf_vocab_size is not None   # 0 was taken for "unset"
-                else extra.get("hf_vocab_size") or unpadded_vocab(config.vocab_size))
     floor = extra.get("hf_vocab_size") or unpadded_vocab(config.vocab_size)   # the real tokens' rows
+    hf_vocab = floor if hf_vocab_size is None else hf_vocab_size   # 0 was taken for "unset"
     if not floor <= hf_vocab <= config.vocab_size:   # only padding rows may be dropped
         raise ValueError(f"--hf_vocab_size={hf_vocab}: keep between the {floor} rows of real tokens and the "
                          f"checkpoint's {config.vocab_size}")

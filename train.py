@@ -296,9 +296,9 @@ def main(argv):
         if jax.process_count() == 1:
             source = checkpoint.CheckpointManager(run, read_only=True)
             try:
-                source.check_fits(step, {"model": eqx.filter_eval_shape(olmo3.OLMo3, config, jax.random.key(0))})
-                if F.stage in ("1", "2", "3") and not F.init_weights_only and not any(
-                        k.startswith("opt.") for k in source.stored_tensors(step)):
+                held = source.check_fits(step, {"model": eqx.filter_eval_shape(olmo3.OLMo3, config, jax.random.key(0))})
+                moments = any(name.startswith("opt.") for name in held)
+                if F.stage in ("1", "2", "3") and not F.init_weights_only and not moments:
                     raise no_moments()
             finally:
                 source.close()

@@ -580,10 +580,11 @@ class CheckpointManager:
                                  "checkpoint's config")
         return want, stored
 
-    def check_fits(self, step: Optional[int], abstract_state: PyTree) -> None:
+    def check_fits(self, step: Optional[int], abstract_state: PyTree) -> set[str]:
         """restore's checks without reading an array: checkpoint `step` (None: the latest) holds
-        every tensor of `abstract_state` with its shape (MissingTensorsError, ValueError if not)."""
-        self._fitting(self._resolve(step), abstract_state)
+        every tensor of `abstract_state` with its shape (MissingTensorsError, ValueError if not).
+        Returns the names of every tensor it holds."""
+        return set(self._fitting(self._resolve(step), abstract_state)[1])
 
     def restore(self, step: Optional[int], abstract_state: PyTree) -> tuple[PyTree, dict]:
         """Read checkpoint `step` (None: the latest) into the structure, shapes, dtypes and

@@ -80,9 +80,8 @@ def _rope_params(hf: Mapping[str, Any]) -> tuple[float, Optional[YaRN]]:
         for entry in (full, sliding):   # transformers 5's Olmo3Config default for an entry without one
             if entry.get("rope_theta") is None:
                 entry["rope_theta"] = 500_000.0
-    else:  # old flat format: rope_theta + rope_scaling applied to full layers (transformers)
-        full = dict(params)
-        full.update(hf.get("rope_scaling") or {})
+    else:  # no rope_parameters: rope_theta + rope_scaling applied to full layers (transformers 4.x)
+        full = dict(hf.get("rope_scaling") or {})
         sliding = {"rope_type": "default"}
     theta = _field(full, "rope_theta", float, _field(hf, "rope_theta", float, 500_000.0))
     if float(sliding.get("rope_theta", theta)) != theta:

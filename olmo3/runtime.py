@@ -409,18 +409,18 @@ def xla_flags_problem() -> str | None:
     """What in the user's XLA_FLAGS would end the process when JAX starts XLA, with XLA's own
     words and exit 1 (retried by a resubmission loop): a file of flags that cannot be read, or a
     flag the installed jaxlib does not define. None when XLA will read it."""
-    value = os.environ.get("XLA_FLAGS", "").strip()
+    value = text = os.environ.get("XLA_FLAGS", "").strip()
     if value and not value.startswith("-"):
         try:
             with open(value) as f:
-                f.read()
+                text = f.read()
         except OSError as e:
             return (f"XLA_FLAGS={value!r} is read as a file of flags, which cannot be opened ({e.strerror}); give "
                     "the flags themselves (XLA_FLAGS='--xla_...') or a readable file")
         except UnicodeDecodeError as e:   # the bare codec error named no XLA_FLAGS
             return (f"XLA_FLAGS={value!r} is read as a file of flags, which is not UTF-8 text ({e.reason} at byte "
                     f"{e.start}); give the flags themselves (XLA_FLAGS='--xla_...') or a text file of them")
-    unknown = unknown_xla_flags({flag_name(t) for t in user_xla_flags()})
+    unknown = unknown_xla_flags({flag_name(t) for t in xla_flag_tokens(text)})
     if unknown:
         from importlib import metadata
         names = " ".join(f"--{n}" for n in sorted(unknown))
