@@ -97,16 +97,18 @@ def _pow2(n: int, least: int = 64) -> int:
 SCORE_CHUNK = 512
 
 
-def token_scores(model: OLMo3, tokens: Int[Array, " seq"], targets: Int[Array, " seq"], chunk: int
-                 ) -> tuple[Float[Array, " seq"], Bool[Array, " seq"]]:
+def token_scores(model: OLMo3, tokens: Int[Array, " seq"], targets: Int[Array, " seq"], chunk: int,
+                 rows: Optional[int] = None) -> tuple[Float[Array, " seq"], Bool[Array, " seq"]]:
     """Per position t: (log p(targets[t] | tokens[:t+1]), whether targets[t] is the argmax of the
     logits). The hidden states are computed whole, the LM head `chunk` positions at a time, so no
-    [seq, vocab] logits exist."""
-    return head_scores(model, model.hidden(tokens), targets, chunk)
+    [seq, vocab] logits exist. `rows`: the softmax and argmax over the first `rows` logits only
+    (the tokenizer's tokens, as the model's HF export holds them); None: all of them, as the
+    model trained."""
+    return head_scores(model, model.hidden(tokens), targets, chunk, rows)
 
 
-def head_scores(model: OLMo3, h: Float[Array, "seq d_model"], targets: Int[Array, " seq"], chunk: int
-                ) -> tuple[Float[Array, " seq"], Bool[Array, " seq"]]:
+def head_scores(model: OLMo3, h: Float[Array, "seq d_model"], targets: Int[Array, " seq"], chunk: int,
+                rows: Optional[int] = None) -> tuple[Float[Array, " seq"], Bool[Array, " seq"]]:
     """token_scores from the final hidden states `h`: the LM head runs `chunk` positions at a time
     (a last partial block is padded, and its padding dropped)."""
     seq = h.shape[0]
@@ -116,7 +118,7 @@ def head_scores(model: OLMo3, h: Float[Array, "seq d_model"], targets: Int[Array
 
     def block(xs):
         hb, tb = xs
-        logits = model.head(hb)                                                        # (chunk, V)
+        logits = model.head(hb)[:, :rows]                                              # (chunk, V)
         lp = jnp.take_along_axis(logits, tb[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(logits, axis=-1)
         return lp, jnp.argmax(logits, axis=-1) == tb
 
@@ -158,16 +160,21 @@ class Scorer:
 
     Token lists in, numbers out; `tokenizer` (encode/decode/eot_token) is only used by the
     string-level helpers. Sequences are right-padded (score_shape) so jit compiles a handful of
-    shapes; padding after the last real token cannot change causal logits."""
+    shapes; padding after the last real token cannot change causal logits.
+    `rows`: log-likelihoods normalise over the first `rows` logits only (see token_scores);
+    None: over all the model's rows."""
 
-    def __init__(self, model: OLMo3, tokenizer=None, max_length: int = 2048):
+    def __init__(self, model: OLMo3, tokenizer=None, max_length: int = 2048, rows: Optional[int] = None):
         self.model, self.tokenizer, self.max_length = model, tokenizer, max_length
+        self.rows = None if rows is None or rows >= model.config.vocab_size else rows
         self.truncated = 0   # loglikelihood requests whose context was cut from the left to fit
 
     def _check(self, tokens: list) -> None:
-        bad = next((t for t in tokens if not 0 <= t < self.model.config.vocab_size), None)
+        n = self.rows or self.model.config.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < n), None)
         if bad is not None:   # JAX's gather would clamp it: wrong scores, no error
-            raise ValueError(f"token id {bad} is outside the model's vocabulary of {self.model.config.vocab_size}: "
+            rows = " (its tokenizer's rows; the rest is padding)" if self.rows else ""
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {n}{rows}: "
                              "the tokenizer does not match the model")
 
     def _scores(self, seq: list) -> tuple[np.ndarray, np.ndarray]:
@@ -177,7 +184,7 @@ class Scorer:
         length, chunk = score_shape(n)
         tokens, targets = np.zeros(length, np.int32), np.zeros(length, np.int32)
         tokens[:n], targets[:n] = seq[:-1], seq[1:]
-        lp, greedy = token_scores_jit(self.model, jnp.asarray(tokens), jnp.asarray(targets), chunk)
+        lp, greedy = token_scores_jit(self.model, jnp.asarray(tokens), jnp.asarray(targets), chunk, self.rows)
         return np.asarray(lp)[:n], np.asarray(greedy)[:n]
 
     def loglikelihood(self, context: Tokens, continuation: Tokens) -> tuple[float, bool]:
@@ -411,7 +418,10 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
     with the KV cache and cuts the text at the first stop string. A task's generation kwargs read
     as HFLM reads them (lm-eval 0.4.13's normalize_gen_kwargs): the answer's length under any of
     its names, and sampling when do_sample is set or, unset, when temperature > 0; a task that
-    samples is refused (HFLM's samples are torch's random draws, not ours)."""
+    samples is refused (HFLM's samples are torch's random draws, not ours).
+    Log-likelihoods, greedy checks and generation use the tokenizer's rows only (its n_vocab, when it
+    says): OLMo-core pads dolma2's 100278 rows to 100352, and HFLM scores the HF export, which
+    drops the padding rows, so its softmax never sees them."""
     from lm_eval.api.model import LM
 
     import data
@@ -420,7 +430,7 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
     class OLMo3LM(LM):
         def __init__(self):
             super().__init__()
-            self.scorer = Scorer(model, tok, max_length)
+            self.scorer = Scorer(model, tok, max_length, rows=getattr(tok, "n_vocab", None))
             self.requests, self.cut = 0, 0   # requests answered; generation contexts cut to fit
 
         @property

@@ -429,7 +429,7 @@ def test_scorer_scores_long_windows_in_head_chunks(monkeypatch):
     lp_full = log_softmax64(forward(model, [256] + t[:-1]))
     calls, score = [], scoring.token_scores_jit
     monkeypatch.setattr(scoring, "token_scores_jit",
-                        lambda m, tok, tg, chunk: calls.append((tok.shape[0], chunk)) or score(m, tok, tg, chunk))
+                        lambda m, tok, tg, chunk, rows: calls.append((tok.shape[0], chunk)) or score(m, tok, tg, chunk, rows))
     scorer = scoring.Scorer(model, max_length=2048)
     ll, greedy = scorer.loglikelihood(t[:600], t[600:])
     lp = log_softmax64(forward(model, t[:-1]))           # no prefix token: t[j] predicted at j - 1
@@ -898,9 +898,20 @@ def test_generation_never_picks_a_padding_row_of_the_vocabulary(monkeypatch):
         want = eval_script.chat_answer(trimmed, messages, max_new_tokens=12, **kw)
         assert eval_script.chat_answer(padded, messages, max_new_tokens=12, **kw) == want
     stub_lm_eval(monkeypatch)
-    lm = scoring.lm_eval_adapter(padded, max_length=256)
+    lm, export = scoring.lm_eval_adapter(padded, max_length=256), scoring.lm_eval_adapter(trimmed, max_length=256)
     request = SimpleNamespace(args=("Hello there", {"until": ["\n\n"], "max_gen_toks": 6}))
-    assert lm.generate_until([request]) == scoring.lm_eval_adapter(trimmed, max_length=256).generate_until([request])
+    assert lm.generate_until([request]) == export.generate_until([request])
+    # scored as HFLM scores the export: a softmax over the tokenizer's rows, where the padding row
+    # the model favours (its head column is 10x the greedy token's) is no rival
+    no = data.tokenizer.encode(" no")
+    got = [lm.scorer.loglikelihood(prompt, c) for c in ([first], no)]
+    want = [export.scorer.loglikelihood(prompt, c) for c in ([first], no)]
+    assert [g for _, g in want] == [True, False] and [g for _, g in got] == [True, False]
+    np.testing.assert_allclose([ll for ll, _ in got], [ll for ll, _ in want], rtol=1e-5)
+    rolling = [SimpleNamespace(args=(data.dolma2().decode(prompt),))]
+    np.testing.assert_allclose(lm.loglikelihood_rolling(rolling), export.loglikelihood_rolling(rolling), rtol=1e-5)
+    everything = scoring.Scorer(padded, max_length=256)   # eval.py's own scores: the rows the model trained with
+    assert everything.loglikelihood(prompt, [first])[0] < export.scorer.loglikelihood(prompt, [first])[0] - 1
 
 
 def test_lm_eval_generate_until_like_hflm(monkeypatch):
