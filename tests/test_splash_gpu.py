@@ -171,6 +171,36 @@ def test_scores_far_below_zero_interpret():
                          bkv=0, interpret=True, kernel=gpu_kernel(SMALL), grad_tol=FAR_GRAD_TOL)
 
 
+def test_dkv_query_blocks_longer_than_the_other_kernels_interpret():
+    # Every block_sizes() choice has fwd_q >= dkv_q; a user's BlockSizes need not. The dk / dv
+    # kernel then walks its own query blocks over a padded length that must cover them: with
+    # queries padded only for the forward's 32, rows 64-95 of seq 96 were never visited (dk off by
+    # 0.99, dv by 0.48 in a mutation audit).
+    sizes = splash_gpu.BlockSizes(fwd_q=32, fwd_kv=32, dq_q=32, dq_kv=32, dkv_kv=32, dkv_q=64)
+    q, k, v, ct = random_qkv(1, 1, 96, 16, jnp.float32, seed=7)
+    check_against_oracle(q, k, v, ct, window=None, segment_ids=None, bq=0, bkv=0, interpret=True,
+                         kernel=gpu_kernel(sizes))
+
+
+def test_bf16_backward_keeps_rowsum_of_do_times_o_in_fp32_interpret():
+    # D = rowsum(dO * O) enters every dS = P * (dP - D). With values and cotangents of a common
+    # offset (as activations have) D is large and dP - D a difference of near numbers: taken in
+    # bf16, dq's error grows 4x and dk's 5x (a mutation audit: 0.11 and 0.072 of the largest
+    # gradient, against 0.027 and 0.013 with D in fp32). The suite's zero-mean inputs keep D
+    # small, where bf16 D passes.
+    q, k, v, ct = random_qkv(2, 1, 256, 64, jnp.float32, seed=0)
+    v, ct = 4.0 + v, 1.0 + 0.1 * ct
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    kernel = gpu_kernel(SMALL)
+    f = lambda q, k, v: jnp.sum(kernel(q, k, v, window=None, segment_ids=None, block_q=0, block_kv=0,  # noqa: E731
+                                       interpret=True).astype(jnp.float32) * ct)
+    r = lambda q, k, v: jnp.sum(oracle(q, k, v) * ct)  # noqa: E731
+    got = jax.jit(jax.grad(f, (0, 1, 2)))(q, k, v)
+    want = jax.grad(r, (0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    err = [float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max()) for a, b in zip(got, want)]
+    assert err[0] < 0.05 and err[1] < 0.035 and err[2] < 0.01, err
+
+
 @pytest.mark.slow
 def test_default_block_sizes_and_vmap_with_per_example_segments():
     heads, kv_heads, seq, d = 4, 2, 256, 128
