@@ -63,6 +63,7 @@ def assert_same(ours, theirs):
     (1, 128, 2, 123, True),
     (2, 256, 8, 123, False),   # stage 3's group size and permutation seed (long-context script)
     (3, 64, 3, 7, True),
+    (4, 64, 2, 0, False),      # seed 0 permutes too (OLMo-core tests `is not None`, not truth)
 ])
 def test_packed_equals_olmo_core(tmp_path, monkeypatch, seed, seq_len, group, perm, masks):
     monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
@@ -509,6 +510,34 @@ def test_cache_is_not_shared_between_sequence_lengths(tmp_path):
     for i in range(len(fresh)):
         for k in ("tokens", "doc_lens"):
             np.testing.assert_array_equal(cached[i][k], fresh[i][k])
+
+
+def test_cache_is_not_shared_between_eos_ids(tmp_path):
+    """One cache directory, one file, two EOS ids (a corpus of another tokenizer's ids under the
+    same name): the documents end where each EOS says, as a fresh packing has them."""
+    path = str(tmp_path / "part.npy")
+    np.array([4, 5, 3, 6, 7, 8, 4, 9], np.uint32).tofile(path)
+    kw = dict(pad_id=0, vocab_size=100)
+    PackedFSLDataset([path], 8, eos_id=3, cache_dir=tmp_path / "cache", **kw)
+    cached = PackedFSLDataset([path], 8, eos_id=4, cache_dir=tmp_path / "cache", **kw)
+    fresh = PackedFSLDataset([path], 8, eos_id=4, **kw)
+    assert [fresh[i]["doc_lens"].tolist() for i in range(len(fresh))] == [[6, 1, 1]]
+    assert [cached[i]["doc_lens"].tolist() for i in range(len(cached))] == [[6, 1, 1]]
+
+
+def test_instance_index_past_either_end_is_an_index_error(tmp_path):
+    """ds[i] as a sequence's: -len(ds) <= i < len(ds), negative from the end; past either end an
+    IndexError, never another instance."""
+    path = str(tmp_path / "part.npy")
+    np.array([4, 3, 5, 6, 3, 7, 8, 9, 3], np.uint32).tofile(path)
+    ds = PackedFSLDataset([path], 4, eos_id=3, pad_id=0, vocab_size=100)
+    n = len(ds)
+    assert n == 3
+    np.testing.assert_array_equal(ds[-n]["tokens"], ds[0]["tokens"])
+    np.testing.assert_array_equal(ds[-1]["tokens"], ds[n - 1]["tokens"])
+    for i in (n, -n - 1):
+        with pytest.raises(IndexError):
+            ds[i]
 
 
 def test_a_cached_packing_still_checks_the_vocabulary(tmp_path):

@@ -407,15 +407,19 @@ def test_prepare_sft_max_seq_length_cuts_then_drops(tmp_path):
         prepare_sft.prepare_sft(str(tmp_path / "c.jsonl"), str(tmp_path / "sft0"), T, max_seq_length=0)
 
 
-def test_trained_tokens_past_seq_len_are_counted_as_a_numpy_oracle(tmp_path):
+@pytest.mark.parametrize("seed", [7, 8])
+def test_trained_tokens_past_seq_len_are_counted_as_a_numpy_oracle(tmp_path, seed):
     """PackedFSLDataset.trained_tokens: the label-mask tokens inside the packed documents (each
     truncated to seq_len) against the same sums over the files split at EOS by numpy; tokens after
-    a file's last EOS are in no document."""
-    rng = np.random.default_rng(7)
+    a file's last EOS are in no document. Part 3 is one token (a one-token document). Seed 8 too:
+    with seed 7 alone, file 0's mask happens to count as many tokens over file 1's documents as
+    file 1's own, so reading a group's first mask for all its files went unseen."""
+    rng = np.random.default_rng(seed)
     seq, paths, want_kept, want_total = 16, [], 0, 0
-    for part in range(3):
-        lengths = rng.integers(1, 40, size=12)
-        ids = np.concatenate([np.append(rng.integers(0, 1000, n - 1), EOS) for n in lengths] + [[5, 6, 7]])
+    for part in range(4):
+        lengths = rng.integers(1, 40, size=12) if part < 3 else np.array([1])
+        ids = np.concatenate([np.append(rng.integers(0, 1000, n - 1), EOS) for n in lengths]
+                             + [[5, 6, 7]] * (part < 3))
         mask = rng.random(len(ids)) < 0.4
         mask[0] = True   # no file may mark nothing
         ids.astype(np.uint32).tofile(tmp_path / f"token_ids_part_{part}.npy")
