@@ -197,3 +197,52 @@ def test_held_out_windows_in_olmo_core_first_epoch_order_with_masked_filler(tmp_
     assert (toks[n:] == data.PAD_ID).all()
     assert lm.shape == (2 * rows, seq) and lm[:n].all() and not lm[n:].any()
     assert [data.eval_batch_instances(n, rows, b) for b in (0, 1, 2)] == [4, 1, 0]
+
+
+def test_state_names_the_epoch_of_the_next_step(ds):
+    """state()["epoch"]: the epoch the next step draws from (3 steps per epoch at GB=8)."""
+    spe = data.steps_per_epoch(len(ds), GB)
+    assert spe == 3
+    got = [data.Loader(ds, GB, 0, start_step=s, workers=0).state()["epoch"] for s in (0, spe - 1, spe, 2 * spe)]
+    assert got == [0, 0, 1, 2]
+
+
+def test_held_out_rank_rows_are_strided(ds):
+    """get_eval_batch's rank r takes rows r, r + R, ... of the batch, as training batches deal
+    theirs (get_batch, OLMo-core's loader); a padded last batch's filler rows too."""
+    for batch in (0, 3):   # batch 3 of 8 rows: instances 24-26, then filler
+        full = data.get_eval_batch(ds, 8, batch)
+        for R in (2, 4):
+            for r in range(R):
+                mine = data.get_eval_batch(ds, 8, batch, r, R)
+                for k in full:
+                    np.testing.assert_array_equal(mine[k], full[k][r::R], err_msg=f"{k} rank {r} of {R}")
+
+
+@pytest.mark.parametrize("num_ranks", [1, 3])
+def test_fixed_length_order_equals_olmo_core_data_loader(ds, tmp_path, num_ranks):
+    """Pretraining's data order against OLMo-core's own loader over its NumpyFSLDataset on the
+    same files: every rank's rows of every batch of epochs 1 and 2 (27 windows, 4 steps of 6
+    per epoch, the 3 left over dropped; the data loader reshuffles with seed + epoch)."""
+    olmo_data = pytest.importorskip("olmo_core.data", reason="needs ai2-olmo-core and its imports (test extras)")
+    from olmo_core.data.data_loader import NumpyDataLoaderBase
+    gb, seed = 6, 34521   # 6: divisible by 3 ranks; 27 windows -> 4 steps, 3 left over
+    tok = olmo_data.TokenizerConfig(vocab_size=data.VOCAB_SIZE, eos_token_id=data.EOS_ID, pad_token_id=data.PAD_ID)
+    theirs = olmo_data.NumpyFSLDatasetConfig(tokenizer=tok, paths=list(ds.paths), sequence_length=SEQ,
+                                             dtype=olmo_data.NumpyDatasetDType.uint32,
+                                             work_dir=str(tmp_path / "work")).build()
+    theirs.prepare()
+    spe = data.steps_per_epoch(len(ds), gb)
+    assert (len(ds), len(theirs), spe) == (27, 27, 4)
+    for r in range(num_ranks):
+        dl, step = NumpyDataLoaderBase.wrap_numpy_dataset(
+            theirs, global_batch_size=gb * SEQ, collator=olmo_data.DataCollator(pad_token_id=data.PAD_ID),
+            work_dir=str(tmp_path / f"dl{r}"), seed=seed, dp_world_size=num_ranks, dp_rank=r, fs_local_rank=0), 0
+        for epoch in (1, 2):
+            dl.reshuffle(epoch=epoch)
+            for b in dl:
+                np.testing.assert_array_equal(data.get_batch(ds, gb, seed, step, r, num_ranks)["tokens"],
+                                              b["input_ids"].numpy(), err_msg=f"step {step} rank {r}")
+                step += 1
+            dl.reset()
+        assert step == 2 * spe

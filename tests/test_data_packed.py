@@ -482,6 +482,7 @@ def test_eval_plan_reads_each_instance_once_on_any_device_count(n, eval_batches)
                 for i in np.arange(b * rows, (b + 1) * rows)[r::devices] if i < n]   # get_eval_batch's rows
         assert sorted(seen) == list(range(len(seen)))
         assert sum(data.eval_batch_instances(n, rows, b) for b in range(batches)) == len(seen)
+        assert batches == 0 or data.eval_batch_instances(n, rows, batches - 1) > 0   # no batch of filler only
         if eval_batches == 0 or n <= eval_batches * global_batch:
             assert len(seen) == n
         counts.add(len(seen))
