@@ -89,6 +89,18 @@ def test_policy_equal_to_its_reference_is_log_2_with_no_reward_accuracy():
             assert not np.asarray(t[k]).any(), (loss, k)
 
 
+def test_a_side_with_no_trained_target_is_length_normalised_to_zero_not_nan():
+    """dpo_norm divides a row's log-prob sum by its trained targets; a row with none (sum 0)
+    counts as log-prob 0, not 0 / 0 (open-instruct's _get_batch_logps would give NaN: one pair
+    would poison the batch's loss and every reward metric)."""
+    sums, counts, ref = (jnp.asarray(x, jnp.float32) for x in ([-3.0, 0.0], [5.0, 0.0], [-2.5, 0.0]))
+    t = dpo.pair_terms("dpo_norm", BETA, sums, counts, ref)
+    chosen = BETA * (-3.0 / 5 - -2.5 / 5)
+    np.testing.assert_allclose(np.asarray(t["loss"]), [np.logaddexp(0.0, -chosen)], rtol=1e-6)
+    assert np.asarray(t["rewards/rejected"]).tolist() == [0.0]
+    assert all(np.isfinite(np.asarray(v)).all() for v in t.values())
+
+
 def test_evaluate_pairs_means_every_pair_once_and_no_filler(tmp_path):
     """Held-out pairs: 7 pairs in batches of 2 pairs (the last one half filler) give the oracle's
     means over exactly the 7 pairs. logps_fn is a stand-in whose per-row (sum, count) are known:
@@ -117,10 +129,12 @@ def test_evaluate_pairs_means_every_pair_once_and_no_filler(tmp_path):
         np.testing.assert_allclose(got[k], v, rtol=1e-4, atol=1e-5, err_msg=k)   # float32 sums
 
 
-def test_sequence_logps_count_targets_not_mask_positions():
+@pytest.mark.parametrize("chunk", [8, 10])
+def test_sequence_logps_count_targets_not_mask_positions(chunk):
     """sequence_logps against a float64 numpy log-softmax of the model's own logits, with label
     masks that are set on position 0 (no position predicts it) and on the last position: the sum
-    and count run over targets t + 1 with label_mask[t + 1] (open-instruct `_get_batch_logps`)."""
+    and count run over targets t + 1 with label_mask[t + 1] (open-instruct `_get_batch_logps`).
+    Chunk 10: 48 positions end in a padded chunk, whose padding must come after the labels."""
     import olmo3
     model = olmo3.OLMo3(olmo3.Config.tiny(vocab_size=64, d_model=16, n_heads=2, n_kv_heads=2, head_dim=8,
                                           mlp_hidden=32, n_layers=4, window=4), jax.random.key(2))
@@ -129,7 +143,7 @@ def test_sequence_logps_count_targets_not_mask_positions():
     mask = rng.random((4, 12)) < 0.6
     mask[:, 0] = True
     mask[0] = True
-    sums, counts = dpo.sequence_logps(model, jnp.asarray(tokens), jnp.asarray(mask), chunk=8)
+    sums, counts = dpo.sequence_logps(model, jnp.asarray(tokens), jnp.asarray(mask), chunk=chunk)
     logp = log_softmax64(eqx.filter_jit(lambda m, t: jax.vmap(m)(t))(model, jnp.asarray(tokens)))
     target = np.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]        # (B, T - 1)
     np.testing.assert_array_equal(np.asarray(counts), mask[:, 1:].sum(1))
