@@ -186,17 +186,18 @@ def test_global_norm_matches_float64_over_large_leaves():
     assert float(jax.jit(global_norm)(tree)) == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("norm,clipped", [(10.0, True), (0.5, False)])
-def test_clip(norm, clipped):
+@pytest.mark.parametrize("norm,clipped,max_norm", [(10.0, True, 1.0), (0.5, False, 1.0), (2e-6, True, 1e-6)])
+def test_clip(norm, clipped, max_norm):
+    # max_norm 1e-6: torch's factor max / (norm + 1e-6) is 1/3 there, max / norm would be 1/2
     model = tiny()
-    opt = make_opt()
+    opt = make_opt(max_grad_norm=max_norm)
     d = jax.tree.map(lambda x: jnp.ones_like(x) if eqx.is_inexact_array(x) else x, model)
     n0 = float(global_norm(eqx.filter(d, eqx.is_inexact_array)))
     g = jax.tree.map(lambda x: x * (norm / n0) if eqx.is_inexact_array(x) else x, d)
     _, state, met = opt.update(g, opt.init(model), model, jnp.float32(1.0))
     assert float(met["optim/grad_norm"]) == pytest.approx(norm, rel=1e-6)   # pre-clip
     assert bool(met["optim/clipped"]) == clipped
-    want_g = (norm / n0) * (1.0 / (norm + 1e-6) if clipped else 1.0)       # torch clip_grad_norm_
+    want_g = (norm / n0) * (max_norm / (norm + 1e-6) if clipped else 1.0)   # torch clip_grad_norm_
     np.testing.assert_allclose(np.asarray(state.mu.w), 0.1 * want_g, rtol=1e-6)
 
 

@@ -128,17 +128,29 @@ def test_constant_matches_olmo_core_constant_with_warmup(warmup):
         np.testing.assert_allclose(float(f(s)), want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("final_ratio", [0.0, 0.25])
-def test_final_ratio_matches_olmo_core_alpha_f(final_ratio):
+@pytest.mark.parametrize("final_ratio,total", [(0.0, 100), (0.25, 100), (0.25, 10)])
+def test_final_ratio_matches_olmo_core_alpha_f(final_ratio, total):
     """--final_lr_ratio (cosine; the recipe's 0.1 is what the other tests pin) and the linear
-    schedule's floor, against OLMo-core's own CosWithWarmup / LinearWithWarmup(alpha_f)."""
+    schedule's floor, against OLMo-core's own CosWithWarmup / LinearWithWarmup(alpha_f). Total
+    10 = the warmup: the last step is the floor, as OLMo-core has it, not the peak."""
     scheduler = pytest.importorskip("olmo_core.optim.scheduler")
-    steps = [0, 4, 9, 10, 30, 60, 98, 99, 100, 120]
-    for ours, theirs in ((S.stage1_schedule(1e-3, 10, 100, final_ratio), scheduler.CosWithWarmup),
-                         (S.linear_schedule(1e-3, 10, 100, final_ratio), scheduler.LinearWithWarmup)):
-        want = [float(theirs(warmup=10, alpha_f=final_ratio).get_lr(1e-3, s + 1, 100)) for s in steps]
+    steps = [s for s in [0, 4, 8, 9, 10, 30, 60, 98, 99, 100, 120] if s <= total + 20]
+    for ours, theirs in ((S.stage1_schedule(1e-3, 10, total, final_ratio), scheduler.CosWithWarmup),
+                         (S.linear_schedule(1e-3, 10, total, final_ratio), scheduler.LinearWithWarmup)):
+        want = [float(theirs(warmup=10, alpha_f=final_ratio).get_lr(1e-3, s + 1, total)) for s in steps]
         # atol 1e-8 * peak: at floor 0 the cosine's 1 + cos(pi * frac) cancels in float32 near the end
         np.testing.assert_allclose(_vals(ours, steps), want, rtol=2e-6, atol=1e-11)
+
+
+def test_joined_with_odd_horizon_and_warmup_matches_olmo_core():
+    """The second script's warmup W = first_total // 2 + warmup // 2, each halved on its own (as
+    OLMo-core's long-context script computes it): with both odd, (first_total + warmup) // 2 is
+    one step more, and the half cosine ~0.9% off."""
+    scheduler = pytest.importorskip("olmo_core.optim.scheduler")
+    f = S.stage1_schedule(1e-3, 11, 201, 0.1, joined_at=60, first_total=101)
+    half = scheduler.HalfCosWithWarmup(warmup=101 // 2 + 11 // 2, alpha_f=0.1)
+    steps = [60, 61, 100, 150, 200]
+    np.testing.assert_allclose(_vals(f, steps), [float(half.get_lr(1e-3, s + 1, 201)) for s in steps], rtol=2e-6)
 
 
 def test_joined_with_an_unchanged_horizon_is_one_cosine():
