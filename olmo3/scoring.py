@@ -475,7 +475,7 @@ def lm_eval_adapter(model: OLMo3, tokenizer=None, max_length: int = 2048, max_ge
                 prompt = encode(tok, context)
                 self.requests, self.cut = self.requests + 1, self.cut + (len(prompt) > room)
                 ids = self.scorer.generate(prompt[-room:], n, stop=stop,
-                                           eos_id=tok.eot_token, vocab_size=getattr(tok, "n_vocab", None))
+                                           eos_id=tok.eot_token, vocab_size=self.scorer.rows)
                 text = tok.decode(ids)
                 for u in filter(None, until):   # as HFLM: "" stops at the first token (every text holds it), cuts nothing
                     text = text.split(u)[0]
