@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import data
+from oracles import olmo_core_epochs, olmo_core_loader
 
 SEQ, GB = 16, 8
 
@@ -225,7 +226,6 @@ def test_fixed_length_order_equals_olmo_core_data_loader(ds, tmp_path, num_ranks
     same files: every rank's rows of every batch of epochs 1 and 2 (27 windows, 4 steps of 6
     per epoch, the 3 left over dropped; the data loader reshuffles with seed + epoch)."""
     olmo_data = pytest.importorskip("olmo_core.data", reason="needs ai2-olmo-core and its imports (test extras)")
-    from olmo_core.data.data_loader import NumpyDataLoaderBase
     gb, seed = 6, 34521   # 6: divisible by 3 ranks; 27 windows -> 4 steps, 3 left over
     tok = olmo_data.TokenizerConfig(vocab_size=data.VOCAB_SIZE, eos_token_id=data.EOS_ID, pad_token_id=data.PAD_ID)
     theirs = olmo_data.NumpyFSLDatasetConfig(tokenizer=tok, paths=list(ds.paths), sequence_length=SEQ,
@@ -235,14 +235,9 @@ def test_fixed_length_order_equals_olmo_core_data_loader(ds, tmp_path, num_ranks
     spe = data.steps_per_epoch(len(ds), gb)
     assert (len(ds), len(theirs), spe) == (27, 27, 4)
     for r in range(num_ranks):
-        dl, step = NumpyDataLoaderBase.wrap_numpy_dataset(
-            theirs, global_batch_size=gb * SEQ, collator=olmo_data.DataCollator(pad_token_id=data.PAD_ID),
-            work_dir=str(tmp_path / f"dl{r}"), seed=seed, dp_world_size=num_ranks, dp_rank=r, fs_local_rank=0), 0
-        for epoch in (1, 2):
-            dl.reshuffle(epoch=epoch)
-            for b in dl:
-                np.testing.assert_array_equal(data.get_batch(ds, gb, seed, step, r, num_ranks)["tokens"],
-                                              b["input_ids"].numpy(), err_msg=f"step {step} rank {r}")
-                step += 1
-            dl.reset()
-        assert step == 2 * spe
+        dl = olmo_core_loader(theirs, global_batch=gb, seed=seed, num_ranks=num_ranks, rank=r,
+                              pad_id=data.PAD_ID, work_dir=tmp_path / f"dl{r}")
+        for step, b in olmo_core_epochs(dl):
+            np.testing.assert_array_equal(data.get_batch(ds, gb, seed, step, r, num_ranks)["tokens"],
+                                          b["input_ids"].numpy(), err_msg=f"step {step} rank {r}")
+        assert step == 2 * spe - 1

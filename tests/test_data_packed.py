@@ -16,6 +16,7 @@ import data
 from data import packing
 from data.packed import PackedFSLDataset, batch_fields, label_mask_path
 from data.padded import PaddedFSLDataset
+from oracles import olmo_core_epochs, olmo_core_loader
 
 olmo_data = pytest.importorskip("olmo_core.data", reason="needs ai2-olmo-core and its imports (setup.cfg test extras)")
 
@@ -336,7 +337,6 @@ def test_two_epochs_equal_olmo_core_data_loader(tmp_path, monkeypatch, num_ranks
     and 2 (reshuffled with seed + epoch, the partial global batch at the end dropped: 24 instances,
     4 batches of 5), and a loader restored in the middle of epoch 2 as OLMo-core restores its own."""
     monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
-    from olmo_core.data.data_loader import NumpyDataLoaderBase
     paths, masks = write_files(tmp_path, 5)
     seq_len, gb, seed = 64, 5, 34521
     theirs = olmo_data.NumpyPackedFSLDatasetConfig(
@@ -348,22 +348,16 @@ def test_two_epochs_equal_olmo_core_data_loader(tmp_path, monkeypatch, num_ranks
     assert (len(ours), spe) == (24, 4)
 
     def loader(rank, work):
-        return NumpyDataLoaderBase.wrap_numpy_dataset(
-            theirs, global_batch_size=gb * seq_len, collator=olmo_data.DataCollator(pad_token_id=PAD),
-            work_dir=str(tmp_path / work), seed=seed, dp_world_size=num_ranks, dp_rank=rank, fs_local_rank=0)
+        return olmo_core_loader(theirs, global_batch=gb, seed=seed, num_ranks=num_ranks, rank=rank, pad_id=PAD,
+                                work_dir=tmp_path / work)
 
     for r in range(num_ranks):
-        dl, step = loader(r, "dl"), 0
-        for epoch in (1, 2):
-            dl.reshuffle(epoch=epoch)
-            for b in dl:
-                mine = data.get_batch(ours, gb, seed, step, r, num_ranks)
-                np.testing.assert_array_equal(mine["tokens"], b["input_ids"].numpy(), err_msg=f"step {step}")
-                np.testing.assert_array_equal(mine["label_mask"], b["label_mask"].numpy(), err_msg=f"step {step}")
-                step += 1
-            assert dl.total_batches == spe
-            dl.reset()
-        assert step == 2 * spe
+        dl = loader(r, "dl")
+        for step, b in olmo_core_epochs(dl):
+            mine = data.get_batch(ours, gb, seed, step, r, num_ranks)
+            np.testing.assert_array_equal(mine["tokens"], b["input_ids"].numpy(), err_msg=f"step {step}")
+            np.testing.assert_array_equal(mine["label_mask"], b["label_mask"].numpy(), err_msg=f"step {step}")
+        assert dl.total_batches == spe and step == 2 * spe - 1
     dl = loader(0, "dl2")   # OLMo-core's state after 2 batches of epoch 2, and ours after spe + 2 steps
     dl.load_state_dict({"dataset_fingerprint_version": theirs.fingerprint_version, "dataset_type": "fsl",
                         "dataset_fingerprint": theirs.fingerprint, "batches_processed": 2,
