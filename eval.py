@@ -14,7 +14,8 @@
     # stage 3's long-context evidence: held-out documents, loss per position bucket, before -> after
     python eval.py --model=runs/tiny_stage2 --model_b=runs/tiny_stage3 --eval_seq_len=1024 --position_buckets=0.25,0.5,1
     # chat with an SFT model (OLMo 3 template; greedy, or --temperature=0.7)
-    python eval.py --model=runs/tiny_sft --chat="Write the docstring of this Python function. ..."
+    python eval.py --model=runs/tiny_sft --chat_template=olmo_thinker_no_think_sft_tokenization \
+        --chat="Write the docstring of this Python function. ..."
 
 Held-out loss is the training loss function itself (olmo3.step.eval_loss) on fixed instances,
 windows or padded documents as the run scored its own (--eval_padded, --doc_lengths), so with the

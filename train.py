@@ -54,8 +54,8 @@ flags.DEFINE_float("hang_timeout_s", 1800, "End the process (exit status 1, reru
                   "(olmo3/watchdog.py). "
                   "An evaluation or save may take 3 x its longest earlier run, at least this long (its first is not "
                   "timed). 0: never.")
-flags.DEFINE_string("init_from", None, "Stages 2, 3, sft, dpo: checkpoint dir (a run_dir or one step dir) "
-                    "to warm-start from.")
+flags.DEFINE_string("init_from", None, "Stages 2, 3, sft, dpo (and stage 1 from converted weights): checkpoint "
+                    "dir (a run_dir or one step dir) to warm-start from.")
 flags.DEFINE_bool("init_weights_only", False, "With --init_from: take the weights only and start Adam fresh "
                   "(e.g. stage 1 from AI2's step-0 weights converted by convert.py).")
 flags.DEFINE_integer("seed", 34521, "Data-order seed (stage 1: 34521, stage 2: 1337).")
