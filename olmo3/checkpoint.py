@@ -203,7 +203,9 @@ def locate(path: str) -> tuple[str, Optional[int]]:
     p = os.path.abspath(path.rstrip("/"))
     base = os.path.basename(p)
     parent = os.path.dirname(p)
-    if base.isdigit() and os.path.basename(parent) == CHECKPOINTS:
+    # A run directory named by a number inside a folder named checkpoints (/mnt/checkpoints/0042)
+    # holds checkpoints/ itself; a step directory never does.
+    if base.isdigit() and os.path.basename(parent) == CHECKPOINTS and not os.path.isdir(os.path.join(p, CHECKPOINTS)):
         if not os.path.isdir(p):
             raise FileNotFoundError(f"checkpoint {p} does not exist (incomplete saves end in "
                                     ".orbax-checkpoint-tmp and are not usable)")

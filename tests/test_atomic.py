@@ -226,3 +226,16 @@ def test_tpu_jobset_never_restarts_what_the_launcher_never_reruns():
     job = spec["replicatedJobs"][0]["template"]["spec"]
     final = [r["onExitCodes"] for r in job["podFailurePolicy"]["rules"] if r["action"] == "FailJob"]
     assert [(f["containerName"], f["operator"], set(f["values"])) for f in final] == [("train", "In", set(NON_RETRYABLE))]
+
+
+def test_an_interrupted_new_directory_leaves_nothing(tmp_path):
+    """Ctrl-C or SIGTERM (KeyboardInterrupt, SystemExit) while a converted checkpoint is written:
+    the temporary sibling goes too (a 7B conversion's is tens of GB), as on any error."""
+    from olmo3.checkpoint import new_directory
+    for stop in (KeyboardInterrupt, SystemExit):
+        with pytest.raises(stop):
+            with new_directory(tmp_path / "out") as tmp:
+                with open(os.path.join(tmp, "f"), "w") as f:
+                    f.write("x")
+                raise stop()
+        assert os.listdir(tmp_path) == []

@@ -169,13 +169,20 @@ def test_moved_elements_are_damage_too(tmp_path):
 
 def test_non_finite_state_is_refused_but_skipped_losses_are_kept(tmp_path):
     """A NaN or inf in any float tensor: NonFiniteError naming it, and no checkpoint written. The
-    skip-step windows are exempt: a skipped step's NaN loss is their record, not damage."""
+    skip-step windows are exempt: a skipped step's NaN loss is their record, not damage; every
+    other tensor is checked, not only the first, float32 or the model's: a bf16 parameter and an
+    Adam moment beside the windows too."""
     from olmo3.cli import NonFiniteError
     mgr = CheckpointManager(str(tmp_path), async_save=False)
     good = {"w": jnp.ones((8,)), "n": jnp.arange(3)}
     for bad in (np.nan, np.inf, -np.inf):
         with pytest.raises(NonFiniteError, match=r"step 1: 1 tensor.*'w'.*not written"):
             mgr.save(1, {**good, "w": good["w"].at[5].set(bad)})
+    for name, bad in (("z", {"z": good["w"].at[1].set(np.nan)}),
+                      ("h", {"h": jnp.ones((8,), jnp.bfloat16).at[2].set(np.inf)}),
+                      ("opt.nu", {"opt": {"loss_window": good["w"], "nu": good["w"].at[0].set(np.nan)}})):
+        with pytest.raises(NonFiniteError, match=rf"step 1: 1 tensor.*\['{name}'\].*not written"):
+            mgr.save(1, {**good, **bad})
     assert mgr.all_steps() == []
     skipped = {"loss_window": jnp.full((4,), jnp.nan), "gnorm_window": jnp.array([1.0, jnp.inf, 0.0, 0.0])}
     mgr.save(1, {**good, "opt": skipped})
@@ -357,6 +364,13 @@ def test_partial_restore_and_clear_errors(tmp_path):
     mgr.wait()
     with pytest.raises(FileExistsError, match="already exists"):
         mgr.save(3, state, {})
+    os.makedirs(tmp_path / "checkpoints" / "5")   # made since the manager listed its steps: not written over
+    (tmp_path / "checkpoints" / "5" / "mine").write_text("x")
+    with pytest.raises(FileExistsError, match="already exists"):
+        mgr.save(5, state, {})
+    assert (tmp_path / "checkpoints" / "5" / "mine").read_text() == "x"
+    os.remove(tmp_path / "checkpoints" / "5" / "mine")
+    os.rmdir(tmp_path / "checkpoints" / "5")
     with pytest.raises(TypeError, match="JSON"):
         mgr.save(4, state, {"bad": object()})
     with pytest.raises(FileNotFoundError, match=r"available: \[3\]"):
@@ -375,6 +389,10 @@ def test_partial_restore_and_clear_errors(tmp_path):
     assert sorted(tensor_names(state["model"])) == ["embed", "layers.0", "layers.1"]
     assert locate(str(tmp_path)) == (str(tmp_path), None)
     assert locate(str(tmp_path / "checkpoints" / "3")) == (str(tmp_path), 3)
+    assert locate(str(tmp_path / "checkpoints")) == (str(tmp_path), None)
+    run42 = tmp_path.parent / f"{tmp_path.name}-runs" / "checkpoints" / "42"   # run 42 in a folder of runs
+    os.makedirs(run42 / "checkpoints")
+    assert locate(str(run42)) == (str(run42), None)
     with pytest.raises(FileNotFoundError):
         locate(str(tmp_path / "checkpoints" / "9"))
 
@@ -511,3 +529,58 @@ def test_damage_seen_by_one_process_is_every_processs_verdict(tmp_path):
     np.testing.assert_allclose([r["total"] for r in got], [want, want], rtol=1e-5)
     assert sorted(os.listdir(tmp_path / "run" / "damaged")) == ["2"]
     assert os.path.exists(tmp_path / "run" / "damaged" / "2" / "damaged_on_another_process.json")
+
+
+def test_steps_in_flight_are_not_listed_as_checkpoints(tmp_path, monkeypatch):
+    """While an async save still writes step 2 under its temporary name, Orbax already counts it:
+    the steps listed (the latest, the advice a non-finite state ends with) are those on disk."""
+    mgr = CheckpointManager(str(tmp_path), async_save=False)
+    mgr.save(1, {"w": jnp.ones((8,))}, {"step": 1})
+    monkeypatch.setattr(mgr._mgr, "is_saving_in_progress", lambda: True)
+    monkeypatch.setattr(mgr._mgr, "all_steps", lambda: [1, 2])
+    assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+    assert f"{tmp_path / 'checkpoints'}/1: resume from it" in mgr.what_to_resume()
+
+
+@pytest.mark.parametrize("name", ["state/_sharding", "_CHECKPOINT_METADATA"])
+def test_verify_names_the_metadata_file_that_does_not_parse(tmp_path, name):
+    """eval.py and convert.py verify a checkpoint before reading it: a cut JSON metadata file is
+    named, also the one Orbax only logs about when it does not parse (a torn copy)."""
+    CheckpointManager(str(tmp_path), async_save=False).save(1, {"w": jnp.ones((8,))}, {"step": 1})
+    cut = tmp_path / "checkpoints" / "1" / name
+    cut.write_bytes(cut.read_bytes()[:5])
+    with pytest.raises(checkpoint.DamagedCheckpointError) as e:
+        CheckpointManager(str(tmp_path), read_only=True).verify(1)
+    assert e.value.file == str(cut)
+
+
+def test_a_label_damaged_twice_is_moved_aside_twice(tmp_path):
+    """A step damaged, moved aside, saved again and damaged again: both copies are kept under
+    damaged/ (the second as <N>-<time>), and the resume falls back both times."""
+    mgr = CheckpointManager(str(tmp_path), keep=None, async_save=False)
+    abstract = {"x": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    mgr.save(1, {"x": jnp.full((8,), 1.0)}, {"step": 1})
+    for _ in range(2):
+        mgr.save(2, {"x": jnp.full((8,), 2.0)}, {"step": 2})
+        for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
+            if f.is_file():
+                f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        step, got, _ = CheckpointManager(str(tmp_path), keep=None, async_save=False).restore_intact(abstract)
+        assert step == 1 and np.all(np.asarray(got["x"]) == 1.0)
+        mgr = CheckpointManager(str(tmp_path), keep=None, async_save=False)
+    assert len(os.listdir(tmp_path / "damaged")) == 2 and "2" in os.listdir(tmp_path / "damaged")
+
+
+def test_the_quiet_hook_passes_on_every_other_unraisable(monkeypatch):
+    """Abandoned reads' reports are dropped; every other unraisable exception still reaches the
+    hook that was there before."""
+    import types
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    checkpoint._quiet_abandoned_reads()
+    report = lambda e: sys.unraisablehook(types.SimpleNamespace(   # noqa: E731
+        exc_type=type(e), exc_value=e, exc_traceback=None, err_msg=None, object=None))
+    report(RuntimeError("Event loop is closed"))
+    other = ValueError("another module's finaliser failed")
+    report(other)
+    assert seen == [other]
