@@ -174,6 +174,32 @@ def test_check_directory_names_the_mount_fix_when_directories_cannot_be_renamed(
     assert os.listdir(tmp_path) == []                                  # the probe is gone
 
 
+def test_check_directory_reads_the_probe_back_and_names_the_step_that_failed(tmp_path, monkeypatch):
+    """A rename that leaves the file's bytes behind (the directory arrives, its file empty) is a
+    rename that does not work; a file that cannot be written is said as that, without the mount's
+    rename advice."""
+    import builtins
+
+    def hollow_rename(src, dst):
+        os.mkdir(dst)
+        open(os.path.join(dst, "probe"), "w").close()
+    with monkeypatch.context() as m:
+        m.setattr(os, "rename", hollow_rename)
+        with pytest.raises(atomic.UserError, match=r"cannot rename a directory in .*does not read back.*rename-dir-limit"):
+            atomic.check_directory(tmp_path / "run", "--run_dir")
+    assert os.listdir(tmp_path) == []
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and os.path.basename(path) == "probe":
+            raise OSError(28, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(atomic, "open", full_disk, raising=False)
+    with pytest.raises(atomic.UserError, match=r"cannot write a file in .*\(No space left on device\); give a "
+                                               "directory this process can write$"):
+        atomic.check_directory(tmp_path / "run", "--run_dir")
+    assert os.listdir(tmp_path) == []
+
+
 def test_check_writable_needs_files_only(tmp_path, monkeypatch):
     """eval.py's --out holds files (each written and renamed whole), never a renamed directory:
     a mount that refuses directory renames is fine for it; one where nothing can be written is
