@@ -403,6 +403,10 @@ def _refuse_unlike_olmo3(model: dict, per_layer: list[int]) -> None:
     for field, (got, ok) in want.items():
         if got != ok:
             raise NotOLMo3(f"{field} is {got!r} where OLMo 3 has {ok!r}")
+    eps = {where: (norm or {}).get("eps") for where, norm in norms.items()}   # our Config has one norm_eps
+    if len(set(eps.values())) > 1:
+        raise NotOLMo3(f"norm eps differ ({', '.join(f'{k}.eps={v!r}' for k, v in eps.items())}) where OLMo 3 "
+                       "has one eps (1e-6) for every norm")
     full = {i for i, w in enumerate(per_layer) if w == -1}
     overrides = {int(i): over for i, over in (model.get("block_overrides") or {}).items()}
     for i, over in overrides.items():

@@ -277,9 +277,29 @@ def test_bad_inputs(tmp_path):
     wrong = hf.config_from_hf(cfg.to_dict(), d_model=32, head_dim=8)
     with pytest.raises(ValueError, match="has shape .* config expects"):
         hf.from_hf(sd, wrong)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    quantized = {**sd, q: sd[q].to(torch.int32)}   # weights of a quantized export: never cast without a word
+    with pytest.raises(ValueError, match=rf"tensor '{q}' has dtype int32"):
+        hf.from_hf(quantized, hf.config_from_hf(cfg.to_dict()))
     sd.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight.*download complete"):
         hf.from_hf(sd, hf.config_from_hf(cfg.to_dict()))
+    # A bool or a fraction where a count belongs (read as 1 layer, as 64 wide) is named.
+    for field, value in (("num_hidden_layers", True), ("hidden_size", 64.5)):
+        with pytest.raises(ValueError, match=rf"field '{field}' is {value!r}; expected an integer"):
+            hf.config_from_hf({**cfg.to_dict(), field: value})
+    # eos_token_id is dolma2's <|endoftext|> (100257) only where the vocabulary holds it.
+    assert hf.config_to_hf(olmo3.Config.tiny(vocab_size=100257))["eos_token_id"] is None
+    assert hf.config_to_hf(olmo3.Config.tiny(vocab_size=100258))["eos_token_id"] == 100257
+
+
+def test_safetensors_writer_refuses_a_block_past_the_tensors_end(tmp_path):
+    """Blocks of rows that overrun a tensor would shift every later tensor of the file."""
+    f32 = np.dtype(np.float32)
+    w = hf.SafetensorsWriter(str(tmp_path / "a.safetensors"), [("a", (4, 2), f32), ("b", (1,), f32)])
+    w.write("a", np.zeros((3, 2)))
+    with pytest.raises(ValueError, match=r"tensor 'a': block \(3, 2\) does not continue shape \(4, 2\) at row 3"):
+        w.write("a", np.zeros((3, 2)))
 
 
 def test_bf16_mlp_bit_exact_with_transformers():

@@ -144,8 +144,10 @@ def test_settings_olmo3_lacks_are_refused(tmp_path):
     that computes something else, exit 0). OLMo 3's own configs, YaRN included, pass."""
     import copy
 
+    from olmo_core.nn.attention import GateConfig
     from olmo_core.nn.feed_forward import ActivationFunction
-    from olmo_core.nn.layer_norm import LayerNormType
+    from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
+    from olmo_core.nn.moe import MoEConfig
     from olmo_core.nn.rope import (ABFRoPEScalingConfig, PIRoPEScalingConfig, StepwiseRoPEScalingConfig,
                                    YaRNRoPEScalingConfig)
     from olmo_core.nn.transformer import TransformerConfig
@@ -168,6 +170,18 @@ def test_settings_olmo3_lacks_are_refused(tmp_path):
         return as_json(c)
 
     mixer = lambda c: c.block.sequence_mixer   # noqa: E731
+
+    def edited(c, path, value):   # in the dict: olmo3_7B's three norms are one object
+        model = as_json(c)
+        *keys, last = path.split(".")
+        d = model
+        for k in keys:
+            d = d[k]
+        d[last] = value
+        return model
+
+    partial_yarn = as_json(long)
+    del partial_yarn["block_overrides"]["31"]
     cases = {
         "embed_scale": changed(base, lambda c: setattr(c, "embed_scale", 8.0)),
         "tie_word_embeddings": changed(base, lambda c: setattr(c, "tie_word_embeddings", True)),
@@ -177,6 +191,20 @@ def test_settings_olmo3_lacks_are_refused(tmp_path):
         "feed_forward.activation": changed(base, lambda c: setattr(c.block.feed_forward, "activation",
                                                                    ActivationFunction.gelu_tanh)),
         "block_overrides[3]": changed(long, lambda c: setattr(c.block_overrides[3].feed_forward, "hidden_size", 64)),
+        "attention.gate": changed(base, lambda c: setattr(mixer(c), "gate", GateConfig())),
+        "embedding_norm": changed(base, lambda c: setattr(c, "embedding_norm", LayerNormConfig())),
+        "attention.rope.partial_rotary_factor": changed(base, lambda c: setattr(mixer(c).rope, "partial_rotary_factor",
+                                                                                0.5)),
+        "block.feed_forward_moe": changed(base, lambda c: setattr(c.block, "feed_forward_moe",
+                                                                  MoEConfig(num_experts=2, hidden_size=64))),
+        "qk_norm": edited(base, "block.sequence_mixer.qk_norm.name", "default"),
+        "norm eps differ (block.layer_norm.eps=1e-06, qk_norm.eps=0.001": edited(
+            base, "block.sequence_mixer.qk_norm.eps", 1e-3),
+        "lm_head.layer_norm.eps=0.01)": edited(base, "lm_head.layer_norm.eps", 1e-2),
+        # YaRN on some full-attention layers only, or on every layer: neither is OLMo 3's
+        "block_overrides on layers [3, 7, 11, 15, 19, 23, 27]": partial_yarn,
+        "RoPE scaling on every layer": as_json(base.with_rope_scaling(
+            YaRNRoPEScalingConfig(factor=8, old_context_len=8192), full_attn_layers_only=False)),
     }
     # Other RoPE scalings on the full-attention layers: Stepwise (Llama 3's) has YaRN's factor and
     # old_context_len and was read as YaRN; PI and ABF were a KeyError.
@@ -216,10 +244,32 @@ def test_layer_windows_follow_olmo_core(pattern, first, last, n_layers):
                                       force_full_attention_on_last_layer=last)
     want = [sw._get_window_size(i, n_layers) for i in range(n_layers)]
     assert olmo_core.layer_windows(json.loads(json.dumps(sw.as_config_dict())), n_layers) == want
+    if first and last:   # a config that leaves both out (written by hand, or before them): OLMo-core's defaults
+        unset = json.loads(json.dumps(SlidingWindowAttentionConfig(pattern=pattern).as_config_dict()))
+        for key in ("force_full_attention_on_first_layer", "force_full_attention_on_last_layer"):
+            del unset[key]
+        assert olmo_core.layer_windows(unset, n_layers) == want
     model = olmo_core.config_to_olmo_core(olmo3_config(n_layers))
     model["block"]["sequence_mixer"]["sliding_window"] = sw.as_config_dict()
     c = olmo_core.config_from_olmo_core(model)
     assert [("full" if w == -1 else "sliding") for w in want] == list(c.layer_types())
+
+
+@pytest.mark.parametrize("pattern", [("full", "sliding"), ("sliding",), ("sliding", "full"),
+                                     ("sliding", "sliding", "full")])
+def test_exported_windows_are_olmo_core_s(pattern):
+    """Our layer pattern written as OLMo-core's config (convert.py --to=olmo-core:) is read by
+    OLMo-core as the same per-layer windows, a last layer that slides included (OLMo-core forces
+    its last layer full unless told not to)."""
+    import dataclasses
+
+    from olmo_core.nn.transformer import TransformerConfig
+    c = dataclasses.replace(olmo3_config(len(pattern) * 2), layer_pattern=pattern)
+    theirs = TransformerConfig.from_dict(json.loads(json.dumps(olmo_core.config_to_olmo_core(c))))
+    sw = theirs.block.sequence_mixer.sliding_window
+    got = ["full" if sw._get_window_size(i, c.n_layers) == -1 else "sliding" for i in range(c.n_layers)]
+    assert got == list(c.layer_types())
+    assert {sw._get_window_size(i, c.n_layers) for i in range(c.n_layers)} - {-1} <= {c.window}
 
 
 def olmo3_config(n_layers):
@@ -563,15 +613,18 @@ def test_fsdp_sharded_checkpoint_reassembled(tmp_path):
     assert int(opt.count) == R.STEPS
 
 
-def synthetic_checkpoint(src, n_layers=4, moments=True, more=None, config_layers=None, drop=(), d_model=32):
+def synthetic_checkpoint(src, n_layers=4, moments=True, more=None, config_layers=None, drop=(), d_model=32,
+                         kv_dim=None):
     """An OLMo-core step directory of a tiny OLMo 3 (2 heads of d_model / 2, ones for weights,
     moments and Adam step 2) written by our DCP writer, with its config.json (of `config_layers`),
-    without the tensors in `drop`."""
+    without the tensors in `drop`. `kv_dim`: K and V projections of that width (the config.json
+    then does not match: for checkpoints read without it)."""
     import olmo3
     c = olmo3.Config.tiny(d_model=d_model, n_layers=config_layers or n_layers, n_heads=2, n_kv_heads=2,
                           head_dim=d_model // 2, mlp_hidden=64, window=16, vocab_size=128)
     d = d_model
-    shapes = {"embed": (128, d), "lm_head": (128, d), "q_proj": (d, d), "k_proj": (d, d), "v_proj": (d, d),
+    shapes = {"embed": (128, d), "lm_head": (128, d), "q_proj": (d, d), "k_proj": (kv_dim or d, d),
+              "v_proj": (kv_dim or d, d), "k_norm": (kv_dim or d,),
               "o_proj": (d, d), "gate_proj": (64, d), "up_proj": (64, d), "down_proj": (d, 64)}
     specs = {f"model.{name}": (shapes.get(field, (d,)), np.float32) for field, _, name, _ in olmo_core.param_names(n_layers)}
     if moments:
@@ -595,12 +648,12 @@ def test_without_config_json_the_model_comes_from_the_tensor_shapes(tmp_path):
     incomplete downloads, had made config.json required: every such conversion failed.)"""
     import olmo3
     src = tmp_path / "oc" / "step3"
-    synthetic_checkpoint(src, moments=False, d_model=256)
+    synthetic_checkpoint(src, moments=False, d_model=256, kv_dim=128)   # grouped-query: 2 heads share 1 K/V
     os.remove(src / "config.json")
     config = convert.olmo_core_to_orbax(str(src), str(tmp_path / "orbax"), with_optimizer_state=False)
     seven_b = olmo3.Config()
     assert (config.d_model, config.n_layers, config.n_heads, config.n_kv_heads, config.head_dim,
-            config.mlp_hidden, config.vocab_size) == (256, 4, 2, 2, 128, 64, 128)
+            config.mlp_hidden, config.vocab_size) == (256, 4, 2, 1, 128, 64, 128)
     assert (config.window, config.rope_theta, config.norm_eps) == (seven_b.window, seven_b.rope_theta,
                                                                    seven_b.norm_eps)
     assert os.listdir(tmp_path / "orbax" / "checkpoints") == ["3"]
@@ -610,6 +663,41 @@ def test_without_config_json_the_model_comes_from_the_tensor_shapes(tmp_path):
     with pytest.raises(olmo_core.UserError, match="attention width 32 is not a multiple of OLMo 3's head_dim 128"):
         convert.olmo_core_to_orbax(str(narrow), str(tmp_path / "never"), with_optimizer_state=False)
     assert not os.path.exists(tmp_path / "never")
+
+
+def test_config_json_of_the_save_folder_is_read_for_its_steps(tmp_path):
+    """OLMo-core's ConfigSaverCallback writes config.json into the save folder (the parent of
+    stepN/) as well: a step directory without its own copy reads it there, not the 7B's guesses."""
+    step = tmp_path / "run" / "step3"
+    synthetic_checkpoint(step, moments=False)   # head_dim 16, window 16: nothing like the 7B's
+    os.rename(step / "config.json", tmp_path / "run" / "config.json")
+    config, where = olmo_core.read_config(str(step), object.__new__(olmo_core.DistCheckpointReader))   # not read
+    assert where == str(tmp_path / "run" / "config.json") and (config.head_dim, config.window) == (16, 16)
+
+
+def test_a_save_folder_converts_its_newest_step(tmp_path):
+    """A save folder given as --from=olmo-core: its newest complete stepN (step10 after step9: by
+    number, not name; a step without its .metadata is incomplete)."""
+    for n in (2, 9, 10, 11):
+        (tmp_path / f"step{n}" / "model_and_optim").mkdir(parents=True)
+        if n != 11:
+            (tmp_path / f"step{n}" / "model_and_optim" / ".metadata").touch()
+    newest = tmp_path / "step10"
+    assert olmo_core.locate(str(tmp_path)) == (str(newest), str(newest / "model_and_optim"), 10)
+
+
+def test_yarn_without_betas_takes_olmo_core_s_defaults():
+    """YaRN scaling written without beta_fast / beta_slow reads as OLMo-core's own defaults."""
+    from olmo_core.nn.rope import YaRNRoPEScalingConfig
+    from olmo_core.nn.transformer import TransformerConfig
+    yarn = YaRNRoPEScalingConfig(factor=8, old_context_len=8192)
+    model = json.loads(json.dumps(TransformerConfig.olmo3_7B(vocab_size=100352).with_rope_scaling(
+        yarn, full_attn_layers_only=True).as_config_dict()))
+    for over in model["block_overrides"].values():
+        scaling = over["sequence_mixer"]["rope"]["scaling"]
+        del scaling["beta_fast"], scaling["beta_slow"]
+    c = olmo_core.config_from_olmo_core(model)
+    assert (c.yarn.beta_fast, c.yarn.beta_slow) == (yarn.beta_fast, yarn.beta_slow)
 
 
 def test_tensors_outside_olmo3_are_refused_not_dropped(tmp_path):
