@@ -749,6 +749,33 @@ def test_a_failed_orbax_write_leaves_nothing_behind(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "orbax" / "checkpoints") == ["3"]
 
 
+def test_a_tensor_saved_in_chunks_is_read_whole(tmp_path):
+    """An FSDP checkpoint stores a tensor as chunks, one per rank that held a shard, at the offsets
+    its .metadata lists (written here with torch's own metadata classes; the slow
+    test_fsdp_sharded_checkpoint_reassembled has OLMo-core save one): read back whole, whatever the
+    order of the chunks in the file."""
+    import io
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                       TensorProperties, TensorStorageMetadata)
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    blobs, chunks, where = b"", [], {}
+    for start in (2, 0):   # the second rank's rows first in the file
+        buf = io.BytesIO()
+        torch.save(full[start:start + 2].clone(), buf)
+        offsets = torch.Size([start, 0])
+        where[MetadataIndex("x", offsets)] = _StorageInfo("__0_0.distcp", len(blobs), len(buf.getvalue()))
+        chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size([2, 3])))
+        blobs += buf.getvalue()
+    (tmp_path / "__0_0.distcp").write_bytes(blobs)
+    tensor = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4, 3]), chunks)
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={"x": tensor}, storage_data=where)))
+    np.testing.assert_array_equal(olmo_core.DistCheckpointReader(str(tmp_path)).numpy("x", np.float32), full.numpy())
+
+
 def test_metadata_pickle_cannot_run_code(tmp_path):
     """`.metadata` is a pickle (possibly fetched from a URL): one naming any other callable is
     refused with one line, before it can run."""
