@@ -121,6 +121,22 @@ def test_heldout_of_a_smaller_vocabulary_with_a_part_filled_batch(tmp_path):
     np.testing.assert_allclose(got["bpb"], ce / (math.log(2) * lengths[rows[:, 1:]].sum()), rtol=1e-5)
 
 
+def test_heldout_batches_stop_at_the_data_and_each_batch_loss_is_its_mean(tmp_path):
+    """--max_eval_batches above a domain's batches scores the domain's batches only (a filler
+    batch's 0 would narrow --compare's paired noise band), and batch_losses, that band's input,
+    are each batch's mean target loss against a float64 oracle; no byte lengths: bpb NaN, not 0."""
+    model = olmo3.OLMo3(CFG, jax.random.key(0))
+    rows = np.random.default_rng(1).integers(0, 500, size=(5, 17))
+    ds = data.FSLDataset(token_file(tmp_path / "h.npy", rows), 17, vocab_size=512)
+    got = heldout.heldout(model, ds, batch_size=4, max_batches=10)
+    assert got["batches"] == 2 and len(got["batch_losses"]) == 2
+    order = np.concatenate([data.get_eval_batch(ds, 4, b)["tokens"][:n] for b, n in ((0, 4), (1, 1))])
+    lp = log_softmax64(np.stack([forward(model, r) for r in order]))
+    per_row = -np.take_along_axis(lp[:, :-1], order[:, 1:, None], -1).sum((1, 2))
+    np.testing.assert_allclose(got["batch_losses"], [per_row[:4].sum() / 64, per_row[4] / 16], rtol=1e-5)
+    assert math.isnan(got["bpb"])
+
+
 def test_token_bytes_add_up_to_the_texts_bytes():
     """bpb's denominator: the tokens of a text count its UTF-8 bytes, PII masks (added tokens matched
     in text) included; eos, pad and the rows past the tokenizer (OLMo-core pads to 100352) count none."""

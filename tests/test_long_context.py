@@ -123,6 +123,8 @@ def test_bucket_bounds():
     # whole edges that floating point writes as 55.00000000000001 or 196.00000000000003
     assert heldout.bucket_bounds(["0.55", "1"], 100) == (0, 55, 100)
     assert heldout.bucket_bounds(["0.07", "0.14", "0.28", "1"], 700) == (0, 49, 98, 196, 700)
+    # ... and as 28.999999999999996 (0.29 x 100): rounded, not cut to 28
+    assert 0.29 * 100 < 29 and heldout.bucket_bounds(["0.29", "1"], 100) == (0, 29, 100)
     with pytest.raises(ValueError, match="increasing fractions"):
         heldout.bucket_bounds(["0.5", "nan", "1"], 64)
 

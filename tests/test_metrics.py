@@ -477,3 +477,48 @@ def test_host_peak_rss_is_the_kernels_high_water_mark_in_gb():
     with open("/proc/self/status") as f:
         hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
     assert got == pytest.approx(hwm_kb / 2**20, rel=0.05)
+
+
+def test_excluded_time_is_billed_to_no_step_and_only_once():
+    """An evaluation's time leaves the one step it fell in, not every later step too (their step
+    times fell toward 0 and tokens/s and MFU grew without bound); a measured peak's re-measurements
+    likewise."""
+    clock = FakeClock()
+    peak = metrics.PeakFlops(1.0, device_kind="cpu", clock=clock)
+    sc = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, window=4, clock=clock)
+    run_steps(sc, clock, [30.0, 2.0])
+    with sc.excluded("eval"):
+        clock.advance(7.0)
+    out = run_steps(sc, clock, [2.0, 3.0, 4.0], start=2)
+    assert [m["perf/step_time_s"] for m in out] == pytest.approx([2.0, 3.0, 4.0])
+    clock = FakeClock()
+    peak = metrics.PeakFlops(device_kind="cpu", measure=FakeMeasure(clock, [1e15], cost=0.5), clock=clock,
+                             early_steps=3)
+    sc = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, clock=clock)
+    assert [m["perf/step_time_s"] for m in run_steps(sc, clock, [10.0] * 6)] == pytest.approx([10.0] * 6)
+
+
+def test_downstream_eta_at_a_downstream_step_counts_only_those_still_ahead():
+    """At step 20 with downstream evaluations every 20 steps to 100, four are ahead (40 ... 100):
+    the one that just ran is not counted again."""
+    clock = FakeClock()
+    peak = metrics.PeakFlops(1.0, device_kind="cpu", clock=clock)
+    sc = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, window=4, clock=clock)
+    run_steps(sc, clock, [30.0, 2.0])
+    with sc.excluded("downstream"):
+        clock.advance(11.0)
+    assert sc.eta_s(20, 100, 1000, 1000, 20) - sc.eta_s(20, 100, 1000, 1000) == pytest.approx(4 * 11.0)
+
+
+def test_jsonl_skips_blank_lines_and_refuses_non_objects(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 1}\n\n   \n{"step": 2}\n')
+    assert metrics.read_jsonl(str(p)) == [{"step": 1}, {"step": 2}]
+    p.write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(ValueError, match="m.jsonl:2: a JSON list, not an object"):
+        metrics.read_jsonl(str(p))
+
+
+def test_an_eta_over_a_day_shows_its_days():
+    assert metrics._hms(2 * 86400 + 3 * 3600 + 4 * 60 + 5.0) == "2d 03:04:05"
+    assert metrics._hms(59.0) == "00:00:59"
