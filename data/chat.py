@@ -52,7 +52,8 @@ open-instruct docs/olmo3.md); Think DPO trained that way. The Think SFT data was
 "<think>" is trained there; `generation_prompt(..., think=True)` adds it for inference, as the
 released Think chat template does.
 Tool use (`functions`, `function_calls`) is rendered by olmo3_instruct only; OpenAI-style
-`tool_calls` lists are refused (write them as the `function_calls` text the data carries).
+`tool_calls` lists are refused (write them as the `function_calls` text the data carries; an empty
+one calls nothing and is accepted).
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ def check_messages(messages, template: str = INSTRUCT, field: str = "messages") 
             raise ValueError(f'message {i} must be an object with "role" and "content"')
         if m["role"] not in roles:
             raise ValueError(f"message {i} has role {m['role']!r}; the {template} template knows {', '.join(roles)}")
-        if m.get("tool_calls") is not None:
+        if m.get("tool_calls"):   # an empty list (exports put one on every message) calls nothing
             raise ValueError(f"message {i} carries tool_calls; write the calls as a function_calls string")
         calls = m.get("function_calls")
         if (m.get("functions") is not None or calls is not None) and not tools:
