@@ -962,3 +962,42 @@ def test_tpu_worker_and_slice_ids_jax_cannot_place_are_named(ids, name, monkeypa
         with pytest.raises(ClusterError, match=rf"^{re.escape(said)} is not this host's index "
                                                rf"among .*: it must be a whole number from 0 to [12]\. Fix: leave it"):
             cluster.initialize(env=env)
+
+
+def test_gpu_block_is_chosen_by_the_local_rank_not_the_global_one():
+    """srun --ntasks-per-node=2 on 2 nodes of 8 GPUs: global rank 3 is local rank 1 of node 1."""
+    eight = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    envs = [{**fake_srun.srun_env(job_id=1, rank=r, ntasks=4, nodes=2), **eight} for r in range(4)]
+    assert [cluster.local_gpu_ids(cluster.detect(e), e) for e in envs] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+
+
+def test_one_task_per_node_counts_the_gpus_cuda_enumerates():
+    """CUDA_VISIBLE_DEVICES (what CUDA enumerates for the task) wins over SLURM_GPUS_ON_NODE."""
+    env = {**fake_srun.srun_env(job_id=1, rank=0, ntasks=2, nodes=2), "CUDA_VISIBLE_DEVICES": "0,1",
+           "SLURM_GPUS_ON_NODE": "8"}
+    assert cluster.local_gpu_ids(cluster.detect(env), env) == [0, 1]
+
+
+def test_copies_on_different_nodes_with_the_same_local_rank_are_told_apart(tmp_path):
+    """One task per node (launch/slurm.sbatch): every --independent_runs copy has SLURM_LOCALID=0;
+    the global rank (SLURM_PROCID) tells them apart."""
+    run = str(tmp_path / "run")
+    base = {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    cluster.claim_run_dir(run, env={**base, "SLURM_PROCID": "0"})
+    with pytest.raises(ClusterError, match="is shared by the --independent_runs copies"):
+        cluster.claim_run_dir(run, env={**base, "SLURM_PROCID": "1"})
+
+
+def test_a_single_task_step_under_srun_e_is_not_a_launch_of_several():
+    """`srun -E -n1` in a 16-task allocation: SLURM_NTASKS=16 is the allocation's, the step runs
+    SLURM_STEP_NUM_TASKS=1 task, so an explicit --process_id is not checked against SLURM_PROCID."""
+    env = {"SLURM_JOB_ID": "5", "SLURM_PROCID": "0", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "1"}
+    assert cluster._rank_problem(1, env) is None
+    assert cluster._rank_problem(1, {**env, "SLURM_STEP_NUM_TASKS": "2"}) is not None
+
+
+def test_an_ipv6_open_mpi_uri_is_read():
+    """mpirun's coordinator URI on an IPv6-only network (tcp6://[address]:port) is read, not refused."""
+    env = {"OMPI_MCA_orte_hnp_uri": "123.0;tcp6://[fd00::1]:5000", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    assert cluster._ompi_problem(env, None) is None

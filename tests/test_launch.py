@@ -103,6 +103,19 @@ def test_a_listing_that_failed_once_is_no_progress(tmp_path):
     assert "no checkpoint newer than 4" in lines[1] and lines[-1].startswith("[launch] giving up after 2 ")
 
 
+def test_a_stale_older_listing_does_not_lower_the_mark(tmp_path):
+    """A network filesystem once lists an older step (4 after 6 was seen): the 6 listed again
+    afterwards is not new, and a run crashing before each next save still ends."""
+    steps = iter([6, 6, 6, 4, 4, *[6] * 10])
+    assert _run(tmp_path, "1", max_attempts=3, progress=lambda: next(steps))[:2] == (1, 3)
+
+
+def test_a_child_that_a_signal_ended_alone_is_rerun(tmp_path):
+    """The child alone got SIGTERM / SIGINT (its handler saved and exited 143 / 130; the launcher
+    was not signalled: a node's OOM killer, an admin): a crash like any other, rerun."""
+    assert _run(tmp_path, "143,130,0", max_attempts=5)[:2] == (0, 3)
+
+
 def test_newest_checkpoint_lists_finished_saves_only(tmp_path):
     assert newest_checkpoint(str(tmp_path / "none")) is None
     for name in ("3", "12", "40.orbax-checkpoint-tmp-7", ".deleted"):
