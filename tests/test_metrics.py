@@ -479,16 +479,22 @@ def test_host_peak_rss_is_the_kernels_high_water_mark_in_gb():
     assert got == pytest.approx(hwm_kb / 2**20, rel=0.05)
 
 
+def _after_an_excluded(kind: str, seconds: float):
+    """A StepClock past its compile step and one more, then `seconds` of `kind` (eval, downstream)."""
+    clock = FakeClock()
+    sc = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, metrics.PeakFlops(1.0, device_kind="cpu", clock=clock),
+                           window=4, clock=clock)
+    run_steps(sc, clock, [30.0, 2.0])
+    with sc.excluded(kind):
+        clock.advance(seconds)
+    return sc, clock
+
+
 def test_excluded_time_is_billed_to_no_step_and_only_once():
     """An evaluation's time leaves the one step it fell in, not every later step too (their step
     times fell toward 0 and tokens/s and MFU grew without bound); a measured peak's re-measurements
     likewise."""
-    clock = FakeClock()
-    peak = metrics.PeakFlops(1.0, device_kind="cpu", clock=clock)
-    sc = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, window=4, clock=clock)
-    run_steps(sc, clock, [30.0, 2.0])
-    with sc.excluded("eval"):
-        clock.advance(7.0)
+    sc, clock = _after_an_excluded("eval", 7.0)
     out = run_steps(sc, clock, [2.0, 3.0, 4.0], start=2)
     assert [m["perf/step_time_s"] for m in out] == pytest.approx([2.0, 3.0, 4.0])
     clock = FakeClock()
@@ -501,12 +507,7 @@ def test_excluded_time_is_billed_to_no_step_and_only_once():
 def test_downstream_eta_at_a_downstream_step_counts_only_those_still_ahead():
     """At step 20 with downstream evaluations every 20 steps to 100, four are ahead (40 ... 100):
     the one that just ran is not counted again."""
-    clock = FakeClock()
-    peak = metrics.PeakFlops(1.0, device_kind="cpu", clock=clock)
-    sc = metrics.StepClock(TOKENS, {"writeup": 1e9}, 1, peak, window=4, clock=clock)
-    run_steps(sc, clock, [30.0, 2.0])
-    with sc.excluded("downstream"):
-        clock.advance(11.0)
+    sc, _ = _after_an_excluded("downstream", 11.0)
     assert sc.eta_s(20, 100, 1000, 1000, 20) - sc.eta_s(20, 100, 1000, 1000) == pytest.approx(4 * 11.0)
 
 
