@@ -92,6 +92,13 @@ def test_roundtrip_8_devices_to_fewer(tmp_path, n_restore):
     assert isinstance(got["opt"], type(state["opt"]))
 
 
+def cut_in_half(step_dir):
+    """Every file of a checkpoint's tensors cut to half its size: a torn copy."""
+    for f in (step_dir / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
 def _checksum_oracle(x: np.ndarray) -> list[int]:
     """numpy: the bits of each element as an unsigned integer (8-byte ones as two 4-byte words,
     bools as 0 / 1), summed, and summed times 2654435761 * (flat position) + 1, both mod 2**32."""
@@ -320,9 +327,7 @@ def test_the_rotated_out_checkpoint_waits_for_the_next_save(tmp_path):
     abstract = {"x": jax.ShapeDtypeStruct((8,), jnp.float32)}
     deleted = tmp_path / "checkpoints" / ".deleted"
     assert os.listdir(deleted) == ["1"]
-    for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
-        if f.is_file():
-            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    cut_in_half(tmp_path / "checkpoints" / "2")
     resumed = CheckpointManager(str(tmp_path), keep=1, async_save=False)
     with pytest.raises(checkpoint.NoIntactCheckpointError, match=r"\.deleted still holds step\(s\) \['1'\]"):
         resumed.restore_intact(abstract)
@@ -562,9 +567,7 @@ def test_a_label_damaged_twice_is_moved_aside_twice(tmp_path):
     mgr.save(1, {"x": jnp.full((8,), 1.0)}, {"step": 1})
     for _ in range(2):
         mgr.save(2, {"x": jnp.full((8,), 2.0)}, {"step": 2})
-        for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
-            if f.is_file():
-                f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        cut_in_half(tmp_path / "checkpoints" / "2")
         step, got, _ = CheckpointManager(str(tmp_path), keep=None, async_save=False).restore_intact(abstract)
         assert step == 1 and np.all(np.asarray(got["x"]) == 1.0)
         mgr = CheckpointManager(str(tmp_path), keep=None, async_save=False)

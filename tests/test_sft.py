@@ -219,8 +219,7 @@ def test_roles_each_template_renders_and_refuses():
     assert no_calls.tolist() == chat.encode([user, answer])
     with pytest.raises(ValueError, match="message 1 carries tool_calls"):
         chat.encode_with_mask([user, {**answer, "tool_calls": [{"function": {"name": "f"}}]}])
-    a = {"role": "assistant", "content": "b"}
-    assert chat.answer_only([a, a]) and not chat.answer_only([a, user, a])
+    assert chat.answer_only([answer, answer]) and not chat.answer_only([answer, user, answer])
 
 
 def test_last_turn_masks_an_assistant_turn_just_before_the_last():
