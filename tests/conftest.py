@@ -4,6 +4,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Must precede the first `import jax`: the sharding tests use 8 CPU devices.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -36,3 +38,16 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if "OLMO3_DATA_CACHE" not in os.environ:
     os.environ["OLMO3_DATA_CACHE"] = tempfile.mkdtemp(prefix="olmo3-test-data-cache-")
     atexit.register(shutil.rmtree, os.environ["OLMO3_DATA_CACHE"], ignore_errors=True)
+
+
+# A default-run test that hangs (a deadlocked peer, a lock never released, a mutation that loops)
+# fails after this many seconds, naming itself, instead of holding CI to its 90-minute limit. The
+# clock includes the module fixtures a file's first test builds (test_bad_inputs.py's: about
+# 260 s on 2 busy cores). The slow tests run for longer by design and get none.
+DEFAULT_RUN_TIMEOUT_S = 1200
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(DEFAULT_RUN_TIMEOUT_S))
