@@ -4,6 +4,7 @@ The oracle is always the same bytes read from local disk with plain numpy. No in
 server below serves a temporary directory, handles HEAD and `Range: bytes=a-b`, can inject
 faults (503s, dropped connections, bodies cut short), and shuts itself down after a deadline.
 """
+import gzip
 import http.server
 import json
 import os
@@ -11,6 +12,7 @@ import re
 import socket
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -99,6 +101,9 @@ class RangeHandler(http.server.BaseHTTPRequestHandler):
             b = min(b, a + self.server.max_range - 1)   # a server that caps what one range returns
             status, body = 206, body[a:b + 1]
             headers["Content-Range"] = f"bytes {a}-{b}/{n}"
+        if head and self.server.gzip_head:   # a HEAD answered as if the body were gzip-compressed
+            body = gzip.compress(body)
+            headers["Content-Encoding"] = "gzip"
         self.send_response(status)
         for k, v in headers.items():
             self.send_header(k, v)
@@ -119,6 +124,7 @@ class RangeServer(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), RangeHandler)
         self.root, self.no_head, self.no_range, self.faults, self.delay = str(root), False, False, [], 0.0
         self.answers, self.max_range = {}, 1 << 62   # {path prefix: (status, redirect target)}
+        self.gzip_head = False
         self.requests, self.faulted, self.past_end = {}, 0, []
         self._lock, self._n = threading.Lock(), 0
         self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -200,6 +206,7 @@ def test_remote_equals_local_byte_for_byte(tmp_path):
         for i, w in enumerate(want):
             got = remote[i]
             assert got.dtype == np.uint32 and got.tobytes() == w.tobytes()
+            assert got.flags.writeable   # an array of its own, like a local read (not a view of the reply)
         files = [f"file://{p}" for p in local]
         assert data.FSLDataset(urls, SEQ).fingerprint == data.FSLDataset(local, SEQ).fingerprint \
             == data.FSLDataset(files, SEQ).fingerprint
@@ -433,8 +440,54 @@ def test_file_urls(tmp_path):
     assert storage.local_path(f"file://{tmp_path}/x.npy") == f"{tmp_path}/x.npy"
     assert storage.local_path(f"file://localhost{tmp_path}/x.npy") == f"{tmp_path}/x.npy"
     assert storage.local_path("data/x.npy") == "data/x.npy"
+    odd = tmp_path / "a b%c#d.npy"   # pathlib's URI of it is percent-encoded: file:///.../a%20b%25c%23d.npy
+    assert storage.local_path(odd.as_uri()) == str(odd)
     with pytest.raises(ValueError, match="file:///d/x.npy"):   # "d" would be a host, and dropped
         storage.local_path("file://d/x.npy")
+
+
+def test_the_length_of_an_encoded_head_is_not_taken_for_the_size(tmp_path):
+    """A HEAD whose Content-Length is that of a gzip-encoded body (a server that compresses
+    whatever it is asked) says nothing of the file's size: the sizes recorded are the files' own,
+    found by probing ranges."""
+    rel = _corpus(tmp_path, SIZES)
+    local = [str(tmp_path / r) for r in rel]
+    with RangeServer(tmp_path) as srv:
+        srv.gzip_head = True
+        urls = [f"{srv.url}/{r}" for r in rel]
+        remote = data.FSLDataset(urls, SEQ)
+        assert storage.load_manifest(storage.default_manifest_path()) == \
+            {u: os.path.getsize(p) for u, p in zip(urls, local)}
+        assert [remote[i].tobytes() for i in range(len(remote))] == [w.tobytes() for w in _plain_instances(local, SEQ)]
+
+
+def test_a_short_answer_is_a_truncated_file_not_fewer_tokens(monkeypatch):
+    """A store that answers a range with fewer bytes than asked and no error (a driver or proxy
+    that shortens replies) is a TruncatedFileError naming the URL, never fewer tokens than
+    read(start, stop) names. The store is a stand-in for TensorStore's kvstore serving bytes from
+    memory; the oracle is numpy's slice of them."""
+    tokens = np.arange(100, dtype=np.uint32)
+    blob, url = tokens.tobytes(), "http://127.0.0.1:9/mix/part-00.npy"
+
+    class Store:
+        def read(self, key, byte_range):
+            res = types.SimpleNamespace(state="value", value=blob[byte_range.start:byte_range.stop][:40])
+            return types.SimpleNamespace(result=lambda timeout=None: res, cancel=lambda: None)
+    monkeypatch.setattr(storage, "_store_and_key", lambda u: (Store(), "mix/part-00.npy"))
+    f = storage.RemoteTokenFile(url, tokens.nbytes, FAST)
+    np.testing.assert_array_equal(f.read(0, 10), tokens[:10])   # 40 bytes: answered in full
+    with pytest.raises(storage.TruncatedFileError, match=url):
+        f.read(0, 16)
+
+
+def test_wide_integers_needs_32_pairs():
+    """The int64-file check (np.array(ids).tofile writes int64) flags 32 ids read as uint32, and no
+    shorter run whose odd positions happen to be 0 (real ids, e.g. [5, 0, 9, 0]), nor all zeros."""
+    as_u32 = np.frombuffer(np.arange(1, 33, dtype=np.int64).tobytes(), np.uint32)
+    assert storage.wide_integers(as_u32)
+    assert not storage.wide_integers(as_u32[:62])
+    assert not storage.wide_integers(np.array([5, 0, 9, 0], np.uint32))
+    assert not storage.wide_integers(np.zeros(64, np.uint32))
 
 
 def test_unreachable_root_fails_fast(tmp_path):
