@@ -103,9 +103,10 @@ def is_remote(path: str | os.PathLike) -> bool:
 
 
 def local_path(path: str | os.PathLike) -> str:
-    """A plain path for `path` or a file:// URL (file:///abs/path, or file://localhost/abs/path)."""
+    """A plain path for `path` or a file URL: file:///abs/path, file://localhost/abs/path, or
+    RFC 8089's short form file:/abs/path (Java's File.toURI writes it)."""
     path = os.fspath(path)
-    if path.startswith("file://"):
+    if path.startswith("file:/"):
         u = urllib.parse.urlsplit(path)
         if u.netloc not in ("", "localhost"):   # file://d/x.npy: "d" is a host to urlsplit, not a folder
             raise ValueError(f"{path!r}: a file:// URL names an absolute path (file:///abs/path); "

@@ -439,6 +439,7 @@ def test_a_server_that_shortens_ranges_is_not_called_truncated(tmp_path):
 def test_file_urls(tmp_path):
     assert storage.local_path(f"file://{tmp_path}/x.npy") == f"{tmp_path}/x.npy"
     assert storage.local_path(f"file://localhost{tmp_path}/x.npy") == f"{tmp_path}/x.npy"
+    assert storage.local_path(f"file:{tmp_path}/x.npy") == f"{tmp_path}/x.npy"   # RFC 8089's short form
     assert storage.local_path("data/x.npy") == "data/x.npy"
     odd = tmp_path / "a b%c#d.npy"   # pathlib's URI of it is percent-encoded: file:///.../a%20b%25c%23d.npy
     assert storage.local_path(odd.as_uri()) == str(odd)
