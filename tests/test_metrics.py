@@ -256,6 +256,35 @@ def test_log_filter_keeps_ours_and_warnings():
     assert f.filter(_record(library, std_logging.WARNING)) and f.filter(_record(library, std_logging.ERROR))
 
 
+def _raised(raiser: str, error: str, caller: str):
+    """exc_info of `error` raised by a function compiled as file `raiser`, called from one compiled as
+    file `caller`: a traceback whose frames' files are known."""
+    names = {}
+    exec(compile(f"def inner():\n    raise {error}('bad input')\n", raiser, "exec"), names)
+    exec(compile("def outer(f):\n    f()\n", caller, "exec"), names)
+    try:
+        names["outer"](names["inner"])
+    except Exception:
+        return sys.exc_info()
+
+
+def test_orbax_copy_of_our_bad_input_is_dropped_and_no_other_error():
+    """Orbax logs an error of its writer thread with the traceback, and hands it to the main thread.
+    Dropped: only a ValueError (a bad input, which cli.py reports as one line) whose innermost frame
+    is ours (convert.py's lazy tensors). Kept: any other error, and a ValueError a library raised."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(metrics.__file__)))
+    ours, numpy_file = os.path.join(root, "olmo3", "hf.py"), "/usr/lib/python3/site-packages/numpy/x.py"
+    orbax = "/usr/lib/python3/site-packages/orbax/checkpoint/_src/futures/future.py"
+
+    def kept(exc_info):
+        return logs._OursOrWarnings().filter(std_logging.LogRecord("absl", std_logging.ERROR, orbax, 1, "failed",
+                                                                   None, exc_info))
+    assert not kept(_raised(ours, "ValueError", orbax))
+    assert kept(_raised(ours, "OSError", orbax))                # a disk error: Orbax's record is the report
+    assert kept(_raised(numpy_file, "ValueError", ours))        # innermost frame not ours
+    assert kept(None)
+
+
 def test_processes_other_than_0_log_warnings_only(monkeypatch):
     """OLMo-core's default (LogFilterType.rank0_only): INFO from process 0 only, warnings and
     errors from every process; nothing filtered under --verbosity."""
@@ -455,6 +484,7 @@ def test_benign_warnings_top_level_scripts_and_the_cpp_log_level(monkeypatch):
     assert not f.filter(std_logging.LogRecord("absl", std_logging.INFO, library, 1, "m", None, None))
     monkeypatch.setattr(sys.modules["__main__"], "__file__", "/work/scripts/train.py", raising=False)
     assert logs.is_ours("/work/scripts/eval.py") and not logs.is_ours("/work/other/eval.py")
+    assert not logs.is_ours("/work/scripts/.venv/lib/python3.11/site-packages/orbax/x.py")   # below it: a library
     handler = absl_logging.get_absl_handler()
     monkeypatch.setattr(handler, "filters", list(handler.filters))   # restored after the test
     if flags.FLAGS.is_parsed():

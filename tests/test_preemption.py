@@ -50,14 +50,15 @@ if rank == 0:
     time.sleep(2)                          # the notice reaches the other process first
 notice = Notice(start)
 stop = next((s for s in range(start + 1, start + 40) if notice.reached(s) or time.sleep(0.1)), None)
-print("stopped at", stop, flush=True)
+print("stopped at", stop, notice.signal_name, notice.exit_status, flush=True)
 """
 
 
 def test_a_notice_before_a_resumed_run_s_first_step_stops_every_process_after_it():
     """Two processes resumed at step 1000, one signalled before the first step: both stop after
     step 1001. JAX's sync manager counts from 0 and answered the early notice at its step 1, which a
-    run asking about steps 1001, 1002, ... never met: it trained on until SIGKILL."""
+    run asking about steps 1001, 1002, ... never met: it trained on until SIGKILL. Both report the
+    notice as SIGTERM, status 143, though only JAX's handler saw the signal, on one of them."""
     import fake_srun
     port = str(fake_srun.free_derived_port())
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
@@ -69,7 +70,26 @@ def test_a_notice_before_a_resumed_run_s_first_step_stops_every_process_after_it
         for p in procs:
             p.kill()
     for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0 and "stopped at 1001" in out, (out + err)[-3000:]
+        assert p.returncode == 0 and "stopped at 1001 SIGTERM 143" in out, (out + err)[-3000:]
+
+
+def test_a_preemption_service_turned_off_never_stops_the_run(monkeypatch):
+    """Several processes with jax_enable_preemption_service off: JAX's sync point raises the
+    RuntimeError its docstring names. The run goes on (one warning, the service not asked again)
+    rather than stopping at once as if preempted."""
+    import jax
+    from jax.experimental import multihost_utils
+    from olmo3.preemption import Notice
+    asked = []
+
+    def off(step):
+        asked.append(step)
+        raise RuntimeError("Preemption sync manager has not been initialized.")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "reached_preemption_sync_point", off)
+    notice = Notice(1000)   # several processes: JAX's handler, none of ours
+    assert [notice.reached(s) for s in (1001, 1002, 1003)] == [False] * 3 and asked == [1]
+    notice.close()
 
 
 CLOSE = r"""
