@@ -405,7 +405,8 @@ def test_reference_cache_rejects_changed_reference_data_or_seq_len(tmp_path):
         with pytest.raises(UserError, match="reference_logps.npz.*delete it"):
             reference.load(path, other_fp)
     for other_fp in (reference.fingerprint(ident, PairDataset(tmp_path / "b", seq_len=32).fingerprint, 32),
-                     reference.fingerprint(ident, PairDataset(tmp_path / "a", seq_len=24).fingerprint, 24)):
+                     reference.fingerprint(ident, PairDataset(tmp_path / "a", seq_len=24).fingerprint, 24),
+                     reference.fingerprint(ident, ds.fingerprint, 24)):   # seq_len keys the cache on its own too
         with pytest.raises(UserError, match=str(path)):
             reference.load(path, other_fp)
     # An empty or cut-short cache (a full disk, a copy interrupted): named, with the fix, exit 2.

@@ -82,18 +82,21 @@ def test_clean_seed_pair_never_flagged_memorizer_flagged_at_every_step(tmp_path)
 
 def test_noise_bands_against_direct_formulas():
     """train_loss_se: residual std about a least-squares line (numpy lstsq), ddof 2, over sqrt(n);
-    paired_se: statistics.stdev of the per-batch differences over sqrt(n); the verdict's edges."""
+    paired_se: statistics.stdev of the per-batch differences over sqrt(n); the verdict's edges.
+    Steps whose lines logged no training loss (evaluation only: read_metrics keeps them as {}) are
+    not points of the line."""
     import math
     import statistics
 
     from olmo3 import comparison
     rng = np.random.default_rng(0)
     metrics = {s: {"train/loss": 5.0 - 0.01 * s + 0.05 * rng.normal()} for s in range(1, 41)}
-    x = np.arange(21, 41, dtype=np.float64)
-    y = np.array([metrics[s]["train/loss"] for s in range(21, 41)])
+    metrics[24] = metrics[33] = {}
+    x = np.array([s for s in range(21, 41) if s not in (24, 33)], np.float64)
+    y = np.array([metrics[s]["train/loss"] for s in x.astype(int)])
     coef, *_ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1), y, rcond=None)
     r = y - (coef[0] * x + coef[1])
-    assert comparison.train_loss_se(metrics, 40, 20) == pytest.approx(math.sqrt((r @ r) / 18) / math.sqrt(20))
+    assert comparison.train_loss_se(metrics, 40, 20) == pytest.approx(math.sqrt((r @ r) / 16) / math.sqrt(18))
     a, b = rng.normal(3, 0.1, 8), rng.normal(3, 0.1, 8)
     assert comparison.paired_se(a, b) == pytest.approx(statistics.stdev(b - a) / math.sqrt(8))
     assert math.isnan(comparison.train_loss_se(metrics, 2, 20)) and math.isnan(comparison.paired_se([1.0], [2.0]))
@@ -113,6 +116,7 @@ def test_window_mean_train_band_edge_and_steps_both_runs_saved(monkeypatch):
     steps one run lacks refused."""
     from olmo3 import comparison
     metrics = {s: {"train/loss": float(s * s)} for s in range(1, 31) if s != 25}
+    metrics[25] = {}   # a line with no training loss (read_metrics(keys=("train/loss",)) of an evaluation's)
     metrics[26]["other"] = 1.0
     assert comparison.train_loss_at(metrics, 30, 10) == pytest.approx(np.mean([s * s for s in range(21, 31) if s != 25]))
     assert comparison.train_loss_at(metrics, 20, 1) == 400.0

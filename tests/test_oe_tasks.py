@@ -173,6 +173,14 @@ def test_metrics_equal_iclmetric_where_the_random_cases_do_not_reach():
     assert want["acc_v1"] == 1.0
     for k in want:
         assert ours[k] == pytest.approx(want[k], rel=2e-6, abs=1e-6), k
+    # ce_loss / bpb: one continuation per document is requested (the gold one), and ICLMetric scores
+    # continuation 0 whatever the label says ("Only one answer is scored")
+    reqs = [_one_token(0, 0, 2, " answer one", -3.0), _one_token(1, 0, 1, " b", -0.5), _one_token(2, 0, 0, " ünï", -7.25)]
+    for metric in ("ce_loss", "bpb"):
+        want, ours = _iclmetric(reqs, metric), _ours(reqs, metric)
+        assert set(ours) == set(want)
+        for k in want:
+            assert ours[k] == pytest.approx(want[k], rel=2e-6, abs=1e-6), (metric, k)
 
 
 def test_rows_leave_out_documents_whose_continuation_exceeds_the_context():
