@@ -156,6 +156,32 @@ def test_mixture_tokens_take_the_shortest_whole_document_prefix_of_each_share(tm
     np.testing.assert_array_equal(_split_tokens(str(tmp_path / "m2"), m, "train"), np.concatenate(want))
 
 
+def test_a_document_longer_than_the_bound_is_alone_and_nothing_after_it_is_lost(tmp_path):
+    """Oracle: each document as dolma's `tokenize_file` writes it (stripped text, then eos), packed
+    greedily in plain Python: a new file before one would pass the bound, a longer one alone."""
+    d = tmp_path / "web"
+    d.mkdir()
+    texts = ["a short one", " ".join(f"w{i}" for i in range(200)), "after the long one", "and the last"]
+    for i, t in enumerate(texts):
+        (d / f"{i}.txt").write_text(t)
+    out = str(tmp_path / "out")
+    m = prep.prepare(str(d), out, workers=1, max_tokens_per_file=40, heldout_fraction=0.0, progress=False)
+    enc = data.dolma2()
+    docs = [enc.encode_ordinary(t.strip()) + [data.EOS_ID] for t in texts]
+    assert len(docs[1]) > 40
+    want, cur = [], []
+    for doc in docs:
+        if cur and sum(map(len, cur)) + len(doc) > 40:
+            want.append(cur)
+            cur = []
+        cur.append(doc)
+    want.append(cur)
+    files = m["splits"]["train"]["files"]
+    assert [np.fromfile(os.path.join(out, f["path"]), np.uint32).tolist() for f in files] == [sum(c, []) for c in want]
+    assert [f["documents"] for f in files] == [len(c) for c in want] and m["splits"]["train"]["documents"] == 4
+    data.verify(out)
+
+
 def test_ensure_corpus_is_idempotent_and_repairs(tmp_path):
     src, _ = _make_corpus(tmp_path, "web", 90, 4)
     out = str(tmp_path / "out")
@@ -215,9 +241,51 @@ def test_ensure_corpus_is_idempotent_and_repairs(tmp_path):
         fh.write("a new document")
     data.ensure_corpus(out, src, workers=1, progress=False)
     assert data.load_manifest(out)["splits"]["train"]["documents"] + data.load_manifest(out)["splits"]["heldout/web"]["documents"] == 91
+    # So does a document edited in place (same names, same number of files): the new text is trained on.
+    with open(os.path.join(src, "zzz.txt"), "w") as fh:
+        fh.write("an edited document")
+    data.ensure_corpus(out, src, workers=1, progress=False)
+    tokens = _split_tokens(out, data.load_manifest(out), "train").tolist()
+    documents = set(map(tuple, np.split(tokens, np.flatnonzero(np.asarray(tokens) == data.EOS_ID)[:-1] + 1)))
+    enc = data.dolma2()
+    assert tuple(enc.encode_ordinary("an edited document") + [data.EOS_ID]) in documents
+    assert tuple(enc.encode_ordinary("a new document") + [data.EOS_ID]) not in documents
+    # And a build made under other tokenization rules (its manifest's "tokenizer" record), which
+    # verify alone accepts (the vocabulary is the same).
+    path = os.path.join(out, "manifest.json")
+    old = json.load(open(path))
+    old["tokenizer"] = {**old["tokenizer"], "documents": "text as is, eos after each"}
+    with open(path, "w") as fh:
+        json.dump(old, fh)
+    data.verify(out)
+    data.ensure_corpus(out, src, workers=1, progress=False)
+    assert data.load_manifest(out)["tokenizer"] == prep.TOKENIZER
 
 
-def test_a_corpus_moved_or_renamed_splits_the_same_and_its_default_folder_is_its_own(tmp_path, caplog):
+def test_contents_digest_follows_the_token_files_bytes(tmp_path):
+    """contents_digest: sha256 over the sha256s of the split's files as they are on disk; a document
+    edited to another text of the same token count (same names and sizes) changes it."""
+    d = tmp_path / "web"
+    d.mkdir()
+    texts = ["x = 1", "y = 2", "z = 3"]
+    for i, t in enumerate(texts):
+        (d / f"d{i}.txt").write_text(t)
+    out = str(tmp_path / "out")
+    data.ensure_corpus(out, str(d), workers=1, progress=False, heldout_fraction=0.0, max_tokens_per_file=8)
+    files = data.load_manifest(out)["splits"]["train"]["files"]
+    on_disk = [hashlib.sha256(open(os.path.join(out, f["path"]), "rb").read()).hexdigest() for f in files]
+    before = prep.contents_digest(out, "train")
+    assert before == hashlib.sha256("\n".join(on_disk).encode()).hexdigest()
+    enc = data.dolma2()
+    assert len(enc.encode_ordinary("y = 4")) == len(enc.encode_ordinary("y = 2"))
+    (d / "d1.txt").write_text("y = 4")
+    data.ensure_corpus(out, str(d), workers=1, progress=False, heldout_fraction=0.0, max_tokens_per_file=8)
+    assert [(f["path"], f["tokens"]) for f in data.load_manifest(out)["splits"]["train"]["files"]] == \
+        [(f["path"], f["tokens"]) for f in files]
+    assert prep.contents_digest(out, "train") != before
+
+
+def test_a_corpus_moved_or_renamed_splits_the_same_and_its_default_folder_is_its_own(tmp_path, caplog, monkeypatch):
     """The split hashes the path inside the corpus folder: a copy under another name holds out the
     same documents (a document trained on from one copy is never held out from the other). The
     default folder a run prepares into names the corpus by its path: /a/web and /b/web differ,
@@ -235,6 +303,10 @@ def test_a_corpus_moved_or_renamed_splits_the_same_and_its_default_folder_is_its
     names = {prep.default_dir_name(x) for x in (src, src + "/", os.path.join(src, "sub", ".."))}
     assert len(names) == 1 and names != {prep.default_dir_name(str(tmp_path / "b" / "web"))}
     assert names.pop().startswith("web-")
+    monkeypatch.chdir(tmp_path / "b")   # a relative path is the corpus where it lies
+    assert prep.default_dir_name("web") == prep.default_dir_name(str(tmp_path / "b" / "web"))
+    monkeypatch.chdir(tmp_path / "a")
+    assert prep.default_dir_name("web") == prep.default_dir_name(src) != prep.default_dir_name(str(tmp_path / "b" / "web"))
     assert prep.default_dir_name("stdlib") == "stdlib"   # where the embedded default always went
     mix = f"stdlib-docs:0.5,{src}:0.5"
     assert prep.default_dir_name(mix) != prep.default_dir_name(f"stdlib-docs:0.5,{src}:0.25")
@@ -557,6 +629,21 @@ def test_mixture_specs(tmp_path):
                       (f"{tmp_path}/nope:1", "does not exist")):
         with pytest.raises((ValueError, FileNotFoundError), match=says):
             corpus.parse_mixture(bad)
+
+
+def test_held_out_documents_of_two_sources_of_one_domain_are_all_kept(tmp_path):
+    """Two sources of one domain (/x/web and /y/web) share heldout/web, which holds both sources'
+    held-out documents. Oracle: each source prepared on its own."""
+    a, _ = _make_corpus(tmp_path / "x", "web", 60, 11)
+    b, _ = _make_corpus(tmp_path / "y", "web", 60, 12)
+    alone = [prep.prepare(s, str(tmp_path / f"alone{i}"), workers=1, heldout_fraction=0.3, progress=False)
+             for i, s in enumerate((a, b))]
+    out = str(tmp_path / "mix")
+    held = prep.prepare(f"{a}:1,{b}:1", out, workers=1, heldout_fraction=0.3, progress=False)["splits"]["heldout/web"]
+    parts = [m["splits"]["heldout/web"] for m in alone]
+    assert all(p["documents"] > 0 for p in parts) and held["documents"] == sum(p["documents"] for p in parts)
+    np.testing.assert_array_equal(_split_tokens(out, {"splits": {"h": held}}, "h"), np.concatenate(
+        [_split_tokens(str(tmp_path / f"alone{i}"), m, "heldout/web") for i, m in enumerate(alone)]))
 
 
 def test_ensure_corpus_keeps_another_sources_build_and_a_builds_own_settings(tmp_path):

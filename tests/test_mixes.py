@@ -217,7 +217,7 @@ for root, name, rev in (({str(bare)!r}, "toy", "HEAD~1"), ({str(bare)!r}, "toy",
         out[key] = w.normalize(name, text, source)
     except ValueError as e:
         out[key] = "ValueError: " + str(e)
-for line in ("a,p/{{TOKENIZER}}/f.npy", "a,p/{{TOKENIZER}}/f.json", "a,p/dolma2/f.npy", "a p/{{TOKENIZER}}/f.npy"):
+for line in ("a,p/{{TOKENIZER}}/f.npy", "\\t a,p/{{TOKENIZER}}/f.npy  ", "a,p/{{TOKENIZER}}/f.json", "a,p/dolma2/f.npy", "a p/{{TOKENIZER}}/f.npy"):
     try:
         out["line " + line] = w.normalize("x", line + "\\n", "src").splitlines()[1]
     except ValueError as e:
@@ -242,6 +242,7 @@ print(json.dumps(out))
     assert "differs from its copy at --rev=HEAD" in r.stderr
     # a line is 'label,path' with the {TOKENIZER} directory and a .npy file, as DataMix.build reads it
     assert got["line a,p/{TOKENIZER}/f.npy"] == "a,p/{TOKENIZER}/f.npy"
+    assert got["line \t a,p/{TOKENIZER}/f.npy  "] == "a,p/{TOKENIZER}/f.npy"   # stripped, as DataMix.build reads it
     for bad in ("a,p/{TOKENIZER}/f.json", "a,p/dolma2/f.npy", "a p/{TOKENIZER}/f.npy"):
         assert got["line " + bad].startswith("ValueError: src line 1: expected 'label,path/{TOKENIZER}/...npy'"), bad
 
