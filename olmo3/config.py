@@ -92,6 +92,8 @@ class Config:
         sizes = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_hidden",
                  "max_position_embeddings")
         errors = [f"{name}={getattr(self, name)} must be >= 1" for name in sizes if getattr(self, name) < 1]
+        if not self.layer_pattern:
+            errors.append("layer_pattern=() is empty: give each layer's attention, e.g. sliding,sliding,sliding,full")
         if errors:   # the checks below divide by them
             raise ValueError("Invalid olmo3.Config: " + "; ".join(errors))
         if self.n_layers % len(self.layer_pattern) != 0:
@@ -115,6 +117,11 @@ class Config:
         if self.yarn is not None and not (math.isfinite(self.yarn.factor) and self.yarn.factor >= 1
                                           and self.yarn.original_max_position >= 1):
             errors.append(f"yarn={self.yarn}: factor must be a finite number >= 1 and original_max_position >= 1")
+        # a NaN attention factor made every full-attention layer NaN, a 0 one flattened its softmax
+        if self.yarn is not None and not all(
+                v is None or (math.isfinite(v) and v > 0)
+                for v in (self.yarn.beta_fast, self.yarn.beta_slow, self.yarn.attention_factor)):
+            errors.append(f"yarn={self.yarn}: beta_fast, beta_slow and attention_factor must be finite numbers > 0")
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in _DTYPES:
                 errors.append(f"{name}={getattr(self, name)!r}: choose one of {sorted(_DTYPES)}")

@@ -269,6 +269,19 @@ def test_sliding_flops_match_dense_mask_count(T):
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match="multiple of the layer pattern"):
         olmo3.Config.tiny(n_layers=6)
+    # Architectures that cannot be built, or would compute NaN or something else deep inside a
+    # step, are refused when the Config is made, naming the field; the nearest valid values pass.
+    from olmo3.config import YaRN
+    for over, says in ((dict(window=0), "window=0 must be >= 1"), (dict(head_dim=63), "head_dim=63 must be even"),
+                       (dict(n_heads=6, n_kv_heads=4), "n_heads=6 is not a multiple of n_kv_heads=4"),
+                       (dict(layer_pattern=()), r"layer_pattern=\(\) is empty"),
+                       (dict(yarn=YaRN(attention_factor=float("nan"))), "attention_factor must be finite"),
+                       (dict(yarn=YaRN(attention_factor=0.0)), "attention_factor must be finite"),
+                       (dict(yarn=YaRN(beta_slow=float("inf"))), "beta_slow and attention_factor must be")):
+        with pytest.raises(ValueError, match=says):
+            olmo3.Config.tiny(**over)
+    olmo3.Config.tiny(window=1, head_dim=62, n_heads=6, n_kv_heads=3, layer_pattern=("full",),
+                      yarn=YaRN(attention_factor=1.5))
     cfg = hf_config()
     with pytest.raises(ValueError, match="expected an Olmo3ForCausalLM"):
         hf.config_from_hf({**cfg.to_dict(), "model_type": "llama", "architectures": ["LlamaForCausalLM"]})

@@ -107,6 +107,22 @@ def test_a_model_unlike_the_7b_goes_through_olmo_core_s_config_and_back():
     assert config_diff(c, olmo_core.config_from_olmo_core(json.loads(json.dumps(theirs.as_config_dict())))) == {}
 
 
+def test_7b_preset_is_olmo_core_s_olmo3_7b():
+    """Config.olmo3_7b() against OLMo-core's TransformerConfig.olmo3_7B (the recipe's training code):
+    widths, heads, MLP, the sliding pattern and window, RoPE theta and the RMSNorm eps."""
+    from olmo_core.nn.transformer import TransformerConfig
+
+    from olmo3.config import Config
+    ref, c = TransformerConfig.olmo3_7B(vocab_size=100278), Config.olmo3_7b()
+    attn = ref.block.sequence_mixer
+    assert (c.d_model, c.n_layers, c.n_heads, c.mlp_hidden) == (
+        ref.d_model, ref.n_layers, attn.n_heads, ref.block.feed_forward.hidden_size)
+    assert c.n_kv_heads == (attn.n_kv_heads or attn.n_heads) and c.head_dim == ref.d_model // attn.n_heads
+    assert [c.window if t == "sliding" else -1 for t in c.layer_pattern] == attn.sliding_window.pattern
+    assert c.rope_theta == attn.rope.theta and attn.rope.scaling is None and c.yarn is None
+    assert c.norm_eps == ref.block.layer_norm.eps == attn.qk_norm.eps
+
+
 def test_stage3_config_from_hf_builds_in_olmo_core():
     """The long-context 7B read from an HF config (which carries YaRN's attention factor) and
     written as an OLMo-core config: OLMo-core's TransformerConfig.from_dict takes it, and its

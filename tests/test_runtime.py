@@ -3,6 +3,7 @@ really stops the per-call page faults it is there to stop, its memory stays boun
 differently shaped temporaries fragment the heap, and a user's XLA_FLAGS win flag by flag."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -217,6 +218,9 @@ def test_a_quoted_xla_flag_value_is_kept_as_xla_reads_it(tmp_path):
     dump = tmp_path / "dump  here -v2"
     user = f'--xla_dump_to="{dump}" --xla_force_host_platform_device_count=2'
     assert runtime.xla_flag_tokens(user) == [f'--xla_dump_to="{dump}"', "--xla_force_host_platform_device_count=2"]
+    # parse_flags_from_env.cc: '...' runs to the closing single quote; in "..." a backslash escapes
+    assert runtime.xla_flag_tokens("--xla_dump_to='/a b/c' --xla_x=1") == ["--xla_dump_to='/a b/c'", "--xla_x=1"]
+    assert runtime.xla_flag_tokens('--xla_dump_to="a\\" b" --xla_x=1') == ['--xla_dump_to="a\\" b"', "--xla_x=1"]
     out = probe("tune", XLA_FLAGS=user)
     assert out["xla_flags"] == f"{runtime.YNN_DOTS_ONLY} {user}" and out["devices"] == 2
     assert dump.is_dir() and os.listdir(dump)
@@ -237,7 +241,7 @@ def test_our_flags_go_where_xla_reads_them(tmp_path):
     assert runtime.xla_flag_tokens(out["xla_flags"])[0] == runtime.YNN_DOTS_ONLY
 
 
-def test_xla_flags_naming_a_file(tmp_path):
+def test_xla_flags_naming_a_file(tmp_path, monkeypatch):
     """XLA_FLAGS that names a file of flags (XLA reads a value not starting with '-' as a file
     name): the file's flags count as the user's, ours go before them inline; appended to the
     name, XLA would have stopped the process ('Could not open file'). A file XLA cannot open
@@ -250,6 +254,11 @@ def test_xla_flags_naming_a_file(tmp_path):
     flagfile.write_text("--xla_cpu_experimental_ynn_fusion_type=\n")
     out = probe("tune", XLA_FLAGS=str(flagfile))
     assert out["xla_flags"] == str(flagfile) and out["applied"][0].startswith("malloc")   # the user's choice wins
+    # A file that cannot be read: nothing added, the value left as it is for XLA to name (ours in
+    # front would make XLA read them and stop at the file's name, a word that is no flag).
+    monkeypatch.setenv("XLA_FLAGS", str(tmp_path / "no.flags"))
+    assert runtime.add_xla_flags(list(runtime.GPU_XLA_FLAGS)) == []
+    assert os.environ["XLA_FLAGS"] == str(tmp_path / "no.flags")
 
 
 
@@ -396,6 +405,9 @@ def test_gpu_flags_not_set_for_a_cpu(monkeypatch):
     assert runtime.gpu_backend_expected()
     monkeypatch.setenv("JAX_PLATFORMS", "gpu")   # JAX's alias for cuda (or rocm): a GPU all the same
     assert runtime.gpu_backend_expected()
+    for platforms in ("rocm", "rocm,cpu", "cpu,cuda"):   # the flags and GPU_ENV are NVIDIA's; the first is used
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+        assert not runtime.gpu_backend_expected() and runtime.tune_gpu() == [], platforms
 
 
 
@@ -443,3 +455,86 @@ def test_compilation_cache_never_stops_a_run(tmp_path, monkeypatch):
                          env={**{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
                               "HOME": str(tmp_path / "home")}, timeout=120)
     assert out.stdout.split()[-1] == str(tmp_path / "home" / "cc"), out.stdout + out.stderr[-2000:]
+
+
+def test_held_free_is_at_most_the_resident_memory():
+    """held_free_bytes is RSS minus malloc's live bytes: never above the RSS the kernel reports
+    (VmRSS; the other /proc/self/statm fields, the address space's size, are many times more)."""
+    libc = runtime._glibc()
+    if libc is None:
+        pytest.skip("not glibc")
+    import jax.numpy as jnp   # noqa: F401 -- a process whose address space is far above its RSS
+    held = runtime.held_free_bytes(libc)
+    with open("/proc/self/status") as f:
+        rss = int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) * 1024
+    assert held <= rss + (64 << 20), (held, rss)
+
+
+def test_default_reserve_is_a_quarter_of_the_memory_budget():
+    """The watcher trims when under a quarter of memory_budget() is available (module docstring (3))."""
+    code = "import json; from olmo3 import runtime; print(json.dumps([runtime.tune_cpu(), runtime.memory_budget()]))"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    applied, budget = json.loads(out.stdout.strip().splitlines()[-1])
+    malloc = [a for a in applied if a.startswith("malloc")]
+    if not malloc:
+        pytest.skip("no glibc allocator settings here")
+    assert f"under {budget // 4 / 2**30:.1f} GB is available" in malloc[0], (malloc, budget)
+
+
+ARENAS = """
+import ctypes, sys, threading
+from olmo3 import runtime
+applied = runtime.tune_cpu(reserve=0) if sys.argv[1] == "tune" else []
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+go = threading.Barrier(8)
+def work():
+    go.wait()   # all at once: glibc gives a thread that finds the main arena busy its own
+    for _ in range(2000):
+        libc.free(ctypes.c_void_p(libc.malloc(4096)))
+threads = [threading.Thread(target=work) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print([a for a in applied if a.startswith("malloc")], flush=True)
+libc.malloc_stats()   # glibc: 'Arena N:' per arena, on stderr
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc allocator settings")
+def test_tuned_allocator_keeps_one_arena():
+    """(2) in olmo3/runtime.py: one malloc arena (M_ARENA_MAX=1). glibc's own malloc_stats() is the
+    reference: threads allocating at once get arenas of their own by default, one when tuned."""
+    def arenas(mode):
+        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "MALLOC_ARENA_MAX")}
+        out = subprocess.run([sys.executable, "-c", ARENAS, mode], env=dict(env, JAX_PLATFORMS="cpu"),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout, len(re.findall(r"^Arena \d+:", out.stderr, re.M))
+    applied, tuned = arenas("tune")
+    if applied.strip() == "[]":
+        pytest.skip("no glibc allocator settings here")
+    _, plain = arenas("plain")
+    if plain < 2:
+        pytest.skip("this glibc gave the threads no arenas of their own")
+    assert tuned == 1, (tuned, plain)
+
+
+@pytest.mark.parametrize("installed, cpu, gpu", [
+    ((), True, False), (("libtpu",), False, False), (("jax_cuda12_plugin",), False, True),
+    (("jax_cuda13_plugin",), False, True), (("jax_cuda12_plugin", "libtpu"), False, False),
+    (("jax_rocm7_plugin",), False, False)])
+def test_backend_guess_from_the_installed_plugins(monkeypatch, installed, cpu, gpu):
+    """JAX_PLATFORMS unset: JAX picks an installed accelerator plugin over the CPU (docs.jax.dev
+    installation: libtpu for TPU, jax-cuda*-plugin for NVIDIA, jax-rocm*-plugin for AMD). Neither
+    tuning may apply to the wrong machine: CPU settings on a TPU VM, NVIDIA flags on a TPU VM
+    that also has a CUDA plugin installed."""
+    import importlib.util
+    real = importlib.util.find_spec
+    names = set(runtime._ACCELERATOR_PLUGINS) | set(runtime._CUDA_PLUGINS) | {"libtpu"}
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a: (object() if n in installed else None) if n in names else real(n, *a))
+    assert (runtime.cpu_backend_expected(), runtime.gpu_backend_expected()) == (cpu, gpu)
