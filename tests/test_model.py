@@ -21,6 +21,9 @@ CASES = [
     # window < seq <= 2 x window: the one-block path reference_attention takes (the 7B at seq 8192,
     # window 4096, on --attention=xla); above 2 x window it is local_attention's.
     ("window_lt_seq_le_2window", dict(num_attention_heads=4, num_key_value_heads=2), 12),
+    # seq = window + 1: the shortest sequence whose last query loses a key to the window (the model
+    # skips the window where it covers the whole sequence)
+    ("seq_is_window_plus_one", dict(num_attention_heads=4, num_key_value_heads=2), 8),
     ("yarn_full_layers", dict(num_attention_heads=4, num_key_value_heads=2, rope_parameters={
         "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
                            "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0},
@@ -332,6 +335,52 @@ def test_bf16_mlp_bit_exact_with_transformers():
     got = layer_output(config, p, jnp.asarray(x.float().numpy(), jnp.bfloat16),
                        jnp.zeros((37, config.q_dim), jnp.bfloat16))
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+
+
+def test_bf16_norm_and_head_of_float32_parameters_round_the_weight_to_bf16():
+    """float32 parameters, bf16 compute (OLMo-core's FSDP mixed precision; HF's bf16 model): every
+    weight is rounded to bf16 before use. The norm is transformers' Olmo3RMSNorm in bf16 bit for
+    bit; the head is a float64 numpy product with the bf16-rounded lm_head. Logits of the unrounded
+    weight differ by ~1e-3 relative, which the bf16 parity test's KL bound cannot see."""
+    from transformers.models.olmo3.modeling_olmo3 import Olmo3RMSNorm
+
+    from olmo3.model import rms_norm
+    rng = np.random.default_rng(1)
+    x = np.asarray(jnp.asarray(rng.standard_normal((37, 64)), jnp.bfloat16).astype(jnp.float32))   # bf16 values
+    w = (1 + 0.2 * rng.standard_normal(64)).astype(np.float32)                                       # not bf16 values
+    norm = Olmo3RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor(w))
+        want = norm(torch.tensor(x).to(torch.bfloat16)).float().numpy()
+    got = rms_norm(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w), 1e-6)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    c = olmo3.Config.tiny(vocab_size=512, d_model=64, n_heads=4, n_kv_heads=4, head_dim=16, mlp_hidden=96,
+                          compute_dtype="bfloat16", param_dtype="float32")
+    model = olmo3.OLMo3(c, jax.random.key(0))
+    h = jax.random.normal(jax.random.key(1), (16, 64)).astype(jnp.bfloat16)
+    want = np.asarray(h.astype(jnp.float32), np.float64) @ np.asarray(
+        model.lm_head.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(np.asarray(model.head(h), np.float64), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_init_is_a_normal_truncated_at_three_std():
+    """OLMo3.__init__ as OLMo-core's InitMethod.normal: every matrix a normal of std init_std cut at
+    +-3 std, each its own draw, every norm weight 1. Oracle: the truncated normal's closed-form std,
+    init_std x sqrt(1 - 2 x 3 phi(3) / (2 Phi(3) - 1)) = 0.98658 x init_std."""
+    c = olmo3.Config.tiny(vocab_size=4096, n_layers=4)
+    model = olmo3.OLMo3(c, jax.random.key(0))
+    mats = {"embed": model.embed, "lm_head": model.lm_head,
+            **{n: getattr(model.layers, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj")}}
+    for name, w in mats.items():
+        w = np.asarray(w, np.float64)
+        assert 2.9 * c.init_std < np.abs(w).max() <= 3 * c.init_std + 1e-7, name   # the tails reach the cut
+        assert abs(w.mean()) < 1e-3 and w.std() == pytest.approx(0.98658 * c.init_std, rel=0.03), (name, w.std())
+    for name in ("q_norm", "k_norm", "post_attention_norm", "post_feedforward_norm"):
+        assert np.all(np.asarray(getattr(model.layers, name)) == 1.0), name
+    assert np.all(np.asarray(model.norm) == 1.0)
+    assert not np.array_equal(np.asarray(model.layers.gate_proj), np.asarray(model.layers.up_proj))
 
 
 def _dot_precisions(jaxpr) -> list:
