@@ -60,9 +60,12 @@ def functions_with_docstrings(text: str) -> list[tuple[str, str]]:
 def build(max_tokens: int, template: str, seed: int, max_train: int | None, max_heldout: int | None) -> dict:
     """{split: [(source, docstring)]} for "train" and "heldout", each a seeded shuffle."""
     found = {"train": [], "heldout": []}
+    seen = set()   # every training function's code: the base model read the modules whole, fitting or not
     for doc in corpus.documents("stdlib-code"):
         split = "train" if corpus.split_of(doc) == "train" else "heldout"
         for source, summary in functions_with_docstrings(doc.text):
+            if split == "train":
+                seen.add(source)
             n = len(chat.encode(conversation(source, summary), template))
             if n <= max_tokens:
                 found[split].append((n, doc.name, source, summary))
@@ -71,7 +74,6 @@ def build(max_tokens: int, template: str, seed: int, max_train: int | None, max_
     # module, and ctypes/test/test_libc.py, a held-out one): a held-out function whose code a
     # training module holds was seen by the base model, and is dropped; so is a repeat within a
     # split. After the shuffle, so that the other functions keep their places.
-    seen = {source for _, _, source, _ in found["train"]}
     out = {}
     for split, limit in (("train", max_train), ("heldout", max_heldout)):
         rows = sorted(set(found[split]))   # a fixed order before the shuffle

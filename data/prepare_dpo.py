@@ -50,9 +50,14 @@ def iter_pairs(path: str, template: str = chat.INSTRUCT) -> Iterator[tuple[list[
                                         '{"chosen": [{"role", "content"}, ...], "rejected": [...]}')
 
 
+def _rendered(messages: list[dict]) -> list[dict]:
+    """What the templates render of `messages` (other keys: ids, ...)."""
+    return [{k: m.get(k) for k in ("role", "content", "functions", "function_calls")} for m in messages]
+
+
 def _prompt(messages: list[dict]) -> list[dict]:
-    """What the templates render of the turns before the answer (other keys: ids, ...)."""
-    return [{k: m.get(k) for k in ("role", "content", "functions", "function_calls")} for m in messages[:-1]]
+    """What the templates render of the turns before the answer."""
+    return _rendered(messages[:-1])
 
 
 def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, max_seq_length: int = MAX_SEQ_LENGTH) -> dict:
@@ -64,7 +69,7 @@ def prepare_dpo(input_path: str, out_dir: str, template: str = chat.INSTRUCT, ma
 
     def rendered():
         for i, (c, r) in enumerate(iter_pairs(input_path, template)):
-            if c == r:
+            if _rendered(c) == _rendered(r):   # sides apart only in an id render alike: margin 0
                 same.append(i)
             if chat.answer_only(c) or chat.answer_only(r):
                 bare.append(i)

@@ -41,6 +41,10 @@ def test_fingerprint(tmp_path):
     assert data.FSLDataset([a, b], seq).fingerprint == fp  # deterministic
     assert data.FSLDataset([a, b], 4).fingerprint != fp  # sequence length
     assert data.FSLDataset([b, a], seq).fingerprint != fp  # file order
+    for ids in ({"vocab_size": data.VOCAB_SIZE + 1}, {"pad_id": data.PAD_ID + 1}, {"eos_id": data.EOS_ID + 1}):
+        assert data.FSLDataset([a, b], seq, **ids).fingerprint != fp, ids   # another tokenizer's data
+    with pytest.raises(ValueError, match="expected_tokens has 3 entries for 2 files"):   # a manifest of other files
+        data.FSLDataset([a, b], seq, expected_tokens=[40, 24, 8])
     # Content size change that keeps the instance count the same still changes the fingerprint.
     n_before = len(data.FSLDataset([a, b], seq))
     _write(b, np.arange(25))

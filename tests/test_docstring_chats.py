@@ -71,6 +71,10 @@ def test_build_splits_by_document_fits_and_cuts_a_fixed_shuffle(monkeypatch):
     assert dc.build(limit, TEMPLATE, 0, 5, 2)["train"] == sets["train"][:5]
     assert dc.build(limit, TEMPLATE, 0, None, None) == sets
     assert dc.build(limit, TEMPLATE, 1, None, None)["train"] != sets["train"]
+    # a pure function of the corpus, the seed and the limits: not of the order documents are read in
+    docs = list(corpus.documents("stdlib-code"))
+    monkeypatch.setattr(corpus, "documents", lambda source: iter(docs[::-1]))
+    assert dc.build(limit, TEMPLATE, 0, None, None) == sets
 
 
 def test_preference_rows_reject_a_wrong_answer_that_fits():
@@ -116,6 +120,12 @@ def test_a_function_of_a_training_module_is_never_held_out_nor_trained_on_twice(
     assert set(sets["heldout"]) == set(base["heldout"]) and len(sets["heldout"]) == len(base["heldout"])
     assert sets["train"].count(("def twice(x):\n    return 2 * x", "Twice.")) == 1
     assert sorted(p for p in sets["train"] if p[1] != "Twice.") == sorted(base["train"])
+    # The training copy's docstring too long to fit: no training pair, but the base model read its
+    # module all the same, so the held-out copy is still dropped.
+    long = ("train_long.py", 'def twice(x):\n    """' + "Twice, twice" * 20 + '."""\n    return 2 * x\n')
+    _fake_corpus(monkeypatch, extra=[long, twice("held_a")])
+    sets = dc.build(51, TEMPLATE, seed=0, max_train=None, max_heldout=None)
+    assert set(sets["heldout"]) == set(base["heldout"]) and sorted(sets["train"]) == sorted(base["train"])
 
 
 def test_corrupt_always_differs():

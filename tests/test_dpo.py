@@ -536,14 +536,26 @@ def test_prepare_dpo_warns_of_pairs_that_train_nothing(tmp_path, caplog):
     elsewhere = [{"role": "user", "content": "Bye."}, other[1]]   # another prompt: a misaligned join
     tagged = [{**same[0], "id": 7}, other[1]]   # a key no template renders: the same prompt
     rows = [{"chosen": same, "rejected": other}, {"chosen": same, "rejected": same},
-            {"chosen": same, "rejected": elsewhere}, {"chosen": same, "rejected": tagged}]
+            {"chosen": same, "rejected": elsewhere}, {"chosen": same, "rejected": tagged},
+            {"chosen": [{**same[0], "id": 1}, same[1]], "rejected": [{**same[0], "id": 2}, same[1]]},  # same tokens
+            {"chosen": same, "rejected": [elsewhere[0], same[1]]}]   # one answer to two prompts: not the same pair
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with caplog.at_level("WARNING"):
         m = prepare_dpo(str(tmp_path / "p.jsonl"), str(tmp_path / "out"), "olmo", max_seq_length=256)
-    assert m["pairs"] == 4 and "1 pair(s) have the same chosen and rejected messages (first: pair 2)" in caplog.text
-    assert "1 pair(s) have different prompts (the messages before the final answer) on the chosen and rejected " \
+    assert m["pairs"] == 6 and "2 pair(s) have the same chosen and rejected messages (first: pair 2)" in caplog.text
+    assert "2 pair(s) have different prompts (the messages before the final answer) on the chosen and rejected " \
            "sides (first: pair 3)" in caplog.text
     assert "have a side with no turn before its answer" not in caplog.text
+    pair = PairDataset(tmp_path / "out", seq_len=256)[4]
+    np.testing.assert_array_equal(pair["tokens"][0], pair["tokens"][1])
+    # olmo3_instruct renders a system turn's tool definitions: two sides whose tools differ answer
+    # different prompts
+    tools = [{"role": "system", "content": "S", "functions": json.dumps([{"name": name}])} for name in "fg"]
+    (tmp_path / "t.jsonl").write_text(json.dumps({"chosen": [tools[0], *same], "rejected": [tools[1], *other]}) + "\n")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        prepare_dpo(str(tmp_path / "t.jsonl"), str(tmp_path / "out_t"), "olmo3_instruct", max_seq_length=512)
+    assert "1 pair(s) have different prompts" in caplog.text
 
 
 def test_prepare_dpo_says_when_a_side_is_its_answer_alone(tmp_path, caplog):
@@ -557,18 +569,20 @@ def test_prepare_dpo_says_when_a_side_is_its_answer_alone(tmp_path, caplog):
     user, good, bad = ({"role": "user", "content": "q"}, {"role": "assistant", "content": "good answer"},
                        {"role": "assistant", "content": "bad"})
     (tmp_path / "bare.jsonl").write_text(json.dumps({"chosen": [user, good], "rejected": [user, bad]}) + "\n"
-                                         + json.dumps({"chosen": [good], "rejected": [bad]}) + "\n")
+                                         + json.dumps({"chosen": [good], "rejected": [bad]}) + "\n"
+                                         + json.dumps({"chosen": [user, good], "rejected": [bad]}) + "\n")
     with caplog.at_level("WARNING"):
         prepare_dpo(str(tmp_path / "bare.jsonl"), str(tmp_path / "out"), "olmo", max_seq_length=256)
-    assert "1 pair(s) have a side with no turn before its answer (first: pair 2)" in caplog.text
+    assert "2 pair(s) have a side with no turn before its answer (first: pair 2)" in caplog.text   # either side
     ds = PairDataset(tmp_path / "out", seq_len=256)
     n = len(chat.encode([good], "olmo"))
     assert ds[1]["label_mask"][0, :n].all()   # the whole side, system turn and all
-    (tmp_path / "trl.jsonl").write_text(json.dumps({"prompt": [user], "chosen": [good], "rejected": [bad]}) + "\n")
-    with pytest.raises(ValueError, match=r"trl.jsonl:1: \"prompt\" holds the prompt turns and a side only its answer "
-                                         r"\(TRL's explicit-prompt format\); write each side as the whole conversation"):
-        prepare_dpo(str(tmp_path / "trl.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=256)
-    assert not (tmp_path / "out2").exists()
+    for rejected in ([bad], [user, bad]):   # either side its answer alone
+        (tmp_path / "trl.jsonl").write_text(json.dumps({"prompt": [user], "chosen": [good], "rejected": rejected}) + "\n")
+        with pytest.raises(ValueError, match=r"trl.jsonl:1: \"prompt\" holds the prompt turns and a side only its "
+                                             r"answer \(TRL's explicit-prompt format\); write each side as the whole"):
+            prepare_dpo(str(tmp_path / "trl.jsonl"), str(tmp_path / "out2"), "olmo", max_seq_length=256)
+        assert not (tmp_path / "out2").exists()
 
 
 def test_prepare_dpo_renders_with_the_chat_template_and_names_bad_lines(tmp_path):
