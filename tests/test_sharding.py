@@ -454,3 +454,61 @@ def test_float8_gather_hands_over_the_whole_weights_cast():
         naive = float8.dequantize(want_q, want_s, jnp.float32)
         amax_moved += float(jnp.max(jnp.abs(naive))) != float(jnp.max(jnp.abs(w)))
     assert amax_moved > 0
+
+
+def test_step_outputs_keep_every_state_sharding_and_donate_the_old_state():
+    """The sharded step hands back the state on its own shardings, the optimizer moments too
+    (sh.abstract_state, the checkpoint-restore target: mu and nu like the params), and the old
+    state's buffers are donated. Replicated moments compute the same numbers, but hold the whole
+    fp32 mu and nu on every device (56 GB for the 7B) and recompile the next step."""
+    mesh = sh.make_mesh("fsdp:4,data:2")
+    state = sh.shard_state(*fresh(), mesh)
+    want = jax.tree.leaves(sh.abstract_state(state, mesh))
+    step = sh.make_train_step(optimizer(), mesh, sh.param_specs(state[0], mesh), chunk=64)
+    old = [x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)]
+    *new, _ = step(*state, sh.global_batch(batches(1)[0], mesh))
+    got = jax.tree_util.tree_leaves_with_path(tuple(new))
+    assert len(got) == len(want)
+    for (path, g), w in zip(got, want):
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (jax.tree_util.keystr(path), g.sharding, w.sharding)
+    assert new[1].mu.layers.q_proj.addressable_shards[0].data.shape == (4, 16, 64)   # 1/4 of [4, 64, 64]
+    assert all(x.is_deleted() for x in old)
+
+
+@pytest.mark.parametrize("spec", ["fsdp:4,data:2", "data:4,fsdp:2", "data:8"])
+def test_microbatches_divide_by_every_row_device(spec):
+    """Rows per device are the global batch over every device that holds rows (data x fsdp), not
+    over the fsdp axis alone: plain arithmetic, and the rows a device really holds."""
+    mesh = sh.make_mesh(spec)
+    assert sh.microbatches(512, 1, mesh) == 512 // 8 and sh.microbatches(512, 4, mesh) == 512 // 8 // 4
+    assert sh.microbatches(512, None, mesh) == 1
+    with pytest.raises(ValueError, match=r"4 rows per device \(--global_batch=32 / 8 global devices\)"):
+        sh.microbatches(32, 3, mesh)
+    rows = sh.global_batch({"tokens": np.zeros((32, 8), np.int32)}, mesh)["tokens"].addressable_shards[0].data.shape[0]
+    assert rows == 4 and rows // 2 == sh.microbatches(32, 2, mesh)
+
+
+def test_float8_projections_cross_the_wire_as_bytes_when_their_shards_are_thin():
+    """Whether a weight crosses the FSDP gather as float8 bytes follows the WHOLE weight's shape
+    (model.uses_float8: what float8.linear does with the gathered weight), not the local shard's:
+    at fsdp:8 a [64, 64] projection's shard is [8, 64], no multiple of 16, and it still travels as
+    e4m3 bytes (torchao's enable_fsdp_float8_all_gather), not bf16 (twice the bytes, and a scale
+    from bf16-rounded weights). Reference: the model's own decision, and the lowered all-gathers."""
+    from olmo3.model import uses_float8
+    cfg = CFG.replace(compute_dtype="bfloat16", float8=True, mlp_hidden=128)
+    model = olmo3.OLMo3(cfg, jax.random.key(0))
+    mesh = sh.make_mesh("fsdp:8")
+    m = sh.shard_state(model, optimizer().init(model), mesh)[0]
+    thin = [name for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+            if uses_float8(cfg, name, getattr(model.layers, name).shape[1:])
+            and not uses_float8(cfg, name, getattr(m.layers, name).addressable_shards[0].data.shape[1:])]
+    assert thin, "no thin float8 shard at fsdp:8"
+    batch = sh.global_batch({"tokens": np.random.default_rng(0).integers(0, 512, (8, 32)).astype(np.int32),
+                             "instance_mask": np.ones(8, bool)}, mesh)
+    text = eqx.filter_jit(sh.make_grad_fn(mesh, sh.param_specs(m, mesh), chunk=64)).lower(m, batch).as_text()
+    gathered = {(ty, tuple(int(d) for d in dims.split("x") if d))
+                for dims, ty in re.findall(r'stablehlo\.all_gather.*-> tensor<((?:\d+x)*)(\w+)>', text)}
+    d, V = cfg.d_model, cfg.vocab_size
+    proj = {(d, cfg.q_dim), (d, cfg.kv_dim), (cfg.q_dim, d), (d, cfg.mlp_hidden), (cfg.mlp_hidden, d)}
+    assert gathered == ({("ui8", s) for s in proj} | {("bf16", (V, d)), ("bf16", (d, V))}
+                        | {("bf16", s) for s in {(cfg.q_dim,), (cfg.kv_dim,), (d,)}}), (thin, gathered)
