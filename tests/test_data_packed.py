@@ -597,3 +597,90 @@ def test_eval_order_packed_sampled_padded_in_file_order(tmp_path):
     rows = data.get_eval_batch(padded, len(padded), 0)
     for i in range(len(padded)):
         np.testing.assert_array_equal(rows["tokens"][i], padded[i]["tokens"])
+
+
+def _fingerprint_files(d, sizes):
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for f, n in enumerate(sizes):
+        ids = rng.integers(0, 1000, n).astype(np.uint32)
+        ids[::5], ids[3::7], ids[-1] = data.EOS_ID, data.EOS_ID + 1, data.EOS_ID   # eos of both eos ids
+        paths.append(str(d / f"token_ids_part_{f}.npy"))
+        ids.tofile(paths[-1])
+    return paths
+
+
+def _both_fingerprints(paths, work, seq_len=32, group=2, vocab=data.VOCAB_SIZE, pad=data.PAD_ID, eos=data.EOS_ID):
+    from olmo_core import data as olmo_data
+    ours = PackedFSLDataset(paths, seq_len, source_group_size=group, vocab_size=vocab, pad_id=pad, eos_id=eos)
+    theirs = olmo_data.NumpyPackedFSLDatasetConfig(
+        tokenizer=olmo_data.TokenizerConfig(vocab_size=vocab, eos_token_id=eos, pad_token_id=pad), paths=paths,
+        sequence_length=seq_len, generate_doc_lengths=True, source_group_size=group,
+        dtype=olmo_data.NumpyDatasetDType.uint32, work_dir=str(work)).build()
+    return ours.fingerprint, theirs.fingerprint
+
+
+def test_fingerprint_changes_where_olmo_cores_does(tmp_path, monkeypatch):
+    """The fingerprint that refuses a resume over other data changes with what OLMo-core's
+    NumpyPackedFSLDataset fingerprint changes with (vocab size, pad and eos ids, sequence length,
+    source group size, a file's size), and not with where the files lie (base names): the installed
+    ai2-olmo-core's own fingerprint of the same files is the reference. Label-mask file names are
+    ours alone (OLMo-core's fingerprint keeps no mask)."""
+    import shutil
+    monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
+    paths = _fingerprint_files(tmp_path / "a", [50, 70, 40])
+    base = _both_fingerprints(paths, tmp_path / "w")
+    for i, kw in enumerate([dict(vocab=data.VOCAB_SIZE + 1), dict(pad=data.PAD_ID + 1), dict(eos=data.EOS_ID + 1),
+                            dict(seq_len=64), dict(group=3)]):
+        ours, theirs = _both_fingerprints(paths, tmp_path / f"w{i}", **kw)
+        assert theirs != base[1] and ours != base[0], kw
+    ours, theirs = _both_fingerprints(_fingerprint_files(tmp_path / "b", [50, 71, 40]), tmp_path / "wg")
+    assert theirs != base[1] and ours != base[0]   # one file a token longer
+    shutil.copytree(tmp_path / "a", tmp_path / "moved" / "a")
+    moved = [str(tmp_path / "moved" / "a" / os.path.basename(p)) for p in paths]
+    assert _both_fingerprints(moved, tmp_path / "wm") == base
+    for p in paths:
+        np.ones(os.path.getsize(p) // 4, np.bool_).tofile(label_mask_path(p))
+        np.ones(os.path.getsize(p) // 4, np.bool_).tofile(p.replace("token_ids_", "labels_mask_other_"))
+    with_masks = {PackedFSLDataset(paths, 32, label_mask_paths=masks).fingerprint
+                  for masks in ([label_mask_path(p) for p in paths],
+                                [p.replace("token_ids_", "labels_mask_other_") for p in paths])}
+    assert len(with_masks | {PackedFSLDataset(paths, 32).fingerprint}) == 3
+
+
+def test_trained_tokens_total_counts_every_chunk_of_a_mask(tmp_path, monkeypatch):
+    """trained_tokens reads each label-mask file in MASK_SCAN chunks (16 MiB); with the chunk made
+    tiny every chunk must still count. Reference: numpy's sum of each mask file (the total) and the
+    label-mask tokens the instances themselves carry (kept)."""
+    rng = np.random.default_rng(3)
+    paths, total = [], 0
+    for part in range(3):
+        ids = np.concatenate([np.append(rng.integers(0, 1000, n - 1), data.EOS_ID) for n in rng.integers(1, 30, 10)])
+        mask = rng.random(len(ids)) < 0.5
+        mask[0] = True
+        paths.append(str(tmp_path / f"token_ids_part_{part}.npy"))
+        ids.astype(np.uint32).tofile(paths[-1])
+        mask.tofile(label_mask_path(paths[-1]))
+        total += int(mask.sum())
+    monkeypatch.setattr(data.packed, "MASK_SCAN", 7)
+    ds = PackedFSLDataset(paths, 16, source_group_size=2, label_mask_paths=[label_mask_path(p) for p in paths])
+    kept = sum(int(ds[i]["label_mask"].sum()) for i in range(len(ds)))
+    assert ds.trained_tokens() == (kept, total) and kept < total
+
+
+def test_a_pad_id_past_the_vocabulary_and_a_file_cut_mid_token_are_named(tmp_path):
+    """A token id lies in 0..vocab_size-1, so pad_id == vocab_size is outside (an embedding gather
+    clamps it silently); a headerless uint32 file is whole 4-byte ids."""
+    p = str(tmp_path / "part.npy")
+    np.array([4, 5, 3, 6, 3, 7, 8, 9, 10, 3], np.uint32).tofile(p)   # eos 3: documents of 3, 2 and 5
+    ok = PackedFSLDataset([p], 8, eos_id=3, pad_id=49, vocab_size=50)
+    assert any((ok[i]["tokens"] == 49).any() for i in range(len(ok)))   # padding is drawn
+    bad = PackedFSLDataset([p], 8, eos_id=3, pad_id=50, vocab_size=50)
+    with pytest.raises(ValueError, match="pad_id=50 >= vocab size 50"):
+        for i in range(len(bad)):
+            bad[i]
+    with open(p, "ab") as f:
+        f.write(b"\x01")
+    with pytest.raises(ValueError, match=r"part\.npy.* 41 bytes, not a multiple of 4"):
+        PackedFSLDataset([p], 8, eos_id=3, pad_id=0, vocab_size=50)
