@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 
@@ -490,3 +491,93 @@ def test_peak_rss_1b_shaped(tmp_path):
     print(f"\n1B-shaped ({cfg.num_params():,} params, fp32 checkpoint {cfg.num_params() * 4 / 2**30:.2f} GiB, "
           f"largest stacked tensor {largest / 2**30:.2f} GiB): peak RSS {out}")
     assert max(out.values()) < 2.5, out  # a few parts of <= 256 MB in flight, not the 5.5 GiB model
+
+
+def test_cli_verify_fails_on_a_nan_kl(tmp_path):
+    """convert.py --verify with a checkpoint whose logits are NaN (finite weights that overflow fp32:
+    a final norm weight of 3e38) fails the check, exit 2: a NaN mean KL is no agreement. Reference:
+    transformers' Olmo3ForCausalLM, whose logits on these weights are NaN too."""
+    m = random_hf_dir(tmp_path / "src")
+    with torch.no_grad():
+        m.model.norm.weight.fill_(3e38)   # finite, so the converter takes it
+    m.save_pretrained(str(tmp_path / "hf"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.isnan(ref(torch.arange(16)[None]).logits).any()
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), f"--from=hf:{tmp_path / 'hf'}",
+                        f"--to=orbax:{tmp_path / 'o'}", "--verify", "--verify_seq=16", "--verify_batch=1"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2, (p.stdout[-1000:], p.stderr[-2000:])
+    assert "--verify failed: mean KL nan" in p.stderr.strip().splitlines()[-1]
+
+
+def shard_layout(path):
+    """[(file, [(name, nbytes) in file order])] for every shard, in the index's file order."""
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    out = []
+    for f in files:
+        with open(os.path.join(path, f), "rb") as h:
+            n = struct.unpack("<Q", h.read(8))[0]
+            header = json.loads(h.read(n))
+        header.pop("__metadata__", None)
+        tensors = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        out.append((f, [(name, v["data_offsets"][1] - v["data_offsets"][0]) for name, v in tensors]))
+    return out
+
+
+def greedy(sizes, limit):
+    """HF / convert.py's packing: a new shard when the next tensor would pass `limit` bytes."""
+    shards, size = [[]], 0
+    for name, nbytes in sizes:
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def test_shards_are_packed_greedily_under_shard_gb_decimal_gigabytes(tmp_path):
+    """convert.py --shard_gb: shards are packed as HF packs them (transformers' max_shard_size "5GB" is
+    5 x 10**9 bytes, decimal), greedily in write order: no shard holding more than one tensor passes
+    shard_gb x 10**9 bytes, and every shard but the last is full (its next tensor would pass that).
+    Reference: the file system: each shard's safetensors header (data_offsets, read here by hand) and
+    model.safetensors.index.json, against a greedy-packing oracle in numpy-free Python."""
+    random_hf_dir(tmp_path / "hf")
+    convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "o"))
+    shard_gb = 2e-4    # 200,000 bytes (a GiB reading would allow 214,748)
+    convert.orbax_to_hf(str(tmp_path / "o"), str(tmp_path / "out"), shard_gb=shard_gb)
+    layout = shard_layout(tmp_path / "out")
+    assert len(layout) > 2
+    in_order = [t for _, tensors in layout for t in tensors]
+    limit = shard_gb * 1e9
+    assert [[n for n, _ in tensors] for _, tensors in layout] == greedy(in_order, limit)
+    for k, (f, tensors) in enumerate(layout):
+        total = sum(b for _, b in tensors)
+        assert total <= limit or len(tensors) == 1, (f, total)
+        if k + 1 < len(layout):   # full: the next shard's first tensor did not fit
+            assert total + layout[k + 1][1][0][1] > limit, (f, total)
+    with open(tmp_path / "out" / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    assert index["metadata"]["total_size"] == sum(b for _, b in in_order)
+    assert index["weight_map"] == {n: f for f, tensors in layout for n, _ in tensors}
+
+
+def test_pad_seed_draws_the_padding(tmp_path):
+    """convert.py --pad_seed: the padded vocabulary rows (--pad_vocab) are drawn from that seed: two
+    seeds give two different draws of the padding, the same seed the same bits, and the HF rows are
+    the HF checkpoint's either way. Reference: the HF checkpoint (transformers' Olmo3ForCausalLM
+    state_dict) for the real rows; the seeds' draws against each other for the padding."""
+    ref = random_hf_dir(tmp_path / "hf", vocab_size=500)
+    sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+    got = {}
+    for name, seed in (("s0", 0), ("s1", 1), ("s1b", 1)):
+        convert.hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / name), pad_vocab=640, pad_seed=seed)
+        m, _ = load.load_model(str(tmp_path / name))
+        got[name] = (np.asarray(m.embed), np.asarray(m.lm_head))
+        np.testing.assert_array_equal(got[name][0][:500], sd["model.embed_tokens.weight"])
+        np.testing.assert_array_equal(got[name][1][:, :500], sd["lm_head.weight"].T)
+    for k in range(2):
+        pad = (lambda a: a[500:]) if k == 0 else (lambda a: a[:, 500:])
+        assert np.array_equal(pad(got["s1"][k]), pad(got["s1b"][k]))           # the same seed: the same rows
+        assert not np.any(pad(got["s0"][k]) == pad(got["s1"][k]))              # another seed: another draw

@@ -1580,3 +1580,115 @@ def test_task_deltas_and_the_doc_lengths_flag_over_the_checkpoints_setting():
                                                            "mmlu/bpb_delta": -0.2})
     for flag, saved, want in ((True, False, True), (False, True, False), (None, True, True), (None, None, False)):
         assert eval_script.segments_for({"doc_lengths": saved}, flag) is want
+
+
+def test_a_failed_results_write_leaves_the_old_file_whole(tmp_path):
+    """eval.py's results files are written whole or not at all: a result that is no JSON (a numpy
+    float32 score, which json cannot write) fails the write and leaves the previous eval.json as it
+    was, and no stray file beside it. Reference: the file system."""
+    (tmp_path / "eval.json").write_text('{"old": 1}\n')
+    with pytest.raises(TypeError, match="float32"):
+        eval_script.write_json(str(tmp_path), "eval.json", {"a": 1.0, "b": "x" * 100, "c": np.float32(2.0)}, indent=2)
+    assert (tmp_path / "eval.json").read_text() == '{"old": 1}\n'
+    assert os.listdir(tmp_path) == ["eval.json"]
+
+
+def test_cli_compare_of_a_clean_seed_pair_exits_0(runs, tmp_path):
+    """eval.py --compare's exit status: 2 only when the final step is flagged (the memorization
+    signature), 0 for a clean seed pair, whose report says so. Reference: comparison.verdict's
+    judgement of the same rows (compare_runs), the report files on disk."""
+    F = eval_script.F
+    files = ",".join(f"{d}={ds.paths[0]}" for d, ds in runs["sets_fn"](None).items())
+    F.unparse_flags()
+    F(["eval.py", f"--compare={runs['clean0']},{runs['clean1']}", f"--heldout={files}", "--eval_seq_len=32",
+       "--max_eval_batches=4", "--tol=0.08", "--train_loss_window=10", f"--out={tmp_path / 'ok'}"])
+    try:
+        with pytest.raises(SystemExit) as e:
+            eval_script.main(["eval.py"])
+    finally:
+        F.unparse_flags()
+    assert e.value.code == 0
+    assert "no memorization signature" in open(tmp_path / "ok" / "report.md").read()
+    assert os.path.getsize(tmp_path / "ok" / "report.csv") > 0
+
+
+def test_eval_padded_checkpoint_scores_documents_and_kl_reads_windows(tmp_path):
+    """eval.py on a checkpoint whose run scored padded held-out documents (extra eval_padded, train.py
+    --eval_padded): without --eval_padded the held-out loss is the padded documents' (as the run's own
+    eval/<domain>/loss), and --model_b's KL reads fixed-length windows of the same files, never the
+    padded rows. Reference: heldout.heldout on data.PaddedFSLDataset (itself against a numpy oracle in
+    test_eval.py) and heldout.model_agreement on data.FSLDataset windows."""
+    cfg = CFG.replace(vocab_size=data.VOCAB_SIZE)
+    for name, seed in (("a", 0), ("b", 1)):
+        mgr = CheckpointManager(str(tmp_path / name), keep=None, async_save=False)
+        mgr.save(1, {"model": olmo3.OLMo3(cfg, jax.random.key(seed))},
+                 {"model_config": config_to_dict(cfg), "eval_padded": True})
+        mgr.close()
+    rng = np.random.default_rng(3)
+    docs = [list(rng.integers(0, 500, size=int(n))) + [data.EOS_ID] for n in rng.integers(5, 30, size=12)]
+    path = str(tmp_path / "h.npy")
+    np.concatenate(docs).astype(np.uint32).tofile(path)
+    F = eval_script.F
+    F.unparse_flags()
+    F(["eval.py", f"--model={tmp_path / 'a'}", f"--model_b={tmp_path / 'b'}", f"--heldout=h={path}",
+       "--eval_seq_len=32", "--kl_instances=4", f"--out={tmp_path / 'out'}"])
+    try:
+        eval_script.main(["eval.py"])
+    finally:
+        F.unparse_flags()
+    got = json.load(open(tmp_path / "out" / "eval.json"))
+    a, b = (load.load_model(str(tmp_path / n))[0] for n in ("a", "b"))
+    padded = data.PaddedFSLDataset([path], 32, vocab_size=cfg.vocab_size)
+    windows = data.FSLDataset([path], 32, vocab_size=cfg.vocab_size)
+    want = heldout.heldout(a, padded, batch_size=8, max_batches=4)["loss"]
+    assert got["eval/h/loss"] == pytest.approx(want, rel=1e-6)
+    assert got["eval/h/loss"] != pytest.approx(heldout.heldout(a, windows, batch_size=8, max_batches=4)["loss"],
+                                               rel=1e-3)
+    rows = np.stack([windows[i] for i in range(min(4, len(windows)))]).astype(np.int32)
+    agree = heldout.model_agreement(a, b, rows)
+    assert [got[f"kl/{k}"] for k in ("mean", "max", "top1", "top10")] == pytest.approx(
+        [agree[k] for k in ("kl_mean", "kl_max", "top1", "top10")], rel=1e-6)
+
+
+def test_lm_eval_tasks_keep_their_own_shots_unless_num_fewshot_is_given(tmp_path, monkeypatch):
+    """eval.py's task flags reach the scorers: --lm_eval_tasks without --num_fewshot leaves each task
+    its own shots (lm-eval's command line: num_fewshot None; a YAML's num_fewshot: 2 is scored 2-shot),
+    with it the flag's; --olmo_tasks gets --limit, --olmo_batch_rows and the context. Reference:
+    lm-eval-harness's own record of the shots it scored (results["n-shot"]); for --olmo_tasks the
+    arguments olmo_tasks_report receives."""
+    lm_eval = pytest.importorskip("lm_eval")
+    lm_eval_task(tmp_path, "tiny_mc_2shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
+doc_to_text: "{{context}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{gold}}"
+num_fewshot: 2
+fewshot_split: test
+metric_list:
+  - metric: acc
+""")
+    runs, evaluate = [], lm_eval.simple_evaluate
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: runs.append(evaluate(**kw)) or runs[-1])
+    model = olmo3.OLMo3(CFG.replace(vocab_size=data.VOCAB_SIZE), jax.random.key(4))
+    F = eval_script.F
+    for extra, shots in (([], 2), (["--num_fewshot=0"], 0), (["--num_fewshot=1"], 1)):
+        F.unparse_flags()
+        F(["eval.py", "--model=unused", "--lm_eval_tasks=tiny_mc_2shot", f"--lm_eval_include={tmp_path}", *extra])
+        try:
+            got = eval_script.tasks_report(model, 256)
+        finally:
+            F.unparse_flags()
+        assert runs[-1]["n-shot"]["tiny_mc_2shot"] == shots, extra
+        assert got["lm_eval/tiny_mc_2shot/acc"] == runs[-1]["results"]["tiny_mc_2shot"]["acc,none"]
+
+
+def test_olmo_tasks_get_limit_batch_rows_and_context(monkeypatch):
+    seen = []
+    monkeypatch.setattr(eval_script, "olmo_tasks_report", lambda model, labels, **kw: seen.append((labels, kw)) or {})
+    F = eval_script.F
+    F.unparse_flags()
+    F(["eval.py", "--model=unused", "--olmo_tasks=arc_easy_rc_5shot", "--limit=5", "--olmo_batch_rows=3"])
+    try:
+        eval_script.tasks_report(None, 321)
+    finally:
+        F.unparse_flags()
+    assert seen == [(["arc_easy_rc_5shot"], {"limit": 5, "max_length": 321, "batch_rows": 3})]

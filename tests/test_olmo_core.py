@@ -871,3 +871,36 @@ def test_yarn_olmo_core_cannot_express_and_adam_counts_that_disagree():
             return self.tensors[name]
     reader = Steps({"optim.state.a.step": 5.0, "optim.state.b.step": 3.0, "model.a": 0.0})
     assert olmo_core.adam_count(reader) == (5, {3.0, 5.0})
+
+
+def convert_cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "convert.py"), *args], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def test_cli_from_olmo_core_keeps_the_adam_moments_by_default(ref, tmp_path):
+    """convert.py's command line for olmo-core: checkpoints. From olmo-core: without
+    --with_optimizer_state the checkpoint's own Adam moments come along (the flag's documented
+    default: true), with --nowith_optimizer_state the weights alone; --to=olmo-core: takes a local or
+    mounted directory, never a URL (os.path would write ./gs:/... in the working directory).
+    Reference: OLMo-core's own optimizer state (tests/olmo_core_reference.py, torch's AdamW
+    exp_avg / exp_avg_sq) and the file system."""
+    r = convert_cli(f"--from=olmo-core:{ref['dir'] / 'run' / 'step2'}", f"--to=orbax:{tmp_path / 'o'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    _, opt, extra, label = restore(str(tmp_path / "o"), ref["config"])
+    assert extra["with_optimizer_state"] is True and label == R.STEPS and int(opt.count) == R.STEPS
+    mu = ours_by_olmo_core_name(opt.mu, ref["config"].n_layers)
+    for name in mu:
+        np.testing.assert_array_equal(mu[name], ref["state"][f"optim.state.{name}.exp_avg"], err_msg=name)
+    r = convert_cli(f"--from=olmo-core:{ref['dir'] / 'run' / 'step2'}", f"--to=orbax:{tmp_path / 'w'}",
+            "--nowith_optimizer_state")
+    assert r.returncode == 0, r.stderr[-2000:]
+    mgr = checkpoint.CheckpointManager(str(tmp_path / "w"), read_only=True)
+    assert not any(k.startswith("opt.") for k in mgr.stored_tensors(R.STEPS))
+
+
+def test_cli_to_olmo_core_url_is_refused(tmp_path):
+    r = convert_cli(f"--from=orbax:{tmp_path / 'run'}", "--to=olmo-core:gs://bucket/ckpt", cwd=str(tmp_path))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert "olmo-core: takes a local or mounted directory, not a URL" in r.stderr.strip().splitlines()[-1]
+    assert os.listdir(tmp_path) == []   # nothing written under ./gs:
