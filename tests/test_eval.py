@@ -684,13 +684,8 @@ filter_list:
         assert got[f"lm_eval/tiny_gen_filters/{f}/exact_match_stderr"] == want[f"exact_match_stderr,{f}"]
 
 
-def test_lm_eval_report_keeps_a_tasks_shots_and_says_what_it_cut(tmp_path, monkeypatch, caplog):
-    """eval.py passed --num_fewshot's default 0 to lm-eval, which then overwrote a task YAML's own
-    num_fewshot (2 here: scored 0-shot under the task's name); without the flag the task's own holds,
-    as on lm-eval's command line; a YAML's 0 shots win over the flag, now said. Contexts cut from the left to fit --max_length were cut without a
-    word: now counted and said. lm-eval's sample_len is a document count (/n), not a score."""
-    lm_eval = pytest.importorskip("lm_eval")
-    lm_eval_task(tmp_path, "tiny_mc_2shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
+# A multiple-choice task whose YAML asks for 2 shots (lm-eval's own num_fewshot)
+TINY_MC_2SHOT = """output_type: multiple_choice
 doc_to_text: "{{context}}"
 doc_to_choice: "{{choices}}"
 doc_to_target: "{{gold}}"
@@ -698,7 +693,16 @@ num_fewshot: 2
 fewshot_split: test
 metric_list:
   - metric: acc
-""")
+"""
+
+
+def test_lm_eval_report_keeps_a_tasks_shots_and_says_what_it_cut(tmp_path, monkeypatch, caplog):
+    """eval.py passed --num_fewshot's default 0 to lm-eval, which then overwrote a task YAML's own
+    num_fewshot (2 here: scored 0-shot under the task's name); without the flag the task's own holds,
+    as on lm-eval's command line; a YAML's 0 shots win over the flag, now said. Contexts cut from the left to fit --max_length were cut without a
+    word: now counted and said. lm-eval's sample_len is a document count (/n), not a score."""
+    lm_eval = pytest.importorskip("lm_eval")
+    lm_eval_task(tmp_path, "tiny_mc_2shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), TINY_MC_2SHOT)
     lm_eval_task(tmp_path, "tiny_mc_0shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
 doc_to_text: "{{context}}"
 doc_to_choice: "{{choices}}"
@@ -1657,15 +1661,7 @@ def test_lm_eval_tasks_keep_their_own_shots_unless_num_fewshot_is_given(tmp_path
     lm-eval-harness's own record of the shots it scored (results["n-shot"]); for --olmo_tasks the
     arguments olmo_tasks_report receives."""
     lm_eval = pytest.importorskip("lm_eval")
-    lm_eval_task(tmp_path, "tiny_mc_2shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), """output_type: multiple_choice
-doc_to_text: "{{context}}"
-doc_to_choice: "{{choices}}"
-doc_to_target: "{{gold}}"
-num_fewshot: 2
-fewshot_split: test
-metric_list:
-  - metric: acc
-""")
+    lm_eval_task(tmp_path, "tiny_mc_2shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), TINY_MC_2SHOT)
     runs, evaluate = [], lm_eval.simple_evaluate
     monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: runs.append(evaluate(**kw)) or runs[-1])
     model = olmo3.OLMo3(CFG.replace(vocab_size=data.VOCAB_SIZE), jax.random.key(4))
