@@ -1655,11 +1655,9 @@ def test_eval_padded_checkpoint_scores_documents_and_kl_reads_windows(tmp_path):
 
 
 def test_lm_eval_tasks_keep_their_own_shots_unless_num_fewshot_is_given(tmp_path, monkeypatch):
-    """eval.py's task flags reach the scorers: --lm_eval_tasks without --num_fewshot leaves each task
-    its own shots (lm-eval's command line: num_fewshot None; a YAML's num_fewshot: 2 is scored 2-shot),
-    with it the flag's; --olmo_tasks gets --limit, --olmo_batch_rows and the context. Reference:
-    lm-eval-harness's own record of the shots it scored (results["n-shot"]); for --olmo_tasks the
-    arguments olmo_tasks_report receives."""
+    """eval.py's --lm_eval_tasks without --num_fewshot leaves each task its own shots (lm-eval's command
+    line: num_fewshot None; a YAML's num_fewshot: 2 is scored 2-shot), with it the flag's. Reference:
+    lm-eval-harness's own record of the shots it scored (results["n-shot"])."""
     lm_eval = pytest.importorskip("lm_eval")
     lm_eval_task(tmp_path, "tiny_mc_2shot", os.path.join(FIXTURES, "tiny_mc.jsonl"), TINY_MC_2SHOT)
     runs, evaluate = [], lm_eval.simple_evaluate
@@ -1678,6 +1676,8 @@ def test_lm_eval_tasks_keep_their_own_shots_unless_num_fewshot_is_given(tmp_path
 
 
 def test_olmo_tasks_get_limit_batch_rows_and_context(monkeypatch):
+    """--olmo_tasks gets --limit, --olmo_batch_rows and the context length: the arguments
+    olmo_tasks_report receives."""
     seen = []
     monkeypatch.setattr(eval_script, "olmo_tasks_report", lambda model, labels, **kw: seen.append((labels, kw)) or {})
     F = eval_script.F

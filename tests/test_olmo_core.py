@@ -879,12 +879,10 @@ def convert_cli(*args, cwd=ROOT):
 
 
 def test_cli_from_olmo_core_keeps_the_adam_moments_by_default(ref, tmp_path):
-    """convert.py's command line for olmo-core: checkpoints. From olmo-core: without
-    --with_optimizer_state the checkpoint's own Adam moments come along (the flag's documented
-    default: true), with --nowith_optimizer_state the weights alone; --to=olmo-core: takes a local or
-    mounted directory, never a URL (os.path would write ./gs:/... in the working directory).
-    Reference: OLMo-core's own optimizer state (tests/olmo_core_reference.py, torch's AdamW
-    exp_avg / exp_avg_sq) and the file system."""
+    """convert.py's command line from olmo-core: without --with_optimizer_state the checkpoint's own
+    Adam moments come along (the flag's documented default: true), with --nowith_optimizer_state
+    the weights alone. Reference: OLMo-core's own optimizer state (tests/olmo_core_reference.py,
+    torch's AdamW exp_avg)."""
     r = convert_cli(f"--from=olmo-core:{ref['dir'] / 'run' / 'step2'}", f"--to=orbax:{tmp_path / 'o'}")
     assert r.returncode == 0, r.stderr[-2000:]
     _, opt, extra, label = restore(str(tmp_path / "o"), ref["config"])
@@ -893,13 +891,15 @@ def test_cli_from_olmo_core_keeps_the_adam_moments_by_default(ref, tmp_path):
     for name in mu:
         np.testing.assert_array_equal(mu[name], ref["state"][f"optim.state.{name}.exp_avg"], err_msg=name)
     r = convert_cli(f"--from=olmo-core:{ref['dir'] / 'run' / 'step2'}", f"--to=orbax:{tmp_path / 'w'}",
-            "--nowith_optimizer_state")
+                    "--nowith_optimizer_state")
     assert r.returncode == 0, r.stderr[-2000:]
     mgr = checkpoint.CheckpointManager(str(tmp_path / "w"), read_only=True)
     assert not any(k.startswith("opt.") for k in mgr.stored_tensors(R.STEPS))
 
 
 def test_cli_to_olmo_core_url_is_refused(tmp_path):
+    """--to=olmo-core: takes a local or mounted directory, never a URL: os.path would write
+    ./gs:/... in the working directory. Reference: the file system."""
     r = convert_cli(f"--from=orbax:{tmp_path / 'run'}", "--to=olmo-core:gs://bucket/ckpt", cwd=str(tmp_path))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "olmo-core: takes a local or mounted directory, not a URL" in r.stderr.strip().splitlines()[-1]
