@@ -79,6 +79,18 @@ def _all_files(root):
     return [os.path.join(dp, f) for dp, _, fs in os.walk(root) for f in fs]
 
 
+def _files_of(documents, bound, size=len):
+    """prepare's layout, written out: whole documents in order, a new file before one would pass
+    `bound` tokens, a document longer than the bound alone in its file."""
+    files, cur = [], []
+    for doc in documents:
+        if cur and sum(map(size, cur)) + size(doc) > bound:
+            files.append(cur)
+            cur = []
+        cur.append(doc)
+    return files + [cur]
+
+
 def test_bounded_files(tmp_path):
     src, _ = _make_corpus(tmp_path, "web", 120, 1)
     whole = prep.prepare(src, str(tmp_path / "whole"), workers=1, progress=False)
@@ -95,13 +107,7 @@ def test_bounded_files(tmp_path):
     tokens = _split_tokens(str(tmp_path / "whole"), whole, "train")
     lengths = np.diff(np.flatnonzero(tokens == data.EOS_ID) + 1, prepend=0)
     bound = int(lengths[:3].sum())
-    want, cur = [], []
-    for n in lengths.tolist():
-        if cur and sum(cur) + n > bound:
-            want.append(cur)
-            cur = []
-        cur.append(n)
-    want.append(cur)
+    want = _files_of(lengths.tolist(), bound, size=int)
     exact = prep.prepare(src, str(tmp_path / "exact"), workers=1, max_tokens_per_file=bound, progress=False)
     got = exact["splits"]["train"]["files"]
     assert [(f["documents"], f["tokens"]) for f in got] == [(len(c), sum(c)) for c in want]
@@ -169,13 +175,7 @@ def test_a_document_longer_than_the_bound_is_alone_and_nothing_after_it_is_lost(
     enc = data.dolma2()
     docs = [enc.encode_ordinary(t.strip()) + [data.EOS_ID] for t in texts]
     assert len(docs[1]) > 40
-    want, cur = [], []
-    for doc in docs:
-        if cur and sum(map(len, cur)) + len(doc) > 40:
-            want.append(cur)
-            cur = []
-        cur.append(doc)
-    want.append(cur)
+    want = _files_of(docs, 40)
     files = m["splits"]["train"]["files"]
     assert [np.fromfile(os.path.join(out, f["path"]), np.uint32).tolist() for f in files] == [sum(c, []) for c in want]
     assert [f["documents"] for f in files] == [len(c) for c in want] and m["splits"]["train"]["documents"] == 4
