@@ -605,14 +605,13 @@ def _fingerprint_files(d, sizes):
     paths = []
     for f, n in enumerate(sizes):
         ids = rng.integers(0, 1000, n).astype(np.uint32)
-        ids[::5], ids[3::7], ids[-1] = data.EOS_ID, data.EOS_ID + 1, data.EOS_ID   # eos of both eos ids
+        ids[::5], ids[3::7], ids[-1] = EOS, EOS + 1, EOS   # eos of both eos ids
         paths.append(str(d / f"token_ids_part_{f}.npy"))
         ids.tofile(paths[-1])
     return paths
 
 
-def _both_fingerprints(paths, work, seq_len=32, group=2, vocab=data.VOCAB_SIZE, pad=data.PAD_ID, eos=data.EOS_ID):
-    from olmo_core import data as olmo_data
+def _both_fingerprints(paths, work, seq_len=32, group=2, vocab=VOCAB, pad=PAD, eos=EOS):
     ours = PackedFSLDataset(paths, seq_len, source_group_size=group, vocab_size=vocab, pad_id=pad, eos_id=eos)
     theirs = olmo_data.NumpyPackedFSLDatasetConfig(
         tokenizer=olmo_data.TokenizerConfig(vocab_size=vocab, eos_token_id=eos, pad_token_id=pad), paths=paths,
@@ -631,7 +630,7 @@ def test_fingerprint_changes_where_olmo_cores_does(tmp_path, monkeypatch):
     monkeypatch.setenv("OLMO_DATA_PREP_WORKERS", "1")
     paths = _fingerprint_files(tmp_path / "a", [50, 70, 40])
     base = _both_fingerprints(paths, tmp_path / "w")
-    for i, kw in enumerate([dict(vocab=data.VOCAB_SIZE + 1), dict(pad=data.PAD_ID + 1), dict(eos=data.EOS_ID + 1),
+    for i, kw in enumerate([dict(vocab=VOCAB + 1), dict(pad=PAD + 1), dict(eos=EOS + 1),
                             dict(seq_len=64), dict(group=3)]):
         ours, theirs = _both_fingerprints(paths, tmp_path / f"w{i}", **kw)
         assert theirs != base[1] and ours != base[0], kw
@@ -656,7 +655,7 @@ def test_trained_tokens_total_counts_every_chunk_of_a_mask(tmp_path, monkeypatch
     rng = np.random.default_rng(3)
     paths, total = [], 0
     for part in range(3):
-        ids = np.concatenate([np.append(rng.integers(0, 1000, n - 1), data.EOS_ID) for n in rng.integers(1, 30, 10)])
+        ids = np.concatenate([np.append(rng.integers(0, 1000, n - 1), EOS) for n in rng.integers(1, 30, 10)])
         mask = rng.random(len(ids)) < 0.5
         mask[0] = True
         paths.append(str(tmp_path / f"token_ids_part_{part}.npy"))
