@@ -248,6 +248,58 @@ def _cases(w):
          "--dpo_beta=0.0 must be finite and > 0"),
         # Each refused only after the corpus was prepared (and packed: minutes at scale).
         ("epochs_zero", "train.py", [*T, f"--run_dir={new}", "--epochs=0"], 2, "--epochs must be >= 1 passes"),
+        # Every other recipe number a flag validator guards (olmo3/cli.py require): each value passed
+        # into the run would divide by zero, never save or evaluate, or build an invalid kernel or seed.
+        *[(f"{flag}_{value}", "train.py", [*T, f"--run_dir={new}", *extra, f"--{flag}={value}"], 2,
+           f"--{flag} must be {says}") for flag, value, extra, says in [
+            ("eps", "0", [], "finite and > 0"), ("b1", "1", [], "in [0, 1)"),
+            ("max_grad_norm", "0", [], "finite and > 0"), ("weight_decay", "inf", [], "finite and >= 0"),
+            ("global_batch", "0", [], "> 0"), ("save_interval", "0", [], "> 0"), ("eval_interval", "0", [], "> 0"),
+            ("downstream_eval_interval", "0", [], "> 0"), ("eval_batches", "-1", [], ">= 0"),
+            ("yarn_factor", "0.5", ["--yarn"], ">= 1"), ("yarn_original_max_position", "0", ["--yarn"], ">= 1"),
+            ("peak_tflops", "0", [], "finite and > 0"), ("micro_batch", "0", [], ">= 1 instances per device"),
+            ("seed", "-1", [], ">= 0"), ("joined_at", "0", ["--max_steps=2"], ">= 1 and < 2,147,483,648"),
+            ("splash_block_q", "12", [], "a positive multiple of 8"), ("splash_block_kv", "0", [], "a positive multiple of 8"),
+            ("total_steps", "0", [], "> 0 and < 2,147,483,648"), ("warmup_steps", "-1", [], ">= 0 and < 2,147,483,648"),
+            ("downstream_limit", "0", [], "> 0"), ("downstream_batch", "0", [], "> 0"),
+            ("source_group_size", "0", [], ">= 1"), ("epochs", "3000000000", [], ">= 1 passes"),
+            ("warmup_fraction", "1.5", [], "in [0, 1]")]],
+        ("run_dir_empty", "train.py", [*T, "--run_dir="], 2, "--run_dir must be a directory (it is empty)"),
+        ("data_only_commas", "train.py", [*TINY, "--data=,", f"--run_dir={new}"], 2,
+         "--data must be 'stdlib', a directory of documents or 'mix:NAME' (it names no corpus)"),
+        # What --stage=dpo / --stage=sft cannot train on, refused before the model is built.
+        ("dpo_packed", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--packed"], 2,
+         f"--stage=dpo trains on preference pairs: --data must be a directory written by python -m data.prepare_dpo "
+         f"(got --data={w / 'docs'} --packed)"),
+        ("dpo_on_a_mix", "train.py", [*TINY, "--stage=dpo", "--data=mix:OLMo-mix-0625-official", f"--run_dir={new}"],
+         2, "python -m data.prepare_dpo (got --data=mix:OLMo-mix-0625-official)"),
+        ("dpo_beta_inf", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--dpo_beta=inf"], 2,
+         "--dpo_beta=inf must be finite and > 0"),   # non-finite losses after the whole reference pass
+        ("reference_cache_a_directory", "train.py", [*T, "--stage=dpo", f"--run_dir={new}",
+                                                     f"--reference_cache={w / 'docs'}"], 2,
+         f"--reference_cache={str(w / 'docs')!r} is a directory; give a file path"),
+        ("reference_cache_under_a_file", "train.py", [*T, "--stage=dpo", f"--run_dir={new}",
+                                                      f"--reference_cache={w / 'bad.flags' / 'r.npz'}"], 2,
+         f"--reference_cache='{w / 'bad.flags' / 'r.npz'}': {w / 'bad.flags'} is a file, not a directory"),
+        ("sft_without_label_masks", "train.py", [*T, "--stage=sft", "--packed", f"--run_dir={new}"], 2,
+         "--stage=sft trains on packed conversations with label masks: add --packed --label_masks"),
+        # Each would have been ignored without a word.
+        ("tokenizer_without_a_mix", "train.py", [*T, f"--run_dir={new}", "--tokenizer=llama2"], 2,
+         "--tokenizer=llama2 picks a data mix's token files (--data=mix:NAME)"),
+        ("eval_padded_dpo", "train.py", [*T, "--stage=dpo", f"--run_dir={new}", "--eval_padded"], 2,
+         "--stage=dpo scores its held-out preference pairs: drop --eval_padded"),
+        *[(f"{flag}_in_stage_1", "train.py", [*T, f"--run_dir={new}", f"--{flag}={value}"], 2,
+           f"--{flag} applies to --stage=dpo only, and this run is --stage=1: drop --{flag}")
+          for flag, value in (("reference_cache", w / "r.npz"), ("dpo_loss", "dpo"), ("dpo_heldout", w / "docs"))],
+        *[(f"{flag}_unpacked", "train.py", [*T, f"--run_dir={new}", f"--{flag}{value}"], 2,
+           "--source_group_size, --source_permutation_seed, --label_masks and --packing_cache only apply with --packed")
+          for flag, value in (("source_group_size", "=2"), ("source_permutation_seed", "=3"), ("label_masks", ""))],
+        *[(f"{flag}_without_tasks", "train.py", [*T, f"--run_dir={new}", f"--{flag}=3"], 2,
+           f"--{flag} applies only with --downstream_tasks; add it, or drop --{flag}")
+          for flag in ("downstream_limit", "downstream_batch")],
+        ("yarn_original_max_position_at_stage_1", "train.py", [*T, f"--run_dir={new}",
+                                                               "--yarn_original_max_position=16"], 2,
+         "--yarn_original_max_position configures YaRN, which --stage=1 leaves off by default"),
         ("warmup_fraction_nan", "train.py", [*T, f"--run_dir={new}", "--warmup_fraction=nan"], 2,
          "--warmup_fraction must be in [0, 1]"),
         ("vocab_smaller_than_the_tokenizer", "train.py", [*T, f"--run_dir={new}", "--vocab_size=100"], 2,
