@@ -103,18 +103,31 @@ def test_sft_flags(name, lr):
     assert F.packed and F.label_masks and F.doc_lengths and F.seed == 34521
 
 
-_DEFAULTS = """
+_RESOLVED = """
 import json, sys
 import train
 out = []
 for args in json.loads(sys.argv[1]):
     train.F.unparse_flags()
     train.F(["train.py", "--model=tiny", *args])
-    yarn = train.model_config().yarn
-    out.append([train.doc_lengths(), None if yarn is None else [yarn.factor, yarn.original_max_position],
-                train.schedule_kind()])
+    c = train.model_config()
+    out.append({"doc_lengths": train.doc_lengths(), "schedule": train.schedule_kind(),
+                "yarn": None if c.yarn is None else [c.yarn.factor, c.yarn.original_max_position],
+                "model": [c.remat, c.scan_layers, str(c.param_dtype), str(c.compute_dtype), c.attention, c.float8,
+                          c.splash_block_q, c.splash_block_kv],
+                "compilation_cache": train.compilation_cache_dir(), "packing_cache": train.packing_cache(),
+                "sft_heldout": train.named_sets(train.F.sft_heldout, "--sft_heldout")})
 print(json.dumps(out))
 """
+
+
+def resolved(cases: list[list[str]]) -> list[dict]:
+    """What train.py makes of each flag list (over --model=tiny), in one fresh process: the model
+    (model_config), the stage-dependent choices and the directories the run uses."""
+    p = subprocess.run([sys.executable, "-c", _RESOLVED, json.dumps(cases)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def test_stage_defaults_for_doc_lengths_and_yarn():
@@ -124,13 +137,76 @@ def test_stage_defaults_for_doc_lengths_and_yarn():
     model (DESIGN §8). The schedule: cosine for stage 1 (OLMo-core's CosWithWarmup), linear after it (the
     stage-2 and long-context scripts' LinearWithWarmup, SFT's, open-instruct's DPO's)."""
     stages = ["1", "2", "3", "sft", "dpo"]
-    p = subprocess.run([sys.executable, "-c", _DEFAULTS, json.dumps([[f"--stage={s}"] for s in stages])],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    got = dict(zip(stages, json.loads(p.stdout.strip().splitlines()[-1])))
+    got = {s: [r["doc_lengths"], r["yarn"], r["schedule"]] for s, r in zip(stages, resolved([[f"--stage={s}"]
+                                                                                               for s in stages]))}
     yarn = [8.0, 8192]
     assert got == {"1": [False, None, "cosine"], "2": [False, None, "linear"], "3": [True, yarn, "linear"],
                    "sft": [True, yarn, "linear"], "dpo": [False, yarn, "linear"]}, got
+
+
+def test_every_model_flag_and_explicit_choice_reaches_the_run(tmp_path):
+    """Each model flag overrides the preset (model_config), an explicit --yarn / --schedule /
+    --doc_lengths wins over the stage's default, and the run's directories follow their flags: the
+    compilation cache (in <run_dir>, or off), the packing cache (<--data_dir>/packing, else beside the
+    run; none for a remote one) and a held-out set's name (its folder, also given with a trailing /)."""
+    run, heldout = tmp_path / "run", tmp_path / "x" / "heldout"
+    a, b, c = resolved([
+        ["--remat=full", "--noscan_layers", "--param_dtype=bfloat16", "--compute_dtype=bfloat16", "--attention=splash",
+         "--splash_block_q=32", "--splash_block_kv=64", "--float8", f"--run_dir={run}"],
+        ["--yarn", "--yarn_factor=4", "--yarn_original_max_position=256", "--schedule=constant", "--doc_lengths",
+         "--compilation_cache=none", f"--data_dir={tmp_path / 'dd'}", f"--run_dir={run}", f"--sft_heldout={heldout}/"],
+        ["--stage=2", "--schedule=cosine", "--packing_cache=gs://bucket/packing", f"--run_dir={run}"]])
+    assert a["model"] == ["full", False, "bfloat16", "bfloat16", "splash", True, 32, 64], a
+    assert a["compilation_cache"] == str(run / "compilation_cache")
+    assert a["packing_cache"] == str(tmp_path / "data" / "packing")
+    assert (b["yarn"], b["schedule"], b["doc_lengths"], b["compilation_cache"]) == ([4.0, 256], "constant", True, None)
+    assert b["packing_cache"] == str(tmp_path / "dd" / "packing")
+    assert b["sft_heldout"] == {"heldout": f"{heldout}/"}, b
+    assert (c["schedule"], c["packing_cache"]) == ("cosine", None), c
+
+
+_CHECKED = """
+import json, sys
+import train
+out = []
+for args in json.loads(sys.argv[1]):
+    train.F.unparse_flags()
+    try:
+        train.F(["train.py", "--model=tiny", "--total_steps=4", "--warmup_steps=1", *args])
+        train.check_flags()
+    except Exception as e:
+        out.append(f"{type(e).__name__}: {e}")
+    else:
+        out.append("accepted")
+print(json.dumps(out))
+"""
+
+
+def test_valid_edges_and_flags_that_give_way_pass_the_checks(tmp_path):
+    """Values at the edge of what the flags allow, and flags another one replaces (a flagfile's
+    --total_steps under --epochs, its --yarn_factor under --noyarn), pass the validators and
+    check_flags: a refusal there (exit 2) would stop a valid run. Their neighbours past the edge
+    are tests/test_bad_inputs.py cases."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("some text")
+    common = [f"--data={tmp_path / 'docs'}", f"--run_dir={tmp_path / 'run'}"]
+    cases = {
+        "the tokenizer's own vocabulary (HF's 100278)": ["--vocab_size=100278"],
+        "warmup over the whole horizon": ["--warmup_steps=4"],
+        "downstream scored at the last step": ["--downstream_tasks=arc_easy_rc_5shot", "--downstream_eval_interval=4"],
+        "--epochs over --total_steps, for the warmup": ["--epochs=2", "--warmup_steps=9"],
+        "--warmup_fraction over --warmup_steps": ["--warmup_fraction=0.1", "--warmup_steps=9"],
+        "--epochs over --total_steps, for --max_steps": ["--epochs=2", "--max_steps=10"],
+        "--epochs over --total_steps, for downstream": ["--epochs=2", "--downstream_tasks=arc_easy_rc_5shot"],
+        "--data_dir as a packed mix's packing cache": ["--data=mix:OLMo-mix-0625-official", "--packed",
+                                                      f"--data_dir={tmp_path / 'dd'}"],
+        "--noyarn over a flagfile's --yarn_factor": ["--noyarn", "--yarn_factor=4"],
+        "b1 = 0": ["--b1=0"], "final_lr_ratio = 1": ["--final_lr_ratio=1"], "no hang timeout": ["--hang_timeout_s=0"]}
+    p = subprocess.run([sys.executable, "-c", _CHECKED, json.dumps([common + v for v in cases.values()])],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    said = dict(zip(cases, json.loads(p.stdout.strip().splitlines()[-1])))
+    assert said == dict.fromkeys(cases, "accepted"), said
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
