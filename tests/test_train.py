@@ -5,6 +5,7 @@ The reference for a resumed run is the uninterrupted run: losses must be equal b
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,32 +235,36 @@ def test_stage1_lr_is_olmo_cores_cosine(uninterrupted):
         assert m[s]["optim/lr"] == pytest.approx(ref.get_lr(2e-3, s, 20), rel=1e-6), s   # tiny.flags: --lr=2e-3
 
 
-def test_stage2_warm_start(uninterrupted, docs, tmp_path):
+def test_stage2_warm_start(uninterrupted, docs, tmp_path, tmp_path_factory):
     """Stage 2 keeps params and Adam moments, restarts step and schedule (lr = stage-2 peak, the stage's
     default linear decay to 0). The loop's cadence: held-out loss at every save and at the last step, not
     between (--eval_interval=1000); a checkpoint every --save_interval steps and one at --max_steps.
-    Resumed with its --init_from still given, it continues its own checkpoint."""
+    Resumed with its --init_from still given, it continues its own checkpoint, also once that
+    checkpoint is gone (deleted to free space, or rotated out by its run's keep-N)."""
     base = uninterrupted
-    run(["--stage=2", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
-         "--max_steps=3", "--save_interval=2", f"--init_from={base / 'a' / 'checkpoints' / '6'}"],
-        tmp_path, docs, base / "data")
+    stage1 = tmp_path_factory.mktemp("stage1") / "checkpoints" / "6"
+    shutil.copytree(base / "a" / "checkpoints" / "6", stage1)
+    # --warmup_fraction alone (no --epochs) sets the warmup over SMALL's --warmup_steps=2: round(0 x 10)
+    # steps. --eval_at_start logs the starting model's held-out loss as step 0, once per run.
+    command = ["--stage=2", "--lr=2e-4", "--warmup_fraction=0", "--total_steps=10", "--save_interval=2",
+               f"--init_from={stage1}", "--eval_at_start"]
+    run([*command, "--max_steps=3"], tmp_path, docs, base / "data")
     m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in m] == [1, 2, 3]
-    assert [r["optim/lr"] for r in m] == pytest.approx([2e-4 * (1 - n / 10) for n in (1, 2, 3)], rel=1e-6)
-    assert m[0]["optim/adam_count"] == 7.0  # warm Adam: 6 stage-1 updates + this one
+    assert [r["step"] for r in m] == [0, 1, 2, 3]
+    assert [r["optim/lr"] for r in m[1:]] == pytest.approx([2e-4 * (1 - n / 10) for n in (1, 2, 3)], rel=1e-6)
+    assert m[1]["optim/adam_count"] == 7.0  # warm Adam: 6 stage-1 updates + this one
     a = losses(base / "a")
-    assert abs(m[0]["train/loss"] - a[6]) < 1.0  # no cold-start spike
-    assert [any(k.startswith("eval/") for k in r) for r in m] == [False, True, True]
+    assert abs(m[1]["train/loss"] - a[6]) < 1.0  # no cold-start spike
+    assert [any(k.startswith("eval/") for k in r) for r in m] == [True, False, True, True]
     assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == [2, 3]
     # The same command rerun with --resume, as --resume_until_done reruns it after a crash: it
     # continues this run at step 4 (Adam's 10th update), and --init_from no longer applies. Warm
     # started again instead, it would train step 1 a second time from the stage-1 weights.
-    run(["--stage=2", "--lr=2e-4", "--warmup_steps=0", "--total_steps=10",
-         "--max_steps=4", "--save_interval=2", f"--init_from={base / 'a' / 'checkpoints' / '6'}", "--resume"],
-        tmp_path, docs, base / "data")
+    shutil.rmtree(stage1)
+    run([*command, "--max_steps=4", "--resume"], tmp_path, docs, base / "data")
     m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in m] == [1, 2, 3, 4] and m[3]["optim/adam_count"] == 10.0, m
-    assert m[3]["optim/lr"] == pytest.approx(2e-4 * (1 - 4 / 10), rel=1e-6)
+    assert [r["step"] for r in m] == [0, 1, 2, 3, 4] and m[4]["optim/adam_count"] == 10.0, m
+    assert m[4]["optim/lr"] == pytest.approx(2e-4 * (1 - 4 / 10), rel=1e-6)
 
 
 def test_bad_inputs(uninterrupted, docs, tmp_path):
