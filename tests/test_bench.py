@@ -7,6 +7,7 @@ parameter and compute dtypes, its device (and so its float8 emulation), its unti
 its document masks (its logits against ours, weights copied over).
 """
 import json
+import math
 import os
 import re
 import subprocess
@@ -74,8 +75,9 @@ def test_bench_smoke_with_torch():
 # built or timed): every figure it prints is then exact arithmetic on those seconds, checked below
 # against the same arithmetic written out from the definitions (tokens / median step, FLOPs by hand).
 SCRIPTED = textwrap.dedent(r"""
-    import json, sys, types
-    root, platform, scale, argv = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4:]
+    import json, os, sys, types
+    root, platform, scale, eager_probe, argv = (sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]),
+                                                sys.argv[5:])
     sys.path[:0] = [root, root + "/benchmarks"]
     import jax
     import bench
@@ -98,19 +100,22 @@ SCRIPTED = textwrap.dedent(r"""
     metrics.measure_matmul_peak = lambda n, dtype, repeats=5: next(peaks) / scale * 1e9
     # Warmup steps that would wreck a median if timed (compiles), then the timed ones.
     bench.build_ours = lambda config, tokens: (scripted("ours", [100.0, 50.0, 0.3, 0.1, 0.2]), 4)
-    torch_s = {"eager": [9.0, 9.0, 2.0, 0.5, 0.4, 0.6], "sdpa": [7.0, 7.0, 1.0, 0.5, 0.4, 0.6]}
+    torch_s = {"eager": [9.0, 9.0, eager_probe, 0.5, 0.4, 0.6], "sdpa": [7.0, 7.0, 1.0, 0.5, 0.4, 0.6]}
     bench.build_torch = lambda config, tokens, impl, device=None: scripted("torch " + impl, torch_s[impl])
     if platform == "gpu":   # JAX on NVIDIA H100 SXMs; build_ours says the step ran on 4 of them
         jax.devices = lambda *a: [types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")]
     bench.F(["bench", *argv])
     bench.main([])
-    print(json.dumps(calls))
+    print(json.dumps({"calls": calls, "preallocate": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")}))
 """)
 
 
-def scripted_bench(platform, *flags, scale=1.0):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", SCRIPTED, ROOT, platform, str(scale), "--model=tiny",
+def scripted_bench(platform, *flags, scale=1.0, eager_probe=2.0):
+    """SCRIPTED's run; the last line of stdout is {"calls": the steps in order, "preallocate": JAX's
+    GPU preallocation setting at the end}."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-c", SCRIPTED, ROOT, platform, str(scale), str(eager_probe), "--model=tiny",
                            *TOY, "--steps=3", "--warmup=2", "--notune_cpu", "--notune_gpu",
                            f"--max_position_embeddings={T}", *flags],   # seq_len may equal it
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -126,7 +131,7 @@ def test_bench_figures_from_scripted_steps(platform):
     out = scripted_bench(platform, "--compare_torch", scale=scale)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    calls = json.loads(lines[-1])
+    calls = json.loads(lines[-1])["calls"]
     assert calls == (["ours"] * 2 + ["torch eager"] * 3 + ["torch sdpa"] * 3 + ["ours", "torch sdpa"] * 3)
     assert "torch: timing attn_implementation=sdpa" in lines
     from olmo3 import metrics   # DESIGN §7: a CPU figure names the CPU
@@ -176,6 +181,42 @@ def test_bench_figures_from_scripted_steps(platform):
     assert per_cpu_s == pytest.approx(tokens / (med / 2), rel=1e-5)   # CPU seconds: half the wall ones
 
 
+def test_bench_without_torch_against_a_given_peak():
+    """No --compare_torch: torch is never built, its figures and the ratio are nan on the last line,
+    and JAX keeps its default GPU memory preallocation. --peak_tflops=0.001 (no CPU has a table
+    entry) is the nominal peak: against it the MFU is 2.5x the one against the measured 2.5 GFLOP/s."""
+    out = scripted_bench("cpu", "--peak_tflops=0.001")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[-1]) == {"calls": ["ours"] * 5, "preallocate": None}
+    assert not any(line.startswith("torch") for line in lines), lines
+    tps, ttps, ratio, mfu, mfu_nominal = map(float, LAST.match(lines[-2]).groups())
+    assert tps == pytest.approx(B * T / 0.2, rel=1e-5) and math.isnan(ttps) and math.isnan(ratio)
+    assert mfu_nominal == pytest.approx(mfu * 2.5, abs=3e-4)
+    assert all("of nominal" in line for line in lines if re.match(r"ours +(writeup|sliding) FLOPs:", line))
+
+
+def test_bench_torch_flags_pick_what_is_timed():
+    """--torch_attention=auto times the implementation whose probe step was faster (eager's 0.5 s
+    against sdpa's 1 s), not the one built last; --torch_attention=eager builds and times eager only,
+    on --torch_threads threads. With --compare_torch JAX allocates GPU memory as it needs it, so that
+    torch on the same GPU has room. Steps of 0.6 s: 128 / 0.6 = 213.33 tokens/s, fractions kept."""
+    out = scripted_bench("cpu", "--compare_torch", eager_probe=0.5)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[-1])["calls"] == (["ours"] * 2 + ["torch eager"] * 3 + ["torch sdpa"] * 3
+                                              + ["ours", "torch eager"] * 3)
+    assert "torch: timing attn_implementation=eager" in lines
+    out = scripted_bench("cpu", "--compare_torch", "--torch_attention=eager", "--torch_threads=3", scale=3.0)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[-1]) == {"calls": ["ours"] * 2 + ["torch eager"] * 2 + ["ours", "torch eager"] * 3,
+                                     "preallocate": "false"}
+    assert any(re.match(r"torch: attn_implementation=eager\b.*, 3 threads$", line) for line in lines), lines
+    tps, ttps = map(float, LAST.match(lines[-2]).groups()[:2])
+    assert tps == pytest.approx(B * T / 0.6, abs=0.006) and ttps == pytest.approx(B * T / 1.5, abs=0.006)
+
+
 @pytest.mark.parametrize("flags,says", [
     # It would time our compile (torch always had an untimed step).
     (["--warmup=0"], "--warmup must be >= 1"),
@@ -198,15 +239,16 @@ def test_bench_rejects_bad_seq_len():
     assert out.returncode != 0 and "--seq_len=100000 exceeds the model's max_position_embeddings" in out.stderr
 
 
-@pytest.mark.parametrize("nan_step", [1, 4])
-def test_bench_stops_on_a_non_finite_loss(nan_step):
+@pytest.mark.parametrize("value,nan_step", [("nan", 1), ("nan", 4), ("inf", 4), ("-inf", 4)])
+def test_bench_stops_on_a_non_finite_loss(value, nan_step):
     """A benchmark step whose loss is NaN, in the warmup (step 1) or timed (step 4, the second
     timed after 2 warmup steps): it went unseen in the warmup, and timed it ended bench.py with a
-    FloatingPointError traceback (exit 1); now cli.NonFiniteError, one line, exit 3, at once."""
+    FloatingPointError traceback (exit 1); now cli.NonFiniteError, one line, exit 3, at once. An
+    infinite loss (a bf16 overflow) alike."""
     code = textwrap.dedent(r'''
         import sys
         sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
-        nan_step, sys.argv = int(sys.argv[2]), ["bench.py", *sys.argv[3:]]
+        value, nan_step, sys.argv = float(sys.argv[2]), int(sys.argv[3]), ["bench.py", *sys.argv[4:]]
         import bench
         from olmo3 import cli
         calls = []
@@ -214,16 +256,16 @@ def test_bench_stops_on_a_non_finite_loss(nan_step):
             def step():
                 calls.append(1)
                 print("step", len(calls), flush=True)
-                return float("nan") if len(calls) == nan_step else 2.0
+                return value if len(calls) == nan_step else 2.0
             return step, 1
         bench.build_ours = build_ours
         cli.run(bench.main)
     ''')
-    out = subprocess.run([sys.executable, "-c", code, ROOT, str(nan_step), *TOY, "--matmul_n=64", "--warmup=2",
+    out = subprocess.run([sys.executable, "-c", code, ROOT, value, str(nan_step), *TOY, "--matmul_n=64", "--warmup=2",
                           "--steps=3"], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 3 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert "non-finite loss nan in the benchmark step" in out.stderr.strip().splitlines()[-1]
+    assert f"non-finite loss {value} in the benchmark step" in out.stderr.strip().splitlines()[-1]
     assert out.stdout.count("step ") == nan_step and not any(LAST.match(line) for line in out.stdout.splitlines())
 
 
@@ -288,14 +330,14 @@ PROBE = textwrap.dedent(r'''
     for impl in impls:
         bench.build_torch(cfg, tokens, impl)()
         r = report[impl] = {k: seen[k] for k in ("params", "devices", "autocast", "emulate", "logits")}
-        if F.doc_len:
+        if mode == "logits":   # against ours, the weights copied over
             model, kw = seen["model"], {k: v for k, v in seen["inputs"].items() if k != "labels"}
             with torch.no_grad():
                 theirs = model(**kw).logits.float().numpy()
                 plain = model(input_ids=kw["input_ids"]).logits.float().numpy()   # no document masks
             from olmo3 import hf
             ours_model = hf.from_hf(dict(model.state_dict()), cfg)
-            seg = np.broadcast_to(np.arange(F.seq_len, dtype=np.int32) // F.doc_len, tokens.shape)
+            seg = np.broadcast_to(np.arange(F.seq_len, dtype=np.int32) // (F.doc_len or F.seq_len), tokens.shape)
             ours = np.asarray(jax.vmap(lambda t, s: ours_model(t, segment_ids=s))(tokens, seg))
             r.update(err=float(np.abs(theirs - ours).max()), err_unmasked=float(np.abs(plain - ours).max()))
     if mode == "fake_cuda":   # and where JAX computes on the GPU too
@@ -332,13 +374,122 @@ def test_torch_reference_on_our_device():
     assert r["device_if_jax_on_gpu"] == "cuda"
 
 
-def test_torch_reference_masks_documents():
+@pytest.mark.parametrize("doc_len", [24, None])
+def test_torch_reference_masks_documents(doc_len):
     """--doc_len: the reference's logits equal ours, window and document masks alike (documents of
-    24 tokens, a 16-token window), in both of transformers' attention implementations."""
-    r = probe_torch("eager,sdpa", "--doc_len=24")
+    24 tokens, a 16-token window), in both of transformers' attention implementations. Without it
+    transformers builds the masks itself, from the config bench.py gives it (sliding_window,
+    layer_types): equal too."""
+    r = probe_torch("eager,sdpa", *([f"--doc_len={doc_len}"] if doc_len else []), mode="logits")
     for impl in ("eager", "sdpa"):
         assert r[impl]["err"] < 1e-4, r
-        assert r[impl]["err_unmasked"] > 1e-2, r   # the documents change the logits here
+        if doc_len:
+            assert r[impl]["err_unmasked"] > 1e-2, r   # the documents change the logits here
+
+
+def test_torch_reference_float8_is_real_on_cuda():
+    """--float8 with the reference on cuda: torchao's real float8 GEMMs (emulate=False); emulated
+    (upcast) on the CPU only. Emulated on an H100, torch would time upcast matmuls against our
+    float8 ones (test_torch_reference_on_our_device sees the CPU case)."""
+    code = textwrap.dedent(r'''
+        import json, sys
+        sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+        import numpy as np, torch, torchao.float8 as f8
+        import bench
+        bench.F(["bench", *sys.argv[2:]])
+        cfg, seen = bench.config_from_flags(), []
+
+        class Stop(Exception):
+            pass
+
+        def convert(model, config, module_filter_fn):   # what build_torch asks torchao for; then stop
+            seen.append(config.emulate)
+            raise Stop
+        f8.convert_to_float8_training = convert
+        to = torch.nn.Module.to
+        torch.nn.Module.to = lambda self, *a, **kw: to(self, dtype=kw.get("dtype"))   # no GPU here: stay put
+        for device in ("cuda", "cpu"):
+            try:
+                bench.build_torch(cfg, np.zeros((2, 64), np.int32), "eager", device)
+            except Stop:
+                pass
+        print(json.dumps(seen))
+    ''')
+    out = subprocess.run([sys.executable, "-c", code, ROOT, "--model=tiny", *TOY, "--float8"],
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True]
+
+
+def test_torch_reference_step_is_ours():
+    """The reference step is the recipe's on our parameters: backward, the global grad norm clipped
+    to 1.0, then AdamW (lr 3e-4, betas 0.9 / 0.95, eps 1e-8, weight decay 0.1), as our SkipStepAdamW
+    step; its LM head untied, as ours (a tied head or no clip is less work per step, and flatters
+    torch's tokens/s)."""
+    code = textwrap.dedent(r'''
+        import json, sys
+        sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+        import numpy as np, torch
+        import bench
+        bench.F(["bench", *sys.argv[2:]])
+        cfg, seen = bench.config_from_flags(), {}
+        clip, step = torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step
+        def spy_clip(params, max_norm, *a, **kw):
+            seen["clip"] = max_norm
+            return clip(params, max_norm, *a, **kw)
+        def spy_step(self, *a, **kw):
+            seen["adamw"] = {k: self.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
+            seen["clipped_first"] = "clip" in seen
+            seen["params_beyond_ours"] = sum(p.numel() for g in self.param_groups for p in g["params"]) - cfg.num_params()
+            return step(self, *a, **kw)
+        torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step = spy_clip, spy_step
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64), dtype=np.int32)
+        bench.build_torch(cfg, tokens, "eager", "cpu")()
+        print(json.dumps(seen))
+    ''')
+    out = subprocess.run([sys.executable, "-c", code, ROOT, "--model=tiny", *TOY],
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"clip": 1.0, "clipped_first": True, "params_beyond_ours": 0,
+                    "adamw": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}, seen
+
+
+def test_our_step_gets_the_flags():
+    """--micro_batch, --loss_chunk, --mesh and --doc_len reach the step bench.py builds (a spy on
+    sharding.make_train_step and global_batch; no step is run): 4 instances on data:2, 1 per device
+    per microbatch: 2 microbatches; documents of 24 tokens: ids 0 x 24, 1 x 24, 2 x 16."""
+    code = textwrap.dedent(r'''
+        import json, sys
+        sys.path[:0] = [sys.argv[1], sys.argv[1] + "/benchmarks"]
+        import numpy as np
+        import bench
+        from olmo3 import sharding
+        bench.F(["bench", *sys.argv[2:]])
+        cfg, F, seen = bench.config_from_flags(), bench.F, {}
+        make, put = sharding.make_train_step, sharding.global_batch
+        def spy_make(optimizer, mesh, specs, **kw):
+            seen.update(mesh=dict(mesh.shape), microbatches=kw["microbatches"], chunk=kw["chunk"],
+                        use_segments=kw["use_segments"])
+            return make(optimizer, mesh, specs, **kw)
+        def spy_batch(batch, mesh):
+            seen["segment_ids"] = np.asarray(batch["segment_ids"])[0].tolist()
+            return put(batch, mesh)
+        sharding.make_train_step, sharding.global_batch = spy_make, spy_batch
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (F.batch, F.seq_len), dtype=np.int32)
+        seen["n_devices"] = bench.build_ours(cfg, tokens)[1]
+        print(json.dumps(seen))
+    ''')
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code, ROOT, "--model=tiny", *TOY, "--batch=4", "--micro_batch=1",
+                          "--loss_chunk=32", "--mesh=data:2", "--doc_len=24"],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+        "mesh": {"data": 2, "fsdp": 1}, "microbatches": 2, "chunk": 32, "use_segments": True, "n_devices": 2,
+        "segment_ids": [0] * 24 + [1] * 24 + [2] * 16}
 
 
 _PROFILE_TUNING = """
@@ -459,6 +610,8 @@ def test_downstream_cost_shapes_are_oe_tasks_batches():
     ("downstream_cost.py", ["--tasks="], "--tasks must be one or more task labels"),      # a total of 0 tasks
     ("downstream_cost.py", ["--devices="], "--devices must be one or more device counts"),  # no cost lines
     ("bench.py", ["--compare_torch", "--torch_threads=0"], "--torch_threads must be >= 1"),  # 0: ignored
+    ("bench.py", ["--steps=0"], "--steps must be >= 1"),   # a StatisticsError traceback after the warmup
+    ("bench.py", ["--seq_len=1"], "--seq_len must be >= 2"),   # no target token
     ("bench.py", ["--compare_torch", "--torch_threads=-1"], "--torch_threads must be >= 1"),  # after our warmup
     ("profile_step.py", ["--doc_len=-3"], "--doc_len must be >= 1"),   # traced negative segment ids
     ("profile_step.py", ["--steps=7"], "--steps is bench.py's: profile_step.py traces one step"),   # ignored
