@@ -137,8 +137,8 @@ def test_stage_defaults_for_doc_lengths_and_yarn():
     model (DESIGN §8). The schedule: cosine for stage 1 (OLMo-core's CosWithWarmup), linear after it (the
     stage-2 and long-context scripts' LinearWithWarmup, SFT's, open-instruct's DPO's)."""
     stages = ["1", "2", "3", "sft", "dpo"]
-    got = {s: [r["doc_lengths"], r["yarn"], r["schedule"]] for s, r in zip(stages, resolved([[f"--stage={s}"]
-                                                                                               for s in stages]))}
+    rows = resolved([[f"--stage={s}"] for s in stages])
+    got = {s: [r["doc_lengths"], r["yarn"], r["schedule"]] for s, r in zip(stages, rows)}
     yarn = [8.0, 8192]
     assert got == {"1": [False, None, "cosine"], "2": [False, None, "linear"], "3": [True, yarn, "linear"],
                    "sft": [True, yarn, "linear"], "dpo": [False, yarn, "linear"]}, got
