@@ -716,8 +716,9 @@ print(json.dumps(out))
 def test_a_non_finite_held_out_loss_ends_the_run_as_non_finite():
     """train.py's check after each step and evaluation: a NaN / inf loss of any name, the training
     loss or a held-out domain's, ends the run with exit 3 before anything is saved, naming it and
-    the checkpoint to resume from. No other test reaches a held-out NaN before a training one
-    (a diverging run's training loss goes first), so a check of the training loss alone passed."""
+    the checkpoint to resume from. A diverging run's training loss goes non-finite first, so a check
+    of the training loss alone passed (the loop's check of an evaluation: tests/test_train.py
+    test_a_nan_held_out_loss_in_the_run_stops_it_before_its_save)."""
     p = subprocess.run([sys.executable, "-c", FINITE], capture_output=True, text=True, cwd=ROOT, timeout=120,
                        env={**ENV, "PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stderr[-3000:]

