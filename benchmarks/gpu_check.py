@@ -419,6 +419,10 @@ def main(argv):
         sys.exit(0 if all(ok for *_, ok in rows) else ROWS_NOT_OK)
 
     def terminated(signum, frame):
+        # Once: gpu_check.sh's timeout sends SIGTERM to this process, then to its group, and a
+        # second Terminated raised while the first is handled lost the running part's printed
+        # rows (in child_rows' cleanup) or the whole table (in device_description).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated
 
     signal.signal(signal.SIGTERM, terminated)

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -310,3 +311,290 @@ def test_a_part_that_crashed_or_printed_nothing_fails_the_check(rows, status, wa
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     table = [line.split(" | ")[:2] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
     assert [(name[2:], result) for name, result in table] == want, out.stdout
+
+
+# gpu_check's rows read F.emit_rows (guarded) and F.row_timeout (bench, stage3): a stand-in for
+# the parsed flags, so that the row functions can be called directly.
+FLAGS = types.SimpleNamespace(emit_rows=False, row_timeout=130, smoke=False)
+
+
+def test_full_kernel_cases_are_the_documented_four(monkeypatch):
+    """The GPU run's kernel rows (--smoke runs only the last two): causal and window bf16,
+    window + ragged documents bf16, documents fp32; GQA 32/8 heads, seq 4096, hd 128, window 1024."""
+    from benchmarks import gpu_check
+    monkeypatch.setattr(gpu_check, "F", FLAGS)
+    seen = []
+
+    def case(i, name, dtype, window, seg, shape, blocks):
+        seen.append((name, dtype, window, None if seg is None else len(set(seg.tolist())), shape, blocks))
+        return f"kernel {name}", "ok", "", True
+    monkeypatch.setattr(gpu_check, "kernel_case", case)
+    rows = gpu_check.kernel_rows(smoke=False)
+    shape = (32, 8, 4096, 128)
+    assert seen == [("causal", "bfloat16", None, None, shape, {}), ("window", "bfloat16", 1024, None, shape, {}),
+                    ("window+docs", "bfloat16", 1024, 3, shape, {}), ("docs fp32", "float32", None, 3, shape, {})]
+    assert [r[0] for r in rows] == ["kernel causal", "kernel window", "kernel window+docs", "kernel docs fp32"]
+
+
+def test_kernel_oracle_is_float32(monkeypatch):
+    """The oracle runs on float32 copies of the bf16 inputs (a bf16 oracle shares the kernel's
+    rounding and hides errors of its size)."""
+    import jax.numpy as jnp
+
+    from benchmarks import gpu_check
+    from olmo3 import attention
+    monkeypatch.setattr(attention, "attention", _kernel(None))   # built before the oracle is patched
+    real, dtypes = attention.reference_attention, []
+
+    def oracle(q, k, v, **kw):
+        dtypes.append(str(q.dtype))
+        return real(q, k, v, **kw)
+    monkeypatch.setattr(attention, "reference_attention", oracle)
+    T = 256
+    docs = jnp.searchsorted(jnp.array([80, 197]), jnp.arange(T), side="right").astype(jnp.int32)
+    _, result, figures, ok = gpu_check.kernel_case(0, "case", "bfloat16", 64, docs, (4, 2, T, 64), {})
+    assert ok and dtypes and set(dtypes) == {"float32"}, (dtypes, figures)
+
+
+def test_speed_rows_time_the_kernel_against_cudnn_at_the_7bs_shape(monkeypatch):
+    """speed_rows' shapes (32/8 heads, seq 8192, hd 128, window 4096 in the sliding row), and what
+    speed_case times: the splash kernel and the reference, bf16, each with the row's window;
+    against cuDNN the ratio is judged."""
+    import jax
+
+    from benchmarks import gpu_check
+    from olmo3 import attention
+    monkeypatch.setattr(gpu_check, "F", FLAGS)
+    seen, speed_case = [], gpu_check.speed_case
+    monkeypatch.setattr(gpu_check, "speed_case", lambda layer, window, shape, reference: seen.append(
+        (layer, window, shape)) or (f"speed {layer}", "ok", "", True))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    gpu_check.speed_rows(smoke=False)
+    assert seen == [("full", None, (32, 8, 8192, 128)), ("sliding", 4096, (32, 8, 8192, 128))]
+
+    calls = set()
+
+    def fake(q, k, v, *, window, segment_ids, impl, **blocks):
+        calls.add((impl, window, str(q.dtype), segment_ids is None))
+        return attention.reference_attention(q, k, v, window=window, segment_ids=segment_ids)
+    monkeypatch.setattr(attention, "attention", fake)
+    for window in (None, 32):
+        calls.clear()
+        name, result, figures, ok = speed_case("sliding" if window else "full", window, (2, 1, 64, 16),
+                                                         "cudnn")
+        assert calls == {("splash", window, "bfloat16", True), ("cudnn", window, "bfloat16", True)}, calls
+        assert result in ("ok", "SLOW (target < 1x)", "SLOW (target < 1.3x)") and ok, (result, figures)
+        assert "cudnn" in figures and figures.endswith(f"window {window}" if window else "causal"), figures
+
+
+BENCH = {"tokens_per_s": 123456.0, "mfu_nominal": 0.40, "mfu_measured": 0.60, "step_s": 0.531,
+         "mfu_sliding_measured": 0.70, "mfu_sliding_nominal": 0.50, "memory": "device_peak_gb 70.00 GB"}
+
+
+def test_bench_and_stage3_rows_run_the_issues_shapes_and_report_their_figures(monkeypatch):
+    """The GPU run's bench.py arguments (the ~1B flagfile with each attention; stage 3: the 7B's
+    width, two layers sliding + full, seq 65,536, documents of 20,000, float8, splash), the MFU
+    verdict from the nominal peak (not the measured one) and each figure in its place."""
+    from benchmarks import gpu_check
+    from olmo3 import runtime
+    monkeypatch.setattr(gpu_check, "F", FLAGS)
+    monkeypatch.setattr(runtime, "gpu_backend_expected", lambda: True)
+    calls = []
+    monkeypatch.setattr(gpu_check, "run_bench", lambda args, timeout: calls.append((args, timeout)) or dict(BENCH))
+    (splash,), (cudnn,) = gpu_check.bench_rows(False, "splash"), gpu_check.bench_rows(False, "cudnn")
+    (stage3,) = gpu_check.stage3_rows(False)
+    assert [c[0] for c in calls[:2]] == [["--flagfile=benchmarks/bench_gpu_1b.flags", f"--attention={impl}"]
+                                         for impl in ("splash", "cudnn")]
+    assert all(c[1] == 130 for c in calls)
+    args = calls[2][0]
+    for a in ("--model=olmo3_7b_long", "--layer_pattern=sliding,full", "--n_layers=2", "--seq_len=65536",
+              "--doc_len=20000", "--float8", "--attention=splash", "--compute_dtype=bfloat16", "--batch=1"):
+        assert a in args, (a, args)
+    flagfile = open(os.path.join(ROOT, "benchmarks", "bench_gpu_1b.flags")).read().split()
+    assert {"--seq_len=8192", "--compute_dtype=bfloat16", "--d_model=2048", "--n_layers=16"} <= set(flagfile)
+    for row, impl in ((splash, "splash"), (cudnn, "cudnn")):
+        assert row[:2] == (f"bench {impl}", "LOW (target >= 45%)") and row[3] is True, row
+        assert row[2].startswith("123,456 tokens/s, step 0.531 s, MFU 40.0% of nominal, write-up FLOPs "
+                                 "(50.0% sliding-aware as OLMo-core counts; 60.0% of measured matmul)"), row
+        assert row[2].endswith("; device_peak_gb 70.00 GB"), row
+    assert stage3[:2] == ("stage3", "ok") and stage3[2].startswith(
+        "step 0.531 s, 123,456 tokens/s, device_peak_gb 70.00 GB;"), stage3
+
+
+def test_a_row_that_raised_is_a_failed_row():
+    """guarded: an exception in a row becomes that row's FAILED (not ok) result; a BaseException
+    (Terminated, SystemExit) goes through."""
+    from benchmarks import gpu_check
+    rows = []
+    old, gpu_check.F = gpu_check.F, FLAGS
+    try:
+        gpu_check.guarded(rows, "bench splash", lambda: (_ for _ in ()).throw(RuntimeError("bench.py exit 1: OOM")))
+        assert rows == [("bench splash", "FAILED", "RuntimeError: bench.py exit 1: OOM", False)]
+        with pytest.raises(gpu_check.Terminated):
+            gpu_check.guarded(rows, "stage3", lambda: (_ for _ in ()).throw(gpu_check.Terminated()))
+    finally:
+        gpu_check.F = old
+
+
+def test_run_bench_times_out_and_reports_a_failed_exit(monkeypatch, tmp_path):
+    """run_bench stops a bench.py that runs past its timeout (naming its last line), and a bench.py
+    that exits non-zero is an error naming its status, not a parse of its partial output."""
+    from benchmarks import gpu_check
+    (tmp_path / "benchmarks").mkdir()
+    bench = tmp_path / "benchmarks" / "bench.py"
+    monkeypatch.setattr(gpu_check, "ROOT", str(tmp_path))
+    bench.write_text("import time\nprint('compiling the step', flush=True)\ntime.sleep(60)\n")
+    with pytest.raises(TimeoutError, match=r"ran past 2 s; last line: compiling the step"):
+        gpu_check.run_bench([], 2)
+    bench.write_text("import sys\nprint('tokens_per_s=1 mfu_measured=0.5 mfu_nominal=0.5')\nsys.exit(3)\n")
+    with pytest.raises(RuntimeError, match=r"bench\.py exit 3"):
+        gpu_check.run_bench([], 30)
+
+
+def test_mfu_text_puts_each_figure_in_its_place():
+    from benchmarks import gpu_check
+    assert gpu_check.mfu_text(BENCH) == ("MFU 40.0% of nominal, write-up FLOPs (50.0% sliding-aware as OLMo-core "
+                                         "counts; 60.0% of measured matmul)")
+    cpu = dict(BENCH, mfu_nominal=float("nan"), mfu_sliding_nominal=float("nan"))
+    assert gpu_check.mfu_text(cpu) == ("MFU 60.0% of the measured matmul peak, write-up FLOPs (70.0% sliding-aware; "
+                                       "no nominal peak here)")
+
+
+def test_cudnn_rows_compare_cudnn_with_xla_logits(monkeypatch):
+    """On a GPU the cudnn rows build the model with attention=xla and attention=cudnn (same
+    weights) and compare their logits, the second case with documents; a cuDNN 10% off fails."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    import olmo3
+    from benchmarks import gpu_check
+    monkeypatch.setattr(gpu_check, "F", FLAGS)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    seen, off = [], {"cudnn": 1.0}
+
+    class Model(eqx.Module):
+        attention: str = eqx.field(static=True)
+        w: jax.Array
+
+        def __init__(self, cfg, key):
+            self.attention, self.w = cfg.attention, jax.random.normal(key, (8,))
+
+        def __call__(self, tokens, segment_ids=None):
+            seen.append((self.attention, segment_ids is None))
+            return (tokens[:, None] * self.w).astype(jnp.float32) * off.get(self.attention, 1.0)
+    monkeypatch.setattr(olmo3, "OLMo3", Model)
+    rows = gpu_check.cudnn_rows(smoke=True)
+    assert [r[:2] for r in rows] == [("cudnn causal+window", "ok"), ("cudnn window+docs", "ok")], rows
+    assert seen == [("xla", True), ("cudnn", True), ("xla", False), ("cudnn", False)], seen
+    seen.clear()
+    off["cudnn"] = 1.1
+    rows = gpu_check.cudnn_rows(smoke=True)
+    assert [r[1] for r in rows] == ["OVER 0.03", "OVER 0.03"] and not any(r[3] for r in rows), rows
+
+
+# A part's child: prints one row (named after how many children ran before it), then sleeps 20 s
+# (a hung compile); with mode "sigterm" the parent is sent gpu_check.sh's timeout 2 s in.
+HUNG_CHILD_DRIVER = """
+import json, os, signal, subprocess, sys, threading, types
+from absl import app
+import benchmarks.gpu_check as g
+mode, started = sys.argv[1], []
+child = "import sys, time; print(sys.argv[1], flush=True); time.sleep(20)"
+def popen(cmd, **kw):
+    started.append(cmd)
+    row = g.ROW + json.dumps([["kernel a", "speed a"][len(started) - 1], "ok", "out 1e-3", True])
+    proc = subprocess.Popen([sys.executable, "-c", child, row], stdout=kw["stdout"], text=True)
+    if mode == "sigterm":
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    return proc
+g.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+sys.argv = ["gpu_check.py", "--smoke", "--only=kernel,speed", "--row_timeout=" + ("4" if mode == "hang" else "60")]
+app.run(g.main)
+"""
+
+
+@pytest.mark.parametrize("mode,want", [
+    ("hang", [("kernel a", "ok"), ("kernel", "FAILED"), ("speed a", "ok"), ("speed", "FAILED")]),
+    ("sigterm", [("kernel a", "ok"), ("gpu_check", "STOPPED")])])
+def test_a_hung_part_is_stopped_at_row_timeout_and_sigterm_keeps_its_rows(mode, want):
+    """A part's child that hangs after its first row is killed at --row_timeout (its row kept, the
+    next part still runs); SIGTERM while a part's child runs keeps the rows it printed, and the
+    STOPPED row names that part."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", HUNG_CHILD_DRIVER, mode], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    table = [line.split(" | ")[:3] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [(name[2:], result) for name, result, _ in table] == want, out.stdout + out.stderr[-2000:]
+    assert ("ran past 4 s" if mode == "hang" else "during 'kernel'") in table[1][2], table
+
+
+ORDER_DRIVER = """
+import sys
+from absl import app
+import benchmarks.gpu_check as g
+g.child_rows = lambda part, rows: rows.append((part, "ok", "", True))
+g.run_bench = lambda args, timeout: {"tokens_per_s": 1.0, "mfu_nominal": float("nan"), "mfu_measured": 0.5,
+    "step_s": 1.0, "mfu_sliding_measured": 0.6, "mfu_sliding_nominal": float("nan"), "memory": "m"}
+sys.argv = ["gpu_check.py", "--smoke"]
+app.run(g.main)
+"""
+
+
+def test_parts_run_kernel_first_and_speed_last():
+    """The kernel rows are the check's point and run first; the speed rows take the time left over
+    (gpu_check.sh's timeout cuts whatever runs last)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", ORDER_DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    table = [line.split(" | ")[0][2:] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
+    assert table == ["kernel", "cudnn", "stage3", "bench splash", "bench cudnn", "speed"], out.stdout
+
+
+# GNU timeout (gpu_check.sh: `timeout -k 10 455`) sends SIGTERM to gpu_check.py and then to its
+# process group, so its handler may run twice (9 of 30 runs under coreutils 9.1, 20-220 us apart).
+DOUBLE_SIGTERM_DRIVER = """
+import json, os, signal, subprocess, sys, threading, types
+from absl import app
+import benchmarks.gpu_check as g
+from olmo3 import metrics
+where = sys.argv[1]
+child = "import sys, time; print(sys.argv[1], flush=True); time.sleep(8)"
+class Child(subprocess.Popen):
+    def kill(self):   # the group's copy of the SIGTERM arrives while the part's child is stopped
+        if where == "cleanup":
+            os.kill(os.getpid(), signal.SIGTERM)
+        super().kill()
+def popen(cmd, **kw):
+    row = g.ROW + json.dumps(["kernel a", "ok", "out 1e-3", True])
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    return Child([sys.executable, "-c", child, row], stdout=kw["stdout"], text=True)
+g.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": popen})
+describe = metrics.device_description
+def late(*a):   # ... or while the table is being made
+    if where == "table":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return describe(*a)
+metrics.device_description = late
+sys.argv = ["gpu_check.py", "--smoke", "--only=kernel"]
+app.run(g.main)
+"""
+
+
+@pytest.mark.parametrize("where", ["cleanup", "table"])
+def test_a_second_sigterm_keeps_the_rows_and_the_table(where):
+    """The second copy of gpu_check.sh's SIGTERM, arriving while the first is handled (the running
+    part's child being stopped, or the table being made), changes nothing: it lost that part's
+    printed rows, or the whole table (a Terminated traceback from jax.devices())."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", DOUBLE_SIGTERM_DRIVER, where], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    table = [line.split(" | ")[:2] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [(name[2:], result) for name, result in table] == [("kernel a", "ok"), ("gpu_check", "STOPPED")], (
+        out.stdout[-2000:] + out.stderr[-2000:])
+    assert out.returncode == 1
