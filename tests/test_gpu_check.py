@@ -421,19 +421,19 @@ def test_bench_and_stage3_rows_run_the_issues_shapes_and_report_their_figures(mo
         "step 0.531 s, 123,456 tokens/s, device_peak_gb 70.00 GB;"), stage3
 
 
-def test_a_row_that_raised_is_a_failed_row():
+def test_a_row_that_raised_is_a_failed_row(monkeypatch):
     """guarded: an exception in a row becomes that row's FAILED (not ok) result; a BaseException
     (Terminated, SystemExit) goes through."""
     from benchmarks import gpu_check
+    monkeypatch.setattr(gpu_check, "F", FLAGS)
+
+    def raises(e):
+        raise e
     rows = []
-    old, gpu_check.F = gpu_check.F, FLAGS
-    try:
-        gpu_check.guarded(rows, "bench splash", lambda: (_ for _ in ()).throw(RuntimeError("bench.py exit 1: OOM")))
-        assert rows == [("bench splash", "FAILED", "RuntimeError: bench.py exit 1: OOM", False)]
-        with pytest.raises(gpu_check.Terminated):
-            gpu_check.guarded(rows, "stage3", lambda: (_ for _ in ()).throw(gpu_check.Terminated()))
-    finally:
-        gpu_check.F = old
+    gpu_check.guarded(rows, "bench splash", lambda: raises(RuntimeError("bench.py exit 1: OOM")))
+    assert rows == [("bench splash", "FAILED", "RuntimeError: bench.py exit 1: OOM", False)]
+    with pytest.raises(gpu_check.Terminated):
+        gpu_check.guarded(rows, "stage3", lambda: raises(gpu_check.Terminated()))
 
 
 def test_run_bench_times_out_and_reports_a_failed_exit(monkeypatch, tmp_path):
