@@ -441,7 +441,8 @@ def test_torch_reference_step_is_ours():
         def spy_step(self, *a, **kw):
             seen["adamw"] = {k: self.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}
             seen["clipped_first"] = "clip" in seen
-            seen["params_beyond_ours"] = sum(p.numel() for g in self.param_groups for p in g["params"]) - cfg.num_params()
+            theirs = sum(p.numel() for g in self.param_groups for p in g["params"])
+            seen["params_beyond_ours"] = theirs - cfg.num_params()
             return step(self, *a, **kw)
         torch.nn.utils.clip_grad_norm_, torch.optim.AdamW.step = spy_clip, spy_step
         tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 64), dtype=np.int32)
