@@ -76,6 +76,20 @@ def test_gpu_check_smoke_every_row():
         "speed full": "not judged", "speed sliding": "not judged"}
 
 
+def driver(code, *args):
+    """gpu_check.main under one of the drivers below (parts stood in), in a fresh process on the CPU."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def table_of(out) -> list:
+    """gpu_check's printed table as (check, result, figures) rows."""
+    rows = [line.split(" | ") for line in out.stdout.splitlines() if line.startswith("| ")][1:]
+    return [(r[0][2:], r[1], r[2].removesuffix(" |")) for r in rows]
+
+
 # Stands in for bench.py: the first row "runs" until gpu_check.sh's timeout sends SIGTERM, as a
 # long stage-3 or bench row does; every later row would run too if the parent went on.
 SIGTERM_DRIVER = """
@@ -98,15 +112,12 @@ app.run(g.main)
 def test_sigterm_stops_the_run_instead_of_starting_the_next_row():
     # gpu_check.sh's `timeout 455` sends SIGTERM once: a row that turned it into its own failure
     # and went on to the next bench.py would overrun the device's time by up to 2 x row_timeout.
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", SIGTERM_DRIVER], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = driver(SIGTERM_DRIVER)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stderr.count("started bench.py") == 1, out.stderr[-3000:]
-    table = [line for line in out.stdout.splitlines() if line.startswith("| ")]
-    assert [line.split(" | ")[:2] for line in table[1:]] == [["| gpu_check", "STOPPED"]], table
-    assert "during 'stage3'" in table[1], table
+    table = table_of(out)
+    assert [r[:2] for r in table] == [("gpu_check", "STOPPED")], table
+    assert "during 'stage3'" in table[0][2], table
 
 
 def imported_modules(path):
@@ -304,13 +315,9 @@ OK_ROW, OVER_ROW = ["kernel a", "ok", "out 1e-3", True], ["kernel b", "OVER 0.03
 def test_a_part_that_crashed_or_printed_nothing_fails_the_check(rows, status, want):
     """A child that crashed after some rows keeps those rows and adds a FAILED row for the rest;
     one that exits ROWS_NOT_OK has already said which row failed; either way the check exits 1."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", CHILD_DRIVER, json.dumps(rows), str(status)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = driver(CHILD_DRIVER, json.dumps(rows), str(status))
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    table = [line.split(" | ")[:2] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
-    assert [(name[2:], result) for name, result in table] == want, out.stdout
+    assert [r[:2] for r in table_of(out)] == want, out.stdout
 
 
 # gpu_check's rows read F.emit_rows (guarded) and F.row_timeout (bench, stage3): a stand-in for
@@ -521,13 +528,10 @@ def test_a_hung_part_is_stopped_at_row_timeout_and_sigterm_keeps_its_rows(mode, 
     """A part's child that hangs after its first row is killed at --row_timeout (its row kept, the
     next part still runs); SIGTERM while a part's child runs keeps the rows it printed, and the
     STOPPED row names that part."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", HUNG_CHILD_DRIVER, mode], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = driver(HUNG_CHILD_DRIVER, mode)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
-    table = [line.split(" | ")[:3] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
-    assert [(name[2:], result) for name, result, _ in table] == want, out.stdout + out.stderr[-2000:]
+    table = table_of(out)
+    assert [r[:2] for r in table] == want, out.stdout + out.stderr[-2000:]
     assert ("ran past 4 s" if mode == "hang" else "during 'kernel'") in table[1][2], table
 
 
@@ -546,13 +550,10 @@ app.run(g.main)
 def test_parts_run_kernel_first_and_speed_last():
     """The kernel rows are the check's point and run first; the speed rows take the time left over
     (gpu_check.sh's timeout cuts whatever runs last)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", ORDER_DRIVER], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = driver(ORDER_DRIVER)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    table = [line.split(" | ")[0][2:] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
-    assert table == ["kernel", "cudnn", "stage3", "bench splash", "bench cudnn", "speed"], out.stdout
+    assert [r[0] for r in table_of(out)] == ["kernel", "cudnn", "stage3", "bench splash", "bench cudnn", "speed"], (
+        out.stdout)
 
 
 # GNU timeout (gpu_check.sh: `timeout -k 10 455`) sends SIGTERM to gpu_check.py and then to its
@@ -590,11 +591,7 @@ def test_a_second_sigterm_keeps_the_rows_and_the_table(where):
     """The second copy of gpu_check.sh's SIGTERM, arriving while the first is handled (the running
     part's child being stopped, or the table being made), changes nothing: it lost that part's
     printed rows, or the whole table (a Terminated traceback from jax.devices())."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", DOUBLE_SIGTERM_DRIVER, where], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    table = [line.split(" | ")[:2] for line in out.stdout.splitlines() if line.startswith("| ")][1:]
-    assert [(name[2:], result) for name, result in table] == [("kernel a", "ok"), ("gpu_check", "STOPPED")], (
+    out = driver(DOUBLE_SIGTERM_DRIVER, where)
+    assert [r[:2] for r in table_of(out)] == [("kernel a", "ok"), ("gpu_check", "STOPPED")], (
         out.stdout[-2000:] + out.stderr[-2000:])
     assert out.returncode == 1
