@@ -37,6 +37,18 @@ def bench(*extra):
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+def json_from(code, *args, devices=None, timeout=120):
+    """The JSON last line of `code` run as a script with ROOT and `args` as its arguments, in a
+    fresh process on the CPU (with `devices` host devices)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    if devices:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    out = subprocess.run([sys.executable, "-c", code, ROOT, *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def run_bench(*extra):
     out = bench(*extra)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -415,11 +427,7 @@ def test_torch_reference_float8_is_real_on_cuda():
                 pass
         print(json.dumps(seen))
     ''')
-    out = subprocess.run([sys.executable, "-c", code, ROOT, "--model=tiny", *TOY, "--float8"],
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True]
+    assert json_from(code, "--model=tiny", *TOY, "--float8") == [False, True]
 
 
 def test_torch_reference_step_is_ours():
@@ -449,11 +457,7 @@ def test_torch_reference_step_is_ours():
         bench.build_torch(cfg, tokens, "eager", "cpu")()
         print(json.dumps(seen))
     ''')
-    out = subprocess.run([sys.executable, "-c", code, ROOT, "--model=tiny", *TOY],
-                         env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    seen = json_from(code, "--model=tiny", *TOY)
     assert seen == {"clip": 1.0, "clipped_first": True, "params_beyond_ours": 0,
                     "adamw": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}, seen
 
@@ -483,12 +487,8 @@ def test_our_step_gets_the_flags():
         seen["n_devices"] = bench.build_ours(cfg, tokens)[1]
         print(json.dumps(seen))
     ''')
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code, ROOT, "--model=tiny", *TOY, "--batch=4", "--micro_batch=1",
-                          "--loss_chunk=32", "--mesh=data:2", "--doc_len=24"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {
+    assert json_from(code, "--model=tiny", *TOY, "--batch=4", "--micro_batch=1", "--loss_chunk=32", "--mesh=data:2",
+                     "--doc_len=24", devices=2) == {
         "mesh": {"data": 2, "fsdp": 1}, "microbatches": 2, "chunk": 32, "use_segments": True, "n_devices": 2,
         "segment_ids": [0] * 24 + [1] * 24 + [2] * 16}
 
@@ -592,10 +592,7 @@ def test_downstream_cost_shapes_are_oe_tasks_batches():
         oe_tasks.score(score_fn, None, rows, batch_rows=4, pad_id=0)
         print(json.dumps([seen, [list(s) for s in downstream_cost.padded_shapes(rows, 4)]]))
     """)
-    out = subprocess.run([sys.executable, "-c", code, ROOT], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    seen, costed = json.loads(out.stdout.strip().splitlines()[-1])
+    seen, costed = json_from(code)
     assert costed == seen == [[4, 768], [4, 256], [4, 128]]
 
 
@@ -748,16 +745,13 @@ def test_downstream_cost_figures_are_forward_flops_by_hand():
         print(json.dumps([downstream_cost.padded_shapes(rows, 8), [c.d_model, c.n_layers, c.n_heads, c.n_kv_heads,
                                                                    c.head_dim, c.mlp_hidden, c.vocab_size]]))
     """)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-c", code, ROOT], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    shapes, (D, L, H, KV, HD, MLP, V) = json.loads(out.stdout.strip().splitlines()[-1])
+    shapes, (D, L, H, KV, HD, MLP, V) = json_from(code, timeout=300)
     per_layer = 2 * D * H * HD + 2 * D * KV * HD + 2 * H * HD + 3 * D * MLP + 2 * D   # q, o; k, v; qk-norm; MLP; norms
     flops = sum(r * T * (6 * (L * per_layer + D + D * V) + 6 * T * H * HD * L) / 3 for r, T in shapes)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "downstream_cost.py"),
                           "--tasks=copycolors_10way_fast", "--rows=8", "--devices=2", "--mfu=0.5",
-                          "--peak_tflops=0.001"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--peak_tflops=0.001"], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{sum(r * T for r, T in shapes):,} padded tokens, {flops / 1e15:.1f} PFLOP at 7B" in out.stdout
     seconds = float(re.search(r"2 devices at 50% of 0.001 TFLOP/s: +([\d.]+) s", out.stdout).group(1))
