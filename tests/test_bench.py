@@ -750,8 +750,8 @@ def test_downstream_cost_figures_are_forward_flops_by_hand():
     flops = sum(r * T * (6 * (L * per_layer + D + D * V) + 6 * T * H * HD * L) / 3 for r, T in shapes)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "downstream_cost.py"),
                           "--tasks=copycolors_10way_fast", "--rows=8", "--devices=2", "--mfu=0.5",
-                          "--peak_tflops=0.001"], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+                          "--peak_tflops=0.001"], env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{sum(r * T for r, T in shapes):,} padded tokens, {flops / 1e15:.1f} PFLOP at 7B" in out.stdout
     seconds = float(re.search(r"2 devices at 50% of 0.001 TFLOP/s: +([\d.]+) s", out.stdout).group(1))

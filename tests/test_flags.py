@@ -121,13 +121,19 @@ print(json.dumps(out))
 """
 
 
-def resolved(cases: list[list[str]]) -> list[dict]:
-    """What train.py makes of each flag list (over --model=tiny), in one fresh process: the model
-    (model_config), the stage-dependent choices and the directories the run uses."""
-    p = subprocess.run([sys.executable, "-c", _RESOLVED, json.dumps(cases)], capture_output=True, text=True,
+def each_flag_list(script: str, cases: list[list[str]]) -> list:
+    """`script`'s JSON answer for each flag list of `cases`, parsed in turn by train.py's flags in
+    one fresh process (absl flags are global)."""
+    p = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def resolved(cases: list[list[str]]) -> list[dict]:
+    """What train.py makes of each flag list (over --model=tiny): the model (model_config), the
+    stage-dependent choices and the directories the run uses."""
+    return each_flag_list(_RESOLVED, cases)
 
 
 def test_stage_defaults_for_doc_lengths_and_yarn():
@@ -202,10 +208,7 @@ def test_valid_edges_and_flags_that_give_way_pass_the_checks(tmp_path):
                                                       f"--data_dir={tmp_path / 'dd'}"],
         "--noyarn over a flagfile's --yarn_factor": ["--noyarn", "--yarn_factor=4"],
         "b1 = 0": ["--b1=0"], "final_lr_ratio = 1": ["--final_lr_ratio=1"], "no hang timeout": ["--hang_timeout_s=0"]}
-    p = subprocess.run([sys.executable, "-c", _CHECKED, json.dumps([common + v for v in cases.values()])],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    said = dict(zip(cases, json.loads(p.stdout.strip().splitlines()[-1])))
+    said = dict(zip(cases, each_flag_list(_CHECKED, [common + v for v in cases.values()])))
     assert said == dict.fromkeys(cases, "accepted"), said
 
 
